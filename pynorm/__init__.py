@@ -1,0 +1,1 @@
+"""pynorm: framework-free normalization layers with hand-written forward and backward."""

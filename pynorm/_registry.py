@@ -1,0 +1,319 @@
+"""The backend registry: which implementation of an op runs for a given input.
+
+A backend is a :class:`Backend` record: a name, the array type it serves (named
+by module and class, so checking it never imports that library), a priority, the
+import path of its package (imported lazily) and an availability probe. The
+package defines ``OPS``, a mapping from op name to the submodule holding that
+op's ``forward`` and ``backward``; importing the package itself must stay cheap.
+
+Resolution order for one call:
+
+1. the ``backend=`` argument;
+2. the innermost :func:`use_backend` block (a :class:`contextvars.ContextVar`,
+   so threads and asyncio tasks do not see each other's choices);
+3. the ``PYNORM_BACKEND`` environment variable, for inputs of the array type
+   that backend serves (other inputs ignore it);
+4. the available backend of highest priority that serves the input's array
+   type and implements the op.
+
+1 and 2 (and 3, for its array type) are explicit: an unknown, unavailable or
+unsuitable backend raises. 4 silently skips unavailable backends.
+Third-party backends register with :func:`register_backend`, or through the
+entry-point group ``pynorm.backends`` (each entry point loads a
+:class:`Backend` or a zero-argument callable returning one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import importlib.util
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from .errors import ArrayTypeError, BackendUnavailableError, UnknownBackendError, UnknownOpError
+
+__all__ = [
+    "Backend",
+    "BackendInfo",
+    "register_backend",
+    "get_backend",
+    "list_backends",
+    "list_ops",
+    "use_backend",
+    "resolve",
+    "array_family",
+]
+
+ENV_VAR = "PYNORM_BACKEND"
+ENTRY_POINT_GROUP = "pynorm.backends"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend record.
+
+    Parameters
+    ----------
+    name : registry name (``"numpy"``, ``"numba"``, ``"cupy"``...).
+    array_module : top-level module of the array type served (``"numpy"``, ``"cupy"``).
+    array_type : class name of that array type (``"ndarray"``).
+    priority : automatic resolution prefers higher values.
+    module : import path of the backend package (must define ``OPS``).
+    probe : returns None when the backend can run here, else the reason it cannot.
+        Called at most once (the answer is cached).
+    """
+
+    name: str
+    array_module: str
+    array_type: str
+    priority: int
+    module: str
+    probe: Callable[[], str | None] = field(default=lambda: None, compare=False)
+
+    @property
+    def array_type_name(self) -> str:
+        return f"{self.array_module}.{self.array_type}"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What :func:`list_backends` reports about one backend."""
+
+    name: str
+    array_type: str
+    priority: int
+    available: bool
+    reason: str | None
+    ops: tuple[str, ...]
+
+
+_lock = threading.RLock()
+_backends: dict[str, Backend] = {}
+_availability: dict[str, str | None] = {}
+_modules: dict[str, ModuleType] = {}
+_entry_points_loaded = False
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("pynorm_backend", default=None)
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> None:
+    """Add ``backend`` to the registry (``replace=True`` to overwrite a record of that name)."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend expects a pynorm.Backend record, got {type(backend).__name__}")
+    with _lock:
+        if backend.name in _backends and not replace:
+            raise ValueError(f"a backend named {backend.name!r} is already registered (pass replace=True)")
+        _backends[backend.name] = backend
+        _availability.pop(backend.name, None)
+        _modules.pop(backend.name, None)
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    with _lock:
+        if _entry_points_loaded:
+            return
+        _entry_points_loaded = True
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                obj = ep.load()
+                record = obj() if callable(obj) and not isinstance(obj, Backend) else obj
+                if record.name not in _backends:
+                    register_backend(record)
+            except Exception as exc:  # a broken plug-in must not break pynorm
+                import warnings
+
+                warnings.warn(f"pynorm: entry point {ep.name!r} could not be loaded: {exc!r}", stacklevel=2)
+
+
+def _all() -> dict[str, Backend]:
+    _load_entry_points()
+    return _backends
+
+
+def get_backend(name: str) -> Backend:
+    """The record registered as ``name``; :class:`UnknownBackendError` if there is none."""
+    backends = _all()
+    if not isinstance(name, str) or name not in backends:
+        known = ", ".join(sorted(backends))
+        raise UnknownBackendError(f"backend={name!r} is not a registered backend (registered: {known})")
+    return backends[name]
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None if backend ``name`` can run here, else why not (cached after the first probe)."""
+    backend = get_backend(name)
+    with _lock:
+        if name not in _availability:
+            try:
+                reason = backend.probe()
+            except Exception as exc:
+                reason = f"availability probe failed: {exc!r}"
+            _availability[name] = reason
+        return _availability[name]
+
+
+def backend_module(name: str) -> ModuleType:
+    """Import (once) and return the package of backend ``name``."""
+    with _lock:
+        if name not in _modules:
+            _modules[name] = importlib.import_module(get_backend(name).module)
+        return _modules[name]
+
+
+def backend_ops(name: str) -> tuple[str, ...]:
+    """Names of the ops backend ``name`` implements (imports its light package only)."""
+    try:
+        return tuple(backend_module(name).OPS)
+    except ImportError:
+        return ()
+
+
+def op_module(name: str, op: str) -> ModuleType:
+    """The module of backend ``name`` holding ``forward``/``backward`` of ``op``."""
+    pkg = backend_module(name)
+    if op not in pkg.OPS:
+        raise UnknownOpError(f"backend {name!r} does not implement op {op!r} (it has: {', '.join(pkg.OPS)})")
+    return importlib.import_module(f"{pkg.__name__}.{pkg.OPS[op]}")
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every registered backend, highest priority first, with availability and reason."""
+    out = []
+    for b in sorted(_all().values(), key=lambda b: (-b.priority, b.name)):
+        reason = unavailable_reason(b.name)
+        out.append(BackendInfo(b.name, b.array_type_name, b.priority, reason is None, reason, backend_ops(b.name)))
+    return out
+
+
+def list_ops() -> dict[str, list[str]]:
+    """Map every op name to the backends implementing it (available or not), by priority."""
+    ops: dict[str, list[str]] = {}
+    for b in sorted(_all().values(), key=lambda b: (-b.priority, b.name)):
+        for op in backend_ops(b.name):
+            ops.setdefault(op, []).append(b.name)
+    return dict(sorted(ops.items()))
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[Backend]:
+    """Run the enclosed calls on backend ``name`` (unless a call passes ``backend=``).
+
+    Built on :mod:`contextvars`: the choice is local to the current thread or
+    asyncio task. Raises :class:`UnknownBackendError` at once for unknown names and
+    :class:`BackendUnavailableError` when the backend cannot run here.
+    """
+    backend = get_backend(name)
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason}")
+    token = _current.set(name)
+    try:
+        yield backend
+    finally:
+        _current.reset(token)
+
+
+def array_family(a: Any) -> tuple[str, str]:
+    """``(top-level module, class name)`` of an array's type, without importing anything."""
+    t = type(a)
+    return t.__module__.partition(".")[0], t.__name__
+
+
+def _family_of(arrays: tuple[Any, ...], names: tuple[str, ...]) -> tuple[str, str]:
+    family: tuple[str, str] | None = None
+    first = ""
+    for a, n in zip(arrays, names, strict=True):
+        if a is None:
+            continue
+        f = array_family(a)
+        if family is None:
+            family, first = f, n
+        elif f != family:
+            raise ArrayTypeError(
+                f"arrays of different types cannot be mixed: {first} is {family[0]}.{family[1]} "
+                f"but {n} is {f[0]}.{f[1]}"
+            )
+    assert family is not None
+    return family
+
+
+def resolve(op: str, arrays: tuple[Any, ...], names: tuple[str, ...], backend: str | None = None) -> tuple[str, ModuleType]:
+    """Pick the backend for ``op`` on ``arrays``; return ``(name, op module)``."""
+    family = _family_of(arrays, names)
+    explicit = backend if backend is not None else _current.get()
+    if explicit is not None:
+        _check_serves(explicit, family, op, names[0])
+        return explicit, op_module(explicit, op)
+    env = os.environ.get(ENV_VAR) or None
+    if env is not None:
+        b = get_backend(env)
+        if (b.array_module, b.array_type) == family:
+            _check_serves(env, family, op, names[0])
+            return env, op_module(env, op)
+    for b in sorted(_all().values(), key=lambda b: (-b.priority, b.name)):
+        if (b.array_module, b.array_type) != family:
+            continue
+        if unavailable_reason(b.name) is None and op in backend_ops(b.name):
+            return b.name, op_module(b.name, op)
+    raise ArrayTypeError(
+        f"no available backend implements {op!r} for {names[0]} of type {family[0]}.{family[1]}; "
+        f"pass a numpy.ndarray or install a backend for this array type"
+    )
+
+
+def _check_serves(name: str, family: tuple[str, str], op: str, argname: str) -> None:
+    b = get_backend(name)
+    if (b.array_module, b.array_type) != family:
+        raise ArrayTypeError(
+            f"backend {name!r} serves {b.array_type_name}, but {argname} is {family[0]}.{family[1]}"
+        )
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason}")
+    if op not in backend_ops(name):
+        raise UnknownOpError(f"backend {name!r} does not implement op {op!r}")
+
+
+# ---------------------------------------------------------------------------
+# built-in backends
+
+
+def _probe_numba() -> str | None:
+    if importlib.util.find_spec("numba") is None:
+        return "numba is not installed (pip install 'pynorm[numba]')"
+    try:
+        import numba  # noqa: F401
+    except Exception as exc:  # pragma: no cover - broken installs
+        return f"numba failed to import: {exc!r}"
+    return None
+
+
+def _probe_cupy() -> str | None:
+    if "cupy" not in sys.modules and importlib.util.find_spec("cupy") is None:
+        return "cupy is not installed (pip install 'pynorm[cupy]')"
+    try:
+        import cupy
+    except Exception as exc:
+        return f"cupy failed to import: {exc!r}"
+    try:
+        if not cupy.is_available():
+            return "cupy imports but sees no CUDA device (cupy.is_available() is False)"
+    except Exception as exc:
+        return f"cupy.is_available() raised {exc!r}"
+    return None
+
+
+register_backend(Backend("numpy", "numpy", "ndarray", 0, "pynorm.reference"))
+register_backend(Backend("numba", "numpy", "ndarray", 10, "pynorm.backends.numba", _probe_numba))
+register_backend(Backend("cupy", "cupy", "ndarray", 10, "pynorm.backends.cupy", _probe_cupy))

@@ -1,0 +1,148 @@
+r"""LayerNorm, the reference definition (NumPy; also the ``numpy`` backend).
+
+Forward, for each row :math:`x \in \mathbb{R}^H` of the ``(R, H)`` input:
+
+.. math::
+
+    \mu = \frac{1}{H}\sum_i x_i, \qquad
+    v = \frac{1}{H - c}\sum_i (x_i - \mu)^2, \qquad
+    \hat x_i = (x_i - \mu)\, r, \qquad
+    y_i = \hat x_i\,(w_i + o) + b_i
+
+with ``c = correction`` (0: biased variance, the default of PyTorch, ONNX, Apex
+and TransformerEngine; 1: the unbiased ``torch.Tensor.std()`` of the second source
+document), ``o = weight_offset`` (1.0 gives Gemma's / TE's zero-centred
+``(1 + w)``) and
+
+* ``eps_mode="var"`` (default): :math:`r = 1/\sqrt{v + \epsilon}`;
+* ``eps_mode="std"``: :math:`r = 1/(\sqrt{v} + \epsilon)`, as in both source
+  documents' code.
+
+Backward, with :math:`g_i = \partial L/\partial y_i \cdot (w_i + o)` and
+:math:`n = H - c`:
+
+* ``"var"``: :math:`\partial L/\partial x_i = r\,(g_i - \bar g - \hat x_i \sum_j g_j \hat x_j / n)`
+* ``"std"``: :math:`\partial L/\partial x_i = r\,(g_i - \bar g - \hat x_i \sum_j g_j \hat x_j / (n\,s\,r))`
+  with :math:`s = \sqrt v`; at :math:`s = 0` the last term is taken as 0 (its
+  limit along any direction, since :math:`\hat x = 0` there).
+* :math:`\partial L/\partial w_i = \sum_{rows} \partial L/\partial y_i\, \hat x_i`,
+  :math:`\partial L/\partial b_i = \sum_{rows} \partial L/\partial y_i`.
+
+Numerics: all arithmetic in the working precision of :mod:`._common`; the
+mean by the corrected two-pass method, the variance from the centred values
+(never :math:`E[x^2] - E[x]^2`); each output rounded once. ``ctx`` keeps ``x``,
+the parameters and the per-row ``mean`` and ``rstd`` (``r``) in working
+precision, never the normalized activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._common import round_to, row_mean, working_dtype, write_result
+
+__all__ = ["LayerNormCtx", "LayerNormGrads", "forward", "backward"]
+
+
+@dataclass(frozen=True, eq=False)
+class LayerNormCtx:
+    """What :func:`backward` needs. Every backend fills the same fields.
+
+    Attributes
+    ----------
+    x : (R, H) array, the input as given to forward (not copied).
+    weight, bias : (H,) arrays or None.
+    mean, rstd : (R,) arrays, per-row mean and ``r`` (see module doc); float32 or
+        wider (the reference keeps its working precision).
+    eps, correction, eps_mode, weight_offset : the conventions used.
+    """
+
+    x: Any
+    weight: Any
+    bias: Any
+    mean: Any
+    rstd: Any
+    eps: float
+    correction: int
+    eps_mode: str
+    weight_offset: float
+
+
+class LayerNormGrads(NamedTuple):
+    """Gradients of LayerNorm; ``dweight``/``dbias`` are None when there was no weight/bias."""
+
+    dx: Any
+    dweight: Any
+    dbias: Any
+
+
+def _effective_weight(weight: np.ndarray | None, offset: float, wp: np.dtype[Any]) -> np.ndarray | None:
+    if weight is None:
+        return None
+    return weight.astype(wp) + wp.type(offset)
+
+
+def forward(
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    *,
+    eps: float,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, LayerNormCtx]:
+    """LayerNorm forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)``.
+
+    ``weight``/``bias`` are ``(H,)`` arrays or None; ``y`` has ``x``'s dtype and is
+    written into ``out`` (a C-contiguous ``(R, H)`` array of that dtype) if given.
+    """
+    wp = working_dtype(x.dtype, getattr(weight, "dtype", None), getattr(bias, "dtype", None))
+    h = x.shape[1]
+    xw = x.astype(wp)
+    mean = row_mean(xw)
+    d = xw - mean[:, None]
+    var = np.sum(d * d, axis=1) / wp.type(h - correction)
+    e = wp.type(eps)
+    if eps_mode == "var":
+        rstd = 1 / np.sqrt(var + e)
+    else:
+        rstd = 1 / (np.sqrt(var) + e)
+    y = d * rstd[:, None]
+    w = _effective_weight(weight, weight_offset, wp)
+    if w is not None:
+        y = y * w
+    if bias is not None:
+        y = y + bias.astype(wp)
+    ctx = LayerNormCtx(x, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset))
+    return write_result(y, x.dtype, out), ctx
+
+
+def backward(dy: np.ndarray, ctx: LayerNormCtx, *, dx_out: np.ndarray | None = None) -> LayerNormGrads:
+    """LayerNorm backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
+    x, weight, bias = ctx.x, ctx.weight, ctx.bias
+    wp = np.result_type(ctx.mean.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
+    h = x.shape[1]
+    n = wp.type(h - ctx.correction)
+    d = x.astype(wp) - ctx.mean.astype(wp)[:, None]
+    rstd = ctx.rstd.astype(wp)
+    xhat = d * rstd[:, None]
+    dyw = dy.astype(wp)
+    w = _effective_weight(weight, ctx.weight_offset, wp)
+    g = dyw * w if w is not None else dyw
+    gbar = np.sum(g, axis=1) / wp.type(h)
+    gx = np.sum(g * xhat, axis=1)
+    if ctx.eps_mode == "var":
+        coef = gx / n
+    else:
+        s = np.sqrt(np.sum(d * d, axis=1) / n)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            coef = np.where(s > 0, gx / (n * s * rstd), wp.type(0))
+    dx = rstd[:, None] * (g - gbar[:, None] - xhat * coef[:, None])
+    dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None
+    return LayerNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)

@@ -1,0 +1,97 @@
+r"""RMSNorm, the reference definition (NumPy; also the ``numpy`` backend).
+
+Forward, for each row :math:`x \in \mathbb{R}^H` of the ``(R, H)`` input:
+
+.. math::
+
+    r = \Big(\frac{1}{H}\sum_i x_i^2 + \epsilon\Big)^{-1/2}, \qquad
+    \hat x_i = x_i\, r, \qquad y_i = \hat x_i\,(w_i + o)
+
+with ``o = weight_offset`` (1.0 gives Gemma's ``(1 + w)``, computed in the
+working precision). eps sits inside the root, as in every implementation in
+``conventions.md``.
+
+Backward, with :math:`g_i = \partial L/\partial y_i \cdot (w_i + o)`:
+
+.. math::
+
+    \frac{\partial L}{\partial x_i} = r\Big(g_i - \hat x_i\,\frac{1}{H}\sum_j g_j \hat x_j\Big),
+    \qquad \frac{\partial L}{\partial w_i} = \sum_{rows} \frac{\partial L}{\partial y_i}\,\hat x_i .
+
+Numerics: working precision of :mod:`._common`, one rounding per output;
+``ctx`` keeps ``x``, ``weight`` and the per-row ``rstd``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._common import round_to, working_dtype, write_result
+from .layer_norm import _effective_weight
+
+__all__ = ["RMSNormCtx", "RMSNormGrads", "forward", "backward"]
+
+
+@dataclass(frozen=True, eq=False)
+class RMSNormCtx:
+    """What :func:`backward` needs. Every backend fills the same fields.
+
+    Attributes
+    ----------
+    x : (R, H) array, the input as given to forward (not copied).
+    weight : (H,) array or None.
+    rstd : (R,) array, per-row ``r``; float32 or wider.
+    eps, weight_offset : the conventions used.
+    """
+
+    x: Any
+    weight: Any
+    rstd: Any
+    eps: float
+    weight_offset: float
+
+
+class RMSNormGrads(NamedTuple):
+    """Gradients of RMSNorm; ``dweight`` is None when there was no weight."""
+
+    dx: Any
+    dweight: Any
+
+
+def forward(
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    *,
+    eps: float,
+    weight_offset: float = 0.0,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, RMSNormCtx]:
+    """RMSNorm forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)``."""
+    wp = working_dtype(x.dtype, getattr(weight, "dtype", None))
+    xw = x.astype(wp)
+    ms = np.sum(xw * xw, axis=1) / wp.type(x.shape[1])
+    rstd = 1 / np.sqrt(ms + wp.type(eps))
+    y = xw * rstd[:, None]
+    w = _effective_weight(weight, weight_offset, wp)
+    if w is not None:
+        y = y * w
+    ctx = RMSNormCtx(x, weight, rstd, float(eps), float(weight_offset))
+    return write_result(y, x.dtype, out), ctx
+
+
+def backward(dy: np.ndarray, ctx: RMSNormCtx, *, dx_out: np.ndarray | None = None) -> RMSNormGrads:
+    """RMSNorm backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
+    x, weight = ctx.x, ctx.weight
+    wp = np.result_type(ctx.rstd.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
+    rstd = ctx.rstd.astype(wp)
+    xhat = x.astype(wp) * rstd[:, None]
+    dyw = dy.astype(wp)
+    w = _effective_weight(weight, ctx.weight_offset, wp)
+    g = dyw * w if w is not None else dyw
+    c = np.sum(g * xhat, axis=1) / wp.type(x.shape[1])
+    dx = rstd[:, None] * (g - xhat * c[:, None])
+    dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    return RMSNormGrads(write_result(dx, x.dtype, dx_out), dweight)

@@ -1,1 +1,90 @@
-"""pynorm: framework-free normalization layers with hand-written forward and backward."""
+"""pynorm: framework-free normalization layers with hand-written forward and backward.
+
+Functional ops (``op``, ``op_forward``, ``op_backward``) for NumPy and CuPy
+arrays, stateful layers in :mod:`pynorm.layers`, a backend registry
+(``numpy`` reference, ``numba`` CPU, ``cupy`` GPU) and gradient-checking tools
+in :mod:`pynorm.testing`. See ``docs/`` for the formulas and conventions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._registry import Backend, BackendInfo, list_backends, list_ops, register_backend, use_backend
+from .errors import (
+    ArgumentError,
+    ArrayTypeError,
+    BackendUnavailableError,
+    ContextError,
+    DTypeError,
+    PynormError,
+    ShapeError,
+    UnknownBackendError,
+    UnknownOpError,
+)
+from .functional import (
+    Context,
+    LayerNormGrads,
+    RMSNormGrads,
+    layer_norm,
+    layer_norm_backward,
+    layer_norm_forward,
+    rms_norm,
+    rms_norm_backward,
+    rms_norm_forward,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "Backend",
+    "BackendInfo",
+    "Context",
+    "LayerNormGrads",
+    "RMSNormGrads",
+    "layer_norm",
+    "layer_norm_forward",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_forward",
+    "rms_norm_backward",
+    "list_backends",
+    "list_ops",
+    "register_backend",
+    "use_backend",
+    "set_num_threads",
+    "get_num_threads",
+    "ArgumentError",
+    "ArrayTypeError",
+    "BackendUnavailableError",
+    "ContextError",
+    "DTypeError",
+    "PynormError",
+    "ShapeError",
+    "UnknownBackendError",
+    "UnknownOpError",
+]
+
+
+def set_num_threads(n: int) -> None:
+    """Set the number of threads the ``numba`` backend uses (imports numba on first use)."""
+    from .backends.numba import _threads
+
+    _threads.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """The number of threads the ``numba`` backend uses."""
+    from .backends.numba import _threads
+
+    return int(_threads.get_num_threads())
+
+
+def __getattr__(name: str) -> Any:
+    # lazy submodules: keep ``import pynorm`` cheap
+    if name in ("layers", "testing"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'pynorm' has no attribute {name!r}")

@@ -175,7 +175,7 @@ def backend_ops(name: str) -> tuple[str, ...]:
     """Names of the ops backend ``name`` implements (imports its light package only)."""
     try:
         return tuple(backend_module(name).OPS)
-    except ImportError:
+    except (ImportError, AttributeError):
         return ()
 
 

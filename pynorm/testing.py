@@ -1,0 +1,230 @@
+"""Tools to check gradients and compare results in ulps, for pynorm's tests and yours.
+
+* :func:`check_grads` checks a hand-written backward against central finite
+  differences in float64: vector-Jacobian products along random directions,
+  plus the full Jacobian for small inputs. It takes any ``forward(*inputs) ->
+  (y, ctx)`` / ``backward(dy, ctx) -> grads`` pair, pynorm's or your own.
+* :func:`ulp`, :func:`ulp_error` and :func:`assert_ulp_close` measure errors in
+  units in the last place of a dtype, optionally at the magnitude of the terms a
+  result was computed from (``scale=``): the fair measure for results that are
+  small differences of larger terms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "GradCheckReport",
+    "check_grads",
+    "ulp",
+    "ulp_error",
+    "max_ulp_error",
+    "assert_ulp_close",
+    "finfo",
+]
+
+
+def finfo(dtype: Any) -> Any:
+    """``numpy.finfo`` that also knows ``ml_dtypes.bfloat16``."""
+    dt = np.dtype(dtype)
+    if dt.name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dt)
+    return np.finfo(dt)
+
+
+def ulp(value: Any, dtype: Any) -> np.ndarray:
+    """Spacing of ``dtype``'s numbers at ``|value|`` (float64 array; subnormal spacing near 0)."""
+    fi = finfo(dtype)
+    a = np.abs(np.asarray(value, dtype=np.float64))
+    tiny = float(fi.smallest_normal)
+    with np.errstate(divide="ignore"):
+        e = np.floor(np.log2(np.maximum(a, tiny)))
+    return np.asarray(np.ldexp(1.0, (e - fi.nmant).astype(np.int64)), dtype=np.float64)
+
+
+def ulp_error(actual: Any, expected: Any, dtype: Any = None, *, scale: Any = None) -> np.ndarray:
+    """``|actual - expected|`` in ulps of ``dtype`` at ``max(|expected|, |scale|)``.
+
+    ``dtype`` defaults to ``actual``'s dtype. ``scale`` (broadcastable) is the
+    magnitude of the terms the result was computed from, e.g. ``sum(|terms|)`` of
+    a reduction; without it the error is measured at the result itself. Both
+    infinite or both NaN with the same sign count as 0 ulps; otherwise a
+    non-finite mismatch is ``inf``.
+    """
+    actual = np.asarray(actual)
+    dtype = actual.dtype if dtype is None else dtype
+    a = actual.astype(np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    mag = np.abs(e) if scale is None else np.maximum(np.abs(e), np.abs(np.asarray(scale, dtype=np.float64)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(a - e) / ulp(mag, dtype)
+    same = (a == e) | (np.isnan(a) & np.isnan(e))
+    err = np.where(same, 0.0, err)
+    return np.where(np.isnan(err), np.inf, err)
+
+
+def max_ulp_error(actual: Any, expected: Any, dtype: Any = None, *, scale: Any = None) -> float:
+    """Largest :func:`ulp_error` (0.0 for empty arrays)."""
+    err = ulp_error(actual, expected, dtype, scale=scale)
+    return float(err.max()) if err.size else 0.0
+
+
+def assert_ulp_close(
+    actual: Any, expected: Any, max_ulps: float, dtype: Any = None, *, scale: Any = None, err_msg: str = ""
+) -> None:
+    """Raise AssertionError unless every element is within ``max_ulps`` (see :func:`ulp_error`)."""
+    err = ulp_error(actual, expected, dtype, scale=scale)
+    if err.size and not float(err.max()) <= max_ulps:
+        i = np.unravel_index(int(np.argmax(err)), err.shape)
+        a = np.asarray(actual).astype(np.float64)[i]
+        e = np.asarray(expected, dtype=np.float64)
+        e = e[i] if e.ndim else e
+        raise AssertionError(
+            f"{err_msg + ': ' if err_msg else ''}max error {float(err.max()):.3g} ulps > {max_ulps} "
+            f"at index {tuple(int(j) for j in i)} (actual {a!r}, expected {float(e)!r}); "
+            f"{int((err > max_ulps).sum())} of {err.size} elements out of bounds"
+        )
+
+
+@dataclass
+class GradCheckReport:
+    """Result of :func:`check_grads`.
+
+    Attributes
+    ----------
+    directional_errors : relative error of each random-direction check:
+        ``|<v, J u> - <J^T v, u>| / sum(|J^T v| |u|)``.
+    jacobian_error : for small inputs, ``max|J_fd - J_analytic| / max|J_analytic|``
+        over all inputs (None when not computed).
+    rtol : the tolerance both were compared with.
+    worst_input : name of the input with the largest directional contribution error.
+    """
+
+    directional_errors: list[float] = field(default_factory=list)
+    jacobian_error: float | None = None
+    rtol: float = 1e-6
+    details: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def max_directional_error(self) -> float:
+        return max(self.directional_errors, default=0.0)
+
+    @property
+    def passed(self) -> bool:
+        ok = all(e <= self.rtol for e in self.directional_errors)
+        return ok and (self.jacobian_error is None or self.jacobian_error <= self.rtol)
+
+    def __str__(self) -> str:
+        jac = "not computed" if self.jacobian_error is None else f"{self.jacobian_error:.2e}"
+        det = ", ".join(f"{k} {v:.2e}" for k, v in self.details.items())
+        return (
+            f"GradCheckReport({'PASSED' if self.passed else 'FAILED'}: max directional error "
+            f"{self.max_directional_error:.2e}, full-Jacobian error {jac}, rtol {self.rtol:.0e}; {det})"
+        )
+
+
+def _diff(f: Callable[[float], np.ndarray], h: float) -> np.ndarray:
+    # central difference with one Richardson step: error O(h^4)
+    d1 = (f(h) - f(-h)) / (2 * h)
+    d2 = (f(h / 2) - f(-h / 2)) / h
+    return (4 * d2 - d1) / 3
+
+
+def check_grads(
+    forward: Callable[..., Any],
+    backward: Callable[[Any, Any], Sequence[Any]],
+    inputs: Sequence[Any],
+    *,
+    names: Sequence[str] | None = None,
+    n_directions: int = 6,
+    step: float = 1e-3,
+    rtol: float = 1e-6,
+    full_jacobian: bool | None = None,
+    max_jacobian_size: int = 256,
+    seed: int = 0,
+    raise_on_failure: bool = False,
+) -> GradCheckReport:
+    """Check ``backward`` against central finite differences of ``forward`` in float64.
+
+    Parameters
+    ----------
+    forward : ``forward(*inputs) -> (y, ctx)`` (or just ``y`` if ``backward`` ignores ctx).
+    backward : ``backward(dy, ctx) -> grads``, one gradient per input in order
+        (extra leading/trailing entries are not allowed; None for an input that
+        is None or not differentiated).
+    inputs : the point to check at; arrays are converted to float64 copies, None kept.
+    names : labels for the report (default ``x0, x1, ...``).
+    n_directions : random (u, v) pairs for the vector-Jacobian check
+        ``<v, J u>`` (finite differences) vs ``<J^T v, u>`` (backward).
+    step : finite-difference step along ``u``; ``u`` is scaled per input to the
+        input's RMS (at least 1e-3), so ``step`` is relative.
+    rtol : tolerance of both checks (relative to the magnitude of the terms).
+    full_jacobian : also compare whole Jacobians (default: when the inputs and
+        output together have at most ``max_jacobian_size`` elements).
+    seed : seed of the random directions.
+    raise_on_failure : raise AssertionError with the report if the check fails.
+    """
+    xs = [None if a is None else np.array(a, dtype=np.float64) for a in inputs]
+    labels = list(names) if names is not None else [f"x{i}" for i in range(len(xs))]
+    rng = np.random.default_rng(seed)
+
+    def run(args: list[Any]) -> tuple[np.ndarray, Any]:
+        res = forward(*args)
+        y, ctx = res if isinstance(res, tuple) else (res, None)
+        return np.asarray(y, dtype=np.float64), ctx
+
+    y0, ctx0 = run(xs)
+    active = [i for i, a in enumerate(xs) if a is not None]
+
+    def grads_of(v: np.ndarray) -> list[np.ndarray | None]:
+        g = list(backward(v.astype(y0.dtype), ctx0))
+        if len(g) != len(xs):
+            raise ValueError(f"backward returned {len(g)} gradients for {len(xs)} inputs")
+        return [None if gi is None else np.asarray(gi, dtype=np.float64) for gi in g]
+
+    def shifted(dirs: dict[int, np.ndarray]) -> Callable[[float], np.ndarray]:
+        def f(t: float) -> np.ndarray:
+            args = [a if i not in dirs else a + t * dirs[i] for i, a in enumerate(xs)]
+            return run(args)[0]
+
+        return f
+
+    report = GradCheckReport(rtol=rtol)
+    scales = {i: max(1e-3, float(np.sqrt(np.mean(xs[i] ** 2))) if xs[i].size else 1.0) for i in active}
+    for _ in range(n_directions):
+        v = rng.standard_normal(y0.shape)
+        g = grads_of(v)
+        us = {i: rng.standard_normal(xs[i].shape) * scales[i] for i in active if g[i] is not None}
+        numeric = float(np.sum(v * _diff(shifted(us), step)))
+        terms = [g[i] * us[i] for i in us]
+        analytic = float(sum(np.sum(t) for t in terms))
+        mag = float(sum(np.sum(np.abs(t)) for t in terms)) + 1e-300
+        report.directional_errors.append(abs(numeric - analytic) / mag)
+
+    n_total = sum(xs[i].size for i in active) + y0.size
+    if full_jacobian or (full_jacobian is None and n_total <= max_jacobian_size):
+        rows = [grads_of(e.reshape(y0.shape)) for e in np.eye(y0.size)]
+        worst = 0.0
+        for i in active:
+            if rows and rows[0][i] is None:
+                continue
+            ja = np.stack([r[i].ravel() for r in rows]) if rows else np.zeros((0, xs[i].size))
+            jn = np.empty_like(ja)
+            for j in range(xs[i].size):
+                e = np.zeros(xs[i].size)
+                e[j] = scales[i]
+                jn[:, j] = _diff(shifted({i: e.reshape(xs[i].shape)}), step).ravel() / scales[i]
+            err = float(np.max(np.abs(jn - ja))) / (float(np.max(np.abs(ja))) + 1e-300) if ja.size else 0.0
+            report.details[f"jacobian[{labels[i]}]"] = err
+            worst = max(worst, err)
+        report.jacobian_error = worst
+    if raise_on_failure and not report.passed:
+        raise AssertionError(str(report))
+    return report

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._common import round_to, row_mean, working_dtype, write_result
+from ._common import _ieee, center, round_to, row_mean, working_dtype, write_result
 
 __all__ = ["LayerNormCtx", "LayerNormGrads", "forward", "backward"]
 
@@ -85,6 +85,7 @@ def _effective_weight(weight: np.ndarray | None, offset: float, wp: np.dtype[Any
     return weight.astype(wp) + wp.type(offset)
 
 
+@_ieee
 def forward(
     x: np.ndarray,
     weight: np.ndarray | None,
@@ -105,7 +106,7 @@ def forward(
     h = x.shape[1]
     xw = x.astype(wp)
     mean = row_mean(xw)
-    d = xw - mean[:, None]
+    d = center(xw, mean)
     var = np.sum(d * d, axis=1) / wp.type(h - correction)
     e = wp.type(eps)
     if eps_mode == "var":
@@ -122,13 +123,14 @@ def forward(
     return write_result(y, x.dtype, out), ctx
 
 
+@_ieee
 def backward(dy: np.ndarray, ctx: LayerNormCtx, *, dx_out: np.ndarray | None = None) -> LayerNormGrads:
     """LayerNorm backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
     x, weight, bias = ctx.x, ctx.weight, ctx.bias
     wp = np.result_type(ctx.mean.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
     h = x.shape[1]
     n = wp.type(h - ctx.correction)
-    d = x.astype(wp) - ctx.mean.astype(wp)[:, None]
+    d = center(x.astype(wp), ctx.mean.astype(wp))
     rstd = ctx.rstd.astype(wp)
     xhat = d * rstd[:, None]
     dyw = dy.astype(wp)

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._common import round_to, working_dtype, write_result
+from ._common import _ieee, round_to, working_dtype, write_result
 from .layer_norm import _effective_weight
 
 __all__ = ["RMSNormCtx", "RMSNormGrads", "forward", "backward"]
@@ -61,6 +61,7 @@ class RMSNormGrads(NamedTuple):
     dweight: Any
 
 
+@_ieee
 def forward(
     x: np.ndarray,
     weight: np.ndarray | None,
@@ -82,6 +83,7 @@ def forward(
     return write_result(y, x.dtype, out), ctx
 
 
+@_ieee
 def backward(dy: np.ndarray, ctx: RMSNormCtx, *, dx_out: np.ndarray | None = None) -> RMSNormGrads:
     """RMSNorm backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
     x, weight = ctx.x, ctx.weight

@@ -1,0 +1,104 @@
+"""Shared fixtures: the ``backend`` fixture runs a test on every available backend.
+
+``PYNORM_TEST_BACKENDS`` (comma-separated names) narrows the set; a named backend
+that is unavailable here is reported as a skip with the registry's reason, never
+silently dropped. The ``numpy`` reference backend is always the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+import pynorm
+from pynorm import _registry
+
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@dataclass(frozen=True)
+class BackendUnderTest:
+    """A backend plus the conversions a test needs to feed it NumPy data."""
+
+    name: str
+    asarray: Callable[[Any], Any]
+    to_numpy: Callable[[Any], np.ndarray]
+    xp: Any
+
+    def forward(self, fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
+        """Wrap ``op_forward`` to take and return NumPy arrays (for :func:`pynorm.testing.check_grads`)."""
+
+        def f(*args: Any) -> Any:
+            y, ctx = fn(*[None if a is None else self.asarray(a) for a in args], backend=self.name, **kw)
+            return self.to_numpy(y), ctx
+
+        return f
+
+    def backward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def b(dy: Any, ctx: Any) -> list[Any]:
+            return [None if g is None else self.to_numpy(g) for g in fn(self.asarray(dy), ctx)]
+
+        return b
+
+
+def _make(name: str) -> BackendUnderTest:
+    b = _registry.get_backend(name)
+    if b.array_module == "numpy":
+        return BackendUnderTest(name, lambda a: np.asarray(a), lambda a: np.asarray(a), np)
+    if b.array_module == "cupy":
+        import cupy
+
+        return BackendUnderTest(name, cupy.asarray, cupy.asnumpy, cupy)
+    raise RuntimeError(f"no test adapter for backend {name!r} serving {b.array_type_name}")
+
+
+def _selected() -> list[str]:
+    env = os.environ.get("PYNORM_TEST_BACKENDS")
+    if env:
+        return [n.strip() for n in env.split(",") if n.strip()]
+    return [b.name for b in pynorm.list_backends()]
+
+
+def _params() -> list[Any]:
+    out = []
+    for name in _selected():
+        reason = _registry.unavailable_reason(name)
+        marks = [pytest.mark.skip(reason=f"backend {name!r} unavailable: {reason}")] if reason else []
+        out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+@pytest.fixture(params=_params())
+def backend(request: pytest.FixtureRequest) -> BackendUnderTest:
+    """Each selected backend in turn (skipped, with the reason, where unavailable)."""
+    return _make(request.param)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"pynorm backends under test: {', '.join(_selected())}"]
+    for info in pynorm.list_backends():
+        state = "available" if info.available else f"unavailable ({info.reason})"
+        lines.append(f"  {info.name:6s} {info.array_type:14s} priority {info.priority:3d} {state}")
+    lines.append(f"python {sys.version.split()[0]}, numpy {np.__version__}")
+    return lines

@@ -1,0 +1,89 @@
+"""Stateful layers: initialisation, gradient accumulation, reuse, (de)serialisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pynorm
+from pynorm.errors import ArgumentError, DTypeError, ShapeError
+from pynorm.layers import LayerNorm, RMSNorm
+
+
+def test_initialisation():
+    ln = LayerNorm((2, 3))
+    assert np.all(ln.params["weight"] == 1) and np.all(ln.params["bias"] == 0)
+    assert ln.params["weight"].dtype == np.float32 and ln.params["weight"].shape == (2, 3)
+    assert set(LayerNorm(4, bias=False).params) == {"weight"}
+    assert LayerNorm(4, elementwise_affine=False).params == {}
+    assert np.all(LayerNorm(4, weight_offset=1.0).params["weight"] == 0)
+    assert np.all(RMSNorm(4).params["weight"] == 1) and np.all(RMSNorm(4, weight_offset=1.0).params["weight"] == 0)
+    assert "eps_mode='std'" in repr(LayerNorm(4, eps_mode="std"))
+
+
+def test_bad_construction():
+    with pytest.raises(ArgumentError, match="normalized_shape"):
+        LayerNorm(0)
+    with pytest.raises(ArgumentError, match="eps"):
+        RMSNorm(4, eps=-1)
+    with pytest.raises(DTypeError, match="dtype"):
+        LayerNorm(4, dtype=np.int32)
+    with pytest.raises(ArgumentError, match="eps_mode"):
+        LayerNorm(4, eps_mode="x")
+
+
+def test_layer_matches_functional_and_accumulates(backend):
+    rng = np.random.default_rng(0)
+    ln = LayerNorm(6, dtype=np.float64, backend=backend.name, xp=backend.xp)
+    ln.params["weight"] = backend.asarray(rng.standard_normal(6))
+    x1, x2 = rng.standard_normal((3, 6)), rng.standard_normal((2, 6))
+    dy1, dy2 = rng.standard_normal((3, 6)), rng.standard_normal((2, 6))
+    # reuse the same layer twice in one graph: each ctx is independent
+    y1, c1 = ln.forward(backend.asarray(x1))
+    y2, c2 = ln.forward(backend.asarray(x2))
+    dx2 = ln.backward(backend.asarray(dy2), c2)
+    dx1 = ln.backward(backend.asarray(dy1), c1)
+    w = backend.to_numpy(ln.params["weight"])
+    r1 = pynorm.layer_norm_backward(dy1, pynorm.layer_norm_forward(x1, w, np.zeros(6), backend="numpy")[1])
+    r2 = pynorm.layer_norm_backward(dy2, pynorm.layer_norm_forward(x2, w, np.zeros(6), backend="numpy")[1])
+    np.testing.assert_allclose(backend.to_numpy(dx1), r1.dx, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(backend.to_numpy(dx2), r2.dx, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(backend.to_numpy(ln.grads["weight"]), r1.dweight + r2.dweight, rtol=1e-10)
+    np.testing.assert_allclose(backend.to_numpy(ln.grads["bias"]), r1.dbias + r2.dbias, rtol=1e-10)
+    ln.zero_grad()
+    assert np.all(backend.to_numpy(ln.grads["weight"]) == 0)
+
+
+def test_rms_layer(backend):
+    rng = np.random.default_rng(1)
+    layer = RMSNorm((2, 4), dtype=np.float64, backend=backend.name, xp=backend.xp)
+    x = rng.standard_normal((5, 2, 4))
+    y, ctx = layer(backend.asarray(x))
+    np.testing.assert_allclose(
+        backend.to_numpy(y), pynorm.rms_norm(x, np.ones((2, 4)), axis=1, backend="numpy"), rtol=1e-12
+    )
+    dx = layer.backward(backend.asarray(np.ones_like(x)), ctx)
+    assert dx.shape == x.shape and layer.grads["weight"].shape == (2, 4)
+    with pytest.raises(ShapeError, match="trailing dims"):
+        layer.forward(backend.asarray(np.ones((5, 4, 2))))
+
+
+def test_state_dict_roundtrip_and_save_load(tmp_path):
+    import ml_dtypes
+
+    for dt in (np.float32, ml_dtypes.bfloat16):
+        ln = LayerNorm(5, dtype=dt)
+        ln.params["weight"] = np.arange(5).astype(dt)
+        sd = ln.state_dict()
+        sd["weight"][0] = 42  # a copy: the layer is unchanged
+        assert ln.params["weight"][0] == 0
+        path = tmp_path / "ln.npz"
+        ln.save(path)
+        other = LayerNorm(5, dtype=dt)
+        other.load(path)
+        np.testing.assert_array_equal(other.params["weight"], ln.params["weight"])
+        assert other.params["weight"].dtype == np.dtype(dt)
+    with pytest.raises(ArgumentError, match="missing"):
+        LayerNorm(5).load_state_dict({"weight": np.ones(5)})
+    with pytest.raises(ShapeError, match="state"):
+        LayerNorm(5).load_state_dict({"weight": np.ones(4), "bias": np.ones(5)})

@@ -1,0 +1,89 @@
+"""pynorm.testing: the gradient checker catches broken gradients; ulp measures are right."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pynorm
+from pynorm.reference import layer_norm as ref_ln
+from pynorm.testing import assert_ulp_close, check_grads, max_ulp_error, ulp, ulp_error
+
+
+def _broken_ln_backward(which):
+    def backward(dy, ctx):
+        g = pynorm.layer_norm_backward(dy, ctx)
+        inner = ctx.inner
+        x = np.asarray(inner.x, dtype=np.float64)
+        xhat = (x - inner.mean[:, None].astype(np.float64)) * inner.rstd[:, None].astype(np.float64)
+        dyw = dy.reshape(x.shape) * inner.weight
+        if which == "drop_variance_term":  # forget d(rstd)/dx
+            c = (dyw * xhat).sum(1, keepdims=True) / x.shape[1]
+            dx = g.dx + (inner.rstd[:, None] * xhat * c).reshape(dy.shape).astype(np.float64)
+            return dx, g.dweight, g.dbias
+        if which == "drop_mean_term":  # forget d(mean)/dx
+            dx = g.dx + (inner.rstd[:, None] * dyw.mean(1, keepdims=True)).astype(np.float64)
+            return dx, g.dweight, g.dbias
+        if which == "dweight_off_by_factor":
+            return g.dx, g.dweight * (1 + 1e-4), g.dbias
+        raise KeyError(which)
+
+    return backward
+
+
+@pytest.mark.parametrize("which", ["drop_variance_term", "drop_mean_term", "dweight_off_by_factor"])
+def test_check_grads_catches_broken_terms(which):
+    rng = np.random.default_rng(0)
+    x, w, b = rng.standard_normal((3, 5)), rng.standard_normal(5), rng.standard_normal(5)
+
+    def fwd(x, w, b):
+        return pynorm.layer_norm_forward(x, w, b, backend="numpy")
+
+    good = check_grads(fwd, pynorm.layer_norm_backward, [x, w, b])
+    assert good.passed, str(good)
+    bad = check_grads(fwd, _broken_ln_backward(which), [x, w, b])
+    assert not bad.passed
+    assert bad.max_directional_error > 1e-5 and bad.jacobian_error > 1e-5
+    with pytest.raises(AssertionError, match="FAILED"):
+        check_grads(fwd, _broken_ln_backward(which), [x, w, b], raise_on_failure=True)
+
+
+def test_check_grads_on_a_user_function():
+    # the tool is generic: y = sin(x) * a, with a hand-written backward
+    def fwd(x, a):
+        return np.sin(x) * a, (x, a)
+
+    def bwd(dy, ctx):
+        x, a = ctx
+        return dy * np.cos(x) * a, np.sum(dy * np.sin(x))
+
+    x = np.linspace(-1, 1, 7)
+    assert check_grads(fwd, bwd, [x, np.array(2.0)]).passed
+    assert not check_grads(fwd, lambda dy, c: (dy * np.cos(c[0]), np.sum(dy * np.sin(c[0]))), [x, np.array(2.0)]).passed
+
+
+def test_ulp():
+    assert ulp(1.0, np.float32) == 2.0**-23
+    assert ulp(1.5, np.float16) == 2.0**-10
+    assert ulp(1.0, ml_dtypes.bfloat16) == 2.0**-7
+    assert ulp(0.0, np.float32) == 2.0**-149  # subnormal spacing
+    assert ulp(-4.0, np.float64) == 2.0**-50
+
+
+def test_ulp_error_and_assert():
+    e = np.array([1.0, 2.0, np.inf, np.nan])
+    a = np.array([1.0 + 2.0**-23, 2.0, np.inf, np.nan], dtype=np.float32)
+    np.testing.assert_array_equal(ulp_error(a, e), [1.0, 0.0, 0.0, 0.0])
+    assert max_ulp_error(np.float32([1e-8]), [0.0], scale=[1.0]) == pytest.approx(1e-8 / 2.0**-23)
+    assert_ulp_close(a, e, 1)
+    with pytest.raises(AssertionError, match="max error 1 ulps > 0.5"):
+        assert_ulp_close(a, e, 0.5)
+    assert np.isinf(ulp_error(np.float32([np.nan]), [1.0])[0])
+
+
+def test_reference_rounds_bfloat16_once():
+    # 1 + 2^-8 + 2^-40 lies just above a bfloat16 tie: correct rounding goes up, float32-first rounding does not
+    v = np.array([1.0 + 2.0**-8 + 2.0**-40])
+    assert ref_ln.round_to(v, ml_dtypes.bfloat16).astype(np.float64)[0] == 1.0 + 2.0**-7
+    assert v.astype(ml_dtypes.bfloat16).astype(np.float64)[0] == 1.0  # the double rounding avoided above

@@ -42,13 +42,13 @@ from .errors import ArrayTypeError, BackendUnavailableError, UnknownBackendError
 __all__ = [
     "Backend",
     "BackendInfo",
-    "register_backend",
+    "array_family",
     "get_backend",
     "list_backends",
     "list_ops",
-    "use_backend",
+    "register_backend",
     "resolve",
-    "array_family",
+    "use_backend",
 ]
 
 ENV_VAR = "PYNORM_BACKEND"
@@ -248,7 +248,9 @@ def _family_of(arrays: tuple[Any, ...], names: tuple[str, ...]) -> tuple[str, st
     return family
 
 
-def resolve(op: str, arrays: tuple[Any, ...], names: tuple[str, ...], backend: str | None = None) -> tuple[str, ModuleType]:
+def resolve(
+    op: str, arrays: tuple[Any, ...], names: tuple[str, ...], backend: str | None = None
+) -> tuple[str, ModuleType]:
     """Pick the backend for ``op`` on ``arrays``; return ``(name, op module)``."""
     family = _family_of(arrays, names)
     explicit = backend if backend is not None else _current.get()
@@ -275,9 +277,7 @@ def resolve(op: str, arrays: tuple[Any, ...], names: tuple[str, ...], backend: s
 def _check_serves(name: str, family: tuple[str, str], op: str, argname: str) -> None:
     b = get_backend(name)
     if (b.array_module, b.array_type) != family:
-        raise ArrayTypeError(
-            f"backend {name!r} serves {b.array_type_name}, but {argname} is {family[0]}.{family[1]}"
-        )
+        raise ArrayTypeError(f"backend {name!r} serves {b.array_type_name}, but {argname} is {family[0]}.{family[1]}")
     reason = unavailable_reason(name)
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason}")

@@ -108,11 +108,11 @@ class _Norm:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the parameters to an ``.npz`` file (bfloat16 stored as its raw 16-bit pattern)."""
-        arrays = {}
+        arrays: dict[str, Any] = {"__dtype__": np.array(self.dtype.name)}
         for n, p in self.params.items():
             a = p.get() if hasattr(p, "get") else np.asarray(p)  # cupy -> numpy
             arrays[n] = a.view(np.uint16) if a.dtype.name == "bfloat16" else a
-        np.savez(path, **arrays, __dtype__=np.array(self.dtype.name))
+        np.savez(path, **arrays)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Read parameters written by :meth:`save`."""

@@ -20,12 +20,12 @@ import numpy as np
 
 __all__ = [
     "GradCheckReport",
+    "assert_ulp_close",
     "check_grads",
+    "finfo",
+    "max_ulp_error",
     "ulp",
     "ulp_error",
-    "max_ulp_error",
-    "assert_ulp_close",
-    "finfo",
 ]
 
 
@@ -171,7 +171,7 @@ def check_grads(
     seed : seed of the random directions.
     raise_on_failure : raise AssertionError with the report if the check fails.
     """
-    xs = [None if a is None else np.array(a, dtype=np.float64) for a in inputs]
+    xs: list[Any] = [None if a is None else np.array(a, dtype=np.float64) for a in inputs]
     labels = list(names) if names is not None else [f"x{i}" for i in range(len(xs))]
     rng = np.random.default_rng(seed)
 
@@ -183,7 +183,7 @@ def check_grads(
     y0, ctx0 = run(xs)
     active = [i for i, a in enumerate(xs) if a is not None]
 
-    def grads_of(v: np.ndarray) -> list[np.ndarray | None]:
+    def grads_of(v: np.ndarray) -> list[Any]:
         g = list(backward(v.astype(y0.dtype), ctx0))
         if len(g) != len(xs):
             raise ValueError(f"backward returned {len(g)} gradients for {len(xs)} inputs")

@@ -97,7 +97,9 @@ def _weff(params: dict[str, Any], conv: dict[str, Any], h: int) -> np.ndarray:
     return np.asarray(w, dtype=np.float64).reshape(h) + conv.get("weight_offset", 0.0)
 
 
-def term_scales(op: str, x2: np.ndarray, params: dict[str, Any], dy2: np.ndarray, conv: dict[str, Any]) -> dict[str, Any]:
+def term_scales(
+    op: str, x2: np.ndarray, params: dict[str, Any], dy2: np.ndarray, conv: dict[str, Any]
+) -> dict[str, Any]:
     """Magnitude of the terms each output is computed from (float64, ``(R, H)`` inputs).
 
     The fair yardstick for comparing two implementations: a result that is a
@@ -151,7 +153,7 @@ def make_rows(kind: str, shape: tuple[int, ...], dt: Any, rng: np.random.Generat
     elif kind == "tiny":
         a = n * (1e-30 if dtype(dt).itemsize >= 4 and dtype(dt).name != "float16" else 1e-4)
     elif kind == "constant":
-        a = np.broadcast_to(rng.standard_normal(shape[:-1] + (1,)) * 3, shape).copy()
+        a = np.broadcast_to(rng.standard_normal((*shape[:-1], 1)) * 3, shape).copy()
     else:
         raise KeyError(kind)
     return a.astype(dtype(dt))

@@ -71,7 +71,7 @@ def test_constant_rows_are_exact(backend, dt):
     vals = np.array([0.1, -3.3, 1e4, 65000.0 if dt == "float16" else 3e38 if dt != "float64" else 1e308])
     x = np.repeat(vals[:, None], 37, axis=1).astype(dtype(dt))
     b = np.linspace(-1, 1, 37).astype(dtype(dt))
-    y, ctx = pynorm.layer_norm_forward(backend.asarray(x), bias=backend.asarray(b), backend=backend.name)
+    y, _ = pynorm.layer_norm_forward(backend.asarray(x), bias=backend.asarray(b), backend=backend.name)
     np.testing.assert_array_equal(_np(backend, y), np.broadcast_to(b.astype(np.float64), x.shape))
     dy = np.random.default_rng(0).standard_normal(x.shape).astype(dtype(dt))
     ctx_w = pynorm.layer_norm_forward(
@@ -92,7 +92,12 @@ def test_source_document_conventions(backend):
     eps = 1e-5
     expected = w * (x - x.mean(-1, keepdims=True)) / (x.std(-1, ddof=1, keepdims=True) + eps) + b
     got = pynorm.layer_norm(
-        backend.asarray(x), backend.asarray(w), backend.asarray(b), eps=eps, correction=1, eps_mode="std",
+        backend.asarray(x),
+        backend.asarray(w),
+        backend.asarray(b),
+        eps=eps,
+        correction=1,
+        eps_mode="std",
         backend=backend.name,
     )
     np.testing.assert_allclose(_np(backend, got), expected, rtol=1e-12, atol=1e-12)

@@ -14,69 +14,10 @@ import pytest
 mpmath = pytest.importorskip("mpmath", reason="mpmath is needed for the exact computations")
 
 import pynorm  # noqa: E402
+from pynorm.reference import exact  # noqa: E402
 from pynorm.testing import finfo, max_ulp_error  # noqa: E402
 
 from .helpers import DTYPES, dtype, make_rows, term_scales  # noqa: E402
-
-mp = mpmath.mp
-
-
-def _exact_layer_norm(x, w, b, dy, eps, correction, eps_mode, offset):
-    mp.dps = 50
-    rows, h = x.shape
-    y = np.empty((rows, h), dtype=object)
-    dx = np.empty((rows, h), dtype=object)
-    dw = [mp.mpf(0)] * h
-    db = [mp.mpf(0)] * h
-    for i in range(rows):
-        xs = [mp.mpf(float(v)) for v in x[i]]
-        gs = [mp.mpf(float(v)) for v in dy[i]]
-        m = mp.fsum(xs) / h
-        d = [v - m for v in xs]
-        n = h - correction
-        var = mp.fsum(t * t for t in d) / n
-        s = mp.sqrt(var)
-        r = 1 / mp.sqrt(var + eps) if eps_mode == "var" else 1 / (s + eps)
-        xh = [t * r for t in d]
-        we = [mp.mpf(float(v)) + offset for v in w] if w is not None else [mp.mpf(1)] * h
-        bb = [mp.mpf(float(v)) for v in b] if b is not None else [mp.mpf(0)] * h
-        g = [gs[j] * we[j] for j in range(h)]
-        gbar = mp.fsum(g) / h
-        gx = mp.fsum(g[j] * xh[j] for j in range(h))
-        if eps_mode == "var":
-            coef = gx / n
-        else:
-            coef = gx / (n * s * r) if s > 0 else mp.mpf(0)
-        for j in range(h):
-            y[i, j] = xh[j] * we[j] + bb[j]
-            dx[i, j] = r * (g[j] - gbar - xh[j] * coef)
-            dw[j] += gs[j] * xh[j]
-            db[j] += gs[j]
-    f = np.vectorize(float, otypes=[np.float64])
-    return f(y), f(dx), f(np.array(dw, dtype=object)), f(np.array(db, dtype=object))
-
-
-def _exact_rms_norm(x, w, dy, eps, offset):
-    mp.dps = 50
-    rows, h = x.shape
-    y = np.empty((rows, h), dtype=object)
-    dx = np.empty((rows, h), dtype=object)
-    dw = [mp.mpf(0)] * h
-    for i in range(rows):
-        xs = [mp.mpf(float(v)) for v in x[i]]
-        gs = [mp.mpf(float(v)) for v in dy[i]]
-        r = 1 / mp.sqrt(mp.fsum(t * t for t in xs) / h + eps)
-        xh = [t * r for t in xs]
-        we = [mp.mpf(float(v)) + offset for v in w] if w is not None else [mp.mpf(1)] * h
-        g = [gs[j] * we[j] for j in range(h)]
-        c = mp.fsum(g[j] * xh[j] for j in range(h)) / h
-        for j in range(h):
-            y[i, j] = xh[j] * we[j]
-            dx[i, j] = r * (g[j] - xh[j] * c)
-            dw[j] += gs[j] * xh[j]
-    f = np.vectorize(float, otypes=[np.float64])
-    return f(y), f(dx), f(np.array(dw, dtype=object))
-
 
 KINDS = ("normal", "offset", "huge", "tiny", "constant")
 LN_CONVENTIONS = (
@@ -112,8 +53,8 @@ def test_layer_norm_reference_vs_mpmath(dt, kind, conv):
         # (x - mean) / sqrt(0) is 0/0 on a constant row: undefined, and reported as NaN
         assert np.all(np.isnan(y.astype(np.float64))) and np.all(np.isnan(g.dx.astype(np.float64)))
         return
-    ey, edx, edw, edb = _exact_layer_norm(
-        x, w, b, dy, mp.mpf(full["eps"]), full["correction"], full["eps_mode"], full["weight_offset"]
+    ey, edx, edw, edb = exact.layer_norm(
+        x, w, b, dy, full["eps"], full["correction"], full["eps_mode"], full["weight_offset"]
     )
     sc = term_scales("layer_norm", x, {"weight": w, "bias": b}, dy, full)
     assert _ulps(y, ey, dt, sc["y"]) <= 2
@@ -134,7 +75,7 @@ def test_rms_norm_reference_vs_mpmath(dt, kind, conv):
     full = {"eps": 1e-6, "weight_offset": 0.0, **conv}
     y, ctx = pynorm.rms_norm_forward(x, w, backend="numpy", **conv)
     g = pynorm.rms_norm_backward(dy, ctx)
-    ey, edx, edw = _exact_rms_norm(x, w, dy, mp.mpf(full["eps"]), full["weight_offset"])
+    ey, edx, edw = exact.rms_norm(x, w, dy, full["eps"], full["weight_offset"])
     sc = term_scales("rms_norm", x, {"weight": w}, dy, full)
     assert _ulps(y, ey, dt, sc["y"]) <= 2
     assert _ulps(g.dx, edx, dt, sc["dx"]) <= 8
@@ -148,5 +89,5 @@ def test_results_are_correctly_rounded_most_of_the_time():
     w = rng.standard_normal(16).astype(np.float32)
     b = rng.standard_normal(16).astype(np.float32)
     y = pynorm.layer_norm(x, w, b, backend="numpy")
-    ey, *_ = _exact_layer_norm(x, w, b, np.zeros_like(x), mp.mpf(1e-5), 0, "var", 0.0)
+    ey, *_ = exact.layer_norm(x, w, b, np.zeros_like(x), 1e-5)
     assert np.mean(y == ey.astype(np.float32)) >= 0.99

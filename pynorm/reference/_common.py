@@ -41,6 +41,7 @@ def _ieee(fn: F) -> F:
 
     return wrapper  # type: ignore[return-value]
 
+
 _LD = np.finfo(np.longdouble)
 #: True when ``numpy.longdouble`` has more significand and exponent bits than float64.
 EXTENDED_FLOAT64: bool = bool(_LD.nmant > 52 and _LD.maxexp > 1024)

@@ -44,7 +44,7 @@ import numpy as np
 
 from ._common import _ieee, center, round_to, row_mean, working_dtype, write_result
 
-__all__ = ["LayerNormCtx", "LayerNormGrads", "forward", "backward"]
+__all__ = ["LayerNormCtx", "LayerNormGrads", "backward", "forward"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -32,7 +32,7 @@ import numpy as np
 from ._common import _ieee, round_to, working_dtype, write_result
 from .layer_norm import _effective_weight
 
-__all__ = ["RMSNormCtx", "RMSNormGrads", "forward", "backward"]
+__all__ = ["RMSNormCtx", "RMSNormGrads", "backward", "forward"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,128 @@
+"""``python -m pynorm``: run every op on every available backend against the reference.
+
+Subcommands:
+
+* (none) or ``demo`` -- for each op, backend and dtype: forward and backward on a
+  random input, the largest error against the ``numpy`` reference (relative to
+  the largest reference value of that tensor), and a float64 gradient check of
+  the backend's backward against finite differences;
+* ``backends`` -- the registry: every backend, its availability and its ops;
+* ``bench`` -- the CPU benchmark (:mod:`pynorm.benchmark`; ``bench --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+import pynorm
+from pynorm.testing import check_grads
+
+_OPS: dict[str, tuple[Any, Any, tuple[str, ...]]] = {
+    "layer_norm": (pynorm.layer_norm_forward, pynorm.layer_norm_backward, ("weight", "bias")),
+    "rms_norm": (pynorm.rms_norm_forward, pynorm.rms_norm_backward, ("weight",)),
+}
+
+
+def _converters(name: str) -> tuple[Any, Any]:
+    info = pynorm._registry.get_backend(name)
+    if info.array_module == "cupy":
+        import cupy
+
+        return cupy.asarray, cupy.asnumpy
+    return np.asarray, np.asarray
+
+
+def _dtypes() -> list[Any]:
+    out: list[Any] = [np.float16, np.float32, np.float64]
+    try:
+        import ml_dtypes
+
+        out.insert(1, ml_dtypes.bfloat16)
+    except ImportError:
+        pass
+    return out
+
+
+def _rel(a: Any, b: Any) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
+
+
+def demo(rows: int = 64, hidden: int = 384) -> int:
+    print(f"pynorm {pynorm.__version__}: every op on every available backend vs the numpy reference")
+    for info in pynorm.list_backends():
+        state = "available" if info.available else f"unavailable: {info.reason}"
+        print(f"  backend {info.name:6s} ({info.array_type}, priority {info.priority}): {state}")
+    print(f"\ninput {rows}x{hidden}, N(0,1) + 3; errors are max|a - ref| / max|ref| per tensor")
+    header = (
+        f"{'op':11s} {'backend':8s} {'dtype':9s} {'y':>9s} {'dx':>9s} {'dparams':>9s} {'ms':>7s}  gradcheck(float64)"
+    )
+    print(header)
+    print("-" * len(header))
+    rng = np.random.default_rng(0)
+    failures = 0
+    for op, (fwd, bwd, pnames) in _OPS.items():
+        for info in pynorm.list_backends():
+            if not info.available or op not in info.ops:
+                continue
+            to_dev, to_host = _converters(info.name)
+            for dt in _dtypes():
+                x = (rng.standard_normal((rows, hidden)) + 3).astype(dt)
+                params = [(1 + 0.1 * rng.standard_normal(hidden)).astype(dt) for _ in pnames]
+                dy = rng.standard_normal((rows, hidden)).astype(dt)
+                y_ref, c_ref = fwd(x, *params, backend="numpy")
+                g_ref = bwd(dy, c_ref)
+                t0 = time.perf_counter()
+                y, c = fwd(to_dev(x), *map(to_dev, params), backend=info.name)
+                g = bwd(to_dev(dy), c)
+                ms = (time.perf_counter() - t0) * 1e3
+                ey, edx = _rel(to_host(y), y_ref), _rel(to_host(g[0]), g_ref[0])
+                ep = max(_rel(to_host(a), b) for a, b in zip(g[1:], g_ref[1:], strict=True))
+                grad = ""
+                if np.dtype(dt) == np.float64:
+                    xs = rng.standard_normal((3, 7))
+                    ps = [rng.standard_normal(7) for _ in pnames]
+
+                    def f(*args: Any, _fwd: Any = fwd, _n: str = info.name, _d: Any = to_dev, _h: Any = to_host) -> Any:
+                        yy, cc = _fwd(*map(_d, args), backend=_n)
+                        return _h(yy), cc
+
+                    def b(dyy: Any, cc: Any, _bwd: Any = bwd, _d: Any = to_dev, _h: Any = to_host) -> Any:
+                        return [None if gg is None else _h(gg) for gg in _bwd(_d(dyy), cc)]
+
+                    rep = check_grads(f, b, [xs, *ps])
+                    grad = f"{'PASSED' if rep.passed else 'FAILED'} (max rel err {rep.max_directional_error:.1e})"
+                    failures += not rep.passed
+                print(
+                    f"{op:11s} {info.name:8s} {np.dtype(dt).name:9s} {ey:9.1e} {edx:9.1e} {ep:9.1e} {ms:7.2f}  {grad}"
+                )
+    print("\nops per backend:", ", ".join(f"{k}: {'/'.join(v)}" for k, v in pynorm.list_ops().items()))
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from . import benchmark
+
+        return int(benchmark.main(argv[1:]) or 0)
+    parser = argparse.ArgumentParser(prog="python -m pynorm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", nargs="?", default="demo", choices=["demo", "backends", "bench"])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=384)
+    args = parser.parse_args(argv)
+    if args.command == "backends":
+        for info in pynorm.list_backends():
+            print(f"{info.name}: {info.array_type}, priority {info.priority}, available={info.available}", end="")
+            print(f" ({info.reason})" if info.reason else "", f"ops: {', '.join(info.ops) or '-'}")
+        return 0
+    return demo(args.rows, args.hidden)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,15 +9,15 @@ Messages name the offending argument and what was expected.
 from __future__ import annotations
 
 __all__ = [
-    "PynormError",
-    "ShapeError",
-    "DTypeError",
     "ArgumentError",
     "ArrayTypeError",
+    "BackendUnavailableError",
     "ContextError",
+    "DTypeError",
+    "PynormError",
+    "ShapeError",
     "UnknownBackendError",
     "UnknownOpError",
-    "BackendUnavailableError",
 ]
 
 

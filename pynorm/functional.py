@@ -22,7 +22,7 @@ import math
 import numbers
 import sys
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -36,11 +36,11 @@ __all__ = [
     "LayerNormGrads",
     "RMSNormGrads",
     "layer_norm",
-    "layer_norm_forward",
     "layer_norm_backward",
+    "layer_norm_forward",
     "rms_norm",
-    "rms_norm_forward",
     "rms_norm_backward",
+    "rms_norm_forward",
 ]
 
 Array = Any  # numpy.ndarray, cupy.ndarray, or another backend's array type
@@ -445,5 +445,3 @@ def rms_norm(
 ) -> Array:
     """RMSNorm of ``x``; see :func:`rms_norm_forward` for the formula and options."""
     return rms_norm_forward(x, weight, axis=axis, eps=eps, backend=backend, weight_offset=weight_offset, out=out)[0]
-
-

@@ -19,11 +19,16 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "HARD_CASES",
+    "ConformanceReport",
     "GradCheckReport",
     "assert_ulp_close",
+    "check_conformance",
     "check_grads",
     "finfo",
+    "make_input",
     "max_ulp_error",
+    "term_scales",
     "ulp",
     "ulp_error",
 ]
@@ -91,6 +96,95 @@ def assert_ulp_close(
             f"at index {tuple(int(j) for j in i)} (actual {a!r}, expected {float(e)!r}); "
             f"{int((err > max_ulps).sum())} of {err.size} elements out of bounds"
         )
+
+
+HARD_CASES = ("normal", "offset", "huge", "tiny", "constant")
+
+
+def _dtype(d: Any) -> np.dtype[Any]:
+    if isinstance(d, str) and d == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(d)
+
+
+def make_input(kind: str, shape: tuple[int, ...], dtype: Any, rng: np.random.Generator) -> np.ndarray:
+    """A random input of one of the :data:`HARD_CASES` kinds, in ``dtype``.
+
+    ``normal``: N(0, 1). ``offset``: 1e4 + N(0, 1) (100 + N(0, 1) for 16-bit
+    dtypes), where a variance by ``E[x^2] - E[x]^2`` or a low-precision mean
+    loses everything. ``huge``: magnitudes up to 90% of the dtype's max (1e38 for
+    float32/bfloat16, 1e307 for float64), where sums of squares overflow.
+    ``tiny``: 1e-30 (1e-4 for float16) times N(0, 1), below eps. ``constant``:
+    every row constant, where the exact deviations are 0.
+    """
+    dt = _dtype(dtype)
+    n = rng.standard_normal(shape)
+    if kind == "normal":
+        a = n
+    elif kind == "offset":
+        a = 1e4 + n if dt.itemsize >= 4 else 100 + n
+    elif kind == "huge":
+        big = float(np.finfo(np.float16).max if dt == np.float16 else 1e38 if dt.itemsize <= 4 else 1e307)
+        a = np.clip(n, -1.0, 1.0) * big * 0.9
+    elif kind == "tiny":
+        a = n * (1e-30 if dt.itemsize >= 4 and dt.name != "float16" else 1e-4)
+    elif kind == "constant":
+        a = np.broadcast_to(rng.standard_normal((*shape[:-1], 1)) * 3, shape).copy()
+    else:
+        raise KeyError(kind)
+    return a.astype(dt)
+
+
+def _weff(params: dict[str, Any], conv: dict[str, Any], h: int) -> np.ndarray:
+    w = params.get("weight")
+    if w is None:
+        return np.ones(h)
+    return np.asarray(w, dtype=np.float64).reshape(h) + conv.get("weight_offset", 0.0)
+
+
+def term_scales(
+    op: str, x2: np.ndarray, params: dict[str, Any], dy2: np.ndarray, conv: dict[str, Any]
+) -> dict[str, Any]:
+    """Magnitude of the terms each output is computed from (float64, ``(R, H)`` inputs).
+
+    The fair yardstick for comparing two implementations: a result that is a
+    small difference of large terms can only be as accurate as those terms.
+    """
+    wide = np.longdouble  # float64 squares of huge float64 inputs would overflow
+    x = x2.astype(wide)
+    dy = dy2.astype(wide)
+    h = x.shape[1]
+    w = _weff(params, conv, h).astype(wide)
+    g = np.abs(dy * w)
+    eps = conv.get("eps", 1e-5 if op == "layer_norm" else 1e-6)
+    if op == "layer_norm":
+        n = h - conv.get("correction", 0)
+        d = x - x.mean(axis=1, keepdims=True)
+        s = np.sqrt((d * d).sum(axis=1, keepdims=True) / n)
+        std_mode = conv.get("eps_mode", "var") == "std"
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = 1 / (s + eps) if std_mode else 1 / np.sqrt(s * s + eps)
+            k = np.where(s > 0, 1 / (s * r), 0.0) if std_mode else 1.0
+        xhat = np.abs(d * r)
+        b = params.get("bias")
+        bias = 0 if b is None else np.abs(np.asarray(b, dtype=np.float64).reshape(h))
+        dx = r * (g + g.mean(axis=1, keepdims=True) + xhat * (g * xhat).sum(axis=1, keepdims=True) * k / n)
+        out = {
+            "y": xhat * np.abs(w) + bias,
+            "dx": dx,
+            "dweight": np.abs(dy * xhat).sum(axis=0),
+            "dbias": np.abs(dy).sum(axis=0),
+        }
+    elif op == "rms_norm":
+        r = 1 / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
+        xhat = np.abs(x * r)
+        dx = r * (g + xhat * (g * xhat).mean(axis=1, keepdims=True))
+        out = {"y": xhat * np.abs(w), "dx": dx, "dweight": np.abs(dy * xhat).sum(axis=0)}
+    else:
+        raise KeyError(op)
+    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
 
 
 @dataclass
@@ -227,4 +321,114 @@ def check_grads(
         report.jacobian_error = worst
     if raise_on_failure and not report.passed:
         raise AssertionError(str(report))
+    return report
+
+
+_PARAMS = {"layer_norm": ("weight", "bias"), "rms_norm": ("weight",)}
+
+
+@dataclass
+class ConformanceReport:
+    """Result of :func:`check_conformance`: one row per (dtype, kind, hidden size).
+
+    Each row maps ``"y"``, ``"dx"``, ``"d<param>"`` to the largest error in ulps
+    of the dtype, measured at the magnitude of the terms (see :func:`term_scales`).
+    """
+
+    op: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def max_ulps(self, dtype: Any = None) -> dict[str, float]:
+        """Largest error per output over all rows (of one dtype, if given)."""
+        out: dict[str, float] = {}
+        name = None if dtype is None else _dtype(dtype).name
+        for r in self.rows:
+            if name is None or r["dtype"] == name:
+                for k, v in r.items():
+                    if k not in ("dtype", "kind", "hidden"):
+                        out[k] = max(out.get(k, 0.0), v)
+        return out
+
+    def passed(self, max_ulps: float | dict[str, float]) -> bool:
+        """True if every error is within ``max_ulps`` (a number, or a limit per dtype name)."""
+        for r in self.rows:
+            limit = max_ulps if isinstance(max_ulps, (int, float)) else max_ulps[r["dtype"]]
+            if any(v > limit for k, v in r.items() if k not in ("dtype", "kind", "hidden")):
+                return False
+        return True
+
+    def table(self) -> str:
+        keys = [k for k in self.rows[0] if k not in ("dtype", "kind", "hidden")] if self.rows else []
+        lines = [f"{self.op}: max error in ulps at the terms' magnitude"]
+        lines.append(f"{'dtype':9s} {'kind':9s} {'H':>5s} " + " ".join(f"{k:>8s}" for k in keys))
+        for r in self.rows:
+            cells = " ".join(f"{r[k]:8.2f}" for k in keys)
+            lines.append(f"{r['dtype']:9s} {r['kind']:9s} {r['hidden']:5d} {cells}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def check_conformance(
+    op: str,
+    forward: Callable[..., Any],
+    backward: Callable[..., Sequence[Any]] | None = None,
+    *,
+    dtypes: Sequence[Any] = ("float16", "bfloat16", "float32", "float64"),
+    kinds: Sequence[str] = HARD_CASES,
+    hidden_sizes: Sequence[int] = (1, 3, 64, 257),
+    rows: int = 4,
+    conventions: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> ConformanceReport:
+    """Compare your implementation of ``op`` with pynorm's reference on ordinary and hard inputs.
+
+    Parameters
+    ----------
+    op : ``"layer_norm"`` or ``"rms_norm"``.
+    forward : ``forward(x, *params, **conventions) -> y`` on NumPy arrays of shape
+        ``(rows, H)`` (``params`` in pynorm's order: weight, bias), normalizing
+        the last axis. The result may be any array-like of ``x``'s shape.
+    backward : optional ``backward(dy, x, *params, **conventions) -> (dx, *dparams)``.
+    dtypes, kinds, hidden_sizes, rows : the grid of inputs (see :func:`make_input`).
+    conventions : keyword options passed to both your functions and pynorm's
+        (e.g. ``{"eps": 1e-6}``).
+
+    Returns
+    -------
+    ConformanceReport with the largest ulp error of each output in each cell.
+    A float32 implementation that computes in float32 typically shows a few ulps
+    on ``y`` and tens on ``dx``; check ``report.passed({...})`` with the budget you
+    promise, and print ``report`` for the table.
+    """
+    import pynorm
+
+    if op not in _PARAMS:
+        raise ValueError(f"op must be one of {sorted(_PARAMS)}, got {op!r}")
+    conv = dict(conventions or {})
+    pnames = _PARAMS[op]
+    fwd_ref = getattr(pynorm, f"{op}_forward")
+    bwd_ref = getattr(pynorm, f"{op}_backward")
+    rng = np.random.default_rng(seed)
+    report = ConformanceReport(op)
+    for dt_ in dtypes:
+        dt = _dtype(dt_)
+        for kind in kinds:
+            for h in hidden_sizes:
+                x = make_input(kind, (rows, h), dt, rng)
+                params = [((1.0 if p == "weight" else 0.0) + 0.5 * rng.standard_normal(h)).astype(dt) for p in pnames]
+                dy = rng.standard_normal((rows, h)).astype(dt)
+                y_ref, ctx = fwd_ref(x, *params, backend="numpy", **conv)
+                sc = term_scales(op, x, dict(zip(pnames, params, strict=True)), dy, conv)
+                row: dict[str, Any] = {"dtype": dt.name, "kind": kind, "hidden": h}
+                y = np.asarray(forward(x.copy(), *[p.copy() for p in params], **conv))
+                row["y"] = max_ulp_error(y.astype(dt), y_ref, dt, scale=sc["y"])
+                if backward is not None:
+                    grads_ref = bwd_ref(dy, ctx)
+                    grads = backward(dy.copy(), x.copy(), *[p.copy() for p in params], **conv)
+                    for name, g, gr in zip(("x", *pnames), grads, grads_ref, strict=True):
+                        ga = np.asarray(g).astype(dt)
+                        row[f"d{name}"] = max_ulp_error(ga, gr, dt, scale=sc[f"d{name}"])
+                report.rows.append(row)
     return report

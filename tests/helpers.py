@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 import pynorm
+from pynorm import testing as _testing
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -90,70 +91,5 @@ def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, wha
 BACKEND_RTOL = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 4e-6, "float64": 1e-12}
 
 
-def _weff(params: dict[str, Any], conv: dict[str, Any], h: int) -> np.ndarray:
-    w = params.get("weight")
-    if w is None:
-        return np.ones(h)
-    return np.asarray(w, dtype=np.float64).reshape(h) + conv.get("weight_offset", 0.0)
-
-
-def term_scales(
-    op: str, x2: np.ndarray, params: dict[str, Any], dy2: np.ndarray, conv: dict[str, Any]
-) -> dict[str, Any]:
-    """Magnitude of the terms each output is computed from (float64, ``(R, H)`` inputs).
-
-    The fair yardstick for comparing two implementations: a result that is a
-    small difference of large terms can only be as accurate as those terms.
-    """
-    wide = np.longdouble  # float64 squares of huge float64 inputs would overflow
-    x = x2.astype(wide)
-    dy = dy2.astype(wide)
-    h = x.shape[1]
-    w = _weff(params, conv, h).astype(wide)
-    g = np.abs(dy * w)
-    eps = conv.get("eps", 1e-5 if op == "layer_norm" else 1e-6)
-    if op == "layer_norm":
-        n = h - conv.get("correction", 0)
-        d = x - x.mean(axis=1, keepdims=True)
-        s = np.sqrt((d * d).sum(axis=1, keepdims=True) / n)
-        std_mode = conv.get("eps_mode", "var") == "std"
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = 1 / (s + eps) if std_mode else 1 / np.sqrt(s * s + eps)
-            k = np.where(s > 0, 1 / (s * r), 0.0) if std_mode else 1.0
-        xhat = np.abs(d * r)
-        b = params.get("bias")
-        bias = 0 if b is None else np.abs(np.asarray(b, dtype=np.float64).reshape(h))
-        dx = r * (g + g.mean(axis=1, keepdims=True) + xhat * (g * xhat).sum(axis=1, keepdims=True) * k / n)
-        out = {
-            "y": xhat * np.abs(w) + bias,
-            "dx": dx,
-            "dweight": np.abs(dy * xhat).sum(axis=0),
-            "dbias": np.abs(dy).sum(axis=0),
-        }
-    elif op == "rms_norm":
-        r = 1 / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
-        xhat = np.abs(x * r)
-        dx = r * (g + xhat * (g * xhat).mean(axis=1, keepdims=True))
-        out = {"y": xhat * np.abs(w), "dx": dx, "dweight": np.abs(dy * xhat).sum(axis=0)}
-    else:
-        raise KeyError(op)
-    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
-
-
-def make_rows(kind: str, shape: tuple[int, ...], dt: Any, rng: np.random.Generator) -> np.ndarray:
-    """Inputs of a given difficulty: normal, offset (1e4 + N(0,1)), huge, tiny, constant rows."""
-    n = rng.standard_normal(shape)
-    if kind == "normal":
-        a = n
-    elif kind == "offset":
-        a = 1e4 + n if dtype(dt).itemsize >= 4 else 100 + n
-    elif kind == "huge":
-        big = float(np.finfo(np.float16).max if dtype(dt) == np.float16 else 1e38 if dtype(dt).itemsize <= 4 else 1e307)
-        a = np.clip(n, -1.0, 1.0) * big * 0.9
-    elif kind == "tiny":
-        a = n * (1e-30 if dtype(dt).itemsize >= 4 and dtype(dt).name != "float16" else 1e-4)
-    elif kind == "constant":
-        a = np.broadcast_to(rng.standard_normal((*shape[:-1], 1)) * 3, shape).copy()
-    else:
-        raise KeyError(kind)
-    return a.astype(dtype(dt))
+term_scales = _testing.term_scales
+make_rows = _testing.make_input

@@ -8,7 +8,7 @@ import pytest
 
 import pynorm
 from pynorm.reference import layer_norm as ref_ln
-from pynorm.testing import assert_ulp_close, check_grads, max_ulp_error, ulp, ulp_error
+from pynorm.testing import assert_ulp_close, check_conformance, check_grads, max_ulp_error, ulp, ulp_error
 
 
 def _broken_ln_backward(which):
@@ -87,3 +87,32 @@ def test_reference_rounds_bfloat16_once():
     v = np.array([1.0 + 2.0**-8 + 2.0**-40])
     assert ref_ln.round_to(v, ml_dtypes.bfloat16).astype(np.float64)[0] == 1.0 + 2.0**-7
     assert v.astype(ml_dtypes.bfloat16).astype(np.float64)[0] == 1.0  # the double rounding avoided above
+
+
+def _naive_layer_norm(x, w, b, eps=1e-5, one_pass=False):
+    xf, w, b = x.astype(np.float32), w.astype(np.float32), b.astype(np.float32)
+    m = xf.mean(-1, keepdims=True)
+    v = (xf * xf).mean(-1, keepdims=True) - m * m if one_pass else ((xf - m) ** 2).mean(-1, keepdims=True)
+    return (xf - m) / np.sqrt(np.maximum(v, 0) + np.float32(eps)) * w + b
+
+
+def test_conformance_finds_the_one_pass_variance_bug():
+    with np.errstate(all="ignore"):
+        good = check_conformance("layer_norm", _naive_layer_norm, dtypes=["float32"], kinds=["normal"])
+        bad = check_conformance(
+            "layer_norm", lambda *a: _naive_layer_norm(*a, one_pass=True), dtypes=["float32"], kinds=["offset"]
+        )
+    assert good.passed(16) and good.max_ulps()["y"] > 0  # float32 math: a few ulps, not 0
+    assert not bad.passed(1e6)
+    assert "offset" in bad.table()
+
+
+def test_conformance_of_the_reference_itself():
+    def fwd(x, w, b, **kw):
+        return pynorm.layer_norm(x, w, b, backend="numpy", **kw)
+
+    def bwd(dy, x, w, b, **kw):
+        return pynorm.layer_norm_backward(dy, pynorm.layer_norm_forward(x, w, b, backend="numpy", **kw)[1])
+
+    report = check_conformance("layer_norm", fwd, bwd, hidden_sizes=(1, 5), conventions={"eps_mode": "std"})
+    assert report.passed(0) and set(report.max_ulps()) == {"y", "dx", "dweight", "dbias"}

@@ -1,0 +1,230 @@
+"""Loading the CUDA C sources of the CuPy backend, shared by the runtime and the compile check.
+
+The kernels live in ``kernels/*.cu`` (package data, read with :mod:`importlib.resources`).
+:func:`assemble` returns a file's text with its local ``#include "x.cuh"`` lines replaced by
+the header's text, framed by ``#line`` directives so that compiler messages name the real
+file and line. Templates are instantiated through NVRTC *name expressions*
+(``pynorm::layer_norm_fwd<__nv_bfloat16, float>``), never by string substitution.
+
+Importing this module is cheap and does not import CuPy; :func:`get_kernel` does, and
+compiles (through :class:`cupy.RawModule`, with CuPy's on-disk cache) one module per
+source file and type combination on first use, cached per device.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Iterable
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CUDA_TYPES",
+    "KERNELS",
+    "TYPE_NAMES",
+    "assemble",
+    "assemble_text",
+    "compile_options",
+    "cuda_include_dir",
+    "defines",
+    "get_kernel",
+    "instantiations",
+    "kernel_dir",
+    "name_expression",
+    "warm_up",
+]
+
+KERNEL_PACKAGE = "pynorm.backends.cupy.kernels"
+
+#: numpy dtype name -> CUDA C type the kernels are instantiated for.
+TYPE_NAMES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+CUDA_TYPES = tuple(TYPE_NAMES.values())
+#: accumulation types (the ``A`` of reduce.cu)
+ACC_TYPES = ("float", "double")
+
+#: kernel templates of each source file; norm kernels take <T, W>, reduce.cu's <O, A> and <S, D>.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "layer_norm.cu": ("layer_norm_fwd", "layer_norm_bwd", "layer_norm_bwd_stats", "layer_norm_bwd_apply"),
+    "rms_norm.cu": ("rms_norm_fwd", "rms_norm_bwd", "rms_norm_bwd_stats", "rms_norm_bwd_apply"),
+    "reduce.cu": ("reduce_partials", "cast_params"),
+}
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_DEFINE = re.compile(r"^\s*#\s*define\s+(PYNORM_\w+)\s+(-?\d+)\b", re.MULTILINE)
+
+
+def kernel_dir() -> Any:
+    """The ``kernels`` package data directory (a Traversable; a real path in normal installs)."""
+    return resources.files(__package__ or "pynorm.backends.cupy").joinpath("kernels")
+
+
+def _read(name: str, directory: str | os.PathLike[str] | None) -> tuple[str, str]:
+    if directory is not None:
+        p = Path(directory) / name
+        return p.read_text(encoding="utf-8"), p.resolve().as_posix()
+    f = kernel_dir().joinpath(name)
+    label = f.as_posix() if isinstance(f, Path) else f"{KERNEL_PACKAGE.replace('.', '/')}/{name}"
+    return f.read_text(encoding="utf-8"), label
+
+
+def _line(n: int, label: str) -> str:
+    return f'#line {n} "{label.replace(chr(92), "/").replace(chr(34), "")}"'
+
+
+def assemble(name: str, directory: str | os.PathLike[str] | None = None) -> str:
+    """Source of kernel file ``name`` with local includes pasted in, framed by ``#line`` directives.
+
+    ``directory`` replaces the package's ``kernels`` directory (the compile check uses it to
+    check modified copies).
+    """
+    text, label = _read(name, directory)
+    return assemble_text(text, label, directory)
+
+
+def assemble_text(text: str, label: str, directory: str | os.PathLike[str] | None = None) -> str:
+    """Like :func:`assemble` for source ``text`` (reported as ``label``), resolving its
+    ``#include "x.cuh"`` lines against the kernels directory."""
+    seen: set[str] = set()
+
+    def expand(text: str, label: str) -> list[str]:
+        out = [_line(1, label)]
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            m = _INCLUDE.match(line)
+            if m and m.group(1) not in seen:
+                seen.add(m.group(1))
+                out.extend(expand(*_read(m.group(1), directory)))
+                out.append(_line(lineno + 1, label))
+            elif m:
+                out.append("")  # already pasted (the headers use #pragma once anyway)
+            else:
+                out.append(line)
+        return out
+
+    return "\n".join(expand(text, label)) + "\n"
+
+
+def defines(directory: str | os.PathLike[str] | None = None) -> dict[str, int]:
+    """The ``#define PYNORM_<NAME> <int>`` constants of ``common.cuh`` (block sizes, register caches)."""
+    text, _ = _read("common.cuh", directory)
+    return {k: int(v) for k, v in _DEFINE.findall(text)}
+
+
+def name_expression(kernel: str, *types: str) -> str:
+    """``pynorm::kernel<T1, T2>``: the name expression of one template instantiation."""
+    return f"pynorm::{kernel}<{', '.join(types)}>"
+
+
+def module_names(file: str, types: tuple[str, str]) -> tuple[str, ...]:
+    """Name expressions compiled together in one runtime module: every kernel of ``file`` for ``types``."""
+    return tuple(name_expression(k, *types) for k in KERNELS[file])
+
+
+def type_pairs(file: str) -> list[tuple[str, str]]:
+    """Every type combination a file is instantiated for."""
+    if file == "reduce.cu":
+        return [(o, a) for o in CUDA_TYPES for a in ACC_TYPES]
+    return [(t, w) for t in CUDA_TYPES for w in CUDA_TYPES]
+
+
+def instantiations(file: str) -> list[str]:
+    """All name expressions of ``file``: what the compile check builds and the runtime may request."""
+    return [n for pair in type_pairs(file) for n in module_names(file, pair)]
+
+
+@cache
+def cuda_include_dir() -> str | None:
+    """Directory holding ``cuda_fp16.h`` / ``cuda_bf16.h``: pip's nvidia-cuda-runtime or a CUDA toolkit."""
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        d = find_nvidia_header_directory("cudart")
+        if d and os.path.isfile(os.path.join(d, "cuda_fp16.h")):
+            return str(d)
+    except Exception:  # pathfinder missing or too old
+        pass
+    import importlib.util
+
+    for pkg in ("nvidia.cu13", "nvidia.cuda_runtime", "nvidia.cu12"):
+        try:
+            spec = importlib.util.find_spec(pkg)
+        except (ImportError, ValueError):
+            continue
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            d = os.path.join(loc, "include")
+            if os.path.isfile(os.path.join(d, "cuda_fp16.h")):
+                return d
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        root = os.environ.get(env)
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_fp16.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+def compile_options(include_dirs: Iterable[str] = ()) -> tuple[str, ...]:
+    """NVRTC options shared by the runtime and the compile check (IEEE division and sqrt, no fast math)."""
+    opts = ["--std=c++17"]
+    inc = cuda_include_dir()
+    for d in (*include_dirs, *([inc] if inc else [])):
+        opts.append(f"-I{d}")
+    return tuple(opts)
+
+
+# ---------------------------------------------------------------------------
+# runtime (CuPy)
+
+_lock = threading.Lock()
+_modules: dict[tuple[int, str, tuple[str, ...]], Any] = {}
+
+
+def _module(file: str, types: tuple[str, str]) -> Any:
+    """The (uncompiled until first use) :class:`cupy.RawModule` of ``file`` for ``types`` on the current device."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), file, module_names(file, types))
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            mod = cupy.RawModule(code=assemble(file), options=compile_options(), name_expressions=key[2])
+            _modules[key] = mod
+    return mod
+
+
+def get_kernel(file: str, kernel: str, types: tuple[str, str]) -> Any:
+    """The :class:`cupy.RawKernel` ``pynorm::kernel<types>`` of ``file`` on the current device.
+
+    The first request for a (device, file, types) compiles that file's kernels for those types
+    in one :class:`cupy.RawModule` (CuPy caches the binary on disk); later requests reuse it.
+    """
+    return _module(file, types).get_function(name_expression(kernel, *types))
+
+
+def warm_up(requests: Iterable[tuple[str, tuple[str, str]]] | None = None, jobs: int | None = None) -> int:
+    """Compile runtime modules ahead of use, in parallel threads (NVRTC releases the GIL).
+
+    ``requests``: ``(file, types)`` pairs; default every file and type combination. Returns
+    how many modules are ready. Optional and best effort: a module that fails here is
+    compiled again (and its error raised) by :func:`get_kernel` when first used.
+    """
+    import cupy
+
+    reqs = list(requests) if requests is not None else [(f, p) for f in KERNELS for p in type_pairs(f)]
+    dev = cupy.cuda.runtime.getDevice()
+
+    def one(req: tuple[str, tuple[str, str]]) -> bool:
+        try:
+            with cupy.cuda.Device(dev):
+                _module(*req).compile()
+            return True
+        except Exception:
+            with _lock:
+                _modules.pop((dev, req[0], module_names(*req)), None)
+            return False
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs or os.cpu_count() or 1)) as ex:
+        return sum(ex.map(one, reqs))

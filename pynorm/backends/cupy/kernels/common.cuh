@@ -1,0 +1,288 @@
+// Shared device code of pynorm's CuPy backend: types, row items, group reductions,
+// the row scaling that keeps sums of squares finite, and the rstd finalisation.
+//
+// The loader (pynorm/backends/cupy/_loader.py) pastes this file in place of
+// `#include "common.cuh"` with `#line` directives, so compiler messages name the
+// real file and line.  Lines `#define PYNORM_<NAME> <int>` are also read by the
+// Python launch-configuration code (pynorm/backends/cupy/_launch.py): they are
+// the single source of truth for block sizes and per-thread register caches.
+//
+// Terminology used by every kernel
+// --------------------------------
+// * A *group* of G threads (G a power of two, 1..1024) normalizes one row at a
+//   time.  G <= 32: several groups share a warp (sub-warp / warp per row);
+//   G > 32: the group is the whole block (block per row).
+// * A row is cut into *items* of V = 16 / sizeof(T) consecutive elements: item
+//   k of thread t of a group holds elements [(t + G*k)*V, (t + G*k)*V + V), and
+//   each thread owns nk = ceil(H / (G * V)) items.  Vectorized mode (H % V == 0
+//   and every array 16-byte aligned) moves an item with one 16-byte access;
+//   scalar mode (any other H) element by element, masking elements >= H.
+//   The ownership of a column depends only on (t, k, G), never on the row, so a
+//   thread can accumulate per-column sums (dweight, dbias) over many rows.
+// * Accumulation type A: float, or double when x or a parameter is double.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define PYNORM_FWD_THREADS 512    // __launch_bounds__ of the forward kernels ...
+#define PYNORM_FWD_MIN_BLOCKS 2   // ... with at least 2 resident blocks per SM (<= 64 registers)
+#define PYNORM_FWD_ACC_BYTES 64   // forward: row elements a thread keeps in registers, in accumulator bytes
+#define PYNORM_BWD_THREADS 1024   // __launch_bounds__ of the fused backward kernels ...
+#define PYNORM_BWD_MIN_BLOCKS 1   // ... (1024 threads: <= 64 registers)
+#define PYNORM_BWD_ACC_BYTES 32   // fused backward: per-thread dweight (and dbias) accumulators, in bytes
+#define PYNORM_STATS_THREADS 1024 // __launch_bounds__ of the split-backward row-statistics kernels
+#define PYNORM_APPLY_THREADS 256  // __launch_bounds__ of the split-backward apply kernels
+#define PYNORM_REDUCE_X 32        // reduce kernel block: 32 columns ...
+#define PYNORM_REDUCE_Y 8         // ... times 8 slices of the partial rows
+#define PYNORM_REDUCE_THREADS 256 // = PYNORM_REDUCE_X * PYNORM_REDUCE_Y (__launch_bounds__)
+#define PYNORM_CAST_THREADS 256   // __launch_bounds__ of cast_params
+#define PYNORM_ITEM_BYTES 16      // bytes per item (one 16-byte vector)
+
+namespace pynorm {
+
+// ---------------------------------------------------------------------------
+// types
+
+template <bool C, typename X, typename Y> struct cond_type { using type = X; };
+template <typename X, typename Y> struct cond_type<false, X, Y> { using type = Y; };
+
+template <typename T> struct is_double { static constexpr bool value = false; };
+template <> struct is_double<double> { static constexpr bool value = true; };
+
+// accumulation type: double when any operand is double, else float
+template <typename T, typename W>
+using acc_t = typename cond_type<is_double<T>::value || is_double<W>::value, double, float>::type;
+
+// float16 values are bounded by 65504: sums of squares cannot overflow float, so
+// rows need no scaling.  bfloat16 / float / double share their accumulator's range.
+template <typename T> struct needs_scaling { static constexpr bool value = true; };
+template <> struct needs_scaling<__half> { static constexpr bool value = false; };
+
+// conversions: to the accumulator, and back with one round-to-nearest-even
+template <typename T> struct Conv;
+template <> struct Conv<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from(float a) { return __float2half_rn(a); }
+  static __device__ __forceinline__ __half from(double a) { return __double2half(a); }
+};
+template <> struct Conv<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from(float a) { return __float2bfloat16_rn(a); }
+  static __device__ __forceinline__ __nv_bfloat16 from(double a) { return __double2bfloat16(a); }
+};
+template <> struct Conv<float> {
+  static __device__ __forceinline__ float to_float(float v) { return v; }
+  static __device__ __forceinline__ float from(float a) { return a; }
+  static __device__ __forceinline__ float from(double a) { return __double2float_rn(a); }
+};
+template <> struct Conv<double> {
+  static __device__ __forceinline__ double to_float(double v) { return v; }
+  static __device__ __forceinline__ double from(float a) { return static_cast<double>(a); }
+  static __device__ __forceinline__ double from(double a) { return a; }
+};
+
+template <typename A, typename T> __device__ __forceinline__ A to_acc(T v) {
+  return static_cast<A>(Conv<T>::to_float(v));
+}
+template <typename T> __device__ __forceinline__ T zero_of() { return Conv<T>::from(0.0f); }
+
+template <typename A> struct Lim;
+template <> struct Lim<float> {
+  static __device__ __forceinline__ float max_finite() { return 3.40282346638528859812e+38f; }
+  static constexpr int min_exp = -126, max_exp = 126;
+};
+template <> struct Lim<double> {
+  static __device__ __forceinline__ double max_finite() { return 1.79769313486231570815e+308; }
+  static constexpr int min_exp = -1022, max_exp = 1022;
+};
+
+// a / b for per-row coefficients.  In double, a * (correctly rounded 1/b):
+// within one ulp of a / b, and it avoids the division's slow-path subroutine,
+// whose stack frame would otherwise put the fused backward in local memory.
+__device__ __forceinline__ float div_row(float a, float b) { return a / b; }
+__device__ __forceinline__ double div_row(double a, double b) { return a * __drcp_rn(b); }
+
+// ---------------------------------------------------------------------------
+// items
+
+template <typename T> struct alignas(16) Vec {
+  static constexpr int N = PYNORM_ITEM_BYTES / sizeof(T);
+  T v[N];
+};
+
+// Register budgets, in items per thread: BYTES / sizeof(A) elements (16 float or
+// 8 double for 64 bytes), i.e. BYTES * sizeof(T) / (16 * sizeof(A)) items, at least 1.
+//   forward: the items of the row a thread keeps in registers (further items go
+//            to dynamic shared memory or are re-read);
+//   fused backward: the items a thread owns, whose dweight / dbias sums it keeps
+//            in registers across rows (a row longer than that takes the split path).
+// `fits` is false when one item already holds more elements than the budget
+// (2-byte T with double accumulators in the backward): no fused path then.
+template <typename T, typename A, int BYTES> struct ItemsFor {
+  static constexpr int elems = BYTES / static_cast<int>(sizeof(A));
+  static constexpr bool fits = elems >= Vec<T>::N;
+  static constexpr int value = fits ? elems / Vec<T>::N : 1;
+};
+template <typename T, typename A> struct FwdItems : ItemsFor<T, A, PYNORM_FWD_ACC_BYTES> {};
+template <typename T, typename A> struct BwdItems : ItemsFor<T, A, PYNORM_BWD_ACC_BYTES> {};
+
+// first element of item k of thread t in a group of G threads: items hold V
+// consecutive elements, whether they are moved as one vector or one by one
+template <typename T> __device__ __forceinline__ int item_base(int t, int k, int G) {
+  return (t + G * k) * Vec<T>::N;
+}
+
+template <typename T> __device__ __forceinline__ Vec<T> zero_item() {
+  Vec<T> r;
+#pragma unroll
+  for (int e = 0; e < Vec<T>::N; ++e) r.v[e] = zero_of<T>();
+  return r;
+}
+
+// Elements at or beyond H read as 0 and are never written.  Vector mode moves
+// the item with one 16-byte access (the host guarantees alignment and H % V == 0);
+// scalar mode element by element (still coalesced through L1: a warp's accesses
+// cover whole cache lines over the V instructions).
+template <typename T>
+__device__ __forceinline__ Vec<T> load_item(const T* __restrict__ row, int base, int H, bool vec) {
+  constexpr int V = Vec<T>::N;
+  if (vec) {
+    if (base < H) return *reinterpret_cast<const Vec<T>*>(row + base);
+    return zero_item<T>();
+  }
+  Vec<T> r;
+  const T* p = row + base;
+#pragma unroll
+  for (int e = 0; e < V; ++e) r.v[e] = base + e < H ? p[e] : zero_of<T>();
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_item(T* __restrict__ row, const Vec<T>& r, int base, int H, bool vec) {
+  constexpr int V = Vec<T>::N;
+  if (vec) {
+    if (base < H) *reinterpret_cast<Vec<T>*>(row + base) = r;
+    return;
+  }
+  T* p = row + base;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    if (base + e < H) p[e] = r.v[e];
+  }
+}
+
+// effective weight (w + offset) of column i, or 1 without a weight
+template <typename A, typename W> __device__ __forceinline__ A eff_weight(const W* __restrict__ w, int i, A offset) {
+  return w != nullptr ? to_acc<A>(w[i]) + offset : A(1);
+}
+template <typename A, typename W> __device__ __forceinline__ A bias_at(const W* __restrict__ b, int i) {
+  return b != nullptr ? to_acc<A>(b[i]) : A(0);
+}
+
+// ---------------------------------------------------------------------------
+// group reductions.  Every thread of the group ends with the same, bitwise
+// identical value (xor butterflies are symmetric; the cross-warp step sums the
+// warp partials in a fixed order), so the results are deterministic.
+// `red` is a __shared__ buffer of at least N * 32 values.  G > 32 only when the
+// group is the whole block: then all threads of the block must call.
+
+template <int N, typename A> __device__ __forceinline__ void group_sum(A (&v)[N], int G, A* red) {
+  const int width = G < 32 ? G : 32;
+  for (int o = width >> 1; o > 0; o >>= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+  }
+  if (G > 32) {
+    const int warp = threadIdx.x >> 5, nw = G >> 5;
+    __syncthreads();  // the previous reduction's readers are done with `red`
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) red[i * 32 + warp] = v[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      A s = red[i * 32];
+      for (int q = 1; q < nw; ++q) s += red[i * 32 + q];
+      v[i] = s;
+    }
+  }
+}
+
+template <typename A> __device__ __forceinline__ A group_max(A v, int G, A* red) {
+  const int width = G < 32 ? G : 32;
+  for (int o = width >> 1; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (G > 32) {
+    const int warp = threadIdx.x >> 5, nw = G >> 5;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    v = red[0];
+    for (int q = 1; q < nw; ++q) v = fmax(v, red[q]);
+  }
+  return v;
+}
+
+// ---------------------------------------------------------------------------
+// row scaling.  A row is multiplied by s = 2^k (exact) chosen from its largest
+// magnitude so that the scaled values lie in [0.5, 4): squares and their sums
+// then cannot overflow and the statistics keep full precision even for rows
+// near the dtype's max or its smallest normals.  k = 0 for rows of zeros,
+// infinities or NaNs (they propagate as in the reference).
+
+template <typename A> __device__ __forceinline__ int scale_exponent(A amax) {
+  if (!(amax > A(0)) || isinf(amax)) return 0;
+  int e;
+  frexp(amax, &e);  // amax = m * 2^e, m in [0.5, 1)
+  int k = -e;
+  if (k < Lim<A>::min_exp) k = Lim<A>::min_exp;
+  if (k > Lim<A>::max_exp) k = Lim<A>::max_exp;
+  return k;
+}
+
+// v: the variance (LayerNorm) or mean square (RMSNorm) of the row scaled by
+// s = 2^k.  Computes, in double, the true r = 1/sqrt(v/s^2 + eps)
+// ("std": 1/(sqrt(v)/s + eps)) and rs = r / s, the factor applied to the scaled
+// centred values, without overflow or underflow of the intermediate terms.
+__device__ __forceinline__ void finalize_rstd(double v, int k, double eps, bool std_mode, double& r, double& rs) {
+  const double s = ldexp(1.0, k), inv_s = ldexp(1.0, -k);
+  if (k <= 0) {  // data scaled down (or not at all): eps * s^2 can only underflow
+    const double es = eps * s;
+    const double den = std_mode ? sqrt(v) + es : sqrt(v + es * s);
+    if (den > 0.0) {
+      rs = 1.0 / den;
+      r = rs * s;
+      return;
+    }
+    // v == 0 and the scaled eps underflowed (or eps == 0: r = inf, as in the reference)
+    r = std_mode ? 1.0 / eps : 1.0 / sqrt(eps);
+  } else {  // tiny data scaled up: the unscaled variance cannot overflow
+    if (eps == 0.0) {
+      rs = 1.0 / sqrt(v);
+      r = rs * s;
+      return;
+    }
+    const double var = v * inv_s * inv_s;
+    r = std_mode ? 1.0 / (sqrt(var) + eps) : 1.0 / sqrt(var + eps);
+  }
+  rs = r * inv_s;
+}
+
+// rs in the accumulator type; a finite r never gives an infinite factor (the
+// centred values are then exactly 0 and must stay 0, not 0 * inf = NaN).
+template <typename A> __device__ __forceinline__ A scaled_factor(double r, double rs) {
+  A a = static_cast<A>(rs);
+  if (isinf(a) && isfinite(r)) a = Lim<A>::max_finite();
+  return a;
+}
+
+// Centring in backward: u = (x - m) * r.  Where x - m overflows (|x|, |m| near
+// the dtype's max with opposite signs) it is taken as (x/2 - m/2) * (2r) instead;
+// both halvings are exact there, and the result is the same otherwise.
+template <typename A> __device__ __forceinline__ A centred(A x, A m, A r) {
+  const A d = x - m;
+  return isinf(d) ? (x * A(0.5) - m * A(0.5)) * (r * A(2)) : d * r;
+}
+
+}  // namespace pynorm

@@ -151,6 +151,16 @@ def term_scales(
 
     The fair yardstick for comparing two implementations: a result that is a
     small difference of large terms can only be as accurate as those terms.
+    With ``x̂ = (x - mean) r``, ``g = dy (w + o)``, ``n = H - correction`` and ``s``
+    the row's standard deviation (LayerNorm):
+
+    * LayerNorm ``y``: ``(|x̂| + s r) |w + o| + |b|`` -- the deviations at the row's
+      own unit (``s r <= 1``), not at the offset ``|mean|``: a common offset of
+      ``1e4`` must not loosen the yardstick; RMSNorm ``y``: ``|x̂| |w + o|``;
+    * ``dx``: ``r (|g| + mean|g| + |x̂| sum|g x̂| / n)`` (RMSNorm without the mean term);
+    * ``dweight``: ``sum_rows |dy x̂|``; ``dbias``: ``sum_rows |dy|``.
+
+    Returns a dict of float64 arrays keyed ``y``, ``dx``, ``dweight`` (, ``dbias``).
     """
     wide = np.longdouble  # float64 squares of huge float64 inputs would overflow
     x = x2.astype(wide)
@@ -171,8 +181,10 @@ def term_scales(
         b = params.get("bias")
         bias = 0 if b is None else np.abs(np.asarray(b, dtype=np.float64).reshape(h))
         dx = r * (g + g.mean(axis=1, keepdims=True) + xhat * (g * xhat).sum(axis=1, keepdims=True) * k / n)
+        # y's terms: x - mean, at the row's own unit (r s <= 1): float32 math centres with an
+        # error of a float32 ulp of the deviations, which is all a one-rounding result can promise
         out = {
-            "y": xhat * np.abs(w) + bias,
+            "y": (xhat + s * r) * np.abs(w) + bias,
             "dx": dx,
             "dweight": np.abs(dy * xhat).sum(axis=0),
             "dbias": np.abs(dy).sum(axis=0),

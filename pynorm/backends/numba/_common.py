@@ -1,0 +1,139 @@
+"""Host-side glue of the ``numba`` backend (mirrors :mod:`pynorm.reference._common`).
+
+The kernels see every array in its *storage* form: C-contiguous, with
+bfloat16 viewed as ``uint16`` and float16 as ``int16`` bits (numba computes on
+neither type; :mod:`._kernels` converts element by element, so a half input is
+never copied to a full-size float32 array). Parameters are converted once per
+call to the *math type* (float32, or float64 for float64 inputs) -- ``(H,)``
+vectors, negligible next to the ``(R, H)`` work.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from ._kernels import ROW_BLOCK, sum_blocks
+from ._threads import launch
+
+__all__ = [
+    "POOL",
+    "block_partials",
+    "effective_weight",
+    "math_dtype",
+    "output",
+    "param",
+    "reduce_blocks",
+    "stats",
+    "storage",
+]
+
+
+def math_dtype(dtype: Any) -> np.dtype[Any]:
+    """The dtype the kernels compute element-wise in for inputs of ``dtype``."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def storage(a: np.ndarray) -> np.ndarray:
+    """``a`` as the kernels read or write it: C-contiguous, half types as their bits (a view when possible)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == np.float16:
+        return a.view(np.int16)
+    if a.dtype.name == "bfloat16":
+        return a.view(np.uint16)
+    return a
+
+
+def effective_weight(weight: np.ndarray | None, offset: float, mdt: np.dtype[Any]) -> np.ndarray | None:
+    """``weight + offset`` in the math type, rounded once (None stays None, the offset then unused)."""
+    if weight is None:
+        return None
+    if offset == 0.0:
+        return np.ascontiguousarray(weight, dtype=mdt)
+    return np.ascontiguousarray(weight.astype(np.float64) + np.float64(offset), dtype=mdt)
+
+
+def param(p: np.ndarray | None, mdt: np.dtype[Any]) -> np.ndarray | None:
+    """A ``(H,)`` parameter in the math type (None stays None)."""
+    return None if p is None else np.ascontiguousarray(p, dtype=mdt)
+
+
+class _BufferPool:
+    """Recycles the memory of large outputs the caller has dropped.
+
+    A fresh multi-megabyte ``numpy.empty`` is page-faulted in by the kernel that
+    first writes it; where the OS does that 4 KiB at a time (no transparent huge
+    pages) it costs more than the normalization itself. Outputs of at least
+    :attr:`min_bytes` are therefore views of pool-owned byte buffers; a buffer is
+    handed out again only when the pool holds the *last* reference to it (every
+    array or view made from an output keeps a reference to its buffer), so a live
+    result is never overwritten. At most :attr:`max_bytes` of idle buffers are
+    kept; ``max_bytes = 0`` disables the pool.
+    """
+
+    def __init__(self, min_bytes: int = 1 << 22, max_bytes: int = 1 << 28) -> None:
+        self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
+        self._bufs: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def _free(self, i: int) -> bool:
+        # references: the list slot and getrefcount's own argument
+        return sys.getrefcount(self._bufs[i]) <= 2
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        if nbytes < self.min_bytes or self.max_bytes <= 0:
+            return np.empty(shape, dtype)
+        with self._lock:
+            for i in range(len(self._bufs)):
+                if self._bufs[i].nbytes == nbytes and self._free(i):
+                    buf = self._bufs.pop(i)
+                    self._bufs.append(buf)  # most recently used last
+                    return buf.view(dtype).reshape(shape)
+            buf = np.empty(nbytes, np.uint8)
+            self._bufs.append(buf)
+            idle = sum(b.nbytes for i, b in enumerate(self._bufs[:-1]) if self._free(i))
+            i = 0
+            while idle > self.max_bytes and i < len(self._bufs) - 1:
+                if self._free(i):
+                    idle -= self._bufs.pop(i).nbytes
+                else:
+                    i += 1
+            return buf.view(dtype).reshape(shape)
+
+
+#: the pool behind every output this backend allocates (``POOL.max_bytes = 0`` turns it off).
+POOL = _BufferPool()
+
+
+def output(out: np.ndarray | None, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``out`` (a C-contiguous array of the right shape and dtype) or a new array (see :class:`_BufferPool`)."""
+    return POOL.empty(shape, dtype) if out is None else out
+
+
+def stats(a: Any) -> np.ndarray:
+    """Per-row statistics from a ctx as contiguous float64 (a no-op for this backend's own ctx)."""
+    return np.ascontiguousarray(a, dtype=np.float64)
+
+
+def block_partials(rows: int, h: int, mdt: np.dtype[Any], needed: bool) -> np.ndarray | None:
+    """Scratch for per-row-block partial sums of a parameter gradient (None when not needed)."""
+    return np.empty((-(-rows // ROW_BLOCK), h), mdt) if needed else None
+
+
+def reduce_blocks(partials: np.ndarray, dtype: Any) -> np.ndarray:
+    """Sum the block partials (float64, fixed order) into a new ``(H,)`` array of ``dtype``."""
+    nb, h = partials.shape
+    result = np.empty(h, dtype)
+    if nb == 0:
+        result[...] = 0
+        return result
+    launch(sum_blocks, nb * h, partials, storage(result))
+    return result

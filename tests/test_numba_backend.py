@@ -1,0 +1,514 @@
+"""Tests specific to the ``numba`` backend (the shared suite runs it through the functional API too).
+
+Calls the backend modules directly and compares with :mod:`pynorm.reference`:
+accuracy per dtype and convention, determinism (repeated calls, 1 vs 2 threads,
+the single-thread small-input path), ``out=``/``dx_out=`` buffers, long-column
+parameter gradients, and the hard inputs of the numerical contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba", reason="numba is not installed: the numba backend is unavailable")
+
+from pynorm.backends.numba import _kernels, _threads  # noqa: E402
+from pynorm.backends.numba import layer_norm as nln  # noqa: E402
+from pynorm.backends.numba import rms_norm as nrms  # noqa: E402
+from pynorm.reference import layer_norm as rln  # noqa: E402
+from pynorm.reference import rms_norm as rrms  # noqa: E402
+
+try:
+    import ml_dtypes
+
+    BF16: Any = ml_dtypes.bfloat16
+except ImportError:  # pragma: no cover
+    BF16 = None
+
+DTYPES = [np.float32, np.float64, np.float16] + ([BF16] if BF16 is not None else [])
+# max |a - ref| / max |ref| allowed, per output dtype (half types: about one ulp of the output)
+TOL = {"float32": 1e-6, "float64": 1e-12, "float16": 2e-3, "bfloat16": 1.6e-2}
+TOL_PARAM = {"float32": 1e-5, "float64": 1e-12, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+# (rows, hidden): empty, tiny, H=1, odd sizes, and both backward paths (fused by row blocks; by rows then by
+# column tiles for few rows of many elements); CHUNK + 1 columns exercise the chunked row sums
+SHAPES = [(0, 5), (1, 1), (3, 1), (2, 3), (7, 33), (5, 9000), (_kernels.FUSED_MIN_ROWS + 3, _kernels.CHUNK + 1)]
+COLS_SHAPE = (9, 4000)  # few rows, many elements: the column-tile path
+
+
+def test_shapes_cover_both_backward_paths() -> None:
+    assert not _kernels.use_fused(5, 9000) and not _kernels.use_fused(*COLS_SHAPE)
+    assert _kernels.use_fused(7, 33) and _kernels.use_fused(_kernels.FUSED_MIN_ROWS + 3, 1)
+
+
+def rel(a: Any, ref: Any) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if ref.size == 0:
+        return 0.0
+    scale = float(np.max(np.abs(ref)))
+    return float(np.max(np.abs(a - ref))) / (scale if scale > 0 else 1.0)
+
+
+def name(dt: Any) -> str:
+    return np.dtype(dt).name
+
+
+def data(shape: tuple[int, ...], dt: Any, seed: int = 0, offset: float = 3.0) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    h = shape[1]
+    x = (rng.standard_normal(shape) * 2 + offset).astype(dt)
+    dy = rng.standard_normal(shape).astype(dt)
+    w = (1 + 0.5 * rng.standard_normal(h)).astype(dt)
+    b = rng.standard_normal(h).astype(dt)
+    return x, dy, w, b
+
+
+def ln_both(x: Any, dy: Any, w: Any, b: Any, **kw: Any) -> tuple[Any, Any, Any, Any]:
+    y, ctx = nln.forward(x, w, b, **kw)
+    yr, ctxr = rln.forward(x, w, b, **kw)
+    return y, nln.backward(dy, ctx), yr, rln.backward(dy, ctxr)
+
+
+def rms_both(x: Any, dy: Any, w: Any, **kw: Any) -> tuple[Any, Any, Any, Any]:
+    y, ctx = nrms.forward(x, w, **kw)
+    yr, ctxr = rrms.forward(x, w, **kw)
+    return y, nrms.backward(dy, ctx), yr, rrms.backward(dy, ctxr)
+
+
+def assert_close(g: Any, gr: Any, dt: Any, what: str = "") -> None:
+    for i, (a, ref) in enumerate(zip(g, gr)):
+        assert (a is None) == (ref is None), f"{what} output {i}: None mismatch"
+        if a is None:
+            continue
+        assert a.dtype == ref.dtype, f"{what} output {i}: dtype {a.dtype} != {ref.dtype}"
+        assert a.shape == ref.shape
+        tol = (TOL if i == 0 else TOL_PARAM)[name(a.dtype)]
+        err = rel(a, ref)
+        assert err <= tol, f"{what} output {i} ({a.dtype}): relative error {err:.2e} > {tol:.0e}"
+
+
+# ---------------------------------------------------------------------------
+# agreement with the reference
+
+
+LN_CONVENTIONS = [
+    {},
+    {"eps_mode": "std"},
+    {"correction": 1},
+    {"eps_mode": "std", "correction": 1, "weight_offset": 1.0},
+    {"weight_offset": 1.0},
+]
+# correction=1 needs H >= 2 (functional rejects H = 1): those pairs are not generated
+LN_CASES = [(s, c) for s in SHAPES for c in LN_CONVENTIONS if c.get("correction", 0) < s[1]]
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=name)
+@pytest.mark.parametrize(
+    "shape,conv",
+    LN_CASES,
+    ids=[f"{s}-{','.join(f'{k}={v}' for k, v in c.items()) or 'default'}" for s, c in LN_CASES],
+)
+def test_layer_norm_matches_reference(dt: Any, shape: tuple[int, int], conv: dict[str, Any]) -> None:
+    x, dy, w, b = data(shape, dt)
+    y, g, yr, gr = ln_both(x, dy, w, b, eps=1e-5, **conv)
+    assert y.dtype == x.dtype and g.dx.dtype == x.dtype
+    assert_close((y,), (yr,), dt, "y")
+    assert_close(g, gr, dt, "grads")
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_reference(dt: Any, shape: tuple[int, int], offset: float) -> None:
+    x, dy, w, _ = data(shape, dt)
+    y, g, yr, gr = rms_both(x, dy, w, eps=1e-6, weight_offset=offset)
+    assert_close((y,), (yr,), dt, "y")
+    if shape[1] == 1:
+        # dx = r g (1 - xhat^2) = r g eps r^2: all cancellation, so compare on the scale of r * g
+        _, ctx = nrms.forward(x, w, eps=1e-6, weight_offset=offset)
+        scale = np.max(np.abs(ctx.rstd[:, None] * dy.astype(np.float64) * (w.astype(np.float64) + offset)))
+        assert np.max(np.abs(g.dx.astype(np.float64) - gr.dx.astype(np.float64))) <= TOL[name(dt)] * scale
+        g, gr = g[1:], gr[1:]
+    assert_close(g, gr, dt, "grads")
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64], ids=name)
+@pytest.mark.parametrize("params", ["none", "weight", "bias"])
+@pytest.mark.parametrize("shape", [(7, 33), COLS_SHAPE, (_kernels.FUSED_MIN_ROWS + 5, 40)], ids=str)
+def test_optional_parameters(dt: Any, params: str, shape: tuple[int, int]) -> None:
+    x, dy, w, b = data(shape, dt)
+    wa = w if params == "weight" else None
+    ba = b if params == "bias" else None
+    y, g, yr, gr = ln_both(x, dy, wa, ba, eps=1e-5)
+    assert_close((y,), (yr,), dt, "y")
+    assert_close(g, gr, dt, "grads")
+    y, g, yr, gr = rms_both(x, dy, wa, eps=1e-5)
+    assert_close((y,), (yr,), dt, "y")
+    assert_close(g, gr, dt, "grads")
+
+
+@pytest.mark.parametrize("wdt", DTYPES, ids=name)
+def test_mixed_parameter_dtypes(wdt: Any) -> None:
+    x, dy, w, b = data((9, 20), np.float32)
+    w, b = w.astype(wdt), b.astype(np.float64)
+    y, g, yr, gr = ln_both(x, dy, w, b, eps=1e-5)
+    assert g.dweight.dtype == np.dtype(wdt) and g.dbias.dtype == np.float64
+    assert_close((y,), (yr,), np.float32, "y")
+    # the math type follows x (float32): parameter gradients are float32-accurate, then rounded to their dtype
+    tol = max(TOL_PARAM["float32"], TOL_PARAM[name(wdt)])
+    assert rel(g.dx, gr.dx) <= TOL["float32"]
+    assert rel(g.dweight, gr.dweight) <= tol and rel(g.dbias, gr.dbias) <= TOL_PARAM["float32"]
+
+
+def test_non_contiguous_inputs() -> None:
+    x, dy, w, b = data((40, 24), np.float32)
+    xf, dyf = np.asfortranarray(x), np.asfortranarray(dy)
+    xs = np.zeros((40, 48), np.float32)[:, ::2]
+    xs[...] = x
+    dys = np.zeros((80, 24), np.float32)[::2]
+    dys[...] = dy
+    wide_w = np.zeros(48, np.float32)
+    wide_w[::2] = w
+    for xx, dd, ww in [(xf, dyf, w), (xs, dys, wide_w[::2])]:
+        y, ctx = nln.forward(xx, ww, b, eps=1e-5)
+        y0, ctx0 = nln.forward(x, w, b, eps=1e-5)
+        assert np.array_equal(y, y0)
+        g, g0 = nln.backward(dd, ctx), nln.backward(dy, ctx0)
+        for a, a0 in zip(g, g0):
+            assert np.array_equal(a, a0)
+        y, ctx = nrms.forward(xx, ww, eps=1e-5)
+        y0, ctx0 = nrms.forward(x, w, eps=1e-5)
+        assert np.array_equal(y, y0)
+        assert np.array_equal(nrms.backward(dd, ctx).dx, nrms.backward(dy, ctx0).dx)
+
+
+def test_inputs_not_mutated_and_ctx_fields() -> None:
+    x, dy, w, b = data((30, 17), BF16 if BF16 is not None else np.float16)
+    copies = [a.copy() for a in (x, dy, w, b)]
+    y, ctx = nln.forward(x, w, b, eps=1e-5, correction=1, eps_mode="std", weight_offset=0.5)
+    g = nln.backward(dy, ctx)
+    for a, c in zip((x, dy, w, b), copies):
+        assert np.array_equal(a.view(np.uint16), c.view(np.uint16))
+    assert isinstance(ctx, rln.LayerNormCtx) and isinstance(g, rln.LayerNormGrads)
+    assert ctx.x is x and ctx.weight is w and ctx.bias is b
+    assert ctx.mean.shape == (30,) and ctx.rstd.shape == (30,) and ctx.mean.dtype == np.float64
+    assert (ctx.eps, ctx.correction, ctx.eps_mode, ctx.weight_offset) == (1e-5, 1, "std", 0.5)
+    _, rctx = nrms.forward(x, w, eps=1e-5, weight_offset=0.5)
+    assert isinstance(rctx, rrms.RMSNormCtx) and rctx.x is x and rctx.rstd.dtype == np.float64
+    assert isinstance(nrms.backward(dy, rctx), rrms.RMSNormGrads)
+    assert not np.shares_memory(y, x) and not np.shares_memory(g.dx, dy)
+
+
+# ---------------------------------------------------------------------------
+# output buffers
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=name)
+@pytest.mark.parametrize("shape", [(6, 50), COLS_SHAPE, (_kernels.FUSED_MIN_ROWS + 1, 70)], ids=str)
+def test_out_buffers(dt: Any, shape: tuple[int, int]) -> None:
+    x, dy, w, b = data(shape, dt)
+    y0, ctx = nln.forward(x, w, b, eps=1e-5)
+    g0 = nln.backward(dy, ctx)
+    out = np.full(shape, np.nan, dtype=dt)
+    dx_out = np.full(shape, np.nan, dtype=dt)
+    y, ctx = nln.forward(x, w, b, eps=1e-5, out=out)
+    g = nln.backward(dy, ctx, dx_out=dx_out)
+    assert y is out and g.dx is dx_out
+    assert np.array_equal(y, y0) and np.array_equal(g.dx, g0.dx)
+    assert np.array_equal(g.dweight, g0.dweight) and np.array_equal(g.dbias, g0.dbias)
+    y0, ctx = nrms.forward(x, w, eps=1e-5)
+    g0 = nrms.backward(dy, ctx)
+    y, ctx = nrms.forward(x, w, eps=1e-5, out=out)
+    g = nrms.backward(dy, ctx, dx_out=dx_out)
+    assert y is out and g.dx is dx_out
+    assert np.array_equal(y, y0) and np.array_equal(g.dx, g0.dx) and np.array_equal(g.dweight, g0.dweight)
+
+
+# ---------------------------------------------------------------------------
+# determinism
+
+
+def _run_all(x: Any, dy: Any, w: Any, b: Any) -> list[np.ndarray]:
+    res = []
+    for conv in ({}, {"eps_mode": "std", "correction": 1}):
+        y, ctx = nln.forward(x, w, b, eps=1e-5, **conv)
+        res += [y, ctx.mean, ctx.rstd, *nln.backward(dy, ctx)]
+    y, ctx = nrms.forward(x, w, eps=1e-5)
+    res += [y, ctx.rstd, *nrms.backward(dy, ctx)]
+    return res
+
+
+DET_SHAPES = [(50, 300), (_kernels.FUSED_MIN_ROWS * 4 + 7, 130), (3, 20000), COLS_SHAPE]
+
+
+def _assert_bitwise(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert u.dtype == v.dtype
+        assert np.array_equal(u.view(np.uint8), v.view(np.uint8)), f"result {i} differs"
+
+
+@pytest.mark.parametrize("shape", DET_SHAPES, ids=str)
+def test_repeated_calls_bitwise_identical(shape: tuple[int, int]) -> None:
+    x, dy, w, b = data(shape, np.float32)
+    first = _run_all(x, dy, w, b)
+    for _ in range(3):
+        _assert_bitwise(first, _run_all(x, dy, w, b))
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
+@pytest.mark.parametrize("dt", [np.float32, np.float64], ids=name)
+@pytest.mark.parametrize("shape", DET_SHAPES, ids=str)
+def test_thread_count_does_not_change_results(dt: Any, shape: tuple[int, int]) -> None:
+    x, dy, w, b = data(shape, dt)
+    try:
+        _threads.set_num_threads(2)
+        two = _run_all(x, dy, w, b)
+        _threads.set_num_threads(1)
+        one = _run_all(x, dy, w, b)
+    finally:
+        _threads.set_num_threads(None)
+    _assert_bitwise(two, one)
+    # numba's own per-thread setting is respected the same way
+    old = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        assert _threads.get_num_threads() == 1
+        _assert_bitwise(two, _run_all(x, dy, w, b))
+    finally:
+        numba.set_num_threads(old)
+
+
+def test_serial_threshold_path_matches_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, dy, w, b = data((_kernels.FUSED_MIN_ROWS * 2 + 3, 100), np.float32)
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 0)
+    parallel = _run_all(x, dy, w, b)
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 1 << 62)
+    serial = _run_all(x, dy, w, b)
+    _assert_bitwise(parallel, serial)
+
+
+def test_launch_uses_one_thread_below_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 1000)
+    _threads.launch(lambda: seen.append(numba.get_num_threads()), 10)
+    _threads.launch(lambda: seen.append(numba.get_num_threads()), 10**6)
+    assert seen == [1, numba.get_num_threads()]
+
+
+def test_set_num_threads_validation() -> None:
+    with pytest.raises(ValueError):
+        _threads.set_num_threads(0)
+    with pytest.raises(ValueError):
+        _threads.set_num_threads(numba.config.NUMBA_NUM_THREADS + 1)
+    with pytest.raises(TypeError):
+        _threads.set_num_threads(1.5)  # type: ignore[arg-type]
+    try:
+        _threads.set_num_threads(1)
+        assert _threads.get_num_threads() == 1
+    finally:
+        _threads.set_num_threads(None)
+    assert _threads.get_num_threads() == numba.get_num_threads()
+
+
+# ---------------------------------------------------------------------------
+# accuracy on long columns and hard inputs
+
+
+def test_parameter_gradients_over_65536_rows() -> None:
+    rows, h = 65536, 48
+    x, dy, w, b = data((rows, h), np.float32, seed=1)
+    dy = (dy + 0.5).astype(np.float32)  # a common sign: the sums grow like the row count
+    _, g, _, gr = ln_both(x, dy, w, b, eps=1e-5)
+    assert rel(g.dweight, gr.dweight) <= 1e-5 and rel(g.dbias, gr.dbias) <= 1e-5
+    assert np.max(np.abs(g.dbias / gr.dbias.astype(np.float64) - 1)) <= 1e-5
+    _, g, _, gr = rms_both(x, dy, w, eps=1e-5)
+    assert rel(g.dweight, gr.dweight) <= 1e-5
+
+
+def test_large_offset_rows_keep_full_accuracy() -> None:
+    rng = np.random.default_rng(3)
+    x = (1e4 + rng.standard_normal((64, 512))).astype(np.float32)
+    dy = rng.standard_normal((64, 512)).astype(np.float32)
+    w = np.ones(512, np.float32)
+    b = np.zeros(512, np.float32)
+    y, g, yr, gr = ln_both(x, dy, w, b, eps=1e-5)
+    assert rel(y, yr) <= 1e-6
+    assert rel(g.dx, gr.dx) <= 1e-6
+    assert rel(g.dweight, gr.dweight) <= 1e-5
+    _, ctx = nln.forward(x, w, b, eps=1e-5)
+    _, ctxr = rln.forward(x, w, b, eps=1e-5)
+    assert np.max(np.abs(ctx.mean - ctxr.mean.astype(np.float64))) <= 1e-9 * 1e4
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64, np.float16] + ([BF16] if BF16 else []), ids=name)
+def test_magnitudes_near_dtype_max_are_finite(dt: Any) -> None:
+    big = float(np.finfo(dt).max) if dt is not BF16 else float(ml_dtypes.finfo(BF16).max)
+    rng = np.random.default_rng(4)
+    x = (rng.uniform(-1, 1, (6, 40)) * big).astype(dt)
+    x[1] = x[1] * 0 + np.asarray(big, dtype=dt)  # constant row at the max
+    x[2, :20] = np.asarray(big, dtype=dt)
+    x[2, 20:] = np.asarray(-big, dtype=dt)  # largest spread: x - mean overflows the dtype
+    dy = rng.standard_normal((6, 40)).astype(dt)
+    w = np.ones(40, dt)
+    b = np.zeros(40, dt)
+    for y, g, yr, gr in (ln_both(x, dy, w, b, eps=1e-5), rms_both(x, dy, w, eps=1e-5)):
+        for a in (y, *g):
+            assert np.all(np.isfinite(a.astype(np.float64)))
+        assert_close((y,), (yr,), dt, "y")
+        assert_close(g[:1], gr[:1], dt, "dx")
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64], ids=name)
+def test_tiny_magnitudes(dt: Any) -> None:
+    tiny = float(np.finfo(dt).smallest_subnormal) * 1000
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((4, 64)) * tiny).astype(dt)
+    dy = rng.standard_normal((4, 64)).astype(dt)
+    w = np.ones(64, dt)
+    for eps in (0.0, 1e-30):
+        # y is O(1) either way; with eps = 0 the gradients are ~ 1/tiny and may overflow (as in the reference)
+        y, g, yr, gr = ln_both(x, dy, w, None, eps=eps)
+        assert np.all(np.isfinite(y)) and rel(y, yr) <= TOL[name(dt)]
+        assert rel(g.dx, gr.dx) <= TOL[name(dt)] if eps else np.array_equal(np.isfinite(g.dx), np.isfinite(gr.dx))
+        y, g, yr, gr = rms_both(x, dy, w, eps=eps)
+        assert np.all(np.isfinite(y)) and rel(y, yr) <= TOL[name(dt)]
+        assert rel(g.dx, gr.dx) <= TOL[name(dt)] if eps else np.array_equal(np.isfinite(g.dx), np.isfinite(gr.dx))
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=name)
+def test_constant_rows_and_hidden_size_one(dt: Any) -> None:
+    rng = np.random.default_rng(6)
+    x = np.repeat(rng.standard_normal((5, 1)) * 100, 37, axis=1).astype(dt)
+    x[4] = 0
+    dy = rng.standard_normal((5, 37)).astype(dt)
+    w = rng.standard_normal(37).astype(dt)
+    b = rng.standard_normal(37).astype(dt)
+    y, ctx = nln.forward(x, w, b, eps=1e-5)
+    assert np.array_equal(y, np.broadcast_to(b, y.shape))  # xhat is exactly 0
+    g = nln.backward(dy, ctx)
+    assert np.all(g.dweight.astype(np.float64) == 0)
+    assert np.all(np.isfinite(g.dx.astype(np.float64)))
+    y, ctx = nln.forward(x, w, b, eps=1e-5, eps_mode="std")
+    assert np.array_equal(y, np.broadcast_to(b, y.shape))
+    assert np.all(nln.backward(dy, ctx).dweight.astype(np.float64) == 0)
+    x1, dy1 = x[:, :1].copy(), dy[:, :1].copy()
+    y, ctx = nln.forward(x1, w[:1], b[:1], eps=1e-5)
+    g = nln.backward(dy1, ctx)
+    assert np.array_equal(y, np.broadcast_to(b[:1], y.shape))
+    assert g.dweight[0] == 0 and np.all(g.dx.astype(np.float64) == 0)
+
+
+@pytest.mark.parametrize("shape", [(_kernels.FUSED_MIN_ROWS + 4, 16), (9, 4000)], ids=str)
+def test_nan_stays_in_its_row(shape: tuple[int, int]) -> None:
+    x, dy, w, b = data(shape, np.float32)
+    x[3, 5] = np.nan
+    x[7, 2] = np.inf
+    y, ctx = nln.forward(x, w, b, eps=1e-5)
+    g = nln.backward(dy, ctx)
+    assert np.all(np.isnan(y[3])) and np.all(np.isnan(g.dx[3]))
+    ok = np.ones(len(x), bool)
+    ok[[3, 7]] = False
+    assert np.all(np.isfinite(y[ok])) and np.all(np.isfinite(g.dx[ok]))
+    y, ctx = nrms.forward(x, w, eps=1e-5)
+    assert np.all(np.isnan(y[3])) and np.all(np.isfinite(y[ok]))
+
+
+# ---------------------------------------------------------------------------
+# conversions inside the kernels
+
+
+@numba.njit
+def _store_f32(kind: Any, v: Any) -> Any:  # pragma: no cover - jitted
+    out = np.empty(v.shape[0], kind)
+    for j in range(v.shape[0]):
+        _kernels.st(out, j, v[j])
+    return out
+
+
+@numba.njit
+def _store_f64(kind: Any, v: Any) -> Any:  # pragma: no cover - jitted
+    out = np.empty(v.shape[0], kind)
+    for j in range(v.shape[0]):
+        _kernels.st_exact(out, j, v[j])
+    return out
+
+
+@numba.njit
+def _load(a: Any) -> Any:  # pragma: no cover - jitted
+    out = np.empty(a.shape[0], np.float32)
+    for j in range(a.shape[0]):
+        out[j] = _kernels.ld(a[j])
+    return out
+
+
+def _special_f32() -> np.ndarray:
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32)
+    v = bits.view(np.float32)
+    extra = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65520, 1e-8, 3.4e38, 1.0 + 2**-8, 1.0 + 3 * 2**-9])
+    return np.concatenate([v, extra.astype(np.float32)])
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_half_conversions_match_numpy(target: str) -> None:
+    if target == "bfloat16" and BF16 is None:
+        pytest.skip("ml_dtypes is not installed")
+    dt = np.dtype(np.float16) if target == "float16" else np.dtype(BF16)
+    bits = np.int16 if target == "float16" else np.uint16
+    v = _special_f32()
+    got = _store_f32(bits, v).view(dt)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = v.astype(dt)
+    same = (got.view(bits) == want.view(bits)) | (np.isnan(got.astype(np.float32)) & np.isnan(want.astype(np.float32)))
+    assert np.all(same)
+    back = _load(want.view(bits))
+    assert np.array_equal(back, want.astype(np.float32), equal_nan=True)
+    # float64 -> half is rounded once, correctly (via round-to-odd float32)
+    rng = np.random.default_rng(8)
+    v64 = rng.standard_normal(100000) * np.exp2(rng.integers(-20, 20, 100000))
+    from pynorm.reference._common import round_to
+
+    assert np.array_equal(_store_f64(bits, v64).view(dt), round_to(v64, dt))
+
+
+# ---------------------------------------------------------------------------
+# output buffer pool and benchmark baselines
+
+
+def test_output_pool_reuses_only_dropped_buffers() -> None:
+    from pynorm.backends.numba._common import POOL, output
+
+    shape = (POOL.min_bytes // 4 // 256 + 1, 256)
+    a = output(None, shape, np.float32)
+    pa = a.__array_interface__["data"][0]
+    view = a[::2]
+    del a
+    b = output(None, shape, np.float32)
+    assert b.__array_interface__["data"][0] != pa  # a view keeps the buffer alive
+    del view
+    c = output(None, shape, np.float32)
+    assert c.__array_interface__["data"][0] == pa
+    assert c.shape == shape and c.dtype == np.float32 and c.flags.c_contiguous and c.flags.writeable
+    assert not np.shares_memory(b, c)
+    x, _, w, bias = data(shape, np.float32)
+    y1, _ = nln.forward(x, w, bias, eps=1e-5)
+    y2, _ = nln.forward(x, w, bias, eps=1e-5)
+    assert not np.shares_memory(y1, y2) and np.array_equal(y1, y2)
+
+
+def test_benchmark_naive_baselines_match_reference() -> None:
+    from pynorm import benchmark
+
+    x, dy, w, b = data((16, 40), np.float32)
+    y, cache = benchmark.naive_layer_norm(x, w, b)
+    g = benchmark.naive_layer_norm_backward(dy, cache)
+    yr, gr = ln_both(x, dy, w, b, eps=benchmark.LN_EPS)[2:]
+    assert rel(y, yr) < 1e-5 and all(rel(a, r) < 1e-4 for a, r in zip(g, gr))
+    y, cache = benchmark.naive_rms_norm(x, w)
+    g = benchmark.naive_rms_norm_backward(dy, cache)
+    yr, gr = rms_both(x, dy, w, eps=benchmark.RMS_EPS)[2:]
+    assert rel(y, yr) < 1e-5 and all(rel(a, r) < 1e-4 for a, r in zip(g, gr))

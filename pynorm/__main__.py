@@ -58,7 +58,10 @@ def demo(rows: int = 64, hidden: int = 384) -> int:
     for info in pynorm.list_backends():
         state = "available" if info.available else f"unavailable: {info.reason}"
         print(f"  backend {info.name:6s} ({info.array_type}, priority {info.priority}): {state}")
-    print(f"\ninput {rows}x{hidden}, N(0,1) + 3; errors are max|a - ref| / max|ref| per tensor")
+    print(f"\ninput {rows}x{hidden}, N(0,1) + 3; errors are max|a - ref| / max|ref| per tensor;")
+    print("ms = one forward + backward, including JIT compilation on a backend's first call of a dtype")
+    if len(_dtypes()) < 4:
+        print("(bfloat16 rows need ml_dtypes: pip install ml_dtypes)")
     header = (
         f"{'op':11s} {'backend':8s} {'dtype':9s} {'y':>9s} {'dx':>9s} {'dparams':>9s} {'ms':>7s}  gradcheck(float64)"
     )

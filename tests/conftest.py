@@ -22,7 +22,7 @@ from pynorm import _registry
 
 settings.register_profile(
     "ci",
-    max_examples=40,
+    max_examples=100,
     derandomize=True,
     deadline=None,
     print_blob=True,

@@ -512,3 +512,34 @@ def test_benchmark_naive_baselines_match_reference() -> None:
     g = benchmark.naive_rms_norm_backward(dy, cache)
     yr, gr = rms_both(x, dy, w, eps=benchmark.RMS_EPS)[2:]
     assert rel(y, yr) < 1e-5 and all(rel(a, r) < 1e-4 for a, r in zip(g, gr))
+
+
+def test_no_fallback_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every path of the numba backend (fast rows, slow scaled rows, serial and parallel) must run
+    # without the reference: make the reference unusable and run all of them
+    import pynorm
+    from pynorm.reference import layer_norm as ref_ln
+    from pynorm.reference import rms_norm as ref_rms
+
+    def boom(*a: Any, **k: Any) -> None:
+        raise AssertionError("the numba backend called the reference")
+
+    for mod in (ref_ln, ref_rms):
+        monkeypatch.setattr(mod, "forward", boom)
+        monkeypatch.setattr(mod, "backward", boom)
+    rng = np.random.default_rng(0)
+    for dt in DTYPES:
+        big = float(
+            np.finfo(np.float16).max if np.dtype(dt) == np.float16 else 1e38 if np.dtype(dt).itemsize <= 4 else 1e300
+        )
+        for shape in ((3, 5), (300, 257)):
+            x = (np.clip(rng.standard_normal(shape), -1.8, 1.8) * 0.5 * big).astype(dt)
+            x[0] = 1e-3  # a constant row beside huge ones
+            w = np.ones(shape[1], dt)
+            for f, b in (
+                (pynorm.layer_norm_forward, pynorm.layer_norm_backward),
+                (pynorm.rms_norm_forward, pynorm.rms_norm_backward),
+            ):
+                y, ctx = f(x, w, backend="numba")
+                g = b(np.ones_like(x), ctx)
+                assert np.all(np.isfinite(y.astype(np.float64))) and np.all(np.isfinite(g.dx.astype(np.float64)))

@@ -512,3 +512,34 @@ def test_benchmark_naive_baselines_match_reference() -> None:
     g = benchmark.naive_rms_norm_backward(dy, cache)
     yr, gr = rms_both(x, dy, w, eps=benchmark.RMS_EPS)[2:]
     assert rel(y, yr) < 1e-5 and all(rel(a, r) < 1e-4 for a, r in zip(g, gr))
+
+
+@pytest.mark.parametrize("params", ["wb", "w", "b", ""])
+@pytest.mark.parametrize("h", [5, 16, 1000, 1037])
+def test_streaming_stores_match_plain_stores(params: str, h: int) -> None:
+    # large float32 outputs are written with streaming stores (aligned part of each row);
+    # the values must be bitwise those of the plain loops, for any alignment of the output
+    rng = np.random.default_rng(7)
+    rows = 19
+    x = rng.standard_normal((rows, h)).astype(np.float32) * 3 + 1
+    x[3] = 1e30  # slow path (rounded to inf in float32: a non-finite row) and a constant row
+    x[4] = 2.5
+    x[5, ::3] = 3e38
+    w = rng.standard_normal(h).astype(np.float32) if "w" in params else None
+    b = rng.standard_normal(h).astype(np.float32) if "b" in params else None
+    for off in range(0, 16, 3):
+        outs = []
+        for stream in (False, True):
+            buf = np.full(rows * h + 16, np.float32(7.0))
+            y = buf[off : off + rows * h].reshape(rows, h)
+            mean, rstd = np.empty(rows), np.empty(rows)
+            _kernels.ln_fwd(x, w, b, 1e-5, 0, False, y, mean, rstd, stream)
+            yr = np.full_like(buf, np.float32(7.0))[off : off + rows * h].reshape(rows, h)
+            r2 = np.empty(rows)
+            _kernels.rms_fwd(x, w, 1e-5, yr, r2, stream)
+            outs.append((buf.copy(), mean, rstd, yr.copy(), r2))
+        for a, c in zip(outs[0], outs[1], strict=True):
+            np.testing.assert_array_equal(a, c)
+    assert _kernels.use_stream(np.empty((4096, 1024), np.float32))
+    assert not _kernels.use_stream(np.empty((4096, 1024), np.float64))
+    assert not _kernels.use_stream(np.empty((65536, 128), np.float32))

@@ -55,6 +55,7 @@ def forward(
             cm.storage(y),
             mean,
             rstd,
+            k.use_stream(cm.storage(y)),
         )
     ctx = LayerNormCtx(x, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset))
     return y, ctx

@@ -32,7 +32,8 @@ def forward(
     rstd = np.empty(rows)
     if rows:
         w = cm.effective_weight(weight, weight_offset, cm.math_dtype(x.dtype))
-        launch(k.rms_fwd, rows * h, cm.storage(x), w, float(eps), cm.storage(y), rstd)
+        ys = cm.storage(y)
+        launch(k.rms_fwd, rows * h, cm.storage(x), w, float(eps), ys, rstd, k.use_stream(ys))
     return y, RMSNormCtx(x, weight, rstd, float(eps), float(weight_offset))
 
 

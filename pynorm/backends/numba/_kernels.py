@@ -274,6 +274,57 @@ def _ln_out_nt(typingctx, xr, w, b, k, c, r, yr, j):  # type: ignore[no-untyped-
 
 
 @intrinsic
+def _ln_dx_nt(typingctx, xr, dyr, w, k, c, r, gbar, coef, dxr, j):  # type: ignore[no-untyped-def]
+    """``dxr[j : j + LANES] = r * ((g - gbar) - xhat * coef)`` (float32, as :func:`_ln_bwd_dx`), streaming store."""
+    # typed for every dtype (see _ln_out_nt); code for float32 only
+    f32 = xr.dtype == types.float32 and dyr.dtype == types.float32 and dxr.dtype == types.float32
+    has_w = not isinstance(w, types.NoneType)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        if not f32:
+            return context.get_dummy_value()
+        ax, ady, aw, vk, vc, vr, vg, vco, adx, vj = args
+        ta = sig.args
+        d = builder.fsub(builder.fsub(_vload(context, builder, ta[0], ax, vj), _splat(builder, vk, LANES)),
+                         _splat(builder, vc, LANES))  # fmt: skip
+        rv = _splat(builder, vr, LANES)
+        xhat = _fm(builder.fmul(d, rv))
+        g = _vload(context, builder, ta[1], ady, vj)
+        if has_w:
+            g = builder.fmul(g, _vload(context, builder, ta[2], aw, vj))  # no flags, as _prod
+        t = _fm(builder.fsub(g, _splat(builder, vg, LANES)))
+        u = _fm(builder.fsub(t, _fm(builder.fmul(xhat, _splat(builder, vco, LANES)))))
+        _vstore_nt(context, builder, ta[8], adx, vj, _fm(builder.fmul(rv, u)))
+        return context.get_dummy_value()
+
+    return types.none(xr, dyr, w, k, c, r, gbar, coef, dxr, j), codegen
+
+
+@intrinsic
+def _rms_dx_nt(typingctx, xr, dyr, w, r, coef, dxr, j):  # type: ignore[no-untyped-def]
+    """``dxr[j : j + LANES] = r * (g - xhat * coef)`` (float32, as :func:`_rms_bwd_dx`), streaming store."""
+    # typed for every dtype (see _ln_out_nt); code for float32 only
+    f32 = xr.dtype == types.float32 and dyr.dtype == types.float32 and dxr.dtype == types.float32
+    has_w = not isinstance(w, types.NoneType)
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        if not f32:
+            return context.get_dummy_value()
+        ax, ady, aw, vr, vco, adx, vj = args
+        ta = sig.args
+        rv = _splat(builder, vr, LANES)
+        g = _vload(context, builder, ta[1], ady, vj)
+        if has_w:
+            g = _fm(builder.fmul(g, _vload(context, builder, ta[2], aw, vj)))
+        xhat = _fm(builder.fmul(_vload(context, builder, ta[0], ax, vj), rv))
+        u = _fm(builder.fsub(g, _fm(builder.fmul(xhat, _splat(builder, vco, LANES)))))
+        _vstore_nt(context, builder, ta[5], adx, vj, _fm(builder.fmul(rv, u)))
+        return context.get_dummy_value()
+
+    return types.none(xr, dyr, w, r, coef, dxr, j), codegen
+
+
+@intrinsic
 def _rms_out_nt(typingctx, xr, w, r, yr, j):  # type: ignore[no-untyped-def]
     """``yr[j : j + LANES] = x * r [* w]`` (float32, as :func:`_rms_out`), streaming store."""
     # typed for every dtype (the caller's branch on _streams is typed even where it is dead); code for float32 only
@@ -801,6 +852,30 @@ def _ln_bwd_dx(xr, dyr, w, k, c, r, gbar, coef, dxr):  # type: ignore[no-untyped
 
 
 @_jit(_FM_SUM, inline="always")
+def _ln_dx_range(xr, dyr, w, k, c, r, gbar, coef, dxr, lo, hi):  # type: ignore[no-untyped-def]
+    """:func:`_ln_bwd_dx` of the elements ``lo <= j < hi`` (whole rows)."""
+    for j in range(lo, hi):
+        xhat = _centre(ld(xr[j]), k, c) * r
+        dy = ld(dyr[j])
+        g = _prod(dy, w[j]) if w is not None else dy
+        st(dxr, j, r * ((g - gbar) - xhat * coef))
+
+
+@_jit(_FM_SUM, inline="always")
+def _ln_bwd_dx_s(xr, dyr, w, k, c, r, gbar, coef, dxr, stream):  # type: ignore[no-untyped-def]
+    """:func:`_ln_bwd_dx`, with streaming stores for the aligned part of a float32 row when ``stream``."""
+    if stream and _streams(dxr):
+        h = xr.shape[0]
+        j0, j1 = _stream_span(dxr)
+        _ln_dx_range(xr, dyr, w, k, c, r, gbar, coef, dxr, 0, j0)
+        for j in range(j0, j1, LANES):
+            _ln_dx_nt(xr, dyr, w, k, c, r, gbar, coef, dxr, j)
+        _ln_dx_range(xr, dyr, w, k, c, r, gbar, coef, dxr, j1, h)
+    else:
+        _ln_bwd_dx(xr, dyr, w, k, c, r, gbar, coef, dxr)
+
+
+@_jit(_FM_SUM, inline="always")
 def _ln_acc(xr, dyr, k, c, r, pw, pb, blk, j0):  # type: ignore[no-untyped-def]
     """Add one fast-path row segment's ``dy * xhat`` to ``pw[blk, j0:]`` and ``dy`` to ``pb[blk, j0:]``."""
     n = xr.shape[0]
@@ -921,7 +996,7 @@ def _ln_kc(xr, mean, r):  # type: ignore[no-untyped-def]
 
 
 @_jit(_FM_SUM, inline="always")
-def _ln_bwd_rowdx(xr, dyr, w, mean, r, corr, std_mode, dxr, pw, pb, blk):  # type: ignore[no-untyped-def]
+def _ln_bwd_rowdx(xr, dyr, w, mean, r, corr, std_mode, dxr, pw, pb, blk, stream):  # type: ignore[no-untyped-def]
     """dx of one row (and, on the fast path, its share of the partials ``pw[blk]``/``pb[blk]``).
 
     Returns ``(scale, k, c, r)``: ``scale == _SLOW`` on the fast path, else the slow
@@ -942,7 +1017,7 @@ def _ln_bwd_rowdx(xr, dyr, w, mean, r, corr, std_mode, dxr, pw, pb, blk):  # typ
                 coef = sgx / (n * s * r) if s > 0 else 0.0
             else:
                 coef = sgx / n
-            _ln_bwd_dx(xr, dyr, w, k, c, rt, tcast(xr, sg / h), tcast(xr, coef), dxr)
+            _ln_bwd_dx_s(xr, dyr, w, k, c, rt, tcast(xr, sg / h), tcast(xr, coef), dxr, stream)
             return _SLOW, k, c, rt
     return _ln_bwd_row_slow(xr, dyr, w, mean, r, corr, std_mode, dxr), k, c, rt
 
@@ -964,7 +1039,7 @@ def _ln_redo_block(x, dy, mean, rstd, i0, scale, pw, pb, blk):  # type: ignore[n
 
 
 @_jit(_FM_SUM, parallel=True)
-def ln_bwd_fused(x, dy, w, mean, rstd, corr, std_mode, dx, pw, pb):  # type: ignore[no-untyped-def]
+def ln_bwd_fused(x, dy, w, mean, rstd, corr, std_mode, dx, pw, pb, stream):  # type: ignore[no-untyped-def]
     """LayerNorm backward by row blocks: dx, and per-block partial sums ``pw``/``pb`` (or None)."""
     rows = x.shape[0]
     nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
@@ -978,19 +1053,23 @@ def ln_bwd_fused(x, dy, w, mean, rstd, corr, std_mode, dx, pw, pb):  # type: ign
         scale = np.empty(i1 - i0, np.int64)
         slow = 0
         for i in range(i0, i1):
-            e = _ln_bwd_rowdx(x[i], dy[i], w, mean[i], rstd[i], corr, std_mode, dx[i], pw, pb, blk)[0]
+            e = _ln_bwd_rowdx(x[i], dy[i], w, mean[i], rstd[i], corr, std_mode, dx[i], pw, pb, blk, stream)[0]
             scale[i - i0] = e
             if e != _SLOW:
                 slow += 1
         if slow:
             _ln_redo_block(x, dy, mean, rstd, i0, scale, pw, pb, blk)
+        if stream:
+            _sfence()
 
 
 @_jit(_FM_SUM, parallel=True)
-def ln_bwd_rows(x, dy, w, mean, rstd, corr, std_mode, dx, scale, cs):  # type: ignore[no-untyped-def]
+def ln_bwd_rows(x, dy, w, mean, rstd, corr, std_mode, dx, scale, cs, stream):  # type: ignore[no-untyped-def]
     """LayerNorm backward, dx only, row-parallel; ``scale[i]`` records the path row i took, ``cs[i]`` its ``c``."""
     for i in prange(x.shape[0]):
-        e, _, c, _ = _ln_bwd_rowdx(x[i], dy[i], w, mean[i], rstd[i], corr, std_mode, dx[i], None, None, 0)
+        e, _, c, _ = _ln_bwd_rowdx(x[i], dy[i], w, mean[i], rstd[i], corr, std_mode, dx[i], None, None, 0, stream)
+        if stream:
+            _sfence()
         scale[i] = e
         cs[i] = c
 
@@ -1157,6 +1236,30 @@ def _rms_bwd_dx(xr, dyr, w, r, coef, dxr):  # type: ignore[no-untyped-def]
 
 
 @_jit(_FM_SUM, inline="always")
+def _rms_dx_one(xr, dyr, w, r, coef, dxr, j):  # type: ignore[no-untyped-def]
+    """Element ``j`` of :func:`_rms_bwd_dx`."""
+    dy = ld(dyr[j])
+    g = dy * w[j] if w is not None else dy
+    st(dxr, j, r * (g - (ld(xr[j]) * r) * coef))
+
+
+@_jit(_FM_SUM, inline="always")
+def _rms_bwd_dx_s(xr, dyr, w, r, coef, dxr, stream):  # type: ignore[no-untyped-def]
+    """:func:`_rms_bwd_dx`, with streaming stores for the aligned part of a float32 row when ``stream``."""
+    if stream and _streams(dxr):
+        h = xr.shape[0]
+        j0, j1 = _stream_span(dxr)
+        for j in range(j0):
+            _rms_dx_one(xr, dyr, w, r, coef, dxr, j)
+        for j in range(j0, j1, LANES):
+            _rms_dx_nt(xr, dyr, w, r, coef, dxr, j)
+        for j in range(j1, h):
+            _rms_dx_one(xr, dyr, w, r, coef, dxr, j)
+    else:
+        _rms_bwd_dx(xr, dyr, w, r, coef, dxr)
+
+
+@_jit(_FM_SUM, inline="always")
 def _rms_acc(xr, dyr, r, pw, blk, j0):  # type: ignore[no-untyped-def]
     """Add one fast-path row segment's ``dy * xhat`` to ``pw[blk, j0:]``."""
     pwr = pw[blk, j0 : j0 + xr.shape[0]]
@@ -1207,14 +1310,14 @@ def _rms_bwd_row_slow(xr, dyr, w, r, dxr):  # type: ignore[no-untyped-def]
 
 
 @_jit(_FM_SUM, inline="always")
-def _rms_bwd_rowdx(xr, dyr, w, r, dxr, pw, blk):  # type: ignore[no-untyped-def]
+def _rms_bwd_rowdx(xr, dyr, w, r, dxr, pw, blk, stream):  # type: ignore[no-untyped-def]
     """dx of one row (and, on the fast path, its share of ``pw[blk]``); returns ``(scale, r)`` as
     :func:`_ln_bwd_rowdx`."""
     rt = tcast(xr, r)
     if _r_ok(xr, r):
         sgx = _rms_bwd_sum(xr, dyr, w, rt, pw, blk)
         if math.isfinite(sgx):
-            _rms_bwd_dx(xr, dyr, w, rt, tcast(xr, sgx / xr.shape[0]), dxr)
+            _rms_bwd_dx_s(xr, dyr, w, rt, tcast(xr, sgx / xr.shape[0]), dxr, stream)
             return _SLOW, rt
     return _rms_bwd_row_slow(xr, dyr, w, r, dxr), rt
 
@@ -1232,7 +1335,7 @@ def _rms_redo_block(x, dy, rstd, i0, scale, pw, blk):  # type: ignore[no-untyped
 
 
 @_jit(_FM_SUM, parallel=True)
-def rms_bwd_fused(x, dy, w, rstd, dx, pw):  # type: ignore[no-untyped-def]
+def rms_bwd_fused(x, dy, w, rstd, dx, pw, stream):  # type: ignore[no-untyped-def]
     """RMSNorm backward by row blocks: dx and per-block partial sums ``pw`` (or None)."""
     rows = x.shape[0]
     nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
@@ -1244,20 +1347,24 @@ def rms_bwd_fused(x, dy, w, rstd, dx, pw):  # type: ignore[no-untyped-def]
         scale = np.empty(i1 - i0, np.int64)
         slow = 0
         for i in range(i0, i1):
-            e = _rms_bwd_rowdx(x[i], dy[i], w, rstd[i], dx[i], pw, blk)[0]
+            e = _rms_bwd_rowdx(x[i], dy[i], w, rstd[i], dx[i], pw, blk, stream)[0]
             scale[i - i0] = e
             if e != _SLOW:
                 slow += 1
         if pw is not None:
             if slow:
                 _rms_redo_block(x, dy, rstd, i0, scale, pw, blk)
+        if stream:
+            _sfence()
 
 
 @_jit(_FM_SUM, parallel=True)
-def rms_bwd_rows(x, dy, w, rstd, dx, scale):  # type: ignore[no-untyped-def]
+def rms_bwd_rows(x, dy, w, rstd, dx, scale, stream):  # type: ignore[no-untyped-def]
     """RMSNorm backward, dx only, row-parallel; ``scale[i]`` records the path row i took."""
     for i in prange(x.shape[0]):
-        scale[i] = _rms_bwd_rowdx(x[i], dy[i], w, rstd[i], dx[i], None, 0)[0]
+        scale[i] = _rms_bwd_rowdx(x[i], dy[i], w, rstd[i], dx[i], None, 0, stream)[0]
+        if stream:
+            _sfence()
 
 
 @_jit(_FM_SUM, parallel=True)

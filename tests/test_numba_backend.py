@@ -563,6 +563,7 @@ def test_streaming_backward_matches_plain_stores(params: str, h: int) -> None:
     r2 = np.empty(rows)
     _kernels.rms_fwd(x, w, 1e-5, np.empty_like(x), r2, False)
     nb = -(-rows // _kernels.ROW_BLOCK)
+    streamed = []
     for off in (0, 5):
         got = []
         for stream in (False, True):
@@ -603,3 +604,10 @@ def test_streaming_backward_matches_plain_stores(params: str, h: int) -> None:
                 assert np.all(np.where(bad, 0, np.abs(pa - pc)) <= 1e-6 * scale)
             else:
                 np.testing.assert_array_equal(a, c)
+        streamed.append([a if a is None or a.shape != (rows * h + 16,) else a[off : off + rows * h] for a in got[1]])
+    # ... and, streamed, bitwise independent of the output's alignment
+    for a, c in zip(streamed[0], streamed[1], strict=True):
+        if a is None:
+            assert c is None
+        else:
+            np.testing.assert_array_equal(a, c)

@@ -194,13 +194,13 @@ def _splat(builder, v, n):  # type: ignore[no-untyped-def]
     return builder.shuffle_vector(u, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), None))
 
 
-def _vload(context, builder, aty, a, j):  # type: ignore[no-untyped-def]
-    """``a[j : j + LANES]`` as one vector (unaligned load)."""
+def _vload(context, builder, aty, a, j, n=LANES):  # type: ignore[no-untyped-def]
+    """``a[j : j + n]`` as one vector (unaligned load)."""
     from numba.core import cgutils
 
     arr = context.make_array(aty)(context, builder, a)
     ptr = cgutils.get_item_pointer(context, builder, aty, arr, [j], wraparound=False)
-    return builder.load(builder.bitcast(ptr, ir.VectorType(ir.FloatType(), LANES).as_pointer()), align=4)
+    return builder.load(builder.bitcast(ptr, ir.VectorType(ir.FloatType(), n).as_pointer()), align=4)
 
 
 def _fm(instr):  # type: ignore[no-untyped-def]
@@ -208,14 +208,16 @@ def _fm(instr):  # type: ignore[no-untyped-def]
     return instr
 
 
-def _vstore_nt(context, builder, aty, a, j, v):  # type: ignore[no-untyped-def]
-    """Non-temporal store of ``v`` to ``a[j : j + LANES]`` (the address must be 64-byte aligned)."""
+def _vstore_nt(context, builder, aty, a, j, v, nt=True):  # type: ignore[no-untyped-def]
+    """Non-temporal store of ``v`` to ``a[j : j + LANES]`` (the address must be 64-byte aligned);
+    a plain store when ``nt`` is False."""
     from numba.core import cgutils
 
     arr = context.make_array(aty)(context, builder, a)
     ptr = cgutils.get_item_pointer(context, builder, aty, arr, [j], wraparound=False)
-    st = builder.store(v, builder.bitcast(ptr, v.type.as_pointer()), align=64)
-    st.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+    st = builder.store(v, builder.bitcast(ptr, v.type.as_pointer()), align=64 if nt else 4)
+    if nt:
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
 
 
 @intrinsic
@@ -273,55 +275,72 @@ def _ln_out_nt(typingctx, xr, w, b, k, c, r, yr, j):  # type: ignore[no-untyped-
     return types.none(xr, w, b, k, c, r, yr, j), codegen
 
 
-@intrinsic
-def _ln_dx_nt(typingctx, xr, dyr, w, k, c, r, gbar, coef, dxr, j):  # type: ignore[no-untyped-def]
-    """``dxr[j : j + LANES] = r * ((g - gbar) - xhat * coef)`` (float32, as :func:`_ln_bwd_dx`), streaming store."""
-    # typed for every dtype (see _ln_out_nt); code for float32 only
-    f32 = xr.dtype == types.float32 and dyr.dtype == types.float32 and dxr.dtype == types.float32
-    has_w = not isinstance(w, types.NoneType)
+def _ln_dx_nt_make(n):  # type: ignore[no-untyped-def]
+    @intrinsic
+    def impl(typingctx, xr, dyr, w, k, c, r, gbar, coef, dxr, j):  # type: ignore[no-untyped-def]
+        """``dxr[j : j + LANES] = r * ((g - gbar) - xhat * coef)`` (float32, as :func:`_ln_bwd_dx`), streaming store."""
+        # typed for every dtype (see _ln_out_nt); code for float32 only
+        f32 = xr.dtype == types.float32 and dyr.dtype == types.float32 and dxr.dtype == types.float32
+        has_w = not isinstance(w, types.NoneType)
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        if not f32:
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            if not f32:
+                return context.get_dummy_value()
+            ax, ady, aw, vk, vc, vr, vg, vco, adx, vj = args
+            ta = sig.args
+            d = builder.fsub(builder.fsub(_vload(context, builder, ta[0], ax, vj, n), _splat(builder, vk, n)),
+                             _splat(builder, vc, n))  # fmt: skip
+            rv = _splat(builder, vr, n)
+            xhat = _fm(builder.fmul(d, rv))
+            g = _vload(context, builder, ta[1], ady, vj, n)
+            if has_w:
+                g = builder.fmul(g, _vload(context, builder, ta[2], aw, vj, n))  # no flags, as _prod
+            t = _fm(builder.fsub(g, _splat(builder, vg, n)))
+            u = _fm(builder.fsub(t, _fm(builder.fmul(xhat, _splat(builder, vco, n)))))
+            _vstore_nt(context, builder, ta[8], adx, vj, _fm(builder.fmul(rv, u)), n > 1)
             return context.get_dummy_value()
-        ax, ady, aw, vk, vc, vr, vg, vco, adx, vj = args
-        ta = sig.args
-        d = builder.fsub(builder.fsub(_vload(context, builder, ta[0], ax, vj), _splat(builder, vk, LANES)),
-                         _splat(builder, vc, LANES))  # fmt: skip
-        rv = _splat(builder, vr, LANES)
-        xhat = _fm(builder.fmul(d, rv))
-        g = _vload(context, builder, ta[1], ady, vj)
-        if has_w:
-            g = builder.fmul(g, _vload(context, builder, ta[2], aw, vj))  # no flags, as _prod
-        t = _fm(builder.fsub(g, _splat(builder, vg, LANES)))
-        u = _fm(builder.fsub(t, _fm(builder.fmul(xhat, _splat(builder, vco, LANES)))))
-        _vstore_nt(context, builder, ta[8], adx, vj, _fm(builder.fmul(rv, u)))
-        return context.get_dummy_value()
 
-    return types.none(xr, dyr, w, k, c, r, gbar, coef, dxr, j), codegen
+        return types.none(xr, dyr, w, k, c, r, gbar, coef, dxr, j), codegen
+
+    return impl
 
 
-@intrinsic
-def _rms_dx_nt(typingctx, xr, dyr, w, r, coef, dxr, j):  # type: ignore[no-untyped-def]
-    """``dxr[j : j + LANES] = r * (g - xhat * coef)`` (float32, as :func:`_rms_bwd_dx`), streaming store."""
-    # typed for every dtype (see _ln_out_nt); code for float32 only
-    f32 = xr.dtype == types.float32 and dyr.dtype == types.float32 and dxr.dtype == types.float32
-    has_w = not isinstance(w, types.NoneType)
+_ln_dx_nt = _ln_dx_nt_make(LANES)
+#: one element of :func:`_ln_dx_nt`'s arithmetic, plain store: the unaligned ends of a streamed row are computed
+#: exactly as its body, so dx does not depend on the output's alignment.
+_ln_dx_one = _ln_dx_nt_make(1)
 
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        if not f32:
+
+def _rms_dx_nt_make(n):  # type: ignore[no-untyped-def]
+    @intrinsic
+    def impl(typingctx, xr, dyr, w, r, coef, dxr, j):  # type: ignore[no-untyped-def]
+        """``dxr[j : j + LANES] = r * (g - xhat * coef)`` (float32, as :func:`_rms_bwd_dx`), streaming store."""
+        # typed for every dtype (see _ln_out_nt); code for float32 only
+        f32 = xr.dtype == types.float32 and dyr.dtype == types.float32 and dxr.dtype == types.float32
+        has_w = not isinstance(w, types.NoneType)
+
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            if not f32:
+                return context.get_dummy_value()
+            ax, ady, aw, vr, vco, adx, vj = args
+            ta = sig.args
+            rv = _splat(builder, vr, n)
+            g = _vload(context, builder, ta[1], ady, vj, n)
+            if has_w:
+                g = _fm(builder.fmul(g, _vload(context, builder, ta[2], aw, vj, n)))
+            xhat = _fm(builder.fmul(_vload(context, builder, ta[0], ax, vj, n), rv))
+            u = _fm(builder.fsub(g, _fm(builder.fmul(xhat, _splat(builder, vco, n)))))
+            _vstore_nt(context, builder, ta[5], adx, vj, _fm(builder.fmul(rv, u)), n > 1)
             return context.get_dummy_value()
-        ax, ady, aw, vr, vco, adx, vj = args
-        ta = sig.args
-        rv = _splat(builder, vr, LANES)
-        g = _vload(context, builder, ta[1], ady, vj)
-        if has_w:
-            g = _fm(builder.fmul(g, _vload(context, builder, ta[2], aw, vj)))
-        xhat = _fm(builder.fmul(_vload(context, builder, ta[0], ax, vj), rv))
-        u = _fm(builder.fsub(g, _fm(builder.fmul(xhat, _splat(builder, vco, LANES)))))
-        _vstore_nt(context, builder, ta[5], adx, vj, _fm(builder.fmul(rv, u)))
-        return context.get_dummy_value()
 
-    return types.none(xr, dyr, w, r, coef, dxr, j), codegen
+        return types.none(xr, dyr, w, r, coef, dxr, j), codegen
+
+    return impl
+
+
+_rms_dx_nt = _rms_dx_nt_make(LANES)
+#: one element of :func:`_rms_dx_nt` (see :data:`_ln_dx_one`).
+_rms_dx_1 = _rms_dx_nt_make(1)
 
 
 @intrinsic
@@ -852,25 +871,17 @@ def _ln_bwd_dx(xr, dyr, w, k, c, r, gbar, coef, dxr):  # type: ignore[no-untyped
 
 
 @_jit(_FM_SUM, inline="always")
-def _ln_dx_range(xr, dyr, w, k, c, r, gbar, coef, dxr, lo, hi):  # type: ignore[no-untyped-def]
-    """:func:`_ln_bwd_dx` of the elements ``lo <= j < hi`` (whole rows)."""
-    for j in range(lo, hi):
-        xhat = _centre(ld(xr[j]), k, c) * r
-        dy = ld(dyr[j])
-        g = _prod(dy, w[j]) if w is not None else dy
-        st(dxr, j, r * ((g - gbar) - xhat * coef))
-
-
-@_jit(_FM_SUM, inline="always")
 def _ln_bwd_dx_s(xr, dyr, w, k, c, r, gbar, coef, dxr, stream):  # type: ignore[no-untyped-def]
     """:func:`_ln_bwd_dx`, with streaming stores for the aligned part of a float32 row when ``stream``."""
     if stream and _streams(dxr):
         h = xr.shape[0]
         j0, j1 = _stream_span(dxr)
-        _ln_dx_range(xr, dyr, w, k, c, r, gbar, coef, dxr, 0, j0)
+        for j in range(j0):
+            _ln_dx_one(xr, dyr, w, k, c, r, gbar, coef, dxr, j)
         for j in range(j0, j1, LANES):
             _ln_dx_nt(xr, dyr, w, k, c, r, gbar, coef, dxr, j)
-        _ln_dx_range(xr, dyr, w, k, c, r, gbar, coef, dxr, j1, h)
+        for j in range(j1, h):
+            _ln_dx_one(xr, dyr, w, k, c, r, gbar, coef, dxr, j)
     else:
         _ln_bwd_dx(xr, dyr, w, k, c, r, gbar, coef, dxr)
 
@@ -1236,25 +1247,17 @@ def _rms_bwd_dx(xr, dyr, w, r, coef, dxr):  # type: ignore[no-untyped-def]
 
 
 @_jit(_FM_SUM, inline="always")
-def _rms_dx_one(xr, dyr, w, r, coef, dxr, j):  # type: ignore[no-untyped-def]
-    """Element ``j`` of :func:`_rms_bwd_dx`."""
-    dy = ld(dyr[j])
-    g = dy * w[j] if w is not None else dy
-    st(dxr, j, r * (g - (ld(xr[j]) * r) * coef))
-
-
-@_jit(_FM_SUM, inline="always")
 def _rms_bwd_dx_s(xr, dyr, w, r, coef, dxr, stream):  # type: ignore[no-untyped-def]
     """:func:`_rms_bwd_dx`, with streaming stores for the aligned part of a float32 row when ``stream``."""
     if stream and _streams(dxr):
         h = xr.shape[0]
         j0, j1 = _stream_span(dxr)
         for j in range(j0):
-            _rms_dx_one(xr, dyr, w, r, coef, dxr, j)
+            _rms_dx_1(xr, dyr, w, r, coef, dxr, j)
         for j in range(j0, j1, LANES):
             _rms_dx_nt(xr, dyr, w, r, coef, dxr, j)
         for j in range(j1, h):
-            _rms_dx_one(xr, dyr, w, r, coef, dxr, j)
+            _rms_dx_1(xr, dyr, w, r, coef, dxr, j)
     else:
         _rms_bwd_dx(xr, dyr, w, r, coef, dxr)
 

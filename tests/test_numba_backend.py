@@ -543,3 +543,102 @@ def test_no_fallback_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
                 y, ctx = f(x, w, backend="numba")
                 g = b(np.ones_like(x), ctx)
                 assert np.all(np.isfinite(y.astype(np.float64))) and np.all(np.isfinite(g.dx.astype(np.float64)))
+
+
+@pytest.mark.parametrize("params", ["wb", "w", "b", ""])
+@pytest.mark.parametrize("h", [5, 16, 1000, 1037])
+def test_streaming_stores_match_plain_stores(params: str, h: int) -> None:
+    # large float32 outputs are written with streaming stores (aligned part of each row);
+    # the values must be bitwise those of the plain loops, for any alignment of the output
+    rng = np.random.default_rng(7)
+    rows = 19
+    x = rng.standard_normal((rows, h)).astype(np.float32) * 3 + 1
+    x[3] = 1e30  # slow path (rounded to inf in float32: a non-finite row) and a constant row
+    x[4] = 2.5
+    x[5, ::3] = 3e38
+    w = rng.standard_normal(h).astype(np.float32) if "w" in params else None
+    b = rng.standard_normal(h).astype(np.float32) if "b" in params else None
+    for off in range(0, 16, 3):
+        outs = []
+        for stream in (False, True):
+            buf = np.full(rows * h + 16, np.float32(7.0))
+            y = buf[off : off + rows * h].reshape(rows, h)
+            mean, rstd = np.empty(rows), np.empty(rows)
+            _kernels.ln_fwd(x, w, b, 1e-5, 0, False, y, mean, rstd, stream)
+            yr = np.full_like(buf, np.float32(7.0))[off : off + rows * h].reshape(rows, h)
+            r2 = np.empty(rows)
+            _kernels.rms_fwd(x, w, 1e-5, yr, r2, stream)
+            outs.append((buf.copy(), mean, rstd, yr.copy(), r2))
+        for a, c in zip(outs[0], outs[1], strict=True):
+            np.testing.assert_array_equal(a, c)
+    assert _kernels.use_stream(np.empty((4096, 1024), np.float32))
+    assert not _kernels.use_stream(np.empty((4096, 1024), np.float64))
+    assert not _kernels.use_stream(np.empty((65536, 128), np.float32))
+
+
+@pytest.mark.parametrize("params", ["wb", "w", "b", ""])
+@pytest.mark.parametrize("h", [5, 1000, 1037])
+def test_streaming_backward_matches_plain_stores(params: str, h: int) -> None:
+    # dx of large float32 inputs is written with streaming stores: the plain loops' values (to a few ulps),
+    # partial sums and paths bitwise
+    rng = np.random.default_rng(11)
+    rows = 37
+    x = rng.standard_normal((rows, h)).astype(np.float32) * 3 + 1
+    x[3] = 2.5  # constant row
+    x[5, ::3] = 3e38  # slow path
+    dy = rng.standard_normal((rows, h)).astype(np.float32)
+    w = rng.standard_normal(h).astype(np.float32) if "w" in params else None
+    b = rng.standard_normal(h).astype(np.float32) if "b" in params else None
+    mean, rstd = np.empty(rows), np.empty(rows)
+    _kernels.ln_fwd(x, w, b, 1e-5, 0, False, np.empty_like(x), mean, rstd, False)
+    r2 = np.empty(rows)
+    _kernels.rms_fwd(x, w, 1e-5, np.empty_like(x), r2, False)
+    nb = -(-rows // _kernels.ROW_BLOCK)
+    streamed = []
+    for off in (0, 5):
+        got = []
+        for stream in (False, True):
+            res = []
+            for std in (False, True):
+                buf = np.full(rows * h + 16, np.float32(7.0))
+                dx = buf[off : off + rows * h].reshape(rows, h)
+                pw = np.empty((nb, h), np.float32) if w is not None else None
+                pb = np.empty((nb, h), np.float32) if b is not None else None
+                _kernels.ln_bwd_fused(x, dy, w, mean, rstd, 0, std, dx, pw, pb, stream)
+                res += [buf.copy(), pw, pb]
+                buf2 = np.full_like(buf, np.float32(7.0))
+                dx2 = buf2[off : off + rows * h].reshape(rows, h)
+                sc, cs = np.empty(rows, np.int64), np.empty(rows)
+                _kernels.ln_bwd_rows(x, dy, w, mean, rstd, 0, std, dx2, sc, cs, stream)
+                res += [buf2.copy(), sc, cs]
+            buf3 = np.full(rows * h + 16, np.float32(7.0))
+            dx3 = buf3[off : off + rows * h].reshape(rows, h)
+            pw3 = np.empty((nb, h), np.float32) if w is not None else None
+            _kernels.rms_bwd_fused(x, dy, w, r2, dx3, pw3, stream)
+            buf4 = np.full_like(buf3, np.float32(7.0))
+            sc4 = np.empty(rows, np.int64)
+            _kernels.rms_bwd_rows(x, dy, w, r2, buf4[off : off + rows * h].reshape(rows, h), sc4, stream)
+            res += [buf3, pw3, buf4, sc4]
+            got.append(res)
+        for a, c in zip(got[0], got[1], strict=True):
+            if a is None:
+                assert c is None
+            elif a.dtype == np.float32 and a.shape == (rows * h + 16,):
+                # dx buffers: the vector code may contract differently (a few ulps of the row's terms)
+                np.testing.assert_array_equal(a[:off], c[:off])
+                np.testing.assert_array_equal(a[off + rows * h :], c[off + rows * h :])
+                pa = a[off : off + rows * h].reshape(rows, h)
+                pc = c[off : off + rows * h].reshape(rows, h)
+                bad = ~np.isfinite(pa)
+                np.testing.assert_array_equal(bad, ~np.isfinite(pc))
+                scale = np.max(np.where(bad, 0, np.abs(pa)), axis=1, keepdims=True)
+                assert np.all(np.where(bad, 0, np.abs(pa - pc)) <= 1e-6 * scale)
+            else:
+                np.testing.assert_array_equal(a, c)
+        streamed.append([a if a is None or a.shape != (rows * h + 16,) else a[off : off + rows * h] for a in got[1]])
+    # ... and, streamed, bitwise independent of the output's alignment
+    for a, c in zip(streamed[0], streamed[1], strict=True):
+        if a is None:
+            assert c is None
+        else:
+            np.testing.assert_array_equal(a, c)

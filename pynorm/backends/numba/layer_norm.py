@@ -55,6 +55,7 @@ def forward(
             cm.storage(y),
             mean,
             rstd,
+            k.use_stream(cm.storage(y)),
         )
     ctx = LayerNormCtx(x, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset))
     return y, ctx
@@ -74,11 +75,11 @@ def backward(dy: np.ndarray, ctx: LayerNormCtx, *, dx_out: np.ndarray | None = N
         mean, rstd = cm.stats(ctx.mean), cm.stats(ctx.rstd)
         corr, std = int(ctx.correction), ctx.eps_mode == "std"
         if k.use_fused(rows, h):
-            launch(k.ln_bwd_fused, rows * h, xs, dys, w, mean, rstd, corr, std, dxs, pw, pb)
+            launch(k.ln_bwd_fused, rows * h, xs, dys, w, mean, rstd, corr, std, dxs, pw, pb, k.use_stream(dxs))
         else:
             scale = np.empty(rows, np.int64)
             cs = np.empty(rows)
-            launch(k.ln_bwd_rows, rows * h, xs, dys, w, mean, rstd, corr, std, dxs, scale, cs)
+            launch(k.ln_bwd_rows, rows * h, xs, dys, w, mean, rstd, corr, std, dxs, scale, cs, k.use_stream(dxs))
             if pw is not None or pb is not None:
                 launch(k.ln_params_by_cols, rows * h, xs, dys, mean, rstd, scale, cs, pw, pb)
     dweight = cm.reduce_blocks(pw, weight.dtype) if pw is not None else None

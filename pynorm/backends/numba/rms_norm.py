@@ -32,7 +32,8 @@ def forward(
     rstd = np.empty(rows)
     if rows:
         w = cm.effective_weight(weight, weight_offset, cm.math_dtype(x.dtype))
-        launch(k.rms_fwd, rows * h, cm.storage(x), w, float(eps), cm.storage(y), rstd)
+        ys = cm.storage(y)
+        launch(k.rms_fwd, rows * h, cm.storage(x), w, float(eps), ys, rstd, k.use_stream(ys))
     return y, RMSNormCtx(x, weight, rstd, float(eps), float(weight_offset))
 
 
@@ -48,10 +49,10 @@ def backward(dy: np.ndarray, ctx: RMSNormCtx, *, dx_out: np.ndarray | None = Non
         w = cm.effective_weight(weight, ctx.weight_offset, mdt)
         rstd = cm.stats(ctx.rstd)
         if k.use_fused(rows, h):
-            launch(k.rms_bwd_fused, rows * h, xs, dys, w, rstd, dxs, pw)
+            launch(k.rms_bwd_fused, rows * h, xs, dys, w, rstd, dxs, pw, k.use_stream(dxs))
         else:
             scale = np.empty(rows, np.int64)
-            launch(k.rms_bwd_rows, rows * h, xs, dys, w, rstd, dxs, scale)
+            launch(k.rms_bwd_rows, rows * h, xs, dys, w, rstd, dxs, scale, k.use_stream(dxs))
             if pw is not None:
                 launch(k.rms_params_by_cols, rows * h, xs, dys, rstd, scale, pw)
     dweight = cm.reduce_blocks(pw, weight.dtype) if pw is not None else None

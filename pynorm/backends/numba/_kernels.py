@@ -73,6 +73,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+#: message of the Python bodies of ``@overload``-ed helpers: numba replaces them inside jitted code
+_JIT_ONLY = "this helper is a numba @overload: it exists only inside numba-jitted kernels"
+
 #: elements per chunk of a row sum accumulated in the math type before it is added in float64.
 CHUNK = 1024
 #: rows per block of the weight/bias gradient partial sums (fixed => results independent of threads).
@@ -374,7 +377,7 @@ def _stream_span(yr):  # type: ignore[no-untyped-def]
 
 def _streams(a):  # type: ignore[no-untyped-def]
     """True (a compile-time constant) when outputs of storage array ``a`` can be written by streaming stores."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 @overload(_streams)
@@ -417,32 +420,32 @@ def _f64_to_f32_odd(v):  # type: ignore[no-untyped-def]
 
 def ld(v):  # type: ignore[no-untyped-def]
     """A stored element as a value of the math type (exact)."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 def tcast(a, v):  # type: ignore[no-untyped-def]
     """``v`` converted to the math type of storage array ``a``."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 def st(a, j, v):  # type: ignore[no-untyped-def]
     """``a[j] = v`` rounded once from the math type to ``a``'s storage dtype."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 def st_exact(a, j, v):  # type: ignore[no-untyped-def]
     """``a[j] = v`` for a float64 ``v``, correctly rounded to ``a``'s storage dtype."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 def _tiny(a):  # type: ignore[no-untyped-def]
     """Smallest row sum of squares the fast path trusts (smaller ones may hide subnormal squares)."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 def _r_ok(a, r):  # type: ignore[no-untyped-def]
     """True when the float64 factor ``r`` is safely inside the normal range of the math type."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 @overload(ld)
@@ -535,12 +538,12 @@ def _r_ok_ol(a, r):  # type: ignore[no-untyped-def]
 
 def _seg(a, lo, hi):  # type: ignore[no-untyped-def]
     """``a[lo:hi]``, or None when ``a`` is None (an unconditional definition keeps loops fast)."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 def _seg2(a, i, lo, hi):  # type: ignore[no-untyped-def]
     """``a[i, lo:hi]``, or None when ``a`` is None."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 @overload(_seg)
@@ -559,7 +562,7 @@ def _seg2_ol(a, i, lo, hi):  # type: ignore[no-untyped-def]
 
 def _wide(a):  # type: ignore[no-untyped-def]
     """True (a compile-time constant) when the math type of storage array ``a`` is float64."""
-    raise NotImplementedError("jit only")
+    raise RuntimeError(_JIT_ONLY)
 
 
 @overload(_wide)

@@ -17,8 +17,19 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-import pynorm
-from pynorm import _registry
+from . import cuda_cpu
+
+if cuda_cpu.requested():  # the cuda_cpu tox env: CuPy's kernels on the CPU execution harness
+    _reason = cuda_cpu.unavailable_reason()
+    if _reason is None:
+        cuda_cpu.install()
+    else:
+        import warnings
+
+        warnings.warn(f"PYNORM_CUDA_CPU=1 but the CPU execution harness cannot run here: {_reason}", stacklevel=1)
+
+import pynorm  # noqa: E402
+from pynorm import _registry  # noqa: E402
 
 settings.register_profile(
     "ci",

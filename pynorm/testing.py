@@ -158,7 +158,10 @@ def term_scales(
       own unit (``s r <= 1``), not at the offset ``|mean|``: a common offset of
       ``1e4`` must not loosen the yardstick; RMSNorm ``y``: ``|x̂| |w + o|``;
     * ``dx``: ``r (|g| + mean|g| + |x̂| sum|g x̂| / n)`` (RMSNorm without the mean term);
-    * ``dweight``: ``sum_rows |dy x̂|``; ``dbias``: ``sum_rows |dy|``.
+    * ``dweight``: LayerNorm ``sum_rows |dy| (|x̂| + s r)`` -- each term ``dy x̂`` carries ``x̂``'s
+      error, which is at the row's own unit like ``y``'s, not at ``|x̂|`` (a column whose ``x̂`` is
+      near 0 in every row would otherwise be judged on the rounding of a cancelled difference);
+      RMSNorm ``sum_rows |dy x̂|`` (``x̂ = x r`` has no cancellation); ``dbias``: ``sum_rows |dy|``.
 
     Returns a dict of float64 arrays keyed ``y``, ``dx``, ``dweight`` (, ``dbias``).
     """
@@ -186,7 +189,7 @@ def term_scales(
         out = {
             "y": (xhat + s * r) * np.abs(w) + bias,
             "dx": dx,
-            "dweight": np.abs(dy * xhat).sum(axis=0),
+            "dweight": (np.abs(dy) * (xhat + s * r)).sum(axis=0),
             "dbias": np.abs(dy).sum(axis=0),
         }
     elif op == "rms_norm":

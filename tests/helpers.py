@@ -72,14 +72,27 @@ def make_params(spec: OpSpec, shape: tuple[int, ...], dt: Any, rng: np.random.Ge
     return out
 
 
-def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, what: str = "") -> None:
-    """``|actual - expected| <= rtol * scale`` elementwise (``scale`` the magnitude of the terms)."""
-    a = np.asarray(actual).astype(np.float64)
+def assert_close_scaled(
+    actual: Any, expected: Any, scale: Any, rtol: float, what: str = "", dtype: Any = None
+) -> None:
+    """``|actual - expected| <= rtol * scale + spacing`` elementwise (``scale`` the magnitude of the terms).
+
+    ``spacing`` is the smallest subnormal of ``actual``'s dtype: one ulp in the subnormal range,
+    where the spacing of representable values no longer shrinks with the value. Two correct
+    one-rounding results (a kernel's float32 value and the reference's float64 value, each
+    rounded once to float16) may differ by that full spacing when they straddle a rounding
+    boundary, however small ``rtol * scale`` is there (float16 gradients near 6e-6, e.g.).
+    ``dtype``: the dtype the results were rounded to (default: ``actual``'s).
+    """
+    a_in = np.asarray(actual)
+    a = a_in.astype(np.float64)
     e = np.asarray(expected).astype(np.float64)
     s = np.asarray(scale, dtype=np.float64)
+    dt = np.dtype(a_in.dtype if dtype is None else dtype)
+    spacing = float(_testing.finfo(dt).smallest_subnormal) if dt.kind == "f" or dt.name == "bfloat16" else 0.0
     with np.errstate(invalid="ignore"):
         err = np.where(a == e, 0.0, np.abs(a - e))  # equal infinities agree
-    bad = ~(err <= rtol * s + 1e-300)
+    bad = ~(err <= rtol * s + max(spacing, 1e-300))
     if bad.any():
         i = np.unravel_index(int(np.argmax(np.where(bad, err / (s + 1e-300), -1))), a.shape)
         raise AssertionError(

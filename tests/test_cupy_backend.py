@@ -223,7 +223,7 @@ def assert_close(actual, expected, scale, rtol, what):
     e = np.asarray(expected).astype(np.float64)
     s = np.broadcast_to(np.asarray(scale, dtype=np.float64), e.shape)
     fin = np.isfinite(e)
-    assert_close_scaled(a[fin], e[fin], s[fin], rtol, what)
+    assert_close_scaled(a[fin], e[fin], s[fin], rtol, what, dtype=np.asarray(actual).dtype)
     if not fin.all():
         big = float(np.finfo(np.float16).max) / 2 if np.asarray(actual).dtype == np.float16 else 1e300
         nan_ok = np.isnan(e) & np.isnan(a)
@@ -332,6 +332,57 @@ def test_forward_overflow_in_smem_or_global_is_bitwise_equal(op, dt, h, path):
         ys[where] = to_host(got[0]).view(_UINT[x.itemsize])
     path("OVERFLOW", None)
     np.testing.assert_array_equal(ys["smem"], ys["global"])
+
+
+# (x dtype, parameter dtype, H): forward launches whose overflow buffer is exactly 48 KiB of dynamic
+# shared memory (FWD_THREADS threads x 16-byte items), so static + dynamic is just over 48 KiB
+EXACTLY_48K = [("float32", "float32", 20000), ("float32", "float16", 20000), ("float32", "float64", 16000),
+               ("float16", "float16", 30000), ("float64", "float64", 10000)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dt", "pdt", "h"), EXACTLY_48K, ids=lambda v: str(v))
+@pytest.mark.parametrize("op", sorted(_MODS))
+def test_forward_with_exactly_48_KiB_of_dynamic_shared_memory(op, dt, pdt, h, path):
+    """Bug: the launcher opted into more than 48 KiB only when the *dynamic* size exceeded it, but the
+    driver counts static plus dynamic shared memory. Fresh modules, so no earlier launch raised the
+    kernel's limit (whether it failed used to depend on launch history)."""
+    rng = np.random.default_rng(19)
+    x, dy, params = make_case(op, (3, h), dt, rng, param_dtypes={"weight": pdt, "bias": pdt})
+    conv = CONVENTIONS[op][0]
+    if not SELF_CHECK:
+        from pynorm.backends.cupy import _host, _launch, _loader
+
+        acc = 8 if "float64" in (dt, pdt) else 4
+        cfg = _launch.forward_config(3, h, x.itemsize, acc, True, _host.device_limits(), 64, 256)
+        assert cfg.over_smem == 48 * 1024, cfg
+        with _loader._lock:
+            _loader._modules.clear()
+    path("OVERFLOW", "smem")
+    check_against_reference(op, x, dy, params, conv, run_backend(op, x, dy, params, conv), what="48 KiB")
+
+
+@pytest.mark.parametrize("eps_mode", ["var", "std"])
+@pytest.mark.parametrize("h", [1, 2, 300])
+@pytest.mark.parametrize("op", sorted(_MODS))
+def test_zero_variance_rows_at_extreme_float64_magnitudes(op, h, eps_mode):
+    """Bugs: for rows of zero variance (constant rows; every row when H = 1) the scaled rstd was formed
+    from eps * s (std mode: 1 / (eps * s) overflowed for |x| above ~1.4e303, giving inf and NaN) or
+    eps * s^2 (var mode: subnormal for |x| ~ 1e153..1e159, losing up to 19% of rstd). With zero
+    variance rstd is 1/sqrt(eps) (std mode: 1/eps) exactly, at every magnitude."""
+    if op == "rms_norm" and (eps_mode == "std" or h > 1):
+        pytest.skip("RMSNorm has one eps mode; its zero-variance rows are rows of zeros (not extreme)")
+    mags = [1e150, 1e153, 1e155, 1e158, 1e159, 1e200, 1.4e303, 1e305, 1.7e308, 1e-300, 1e-310]
+    signs = np.where(np.arange(len(mags)) % 2 == 0, 1.0, -1.0)
+    x = np.repeat((signs * np.array(mags))[:, None], h, axis=1)
+    rng = np.random.default_rng(20)
+    dy = rng.standard_normal(x.shape)
+    params = {name: (1.0 if name == "weight" else 0.0) + 0.5 * rng.standard_normal(h) for name in _PARAMS[op]}
+    conv = {"eps": 1e-5, "eps_mode": eps_mode} if op == "layer_norm" else {"eps": 1e-6}
+    got = run_backend(op, x, dy, params, conv)
+    exact = 1 / np.sqrt(conv["eps"]) if eps_mode == "var" else 1 / conv["eps"]
+    if op == "layer_norm":  # rms_norm: x^2 / H is not 0 there; the general comparison covers it
+        np.testing.assert_allclose(to_host(got[1].rstd), np.full(len(mags), exact), rtol=1e-15)
+    check_against_reference(op, x, dy, params, conv, got, what=f"zero variance, {eps_mode}")
 
 
 @pytest.mark.parametrize("dt", DTYPES)

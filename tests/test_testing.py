@@ -8,7 +8,15 @@ import pytest
 
 import pynorm
 from pynorm.reference import layer_norm as ref_ln
-from pynorm.testing import assert_ulp_close, check_conformance, check_grads, max_ulp_error, ulp, ulp_error
+from pynorm.testing import (
+    assert_ulp_close,
+    check_conformance,
+    check_grads,
+    max_ulp_error,
+    term_scales,
+    ulp,
+    ulp_error,
+)
 
 
 def _broken_ln_backward(which):
@@ -116,3 +124,33 @@ def test_conformance_of_the_reference_itself():
 
     report = check_conformance("layer_norm", fwd, bwd, hidden_sizes=(1, 5), conventions={"eps_mode": "std"})
     assert report.passed(0) and set(report.max_ulps()) == {"y", "dx", "dweight", "dbias"}
+
+
+def _float32_layer_norm_dweight(x, dy, eps=1e-5):
+    """A correct, plain float32 LayerNorm dweight (mean, deviations and rstd in float32)."""
+    x, dy = x.astype(np.float32), dy.astype(np.float32)
+    d = x - x.mean(-1, keepdims=True, dtype=np.float32)
+    r = np.float32(1) / np.sqrt((d * d).mean(-1, keepdims=True) + np.float32(eps))
+    return (dy * (d * r)).sum(0)
+
+
+def test_dweight_term_scale_is_at_the_rows_unit():
+    """A column whose x̂ is ~0 in every row: dweight's terms dy·x̂ carry x̂'s error, which is at the
+    row's unit (as y's), so measuring at |dy x̂| alone judged a correct float32 dweight on the rounding
+    of a cancelled difference (here > 50 "ulps"); term_scales adds |dy| s r per row."""
+    rng = np.random.default_rng(0)
+    worst_new = worst_old = 0.0
+    for _ in range(100):
+        x = rng.standard_normal((1, 7)).astype(np.float32)
+        x[0, 3] = np.float32(x.astype(np.float64).mean())  # this column's x̂ is ~0
+        dy = rng.standard_normal((1, 7)).astype(np.float32)
+        w, b = np.ones(7, np.float32), np.zeros(7, np.float32)
+        _, ctx = pynorm.layer_norm_forward(x, w, b, backend="numpy")
+        ref = pynorm.layer_norm_backward(dy, ctx).dweight
+        got = _float32_layer_norm_dweight(x, dy)
+        sc = term_scales("layer_norm", x, {"weight": w, "bias": b}, dy, {})
+        xhat = (x.astype(np.float64) - x.astype(np.float64).mean()) * ctx.inner.rstd.astype(np.float64)[:, None]
+        worst_new = max(worst_new, max_ulp_error(got, ref, np.float32, scale=sc["dweight"]))
+        worst_old = max(worst_old, max_ulp_error(got, ref, np.float32, scale=np.abs(dy * xhat).sum(0)))
+    assert worst_new <= 4, worst_new
+    assert worst_old > 50, worst_old  # what the old yardstick reported for the same correct results

@@ -617,6 +617,13 @@ bool canary_ok(const Alloc& a, std::string* where) {
 
 }  // namespace
 
+static const unsigned char* first_not_ff(const unsigned char* lo, const unsigned char* hi) {
+  for (const unsigned char* p = lo; p < hi; ++p) {
+    if (*p != 0xffu) return p;
+  }
+  return nullptr;
+}
+
 // ---------------------------------------------------------------------------
 // what kernel threads call
 
@@ -710,19 +717,23 @@ int pnc_launch(void* handle, const pnc_module* mod, int k, const unsigned* grid,
     unsigned char* check_lo;  // first byte past the launch's size
     unsigned char* prot_lo;   // whole pages made read-only: [prot_lo, prot_hi)
     unsigned char* prot_hi;
+    unsigned char* end;       // end of the array; [check_lo, prot_lo) and [prot_hi, end) are checked
   };
   std::vector<Tail> tails;
   const uintptr_t ps = page_size();
   for (const pnc_dynamic_smem& d : dyn) {
     Tail t;
     t.check_lo = d.data + smem;
-    t.prot_lo = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(t.check_lo) + ps - 1) / ps * ps);
-    t.prot_hi = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(d.data + d.size)) / ps * ps);
-    if (t.prot_hi < t.prot_lo) t.prot_hi = t.prot_lo;
+    t.end = d.data + d.size;
+    const uintptr_t lo = (reinterpret_cast<uintptr_t>(t.check_lo) + ps - 1) / ps * ps;
+    const uintptr_t hi = reinterpret_cast<uintptr_t>(t.end) / ps * ps;
+    t.prot_lo = lo < hi ? reinterpret_cast<unsigned char*>(lo) : t.end;
+    t.prot_hi = lo < hi ? reinterpret_cast<unsigned char*>(hi) : t.end;
     tails.push_back(t);
   }
   // the parts of the thread-local block to poison before each block: all of it but the read-only pages
   std::vector<std::pair<unsigned char*, unsigned char*>> poison;
+  unsigned char* const tls_end = tls.start + tls.size;
   memset(tls.start, 0xff, tls.size);
   {
     std::vector<std::pair<unsigned char*, unsigned char*>> holes;
@@ -730,10 +741,11 @@ int pnc_launch(void* handle, const pnc_module* mod, int k, const unsigned* grid,
     std::sort(holes.begin(), holes.end());
     unsigned char* at = tls.start;
     for (const auto& h : holes) {
-      if (h.first > at) poison.emplace_back(at, h.first);
-      at = std::max(at, h.second);
+      unsigned char* a = std::min(std::max(h.first, tls.start), tls_end);
+      if (a > at) poison.emplace_back(at, a);
+      at = std::max(at, std::min(h.second, tls_end));
     }
-    if (tls.start + tls.size > at) poison.emplace_back(at, tls.start + tls.size);
+    if (tls_end > at) poison.emplace_back(at, tls_end);
   }
   for (const Tail& t : tails) {
     if (t.prot_hi > t.prot_lo) mprotect(t.prot_lo, static_cast<size_t>(t.prot_hi - t.prot_lo), PROT_READ);
@@ -748,12 +760,12 @@ int pnc_launch(void* handle, const pnc_module* mod, int k, const unsigned* grid,
       pnc_block_idx.z = static_cast<unsigned>(lin / (static_cast<size_t>(grid[0]) * grid[1]));
       for (const auto& r : poison) memset(r.first, 0xff, static_cast<size_t>(r.second - r.first));
       run_block(L);
-      for (const Tail& t : tails) {
-        for (unsigned char* p = t.check_lo; p < t.prot_lo && !L.err.set; ++p) {
-          if (*p != 0xffu) {
-            L.fail("block (%u,%u,%u) wrote dynamic shared memory %zu bytes past the %zu bytes of the launch",
-                   pnc_block_idx.x, pnc_block_idx.y, pnc_block_idx.z, static_cast<size_t>(p - t.check_lo), smem);
-          }
+      for (const Tail& t : tails) {  // the bytes past the launch's size that are not read-only pages
+        const unsigned char* bad = first_not_ff(t.check_lo, t.prot_lo);
+        if (bad == nullptr) bad = first_not_ff(t.prot_hi, t.end);
+        if (bad != nullptr) {
+          L.fail("block (%u,%u,%u) wrote dynamic shared memory %zu bytes past the %zu bytes of the launch",
+                 pnc_block_idx.x, pnc_block_idx.y, pnc_block_idx.z, static_cast<size_t>(bad - t.check_lo), smem);
         }
       }
     }
@@ -775,7 +787,7 @@ int pnc_launch(void* handle, const pnc_module* mod, int k, const unsigned* grid,
       extra = " (the guard page of a thread's stack: stack overflow)";
     }
     for (const Tail& t : tails) {
-      if (g_fault_sig == SIGSEGV && fa >= t.check_lo && fa < t.prot_hi) {
+      if (g_fault_sig == SIGSEGV && fa >= t.check_lo && fa < t.end) {
         char buf[160];
         snprintf(buf, sizeof buf, " (a write to dynamic shared memory %zu bytes past the %zu bytes of the launch)",
                  static_cast<size_t>(fa - t.check_lo), smem);

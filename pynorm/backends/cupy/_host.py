@@ -81,10 +81,15 @@ def ptr_or_null(a: cupy.ndarray | None) -> Any:
 def launch(
     kernel: Any, grid: tuple[int, ...] | int, block: tuple[int, ...] | int, args: tuple[Any, ...], shared_mem: int = 0
 ) -> None:
-    """Launch ``kernel`` on the current stream, raising its dynamic shared memory limit when needed."""
+    """Launch ``kernel`` on the current stream, raising its dynamic shared memory limit when needed.
+
+    The driver allows 48 KiB of shared memory per block, *static plus dynamic*, unless the
+    kernel's ``max_dynamic_shared_size_bytes`` attribute was raised: so the attribute is raised
+    whenever the two together exceed 48 KiB (an exactly-48-KiB dynamic buffer needs it too).
+    """
     grid = grid if isinstance(grid, tuple) else (grid,)
     block = block if isinstance(block, tuple) else (block,)
-    if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
+    if shared_mem + kernel.shared_size_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
         kernel.max_dynamic_shared_size_bytes = shared_mem
     kernel(grid, block, args, shared_mem=shared_mem)
 

@@ -245,18 +245,20 @@ template <typename A> __device__ __forceinline__ int scale_exponent(A amax) {
 // s = 2^k.  Computes, in double, the true r = 1/sqrt(v/s^2 + eps)
 // ("std": 1/(sqrt(v)/s + eps)) and rs = r / s, the factor applied to the scaled
 // centred values, without overflow or underflow of the intermediate terms.
+// v == 0 (constant rows, every row when H = 1): r is 1/sqrt(eps) (1/eps) exactly;
+// forming it from eps * s or eps * s^2 would overflow (std mode, 1/(eps s) for
+// |x| > ~1e303) or lose precision where those products are subnormal (|x| ~ 1e155).
+// For v > 0 the scaled data lies in [0.5, 4), so v is far above any subnormal term
+// it is added to.
 __device__ __forceinline__ void finalize_rstd(double v, int k, double eps, bool std_mode, double& r, double& rs) {
   const double s = ldexp(1.0, k), inv_s = ldexp(1.0, -k);
-  if (k <= 0) {  // data scaled down (or not at all): eps * s^2 can only underflow
+  if (v == 0.0) {
+    r = std_mode ? 1.0 / eps : 1.0 / sqrt(eps);  // eps == 0: inf, as in the reference
+  } else if (k <= 0) {  // data scaled down (or not at all): eps * s^2 can only underflow
     const double es = eps * s;
-    const double den = std_mode ? sqrt(v) + es : sqrt(v + es * s);
-    if (den > 0.0) {
-      rs = 1.0 / den;
-      r = rs * s;
-      return;
-    }
-    // v == 0 and the scaled eps underflowed (or eps == 0: r = inf, as in the reference)
-    r = std_mode ? 1.0 / eps : 1.0 / sqrt(eps);
+    rs = 1.0 / (std_mode ? sqrt(v) + es : sqrt(v + es * s));
+    r = rs * s;
+    return;
   } else {  // tiny data scaled up: the unscaled variance cannot overflow
     if (eps == 0.0) {
       rs = 1.0 / sqrt(v);

@@ -20,6 +20,7 @@ from pynorm.backends.numba import layer_norm as nln  # noqa: E402
 from pynorm.backends.numba import rms_norm as nrms  # noqa: E402
 from pynorm.reference import layer_norm as rln  # noqa: E402
 from pynorm.reference import rms_norm as rrms  # noqa: E402
+from pynorm.testing import make_input, max_ulp_error, term_scales  # noqa: E402
 
 try:
     import ml_dtypes
@@ -377,6 +378,113 @@ def test_tiny_magnitudes(dt: Any) -> None:
         y, g, yr, gr = rms_both(x, dy, w, eps=eps)
         assert np.all(np.isfinite(y)) and rel(y, yr) <= TOL[name(dt)]
         assert rel(g.dx, gr.dx) <= TOL[name(dt)] if eps else np.array_equal(np.isfinite(g.dx), np.isfinite(gr.dx))
+
+
+# float64 rows the fast path cannot take (their sums overflow: values up to the dtype's max, with and without
+# a large common offset; or underflow: 1e-200 N(0, 1)) and tiny rows (1e-30 N(0, 1), which float64 takes on the
+# fast path): every output within the suite's 16-ulp budget at the terms' magnitude
+F64_BUDGET_ULPS = 16.0
+EXTREME_KINDS = ["huge", "near_max", "max_offset", "huge_offset", "tiny", "very_tiny"]
+# H = 1, 3; the fused backward (many rows, and few rows of few elements); the row-parallel backward with
+# parameter gradients by column tiles (few rows of many elements)
+EXTREME_SHAPES = [(4, 1), (4, 3), (_kernels.FUSED_MIN_ROWS + 3, 257), (4, 4096), (9, 4096), (4, 65536)]
+EXTREME_LN = [
+    {"correction": c, "eps_mode": m, "weight_offset": o, "eps": e}
+    for c in (0, 1)
+    for m in ("var", "std")
+    for o in (0.0, 1.0)
+    for e in (1e-5, 0.1)
+]
+EXTREME_RMS = [{"weight_offset": o, "eps": e} for o in (0.0, 1.0) for e in (1e-5, 0.1)]
+
+
+def _extreme_convs(op: str, shape: tuple[int, int]) -> list[dict[str, Any]]:
+    """Every convention up to 4 x 4096 elements; beyond (test time), two that take each value once."""
+    convs = EXTREME_LN if op == "layer_norm" else EXTREME_RMS
+    return convs if shape[0] * shape[1] <= 1 << 14 else [convs[0], convs[-1]]
+
+
+def extreme_f64(kind: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    n = rng.standard_normal(shape)
+    if kind == "near_max":  # a third of the elements are +-max itself
+        return np.clip(n, -1.0, 1.0) * float(np.finfo(np.float64).max)
+    if kind == "max_offset":  # offset and spread near the max
+        return 1e308 + np.clip(n, -1.0, 1.0) * 5e307
+    if kind == "huge_offset":  # the offset is 1e10 times the spread: the stored float64 mean is not enough
+        return 1e300 + n * 1e290
+    if kind == "very_tiny":  # squares underflow (normal inputs and statistics, not subnormal ones)
+        return n * 1e-200
+    return make_input(kind, shape, np.float64, rng)
+
+
+def _extreme_errors(op: str, kind: str, shape: tuple[int, int], convs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Largest ulp error of each output (against the reference, at the terms' magnitude) over ``convs``."""
+    rng = np.random.default_rng([EXTREME_KINDS.index(kind), *shape])
+    h = shape[1]
+    x = extreme_f64(kind, shape, rng)
+    dy = rng.standard_normal(shape)
+    w = 1 + 0.5 * rng.standard_normal(h)
+    b = rng.standard_normal(h)
+    worst: dict[str, Any] = {}
+    for conv in convs:
+        if conv.get("correction", 0) >= h:
+            continue
+        if op == "layer_norm":
+            y, g, yr, gr = ln_both(x, dy, w, b, **conv)
+            params = {"weight": w, "bias": b}
+            outs = {"y": (y, yr), "dx": (g.dx, gr.dx), "dweight": (g.dweight, gr.dweight), "dbias": (g.dbias, gr.dbias)}
+        else:
+            y, g, yr, gr = rms_both(x, dy, w, **conv)
+            params = {"weight": w}
+            outs = {"y": (y, yr), "dx": (g.dx, gr.dx), "dweight": (g.dweight, gr.dweight)}
+        scales = term_scales(op, x, params, dy, conv)
+        for k, (a, ref) in outs.items():
+            err = max_ulp_error(a, ref, np.float64, scale=scales[k])
+            if err > worst.get(k, (-1.0,))[0]:
+                worst[k] = (err, conv)
+    return worst
+
+
+def _assert_within_budget(worst: dict[str, Any]) -> None:
+    bad = {k: v for k, v in worst.items() if not v[0] <= F64_BUDGET_ULPS}
+    summary = ", ".join(f"{k} {v[0]:.1f}" for k, v in worst.items())
+    assert not bad, f"ulps over {F64_BUDGET_ULPS}: {bad} (all: {summary})"
+
+
+# tiny rows take the float64 fast path, whose dweight over 4 rows of 65536 elements is limited by the accuracy
+# of its mean (~ an ulp of the row's spread, which is not small next to |x̂| ~ 0 in the 4 rows of some column):
+# 35 ulps on N(0, 1) rows too, so that shape measures the fast path, not these rows
+EXTREME_CASES = [(k, s) for k in EXTREME_KINDS for s in EXTREME_SHAPES if not (k == "tiny" and s == (4, 65536))]
+EXTREME_IDS = [f"{k}-{s}" for k, s in EXTREME_CASES]
+
+
+@pytest.mark.parametrize("kind,shape", EXTREME_CASES, ids=EXTREME_IDS)
+def test_layer_norm_float64_extreme_rows_within_16_ulps(kind: str, shape: tuple[int, int]) -> None:
+    _assert_within_budget(_extreme_errors("layer_norm", kind, shape, _extreme_convs("layer_norm", shape)))
+
+
+@pytest.mark.parametrize("kind,shape", EXTREME_CASES, ids=EXTREME_IDS)
+def test_rms_norm_float64_extreme_rows_within_16_ulps(kind: str, shape: tuple[int, int]) -> None:
+    _assert_within_budget(_extreme_errors("rms_norm", kind, shape, _extreme_convs("rms_norm", shape)))
+
+
+def test_float64_extreme_rows_take_the_slow_path() -> None:
+    # the backward of the rows above that are meant to exercise the rescaled float64 path takes it (the huge_offset
+    # and very_tiny rows' r is in range: only their d^2 sum, needed with eps_mode="std", overflows or underflows)
+    rng = np.random.default_rng(12)
+    for kind in ("huge", "near_max", "max_offset", "huge_offset", "very_tiny"):
+        x = extreme_f64(kind, (5, 300), rng)
+        dy = rng.standard_normal(x.shape)
+        mean, rstd = np.empty(5), np.empty(5)
+        scale, cs = np.empty(5, np.int64), np.empty(5)
+        for std in (False, True) if kind not in ("huge_offset", "very_tiny") else (True,):
+            _kernels.ln_fwd(x, None, None, 1e-5, 0, std, np.empty_like(x), mean, rstd, False)
+            _kernels.ln_bwd_rows(x, dy, None, mean, rstd, 0, std, np.empty_like(x), scale, cs, False)
+            assert np.all(scale != _kernels._SLOW), kind
+        if kind not in ("huge_offset", "very_tiny"):
+            _kernels.rms_fwd(x, None, 1e-5, np.empty_like(x), rstd, False)
+            _kernels.rms_bwd_rows(x, dy, None, rstd, np.empty_like(x), scale, False)
+            assert np.all(scale != _kernels._SLOW), kind
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=name)

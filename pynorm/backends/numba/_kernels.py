@@ -41,7 +41,12 @@ splits ctx's float64 mean the same way (:func:`_ln_kc`).
 :func:`_tiny`, with a nonzero deviation) or are not finite, or whose ``r`` is
 outside the normal range of ``T``, is recomputed in float64 after scaling by a
 power of two taken from the row's largest magnitude (exact), so magnitudes up
-to the dtype's maximum give finite, accurate results.
+to the dtype's maximum give finite, accurate results. Its row sums are
+compensated (:func:`_cadd`: plain sequential float64 sums were off by hundreds
+of ulps over 65536 elements), the mean's correction is taken from the exact
+deviations, and the backward adds back what the stored float64 mean misses
+(:func:`_ln_slow_residual`, for offsets much larger than the spread): float64
+rows up to the maximum stay within a few ulps of the reference.
 
 *Parameter gradients*: rows are grouped in blocks of :data:`ROW_BLOCK` (fixed,
 independent of the thread count); each block accumulates its partial sums in
@@ -54,9 +59,11 @@ backward path runs depends on the shape only (:func:`use_fused`).
 and Inf keep their IEEE meaning). The few operations whose rounding matters are
 tiny helpers compiled *without* flags, which keep their exact semantics when
 inlined: :func:`_centre` (so ``(x - K) - c`` is never refolded into
-``x - (K + c)``) and :func:`_prod` (``g = dy * w`` rounded the same way in the
-sums and in ``dx``). The hot helpers are inlined into the kernels at numba-IR
-level (``inline="always"``).
+``x - (K + c)``), :func:`_prod` (``g = dy * w`` rounded the same way in the
+sums and in ``dx``) and the slow path's :func:`_two_sum` / :func:`_cadd`
+(reassociation would fold their error terms to 0; the slow-path row functions
+that call them have no flags either). The hot helpers are inlined into the
+kernels at numba-IR level (``inline="always"``).
 
 *Vectorization*: every hot loop writes at most two arrays and reads a few, so
 LLVM's run-time alias checks stay under its limit and the loops vectorize (a
@@ -659,22 +666,56 @@ def _row_scale(xr):  # type: ignore[no-untyped-def]
 
 
 @_jit()
+def _two_sum(a, b):  # type: ignore[no-untyped-def]
+    """``(s, err)`` with ``s = fl(a + b)`` and ``s + err == a + b`` exactly (Knuth's branch-free two-sum).
+
+    No fastmath flags (here and in its callers): reassociation would fold ``err`` to 0.
+    """
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+@_jit()
+def _cadd(s, t, v):  # type: ignore[no-untyped-def]
+    """One step of a compensated sum: ``s' = fl(s + v)``, its exact rounding error added to ``t``.
+
+    The sum of ``n`` terms is then ``s + t`` within about one ulp plus ``n u^2 sum|v|``,
+    whatever their order: plain sequential sums over long rows are off by up to
+    ``n u`` (hundreds of ulps of the outputs at ``H = 65536``). Slow-path rows only
+    (a few times the cost of a plain sum).
+    """
+    r, err = _two_sum(s, v)
+    return r, t + err
+
+
+@_jit()
 def _ln_scaled_stats(xr, e, corr):  # type: ignore[no-untyped-def]
-    """Two-pass float64 statistics of ``x * 2**-e``: ``(m1, c, var_s)`` with mean_s = m1 + c."""
+    """Two-pass float64 statistics of ``x * 2**-e``: ``(m1, c, var_s)`` with mean_s = m1 + c.
+
+    Every sum is compensated (:func:`_cadd`), and ``c`` is the mean of the *exact*
+    deviations ``x * 2**-e - m1`` (each difference's rounding error is added in):
+    the rounded differences share the low bits of ``m1``, so their rounding errors
+    do not average out and would bias ``c`` by up to half an ulp of ``x``.
+    """
     h = xr.shape[0]
     sc = math.ldexp(1.0, -e)
     s = 0.0
+    t = 0.0
     for j in range(h):
-        s += np.float64(ld(xr[j])) * sc
-    m1 = s / h
+        s, t = _cadd(s, t, np.float64(ld(xr[j])) * sc)
+    m1 = (s + t) / h
     s1 = 0.0
+    t1 = 0.0
     s2 = 0.0
+    t2 = 0.0
     for j in range(h):
-        d = np.float64(ld(xr[j])) * sc - m1
-        s1 += d
-        s2 += d * d
+        d, lo = _two_sum(np.float64(ld(xr[j])) * sc, -m1)
+        s1, t1 = _cadd(s1, t1 + lo, d)
+        s2, t2 = _cadd(s2, t2, d * d)
+    s1 = s1 + t1
     c = s1 / h
-    return m1, c, max(s2 - s1 * c, 0.0) / (h - corr)
+    return m1, c, max((s2 + t2) - s1 * c, 0.0) / (h - corr)
 
 
 @_jit()
@@ -928,51 +969,79 @@ def _ln_acc4(x0, x1, x2, x3, d0, d1, d2, d3, kq, cq, rq, pw, pb, blk, j0):  # ty
 
 @_jit()
 def _ln_slow_xhat(xr, mean, r, e):  # type: ignore[no-untyped-def]
-    """``(sc, m_s, r_s)``: with them ``xhat = (x * sc - m_s) * r_s`` in float64 without overflow."""
+    """``(sc, m_s, r_s)``: with them and the residual ``c`` of :func:`_ln_slow_residual`,
+    ``xhat = ((x * sc - m_s) - c) * r_s`` in float64 without overflow."""
     return math.ldexp(1.0, -e), math.ldexp(mean, -e), math.ldexp(r, e)
 
 
 @_jit()
+def _ln_slow_residual(xr, mean, e):  # type: ignore[no-untyped-def]
+    """``mean(x * 2**-e - m_s)`` of the exact deviations (compensated, as in :func:`_ln_scaled_stats`),
+    in the math type: what the stored float64 ``mean`` misses of the row's mean.
+
+    The slow path's centring is ``(x * sc - m_s) - c`` as in the forward: rows with
+    a common offset much larger than their spread (``1e300 + 1e290 N(0, 1)``) keep
+    the accuracy of their deviations, which the rounded ``mean`` alone would lose.
+    """
+    sc = math.ldexp(1.0, -e)
+    m_s = math.ldexp(mean, -e)
+    s = 0.0
+    t = 0.0
+    for j in range(xr.shape[0]):
+        d, lo = _two_sum(np.float64(ld(xr[j])) * sc, -m_s)
+        s, t = _cadd(s, t + lo, d)
+    return np.float64(tcast(xr, (s + t) / xr.shape[0]))
+
+
+@_jit()
 def _ln_bwd_row_slow(xr, dyr, w, mean, r, corr, std_mode, dxr):  # type: ignore[no-untyped-def]
-    """dx of one row in float64 after scaling by a power of two; returns the scale exponent."""
+    """dx of one row in float64 after scaling by a power of two (compensated sums);
+    returns ``(scale exponent, residual c)``."""
     h = xr.shape[0]
     n = h - corr
     e = _row_scale(xr)
     sc, m_s, r_s = _ln_slow_xhat(xr, mean, r, e)
+    c = _ln_slow_residual(xr, mean, e)
     sg = 0.0
+    tg = 0.0
     sgx = 0.0
+    tgx = 0.0
     sd2 = 0.0
+    td2 = 0.0
     for j in range(h):
-        d = np.float64(ld(xr[j])) * sc - m_s
+        d = (np.float64(ld(xr[j])) * sc - m_s) - c
         g = np.float64(ld(dyr[j]))
         if w is not None:
             g *= np.float64(w[j])
-        sg += g
-        sgx += g * (d * r_s)
-        sd2 += d * d
+        sg, tg = _cadd(sg, tg, g)
+        sgx, tgx = _cadd(sgx, tgx, g * (d * r_s))
+        sd2, td2 = _cadd(sd2, td2, d * d)
+    sg = sg + tg
+    sgx = sgx + tgx
     if std_mode:
-        s_s = math.sqrt(sd2 / n)
+        s_s = math.sqrt((sd2 + td2) / n)
         coef = sgx / (n * s_s * r_s) if s_s > 0 else 0.0
     else:
         coef = sgx / n
     gbar = sg / h
     for j in range(h):
-        xhat = (np.float64(ld(xr[j])) * sc - m_s) * r_s
+        xhat = ((np.float64(ld(xr[j])) * sc - m_s) - c) * r_s
         g = np.float64(ld(dyr[j]))
         if w is not None:
             g *= np.float64(w[j])
         st_exact(dxr, j, r * ((g - gbar) - xhat * coef))
-    return e
+    return e, c
 
 
 @_jit()
-def _ln_acc_slow(xr, dyr, mean, r, e, pw, pb, blk, j0):  # type: ignore[no-untyped-def]
-    """``_ln_acc`` of a slow-path row segment (float64, scaled by ``2**-e``)."""
+def _ln_acc_slow(xr, dyr, mean, r, e, c, pw, pb, blk, j0):  # type: ignore[no-untyped-def]
+    """``_ln_acc`` of a slow-path row segment (float64, scaled by ``2**-e``; ``c``: the row's
+    :func:`_ln_slow_residual`)."""
     sc, m_s, r_s = _ln_slow_xhat(xr, mean, r, e)
     for j in range(xr.shape[0]):
         dy = np.float64(ld(dyr[j]))
         if pw is not None:
-            pw[blk, j0 + j] += tcast(xr, dy * ((np.float64(ld(xr[j])) * sc - m_s) * r_s))
+            pw[blk, j0 + j] += tcast(xr, dy * (((np.float64(ld(xr[j])) * sc - m_s) - c) * r_s))
         if pb is not None:
             pb[blk, j0 + j] += tcast(xr, dy)
 
@@ -1033,7 +1102,8 @@ def _ln_bwd_rowdx(xr, dyr, w, mean, r, corr, std_mode, dxr, pw, pb, blk, stream)
                 coef = sgx / n
             _ln_bwd_dx_s(xr, dyr, w, k, c, rt, tcast(xr, sg / h), tcast(xr, coef), dxr, stream)
             return _SLOW, k, c, rt
-    return _ln_bwd_row_slow(xr, dyr, w, mean, r, corr, std_mode, dxr), k, c, rt
+    e, cr = _ln_bwd_row_slow(xr, dyr, w, mean, r, corr, std_mode, dxr)
+    return e, k, tcast(xr, cr), rt
 
 
 @_jit(_FM_SUM)
@@ -1049,7 +1119,9 @@ def _ln_redo_block(x, dy, mean, rstd, i0, scale, pw, pb, blk):  # type: ignore[n
             k, c = _ln_kc(xr, mean[i0 + q], rstd[i0 + q])
             _ln_acc(xr, dy[i0 + q], k, c, tcast(xr, rstd[i0 + q]), pw, pb, blk, 0)
         else:
-            _ln_acc_slow(xr, dy[i0 + q], mean[i0 + q], rstd[i0 + q], scale[q], pw, pb, blk, 0)
+            e = scale[q]
+            cr = _ln_slow_residual(xr, mean[i0 + q], e)
+            _ln_acc_slow(xr, dy[i0 + q], mean[i0 + q], rstd[i0 + q], e, cr, pw, pb, blk, 0)
 
 
 @_jit(_FM_SUM, parallel=True)
@@ -1126,7 +1198,8 @@ def ln_params_by_cols(x, dy, mean, rstd, scale, cs, pw, pb):  # type: ignore[no-
                         if scale[i + q] == _SLOW:
                             _ln_acc(xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, blk, j0)
                         else:
-                            _ln_acc_slow(xr, dyr, mean[i + q], rstd[i + q], scale[i + q], pw, pb, blk, j0)
+                            e = scale[i + q]
+                            _ln_acc_slow(xr, dyr, mean[i + q], rstd[i + q], e, cs[i + q], pw, pb, blk, j0)
                 i += 4
 
 
@@ -1173,10 +1246,11 @@ def _rms_rstd_scaled(xr, e, eps):  # type: ignore[no-untyped-def]
     h = xr.shape[0]
     sc = math.ldexp(1.0, -e)
     s2 = 0.0
+    t2 = 0.0
     for j in range(h):
         v = np.float64(ld(xr[j])) * sc
-        s2 += v * v
-    return _scaled_rstd(s2 / h, e, eps, False)
+        s2, t2 = _cadd(s2, t2, v * v)
+    return _scaled_rstd((s2 + t2) / h, e, eps, False)
 
 
 @_jit()
@@ -1295,18 +1369,19 @@ def _rms_acc_slow(xr, dyr, r, e, pw, blk, j0):  # type: ignore[no-untyped-def]
 
 @_jit()
 def _rms_bwd_row_slow(xr, dyr, w, r, dxr):  # type: ignore[no-untyped-def]
-    """dx of one row in float64 after scaling by a power of two; returns the scale exponent."""
+    """dx of one row in float64 after scaling by a power of two (compensated sum); returns the scale exponent."""
     h = xr.shape[0]
     e = _row_scale(xr)
     sc = math.ldexp(1.0, -e)
     r_s = math.ldexp(r, e)
     sgx = 0.0
+    tgx = 0.0
     for j in range(h):
         g = np.float64(ld(dyr[j]))
         if w is not None:
             g *= np.float64(w[j])
-        sgx += g * (np.float64(ld(xr[j])) * sc * r_s)
-    coef = sgx / h
+        sgx, tgx = _cadd(sgx, tgx, g * (np.float64(ld(xr[j])) * sc * r_s))
+    coef = (sgx + tgx) / h
     for j in range(h):
         g = np.float64(ld(dyr[j]))
         if w is not None:

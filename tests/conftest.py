@@ -28,8 +28,8 @@ if cuda_cpu.requested():  # the cuda_cpu tox env: CuPy's kernels on the CPU exec
 
         warnings.warn(f"PYNORM_CUDA_CPU=1 but the CPU execution harness cannot run here: {_reason}", stacklevel=1)
 
-import pynorm  # noqa: E402
-from pynorm import _registry  # noqa: E402
+import pynorm
+from pynorm import _registry
 
 settings.register_profile(
     "ci",

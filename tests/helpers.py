@@ -72,9 +72,7 @@ def make_params(spec: OpSpec, shape: tuple[int, ...], dt: Any, rng: np.random.Ge
     return out
 
 
-def assert_close_scaled(
-    actual: Any, expected: Any, scale: Any, rtol: float, what: str = "", dtype: Any = None
-) -> None:
+def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, what: str = "", dtype: Any = None) -> None:
     """``|actual - expected| <= rtol * scale + spacing`` elementwise (``scale`` the magnitude of the terms).
 
     ``spacing`` is the smallest subnormal of ``actual``'s dtype: one ulp in the subnormal range,

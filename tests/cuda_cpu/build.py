@@ -43,6 +43,10 @@ CXXFLAGS = (
     "-ffp-contract=off",  # no FMA contraction: the GPU's contractions are not modelled (docs/cuda_cpu.md)
     "-fno-fast-math",
     "-fno-strict-aliasing",
+    # shared memory is thread_local: without these GCC may fold a __shared__ array the translation
+    # unit never writes to its initial zeros (a NaN-poisoned read on the harness, garbage on a GPU)
+    "-fno-ipa-reference",
+    "-fno-ipa-reference-addressable",
     "-fvisibility=hidden",
     "-Wall",
     "-Wextra",
@@ -252,7 +256,7 @@ def generated_source(code: str, names: tuple[str, ...], code_file: str) -> str:
     bounds = launch_bounds(code)
     dyn = dynamic_shared(code)
     # the code is #included (not pasted) so that its headers' `#pragma once` stays in an included file
-    lines = ['#include "cuda_cpu.h"', f'#include "{code_file}"', '#include "cuda_cpu_register.h"', "", "// registration"]
+    lines = ['#include "cuda_cpu.h"', f'#include "{code_file}"', '#include "cuda_cpu_register.h"', "", "// generated"]
     for ns, name in dyn:
         open_ns = f"namespace {ns.replace('::', ' { namespace ')} {{ " if ns else ""
         close_ns = " }" * (ns.count("::") + 1) if ns else ""

@@ -6,7 +6,8 @@
 // returns, then the scheduler picks the next one:
 //
 // * a barrier completes when every thread of the block waits at it (all at the same
-//   call site); waiting threads are then released in schedule order;
+//   __syncthreads of the source: file and line); waiting threads are then released in
+//   schedule order;
 // * a warp operation completes when every lane named in its mask has arrived with the
 //   same operation, mask and width; the lanes of that warp then run first (depth
 //   first), so one warp may run far ahead of the others, as it may on a GPU;
@@ -118,7 +119,7 @@ struct Fiber {
   pnc_thread t;  // first member: pnc_current points here
   int linear = 0;
   State state = READY;
-  const void* site = nullptr;  // barrier call site
+  const char* site = nullptr;  // barrier call site ("file:line")
   // warp operation
   uint64_t value = 0, result = 0;
   unsigned mask = 0;
@@ -144,11 +145,13 @@ size_t page_size() {
   return p;
 }
 
+constexpr size_t kGuard = 64 * 1024;  // inaccessible below each stack: frames larger than a page still hit it
+
 struct Stacks {
   char* base = nullptr;
   size_t count = 0;
-  size_t stride() const { return kStack + page_size(); }
-  char* lo(size_t i) const { return base + i * stride() + page_size(); }  // above the guard page
+  size_t stride() const { return kStack + kGuard; }
+  char* lo(size_t i) const { return base + i * stride() + kGuard; }  // above the guard region
   char* hi(size_t i) const { return lo(i) + kStack; }
   bool ensure(size_t n) {
     if (n <= count) return true;
@@ -161,14 +164,14 @@ struct Stacks {
     }
     base = static_cast<char*>(p);
     count = n;
-    for (size_t i = 0; i < n; ++i) mprotect(base + i * stride(), page_size(), PROT_NONE);
+    for (size_t i = 0; i < n; ++i) mprotect(base + i * stride(), kGuard, PROT_NONE);
     return true;
   }
   bool contains_guard(const void* a, size_t* which) const {
     const char* c = static_cast<const char*>(a);
     for (size_t i = 0; i < count; ++i) {
       const char* g = base + i * stride();
-      if (c >= g && c < g + page_size()) {
+      if (c >= g && c < g + kGuard) {
         *which = i;
         return true;
       }
@@ -310,16 +313,19 @@ unsigned lanes_present(const Launch& L, int warp) {
 
 // every thread of the block waits at the barrier: check the sites, release them
 void release_barrier(Launch& L) {
-  const void* site = nullptr;
+  const char* site = nullptr;
+  size_t first = 0;
   std::vector<int> ids;
   for (size_t i = 0; i < L.nthreads; ++i) {
     Fiber& f = L.fibers[i];
     if (f.state != AT_BARRIER) continue;
-    if (site == nullptr) site = f.site;
-    if (f.site != site) {
-      L.fail("__syncthreads: threads of one block wait at different __syncthreads calls (%s at %p, %s at %p)",
-             describe_thread(L.fibers[ids.empty() ? i : static_cast<size_t>(ids[0])]).c_str(), site,
-             describe_thread(f).c_str(), f.site);
+    if (site == nullptr) {
+      site = f.site;
+      first = i;
+    }
+    if (strcmp(f.site, site) != 0) {
+      L.fail("__syncthreads: threads of one block wait at different __syncthreads calls (%s at %s, %s at %s)",
+             describe_thread(L.fibers[first]).c_str(), site, describe_thread(f).c_str(), f.site);
       return;
     }
     f.state = READY;
@@ -627,7 +633,7 @@ static const unsigned char* first_not_ff(const unsigned char* lo, const unsigned
 // ---------------------------------------------------------------------------
 // what kernel threads call
 
-extern "C" void pnc_syncthreads(const void* site) {
+extern "C" void pnc_syncthreads(const char* site) {
   Launch* L = g_launch;
   Fiber* f = L->running;
   f->site = site;
@@ -784,7 +790,7 @@ int pnc_launch(void* handle, const pnc_module* mod, int k, const unsigned* grid,
     std::string extra;
     const unsigned char* fa = static_cast<const unsigned char*>(const_cast<void*>(g_fault_addr));
     if (g_fault_sig == SIGSEGV && g_stacks.contains_guard(fa, &which)) {
-      extra = " (the guard page of a thread's stack: stack overflow)";
+      extra = " (the guard region below a thread's stack: stack overflow)";
     }
     for (const Tail& t : tails) {
       if (g_fault_sig == SIGSEGV && fa >= t.check_lo && fa < t.end) {

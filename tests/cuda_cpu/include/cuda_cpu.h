@@ -48,9 +48,12 @@
 
 static constexpr int warpSize = 32;
 
-// barriers (the call site identifies the barrier: threads waiting at different
-// __syncthreads calls are reported, as CUDA leaves that undefined)
-__attribute__((noinline)) inline void __syncthreads() { pnc_syncthreads(__builtin_return_address(0)); }
+// barriers: the source line identifies the barrier (threads waiting at different
+// __syncthreads calls are reported, as CUDA leaves that undefined); a distinct string per
+// line also keeps the compiler from merging calls the source keeps apart
+#define PNC_STR2(x) #x
+#define PNC_STR(x) PNC_STR2(x)
+#define __syncthreads() pnc_syncthreads(__FILE__ ":" PNC_STR(__LINE__))
 inline void __syncwarp(unsigned int mask = 0xffffffffu) { pnc_syncwarp(mask); }
 inline void __threadfence() {}
 inline void __threadfence_block() {}

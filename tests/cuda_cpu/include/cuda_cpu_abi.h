@@ -30,7 +30,7 @@ extern dim3 pnc_block_dim;
 extern dim3 pnc_grid_dim;
 
 // synchronization points: each one suspends the calling thread until the others arrive
-void pnc_syncthreads(const void* site);
+void pnc_syncthreads(const char* site);  // site: "file:line" of the __syncthreads call
 void pnc_syncwarp(unsigned int mask);
 enum pnc_shfl_op { PNC_SHFL_IDX = 0, PNC_SHFL_UP = 1, PNC_SHFL_DOWN = 2, PNC_SHFL_XOR = 3 };
 uint64_t pnc_shfl(unsigned int mask, uint64_t value, int op, int arg, int width);

@@ -10,6 +10,9 @@
 
 #include "cuda_cpu_abi.h"
 
+struct __half;  // (the kernel source may include neither cuda_fp16.h nor cuda_bf16.h)
+struct __nv_bfloat16;
+
 namespace pnc_reg {
 
 template <typename T> struct type_name { static constexpr const char* value = "?"; };

@@ -179,12 +179,19 @@ def backend_ops(name: str) -> tuple[str, ...]:
         return ()
 
 
-def op_module(name: str, op: str) -> ModuleType:
-    """The module of backend ``name`` holding ``forward``/``backward`` of ``op``."""
+def op_module(name: str, op: str) -> Any:
+    """What implements ``op`` on backend ``name``: an object with ``forward``/``backward``.
+
+    ``OPS[op]`` names a submodule of the backend package. That module is the implementation
+    itself (``forward``/``backward`` functions), or -- for a module serving several ops, such as
+    a kernel family -- it maps op names to implementations in ``OP_IMPLS``.
+    """
     pkg = backend_module(name)
     if op not in pkg.OPS:
         raise UnknownOpError(f"backend {name!r} does not implement op {op!r} (it has: {', '.join(pkg.OPS)})")
-    return importlib.import_module(f"{pkg.__name__}.{pkg.OPS[op]}")
+    mod = importlib.import_module(f"{pkg.__name__}.{pkg.OPS[op]}")
+    impls = getattr(mod, "OP_IMPLS", None)
+    return impls[op] if impls is not None else mod
 
 
 def list_backends() -> list[BackendInfo]:

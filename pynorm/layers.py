@@ -179,8 +179,10 @@ class LayerNorm(_Norm):
         xp: Any = None,
     ) -> None:
         super().__init__(normalized_shape, eps, dtype, xp, backend)
-        conv = F._ln_conventions(eps, correction, eps_mode, weight_offset)
-        self.correction, self.eps_mode, self.weight_offset = conv["correction"], eps_mode, conv["weight_offset"]
+        conv = F.LAYER_NORM.validate(
+            {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+        )
+        self.correction, self.eps_mode, self.weight_offset = conv["correction"], conv["eps_mode"], conv["weight_offset"]
         if elementwise_affine:
             self._add_param("weight", 1.0 - self.weight_offset)
             if bias:

@@ -137,69 +137,19 @@ def make_input(kind: str, shape: tuple[int, ...], dtype: Any, rng: np.random.Gen
     return a.astype(dt)
 
 
-def _weff(params: dict[str, Any], conv: dict[str, Any], h: int) -> np.ndarray:
-    w = params.get("weight")
-    if w is None:
-        return np.ones(h)
-    return np.asarray(w, dtype=np.float64).reshape(h) + conv.get("weight_offset", 0.0)
-
-
 def term_scales(
     op: str, x2: np.ndarray, params: dict[str, Any], dy2: np.ndarray, conv: dict[str, Any]
 ) -> dict[str, Any]:
-    """Magnitude of the terms each output is computed from (float64, ``(R, H)`` inputs).
+    """Magnitude of the terms each output of ``op`` is computed from (float64, ``(R, H)`` inputs).
 
-    The fair yardstick for comparing two implementations: a result that is a
-    small difference of large terms can only be as accurate as those terms.
-    With ``x̂ = (x - mean) r``, ``g = dy (w + o)``, ``n = H - correction`` and ``s``
-    the row's standard deviation (LayerNorm):
-
-    * LayerNorm ``y``: ``(|x̂| + s r) |w + o| + |b|`` -- the deviations at the row's
-      own unit (``s r <= 1``), not at the offset ``|mean|``: a common offset of
-      ``1e4`` must not loosen the yardstick; RMSNorm ``y``: ``|x̂| |w + o|``;
-    * ``dx``: ``r (|g| + mean|g| + |x̂| sum|g x̂| / n)`` (RMSNorm without the mean term);
-    * ``dweight``: LayerNorm ``sum_rows |dy| (|x̂| + s r)`` -- each term ``dy x̂`` carries ``x̂``'s
-      error, which is at the row's own unit like ``y``'s, not at ``|x̂|`` (a column whose ``x̂`` is
-      near 0 in every row would otherwise be judged on the rounding of a cancelled difference);
-      RMSNorm ``sum_rows |dy x̂|`` (``x̂ = x r`` has no cancellation); ``dbias``: ``sum_rows |dy|``.
-
-    Returns a dict of float64 arrays keyed ``y``, ``dx``, ``dweight`` (, ``dbias``).
+    The fair yardstick for comparing two implementations: a result that is a small difference
+    of large terms can only be as accurate as those terms. Each op defines its own in its spec
+    (``pynorm.ops.<op>.term_scales``; e.g. LayerNorm measures ``y`` at the row's own unit, not at
+    the offset ``|mean|``). Returns a dict of float64 arrays keyed ``y``, ``dx``, ``d<param>``.
     """
-    wide = np.longdouble  # float64 squares of huge float64 inputs would overflow
-    x = x2.astype(wide)
-    dy = dy2.astype(wide)
-    h = x.shape[1]
-    w = _weff(params, conv, h).astype(wide)
-    g = np.abs(dy * w)
-    eps = conv.get("eps", 1e-5 if op == "layer_norm" else 1e-6)
-    if op == "layer_norm":
-        n = h - conv.get("correction", 0)
-        d = x - x.mean(axis=1, keepdims=True)
-        s = np.sqrt((d * d).sum(axis=1, keepdims=True) / n)
-        std_mode = conv.get("eps_mode", "var") == "std"
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = 1 / (s + eps) if std_mode else 1 / np.sqrt(s * s + eps)
-            k = np.where(s > 0, 1 / (s * r), 0.0) if std_mode else 1.0
-        xhat = np.abs(d * r)
-        b = params.get("bias")
-        bias = 0 if b is None else np.abs(np.asarray(b, dtype=np.float64).reshape(h))
-        dx = r * (g + g.mean(axis=1, keepdims=True) + xhat * (g * xhat).sum(axis=1, keepdims=True) * k / n)
-        # y's terms: x - mean, at the row's own unit (r s <= 1): float32 math centres with an
-        # error of a float32 ulp of the deviations, which is all a one-rounding result can promise
-        out = {
-            "y": (xhat + s * r) * np.abs(w) + bias,
-            "dx": dx,
-            "dweight": (np.abs(dy) * (xhat + s * r)).sum(axis=0),
-            "dbias": np.abs(dy).sum(axis=0),
-        }
-    elif op == "rms_norm":
-        r = 1 / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
-        xhat = np.abs(x * r)
-        dx = r * (g + xhat * (g * xhat).mean(axis=1, keepdims=True))
-        out = {"y": xhat * np.abs(w), "dx": dx, "dweight": np.abs(dy * xhat).sum(axis=0)}
-    else:
-        raise KeyError(op)
-    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+    from .ops import get
+
+    return get(op).term_scales(x2, params, dy2, conv)
 
 
 @dataclass
@@ -357,9 +307,6 @@ def check_grads(
     return report
 
 
-_PARAMS = {"layer_norm": ("weight", "bias"), "rms_norm": ("weight",)}
-
-
 @dataclass
 class ConformanceReport:
     """Result of :func:`check_conformance`: one row per (dtype, kind, hidden size).
@@ -419,7 +366,7 @@ def check_conformance(
 
     Parameters
     ----------
-    op : ``"layer_norm"`` or ``"rms_norm"``.
+    op : the name of an op of :data:`pynorm.ops.SPECS` (``"layer_norm"``, ``"rms_norm"``...).
     forward : ``forward(x, *params, **conventions) -> y`` on NumPy arrays of shape
         ``(rows, H)`` (``params`` in pynorm's order: weight, bias), normalizing
         the last axis. The result may be any array-like of ``x``'s shape.
@@ -437,10 +384,12 @@ def check_conformance(
     """
     import pynorm
 
-    if op not in _PARAMS:
-        raise ValueError(f"op must be one of {sorted(_PARAMS)}, got {op!r}")
+    from .ops import SPECS
+
+    if op not in SPECS:
+        raise ValueError(f"op must be one of {sorted(SPECS)}, got {op!r}")
     conv = dict(conventions or {})
-    pnames = _PARAMS[op]
+    pnames = SPECS[op].param_names
     fwd_ref = getattr(pynorm, f"{op}_forward")
     bwd_ref = getattr(pynorm, f"{op}_backward")
     rng = np.random.default_rng(seed)

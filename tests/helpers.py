@@ -1,18 +1,19 @@
 """Test helpers: the op table every cross-cutting test iterates over, and data makers.
 
-Adding an op to pynorm means adding one :class:`OpSpec` here; the gradient,
-cross-backend, invariance and input-safety tests then cover it on every backend.
+The op table is built from :data:`pynorm.ops.SPECS`: adding an op's spec to pynorm makes the
+gradient, cross-backend, invariance and input-safety tests cover it on every backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 import pynorm
+from pynorm import ops
 from pynorm import testing as _testing
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -28,48 +29,43 @@ def dtype(name: str) -> np.dtype[Any]:
 
 @dataclass(frozen=True)
 class OpSpec:
-    """An op's entry points and parameters, for generic tests."""
+    """An op of :data:`pynorm.ops.SPECS` as the generic tests use it (entry points looked up by name)."""
 
-    name: str
-    forward: Callable[..., Any]
-    backward: Callable[..., Any]
-    params: tuple[str, ...]  # names of the per-feature parameters, in call order
-    conventions: tuple[dict[str, Any], ...] = field(default=({},))
-    centered: bool = False  # output rows have mean 0 without affine (LayerNorm)
+    spec: ops.OpSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def forward(self) -> Callable[..., Any]:
+        return getattr(pynorm, f"{self.name}_forward")  # type: ignore[no-any-return]
+
+    @property
+    def backward(self) -> Callable[..., Any]:
+        return getattr(pynorm, f"{self.name}_backward")  # type: ignore[no-any-return]
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return self.spec.param_names
+
+    @property
+    def conventions(self) -> tuple[dict[str, Any], ...]:
+        return self.spec.cases
+
+    @property
+    def centered(self) -> bool:
+        """Output rows have mean 0 without affine (the centred statistic: LayerNorm)."""
+        return self.spec.variant.statistic == "centered"
 
 
-OPS = {
-    "layer_norm": OpSpec(
-        "layer_norm",
-        pynorm.layer_norm_forward,
-        pynorm.layer_norm_backward,
-        ("weight", "bias"),
-        (
-            {},
-            {"correction": 1},
-            {"eps_mode": "std"},
-            {"eps_mode": "std", "correction": 1, "weight_offset": 1.0},
-            {"weight_offset": 1.0, "eps": 0.1},
-        ),
-        centered=True,
-    ),
-    "rms_norm": OpSpec(
-        "rms_norm",
-        pynorm.rms_norm_forward,
-        pynorm.rms_norm_backward,
-        ("weight",),
-        ({}, {"weight_offset": 1.0}, {"eps": 0.1}),
-    ),
-}
+#: the one op table of the tests: every op pynorm has, from its spec
+OPS = {name: OpSpec(s) for name, s in ops.SPECS.items()}
 
 
 def make_params(spec: OpSpec, shape: tuple[int, ...], dt: Any, rng: np.random.Generator) -> list[np.ndarray]:
-    """Random parameters of ``shape``: weights near 1, biases near 0."""
-    out = []
-    for p in spec.params:
-        base = 1.0 if p == "weight" else 0.0
-        out.append((base + 0.5 * rng.standard_normal(shape)).astype(dt))
-    return out
+    """Random parameters of ``shape`` around each parameter's initial value (weights near 1, biases near 0)."""
+    return [(p.init + 0.5 * rng.standard_normal(shape)).astype(dt) for p in spec.spec.params]
 
 
 def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, what: str = "", dtype: Any = None) -> None:

@@ -1,0 +1,229 @@
+"""Validation, dispatch, flattening and gradient reduction, done once for every op from its spec.
+
+:func:`forward` and :func:`backward` are what every public ``<op>_forward`` / ``<op>_backward``
+calls: they validate the arguments against the op's :class:`~pynorm.ops.OpSpec` (so every backend
+rejects bad input the same way, with the same message), pick a backend through
+:mod:`pynorm._registry`, flatten ``x`` to ``(rows, hidden)`` and the parameters to ``(hidden,)``,
+call the backend's ``forward(x2, *params, out=..., **options)`` / ``backward(dy2, ctx, dx_out=...)``
+and reduce each parameter's gradient back to the parameter's own shape.
+
+Shapes follow ONNX's ``axis`` rule: dims ``axis .. ndim-1`` of ``x`` are normalized together
+(``axis`` may be negative); ``"feature"`` parameters have shape ``x.shape[axis:]`` or any shape
+that broadcasts to it from the right (``(H,)`` for a ``(..., 1, H)`` block, say). Gradients come
+back in each parameter's own shape and dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _registry
+from .errors import ArgumentError, ArrayTypeError, ContextError, DTypeError, ShapeError
+from .ops import OpSpec
+
+__all__ = ["FLOAT_DTYPES", "Context", "backward", "check_axis", "forward"]
+
+Array = Any  # numpy.ndarray, cupy.ndarray, or another backend's array type
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True, eq=False)
+class Context:
+    """What a ``*_forward`` call hands to the matching ``*_backward``.
+
+    Attributes
+    ----------
+    op : name of the op that made it.
+    backend : name of the backend that ran forward (backward runs there too).
+    x_shape, x_dtype : shape and dtype of the forward input.
+    axis : first normalized axis (non-negative).
+    param_shapes : shape of each parameter as given (None where absent).
+    inner : the backend's ctx (e.g. :class:`pynorm.reference.layer_norm.LayerNormCtx`):
+        the flattened input, parameters and per-row statistics.
+    """
+
+    op: str
+    backend: str
+    x_shape: tuple[int, ...]
+    x_dtype: Any
+    axis: int
+    param_shapes: tuple[tuple[int, ...] | None, ...]
+    inner: Any
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.x_shape[: self.axis])
+
+    @property
+    def hidden(self) -> int:
+        return math.prod(self.x_shape[self.axis :])
+
+
+# ---------------------------------------------------------------------------
+# validation
+
+
+def as_array(a: Any, name: str) -> Array:
+    """``a`` if it is an array (of any backend's library), NumPy's array of it if it is a list/scalar."""
+    if isinstance(a, (list, tuple, numbers.Number, np.generic)) and not isinstance(a, bool):
+        return np.asarray(a)
+    if not (hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")):
+        raise ArrayTypeError(f"{name} must be an array (numpy.ndarray, cupy.ndarray...), got {type(a).__name__}")
+    return a
+
+
+def check_float_dtype(a: Array, name: str) -> None:
+    dt = a.dtype
+    if getattr(dt, "name", str(dt)) not in FLOAT_DTYPES:
+        raise DTypeError(f"{name} must have dtype float16, bfloat16, float32 or float64, got {dt}")
+
+
+def xp_of(a: Array) -> Any:
+    """The array module (``numpy``, ``cupy``...) of ``a``."""
+    return sys.modules[_registry.array_family(a)[0]]
+
+
+def check_axis(axis: Any, ndim: int) -> int:
+    """Validate ONNX-style ``axis`` for an ``ndim``-dim input; return it non-negative."""
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise ArgumentError(f"axis must be an int, got {axis!r}")
+    a = int(axis)
+    if not -ndim <= a < ndim:
+        raise ArgumentError(f"axis={a} is out of range for x with {ndim} dims (expected {-ndim} <= axis < {ndim})")
+    return a % ndim
+
+
+def _check_feature_param(p: Any, name: str, x: Array, axis: int) -> Array | None:
+    if p is None:
+        return None
+    p = as_array(p, name)
+    if _registry.array_family(p) != _registry.array_family(x):
+        _registry._family_of((x, p), ("x", name))  # raises ArrayTypeError with both types
+    check_float_dtype(p, name)
+    norm_shape = tuple(x.shape[axis:])
+    ok = p.ndim <= len(norm_shape) and all(
+        d == n or d == 1 for d, n in zip(p.shape[::-1], norm_shape[::-1], strict=False)
+    )
+    if not ok:
+        raise ShapeError(
+            f"{name} has shape {tuple(p.shape)}, expected x.shape[axis:] = {norm_shape} "
+            f"(or a shape broadcastable to it from the right)"
+        )
+    return p
+
+
+def _flat_feature(p: Array | None, norm_shape: tuple[int, ...]) -> Array | None:
+    if p is None:
+        return None
+    h = math.prod(norm_shape)
+    if tuple(p.shape) == norm_shape:
+        return p.reshape(h)
+    return xp_of(p).broadcast_to(p, norm_shape).reshape(h)
+
+
+def _unflat_feature_grad(
+    g: Array | None, shape: tuple[int, ...] | None, norm_shape: tuple[int, ...], xp: Any
+) -> Array | None:
+    """Reduce a ``(H,)`` gradient to a parameter of ``shape`` that was broadcast to ``norm_shape``."""
+    if g is None or shape is None:
+        return None
+    if tuple(shape) == norm_shape:
+        return g.reshape(shape)
+    full = g.reshape(norm_shape)
+    lead = len(norm_shape) - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, d in enumerate(shape) if d == 1 and norm_shape[lead + i] != 1)
+    summed = full.astype(xp.float64).sum(axis=axes).reshape(shape)
+    if xp is np:
+        from .reference._common import round_to
+
+        return round_to(summed, g.dtype)
+    return summed.astype(g.dtype)
+
+
+def check_out(out: Any, name: str, like: Array, inputs: tuple[Array | None, ...]) -> Array | None:
+    """``out`` validated as a C-contiguous buffer of ``like``'s shape and dtype overlapping no input."""
+    if out is None:
+        return None
+    if _registry.array_family(out) != _registry.array_family(like):
+        _registry._family_of((like, out), ("x", name))
+    if tuple(out.shape) != tuple(like.shape) or out.dtype != like.dtype:
+        raise ShapeError(
+            f"{name} must have shape {tuple(like.shape)} and dtype {like.dtype}, "
+            f"got shape {tuple(out.shape)} and dtype {out.dtype}"
+        )
+    if not out.flags.c_contiguous:
+        raise ArgumentError(f"{name} must be C-contiguous")
+    xp = xp_of(out)
+    for a in inputs:
+        if a is not None and xp.may_share_memory(out, a):
+            raise ArgumentError(f"{name} must not overlap an input array")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# dispatch
+
+
+def forward(
+    spec: OpSpec,
+    x: Any,
+    params: tuple[Any, ...],
+    *,
+    axis: Any,
+    backend: str | None,
+    out: Any,
+    options: Mapping[str, Any],
+) -> tuple[Array, Context]:
+    """Validate, dispatch and run ``spec``'s forward; ``(y, ctx)`` in ``x``'s shape."""
+    x = as_array(x, "x")
+    check_float_dtype(x, "x")
+    if x.ndim < 1:
+        raise ShapeError("x must have at least 1 dimension, got a 0-d array")
+    ax = check_axis(axis, x.ndim)
+    norm_shape = tuple(x.shape[ax:])
+    h = math.prod(norm_shape)
+    if h == 0:
+        raise ShapeError(f"the normalized dims x.shape[{ax}:] = {norm_shape} must not be empty")
+    opts = spec.validate(options, h)
+    names = spec.param_names
+    ps = tuple(_check_feature_param(p, n, x, ax) for p, n in zip(params, names, strict=True))
+    name, mod = _registry.resolve(spec.name, (x, *ps), ("x", *names), backend)
+    out = check_out(out, "out", x, (x, *ps))
+    rows = math.prod(x.shape[:ax])
+    flat = tuple(_flat_feature(p, norm_shape) for p in ps)
+    y2, inner = mod.forward(x.reshape(rows, h), *flat, out=None if out is None else out.reshape(rows, h), **opts)
+    y = out if out is not None else y2.reshape(x.shape)
+    shapes = tuple(None if p is None else tuple(p.shape) for p in ps)
+    return y, Context(spec.name, name, tuple(x.shape), x.dtype, ax, shapes, inner)
+
+
+def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any) -> Any:
+    """Validate and run ``spec``'s backward on the forward's backend; ``spec.grads(dx, d<param>...)``."""
+    op = spec.name
+    if not isinstance(ctx, Context):
+        raise ContextError(f"ctx must be the Context returned by {op}_forward, got {type(ctx).__name__}")
+    if ctx.op != op:
+        raise ContextError(f"ctx was produced by {ctx.op}_forward and cannot be used by {op}_backward")
+    dy = as_array(dy, "dy")
+    _registry._family_of((ctx.inner.x, dy), ("x", "dy"))
+    if tuple(dy.shape) != ctx.x_shape:
+        raise ShapeError(f"dy has shape {tuple(dy.shape)}, expected the shape of x, {ctx.x_shape}")
+    if dy.dtype != ctx.x_dtype:
+        raise DTypeError(f"dy has dtype {dy.dtype}, expected the dtype of x, {ctx.x_dtype}")
+    dx_out = check_out(dx_out, "dx_out", dy, (dy, ctx.inner.x))
+    rows, h = ctx.rows, ctx.hidden
+    mod = _registry.op_module(ctx.backend, op)
+    grads = mod.backward(dy.reshape(rows, h), ctx.inner, dx_out=None if dx_out is None else dx_out.reshape(rows, h))
+    dx = dx_out if dx_out is not None else grads[0].reshape(ctx.x_shape)
+    norm_shape = ctx.x_shape[ctx.axis :]
+    xp = xp_of(dy)
+    rest = tuple(_unflat_feature_grad(g, s, norm_shape, xp) for g, s in zip(grads[1:], ctx.param_shapes, strict=True))
+    return spec.grads(dx, *rest)

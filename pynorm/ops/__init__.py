@@ -1,0 +1,39 @@
+"""Declarative op specs: one :class:`OpSpec` per op (``pynorm/ops/<op>.py``).
+
+The functional API, the layers, :mod:`pynorm.testing`, the demo, the benchmarks and the tests
+read these specs instead of keeping their own per-op tables; the fast backends read the
+kernel family and variant from them. Adding an op: ``docs/adding_an_op.md``.
+"""
+
+from __future__ import annotations
+
+from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
+from .layer_norm import SPEC as LAYER_NORM
+from .rms_norm import SPEC as RMS_NORM
+
+__all__ = [
+    "LAYER_NORM",
+    "RMS_NORM",
+    "SPECS",
+    "OpSpec",
+    "Option",
+    "Param",
+    "StatsVariant",
+    "check_eps",
+    "check_real",
+    "get",
+    "one_of",
+]
+
+#: every op, by name, in the order of the docs
+SPECS: dict[str, OpSpec] = {s.name: s for s in (LAYER_NORM, RMS_NORM)}
+
+
+def get(name: str) -> OpSpec:
+    """The spec of op ``name`` (:class:`pynorm.errors.UnknownOpError` if there is none)."""
+    from ..errors import UnknownOpError
+
+    try:
+        return SPECS[name]
+    except (KeyError, TypeError):
+        raise UnknownOpError(f"no op named {name!r} (ops: {', '.join(SPECS)})") from None

@@ -1,0 +1,174 @@
+"""The declarative description of an op (:class:`OpSpec`) and the option validators specs use.
+
+An :class:`OpSpec` is everything pynorm needs to know about an op outside its math: its
+parameters by kind, its options with defaults and validators, its gradient tuple, how to
+measure its errors (term scales), the kernel family and variant implementing it in the fast
+backends, and the convention sets tests and benchmarks exercise. Validation, flattening,
+broadcasting and gradient reduction are done once, from the spec, by :mod:`pynorm._dispatch`;
+the math is the reference module's (``spec.reference``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..errors import ArgumentError
+
+__all__ = [
+    "OpSpec",
+    "Option",
+    "Param",
+    "StatsVariant",
+    "check_eps",
+    "check_real",
+    "one_of",
+]
+
+#: kinds of parameter the dispatcher knows: ``"feature"``, a per-feature array broadcast (from the
+#: right) to ``x.shape[axis:]``, its gradient reduced back to the parameter's shape. (A scalar, a
+#: per-row array and a table indexed per row are the kinds the next ops add, with their handling in
+#: :mod:`pynorm._dispatch`.)
+ParamKind = Literal["feature"]
+PARAM_KINDS: tuple[str, ...] = ("feature",)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of an op.
+
+    ``init`` is the value a layer starts it at (before any offset convention: a layer with
+    ``weight_offset = o`` starts ``weight`` at ``init - o`` so that ``w + o`` starts at ``init``).
+    """
+
+    name: str
+    kind: ParamKind = "feature"
+    init: float = 1.0
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PARAM_KINDS:
+            raise ValueError(f"parameter {self.name!r}: kind {self.kind!r} is not one of {PARAM_KINDS}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A keyword option: its default and a validator returning the normalized value (or raising)."""
+
+    name: str
+    default: Any
+    check: Callable[[Any, str], Any]
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class StatsVariant:
+    """A variant of the statistics kernel family (one choice per axis).
+
+    * ``statistic``: ``"centered"`` (mean and variance: LayerNorm), ``"mean_square"`` (RMSNorm),
+      ``"l2"`` (the row's L2 norm);
+    * ``prologue``: ``"plain"`` input, or ``"residual"`` (``h = x + alpha * residual`` first);
+    * ``affine``: ``"vector"`` (per-feature weight with an offset, optional bias), ``"scalar"``,
+      ``"table"`` (a row of a parameter table selected per row);
+    * ``epilogue``: ``"plain"``, ``"prenorm"`` (also store the pre-norm sum), ``"quantize"``.
+    """
+
+    statistic: Literal["centered", "mean_square", "l2"]
+    prologue: Literal["plain", "residual"] = "plain"
+    affine: Literal["vector", "scalar", "table"] = "vector"
+    epilogue: Literal["plain", "prenorm", "quantize"] = "plain"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Everything about an op but its math (which lives in ``reference``).
+
+    Attributes
+    ----------
+    name : the op's name (``pynorm.<name>``, ``<name>_forward``, ``<name>_backward``).
+    params : its parameters, in call order (after ``x``).
+    options : its keyword options, validated before dispatch.
+    grads : the NamedTuple its backward returns: ``dx`` first, then one gradient per parameter.
+    reference : import path of the reference module (``forward``/``backward`` on ``(R, H)`` arrays).
+    family, variant : the kernel family of the fast backends and the variant implementing the op.
+    term_scales : ``term_scales(x2, params, dy2, options) -> {output: scale}``, float64 arrays of the
+        magnitude of the terms each output is computed from (:func:`pynorm.testing.term_scales`).
+    check : cross-argument validation ``check(options, hidden)`` beyond each option's own.
+    cases : option sets the tests, the demo and the benchmarks run (each a dict of non-defaults).
+    summary : the formula in one line, for tables and help texts.
+    """
+
+    name: str
+    params: tuple[Param, ...]
+    options: tuple[Option, ...]
+    grads: type
+    reference: str
+    family: Literal["stats", "elementwise"]
+    variant: StatsVariant
+    term_scales: Callable[..., dict[str, Any]]
+    check: Callable[[Mapping[str, Any], int], None] | None = None
+    cases: tuple[dict[str, Any], ...] = field(default=({},))
+    summary: str = ""
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    @property
+    def grad_names(self) -> tuple[str, ...]:
+        return ("dx", *(f"d{p.name}" for p in self.params))
+
+    def defaults(self) -> dict[str, Any]:
+        return {o.name: o.default for o in self.options}
+
+    def validate(self, options: Mapping[str, Any], hidden: int | None = None) -> dict[str, Any]:
+        """Every option validated and normalized (unknown names are a TypeError, as for a function)."""
+        known = {o.name: o for o in self.options}
+        unknown = set(options) - set(known)
+        if unknown:
+            raise TypeError(f"{self.name}() got unexpected keyword argument(s) {sorted(unknown)}")
+        out = {n: o.check(options.get(n, o.default), n) for n, o in known.items()}
+        if self.check is not None and hidden is not None:
+            self.check(out, hidden)
+        return out
+
+
+# ---------------------------------------------------------------------------
+# validators
+
+
+def check_eps(eps: Any, name: str = "eps") -> float:
+    """A finite eps >= 0 as a Python float."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise ArgumentError(f"{name} must be a real number >= 0, got {eps!r}")
+    e = float(eps)
+    if math.isnan(e) or math.isinf(e) or e < 0:
+        raise ArgumentError(f"{name} must be a finite number >= 0, got {eps!r}")
+    return e
+
+
+def check_real(v: Any, name: str) -> float:
+    """A finite real scalar option as a Python float."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+        raise ArgumentError(f"{name} must be a finite real number, got {v!r}")
+    return float(v)
+
+
+def one_of(*choices: Any, doc: str = "") -> Callable[[Any, str], Any]:
+    """A validator accepting exactly ``choices``: strings by value, integers by value (NumPy
+    integers too, bools never); returns the matching choice itself."""
+
+    def check(v: Any, name: str) -> Any:
+        if not isinstance(v, (bool, float)):
+            for c in choices:
+                if isinstance(c, str) and isinstance(v, str) and v == c:
+                    return c
+                if isinstance(c, int) and isinstance(v, numbers.Integral) and int(v) == c:
+                    return c
+        shown = " or ".join(repr(c) for c in choices)
+        raise ArgumentError(f"{name} must be {shown}{f' ({doc})' if doc else ''}, got {v!r}")
+
+    return check

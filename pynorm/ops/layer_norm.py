@@ -1,0 +1,88 @@
+"""The LayerNorm op: its spec (math in :mod:`pynorm.reference.layer_norm`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError
+from ..reference.layer_norm import LayerNormGrads
+from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
+
+
+def _check(options: Mapping[str, Any], hidden: int) -> None:
+    if options["correction"] == 1 and hidden == 1:
+        raise ArgumentError("correction=1 needs more than one normalized element per row (got H = 1)")
+
+
+def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+    """Magnitude of the terms each LayerNorm output is computed from (float64 ``(R, H)`` / ``(H,)`` arrays).
+
+    With ``x̂ = (x - mean) r``, ``g = dy (w + o)``, ``n = H - correction`` and ``s`` the row's
+    standard deviation:
+
+    * ``y``: ``(|x̂| + s r) |w + o| + |b|`` -- the deviations at the row's own unit (``s r <= 1``),
+      not at the offset ``|mean|``: a common offset of ``1e4`` must not loosen the yardstick; float32
+      math centres with an error of a float32 ulp of the deviations, all a one-rounding result can promise;
+    * ``dx``: ``r (|g| + mean|g| + |x̂| sum|g x̂| k / n)`` (``k = 1/(s r)`` in ``eps_mode="std"``);
+    * ``dweight``: ``sum_rows |dy| (|x̂| + s r)`` -- each term ``dy x̂`` carries ``x̂``'s error, which is at
+      the row's own unit like ``y``'s (a column whose ``x̂`` is near 0 in every row would otherwise be
+      judged on the rounding of a cancelled difference);
+    * ``dbias``: ``sum_rows |dy|``.
+    """
+    wide = np.longdouble  # float64 squares of huge float64 inputs would overflow
+    x = x2.astype(wide)
+    dy = dy2.astype(wide)
+    h = x.shape[1]
+    w = params.get("weight")
+    weff = np.ones(h) if w is None else np.asarray(w, np.float64).reshape(h) + options.get("weight_offset", 0.0)
+    g = np.abs(dy * weff.astype(wide))
+    eps = options.get("eps", 1e-5)
+    n = h - options.get("correction", 0)
+    d = x - x.mean(axis=1, keepdims=True)
+    s = np.sqrt((d * d).sum(axis=1, keepdims=True) / n)
+    std_mode = options.get("eps_mode", "var") == "std"
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = 1 / (s + eps) if std_mode else 1 / np.sqrt(s * s + eps)
+        k = np.where(s > 0, 1 / (s * r), 0.0) if std_mode else 1.0
+    xhat = np.abs(d * r)
+    b = params.get("bias")
+    bias = 0 if b is None else np.abs(np.asarray(b, dtype=np.float64).reshape(h))
+    out = {
+        "y": (xhat + s * r) * np.abs(weff) + bias,
+        "dx": r * (g + g.mean(axis=1, keepdims=True) + xhat * (g * xhat).sum(axis=1, keepdims=True) * k / n),
+        "dweight": (np.abs(dy) * (xhat + s * r)).sum(axis=0),
+        "dbias": np.abs(dy).sum(axis=0),
+    }
+    return {key: np.asarray(v, dtype=np.float64) for key, v in out.items()}
+
+
+SPEC = OpSpec(
+    name="layer_norm",
+    params=(
+        Param("weight", "feature", 1.0, "per-feature scale (effective scale w + weight_offset)"),
+        Param("bias", "feature", 0.0, "per-feature shift"),
+    ),
+    options=(
+        Option("eps", 1e-5, check_eps, "added to the variance inside the root (>= 0)"),
+        Option("correction", 0, one_of(0, 1, doc="0: biased variance, 1: unbiased"), "variance divisor H - c"),
+        Option("eps_mode", "var", one_of("var", "std", doc="sqrt(var + eps) or std + eps"), "where eps goes"),
+        Option("weight_offset", 0.0, check_real, "o in (w + o): 1.0 for Gemma / TE zero-centred gamma"),
+    ),
+    grads=LayerNormGrads,
+    reference="pynorm.reference.layer_norm",
+    family="stats",
+    variant=StatsVariant("centered"),
+    term_scales=term_scales,
+    check=_check,
+    cases=(
+        {},
+        {"correction": 1},
+        {"eps_mode": "std"},
+        {"eps_mode": "std", "correction": 1, "weight_offset": 1.0},
+        {"weight_offset": 1.0, "eps": 0.1},
+    ),
+    summary="y = (x - mean) / sqrt(var + eps) * (w + o) + b",
+)

@@ -1,0 +1,51 @@
+"""The RMSNorm op: its spec (math in :mod:`pynorm.reference.rms_norm`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..reference.rms_norm import RMSNormGrads
+from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real
+
+
+def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+    """Magnitude of the terms each RMSNorm output is computed from.
+
+    With ``x̂ = x r`` and ``g = dy (w + o)``: ``y``: ``|x̂| |w + o|``; ``dx``:
+    ``r (|g| + |x̂| mean|g x̂|)``; ``dweight``: ``sum_rows |dy x̂|`` (``x̂`` has no cancellation).
+    """
+    wide = np.longdouble
+    x = x2.astype(wide)
+    dy = dy2.astype(wide)
+    h = x.shape[1]
+    w = params.get("weight")
+    weff = np.ones(h) if w is None else np.asarray(w, np.float64).reshape(h) + options.get("weight_offset", 0.0)
+    g = np.abs(dy * weff.astype(wide))
+    r = 1 / np.sqrt((x * x).mean(axis=1, keepdims=True) + options.get("eps", 1e-6))
+    xhat = np.abs(x * r)
+    out = {
+        "y": xhat * np.abs(weff),
+        "dx": r * (g + xhat * (g * xhat).mean(axis=1, keepdims=True)),
+        "dweight": np.abs(dy * xhat).sum(axis=0),
+    }
+    return {key: np.asarray(v, dtype=np.float64) for key, v in out.items()}
+
+
+SPEC = OpSpec(
+    name="rms_norm",
+    params=(Param("weight", "feature", 1.0, "per-feature scale (effective scale w + weight_offset)"),),
+    options=(
+        Option("eps", 1e-6, check_eps, "added to the mean square inside the root (>= 0)"),
+        Option("weight_offset", 0.0, check_real, "o in (w + o): 1.0 for Gemma's (1 + w)"),
+    ),
+    grads=RMSNormGrads,
+    reference="pynorm.reference.rms_norm",
+    family="stats",
+    variant=StatsVariant("mean_square"),
+    term_scales=term_scales,
+    cases=({}, {"weight_offset": 1.0}, {"eps": 0.1}),
+    summary="y = x / sqrt(mean(x^2) + eps) * (w + o)",
+)

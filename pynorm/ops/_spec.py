@@ -92,6 +92,8 @@ class OpSpec:
     params : its parameters, in call order (after ``x``).
     options : its keyword options, validated before dispatch.
     grads : the NamedTuple its backward returns: ``dx`` first, then one gradient per parameter.
+    ctx : the dataclass every backend's forward returns as its ctx (the reference's; fields named
+        after ``x``, the parameters, the per-row statistics and the options).
     reference : import path of the reference module (``forward``/``backward`` on ``(R, H)`` arrays).
     family, variant : the kernel family of the fast backends and the variant implementing the op.
     term_scales : ``term_scales(x2, params, dy2, options) -> {output: scale}``, float64 arrays of the
@@ -105,6 +107,7 @@ class OpSpec:
     params: tuple[Param, ...]
     options: tuple[Option, ...]
     grads: type
+    ctx: type
     reference: str
     family: Literal["stats", "elementwise"]
     variant: StatsVariant

@@ -186,11 +186,8 @@ stats_fwd(const T* __restrict__ x, const W* __restrict__ weight, const W* __rest
 
   const long long R = rows;
   const int H = hidden;
-  const int G = 1 << log2g;
-  const int t = threadIdx.x & (G - 1);
-  const int gi = threadIdx.x >> log2g;
-  const int gpb = blockDim.x >> log2g;
-  const int nk = (H + G * V - 1) / (G * V);
+  const RowGroup grp(log2g, H, V);
+  const int G = grp.G, t = grp.t, gi = grp.gi, gpb = grp.gpb, nk = grp.nk;
   const int nover = nk > K ? nk - K : 0;
   const bool vm = vec != 0;
   const A wo = static_cast<A>(weight_offset);
@@ -317,6 +314,47 @@ __device__ __forceinline__ void store_partials(A* __restrict__ pw, A* __restrict
   }
 }
 
+// the backward's row sums over one item of a row (x and dy elements b .. b + V - 1)
+template <class Stat, typename T, typename W, typename A>
+__device__ __forceinline__ void accumulate_item(A (&S)[Stat::kBwdSums], const T* __restrict__ xr,
+                                                const T* __restrict__ dyr, const W* __restrict__ weight, int b, int H,
+                                                bool vm, A m, A r, A wo) {
+  constexpr int V = Vec<T>::N;
+  const Vec<T> xi = load_item(xr, b, H, vm);
+  const Vec<T> di = load_item(dyr, b, H, vm);
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    const int i = b + e;
+    if (i < H) {
+      const A g = to_acc<A>(di.v[e]) * eff_weight<A>(weight, i, wo);
+      Stat::accumulate(S, Stat::u_of(to_acc<A>(xi.v[e]), m, r), g);
+    }
+  }
+}
+
+// the backward's row sums of this thread's part of a row: K > 0, at most K items per thread (the
+// fused kernel, fully unrolled); K == 0, any number of items, streamed (the split path)
+template <class Stat, int K, typename T, typename W, typename A>
+__device__ __forceinline__ void bwd_row_sums(A (&S)[Stat::kBwdSums], bool valid, const T* __restrict__ xr,
+                                             const T* __restrict__ dyr, const W* __restrict__ weight,
+                                             const RowGroup& grp, int H, bool vm, A m, A r, A wo) {
+#pragma unroll
+  for (int j = 0; j < Stat::kBwdSums; ++j) S[j] = A(0);
+  if constexpr (K > 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (valid && k < grp.nk) {
+        accumulate_item<Stat>(S, xr, dyr, weight, item_base<T>(grp.t, k, grp.G), H, vm, m, r, wo);
+      }
+    }
+  } else if (valid) {
+#pragma unroll 2
+    for (int k = 0; k < grp.nk; ++k) {
+      accumulate_item<Stat>(S, xr, dyr, weight, item_base<T>(grp.t, k, grp.G), H, vm, m, r, wo);
+    }
+  }
+}
+
 template <typename T, typename W, class Stat, class Affine>
 __device__ __forceinline__ void stats_bwd_rows(const T* __restrict__ dy, const T* __restrict__ x,
                                                const W* __restrict__ weight, const acc_t<T, W>* __restrict__ mean,
@@ -330,11 +368,8 @@ __device__ __forceinline__ void stats_bwd_rows(const T* __restrict__ dy, const T
   constexpr int NS = Stat::kBwdSums;
   __shared__ A red[NS * 32];
 
-  const int G = 1 << log2g;
-  const int t = threadIdx.x & (G - 1);
-  const int gi = threadIdx.x >> log2g;
-  const int gpb = blockDim.x >> log2g;
-  const int nk = (H + G * V - 1) / (G * V);
+  const RowGroup grp(log2g, H, V);
+  const int G = grp.G, t = grp.t, gi = grp.gi, gpb = grp.gpb, nk = grp.nk;
   const bool vm = vec != 0;
   const A wo = static_cast<A>(weight_offset);
 
@@ -355,24 +390,7 @@ __device__ __forceinline__ void stats_bwd_rows(const T* __restrict__ dy, const T
 
     // pass 1: the row sums (x and dy are read again in pass 2, from L1/L2)
     A S[NS];
-#pragma unroll
-    for (int j = 0; j < NS; ++j) S[j] = A(0);
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      if (valid && k < nk) {
-        const int b = item_base<T>(t, k, G);
-        const Vec<T> xi = load_item(x + off, b, H, vm);
-        const Vec<T> di = load_item(dy + off, b, H, vm);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const int i = b + e;
-          if (i < H) {
-            const A g = to_acc<A>(di.v[e]) * eff_weight<A>(weight, i, wo);
-            Stat::accumulate(S, Stat::u_of(to_acc<A>(xi.v[e]), m, r), g);
-          }
-        }
-      }
-    }
+    bwd_row_sums<Stat, K>(S, valid, x + off, dy + off, weight, grp, H, vm, m, r, wo);
     group_sum(S, G, red);
     const BwdCoef<A> cf = Stat::coef(S, H, correction, std_mode != 0);
 
@@ -439,11 +457,8 @@ stats_bwd_stats(const T* __restrict__ dy, const T* __restrict__ x, const W* __re
 
   const long long R = rows;
   const int H = hidden;
-  const int G = 1 << log2g;
-  const int t = threadIdx.x & (G - 1);
-  const int gi = threadIdx.x >> log2g;
-  const int gpb = blockDim.x >> log2g;
-  const int nk = (H + G * V - 1) / (G * V);
+  const RowGroup grp(log2g, H, V);
+  const int G = grp.G, t = grp.t, gi = grp.gi, gpb = grp.gpb;
   const bool vm = vec != 0;
   const A wo = static_cast<A>(weight_offset);
 
@@ -455,24 +470,7 @@ stats_bwd_stats(const T* __restrict__ dy, const T* __restrict__ x, const W* __re
     const A m = Stat::kMean && valid ? mean[row] : A(0);
     const A r = valid ? rstd[row] : A(0);
     A S[NS];
-#pragma unroll
-    for (int j = 0; j < NS; ++j) S[j] = A(0);
-    if (valid) {
-#pragma unroll 2
-      for (int k = 0; k < nk; ++k) {
-        const int b = item_base<T>(t, k, G);
-        const Vec<T> xi = load_item(x + off, b, H, vm);
-        const Vec<T> di = load_item(dy + off, b, H, vm);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const int i = b + e;
-          if (i < H) {
-            const A g = to_acc<A>(di.v[e]) * eff_weight<A>(weight, i, wo);
-            Stat::accumulate(S, Stat::u_of(to_acc<A>(xi.v[e]), m, r), g);
-          }
-        }
-      }
-    }
+    bwd_row_sums<Stat, 0>(S, valid, x + off, dy + off, weight, grp, H, vm, m, r, wo);
     group_sum(S, G, red);
     const BwdCoef<A> cf = Stat::coef(S, H, correction, std_mode != 0);
     if (valid && t == 0) {

@@ -7,7 +7,7 @@ kernel family and variant from them. Adding an op: ``docs/adding_an_op.md``.
 
 from __future__ import annotations
 
-from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
+from ._spec import Input, OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
 from .layer_norm import SPEC as LAYER_NORM
 from .rms_norm import SPEC as RMS_NORM
 
@@ -15,6 +15,7 @@ __all__ = [
     "LAYER_NORM",
     "RMS_NORM",
     "SPECS",
+    "Input",
     "OpSpec",
     "Option",
     "Param",

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from ..errors import ArgumentError
 
 __all__ = [
+    "ElementwiseVariant",
     "Input",
     "OpSpec",
     "Option",
@@ -119,6 +120,14 @@ class StatsVariant:
 
 
 @dataclass(frozen=True)
+class ElementwiseVariant:
+    """A variant of the element-wise kernel family: the function applied to each element
+    (``"signed_power"``: ``sign(x) |x|^p``; ``"tanh"``: ``tanh(alpha x)``), then the per-feature affine."""
+
+    function: Literal["signed_power", "tanh"]
+
+
+@dataclass(frozen=True)
 class OpSpec:
     """Everything about an op but its math (which lives in ``reference``).
 
@@ -132,8 +141,11 @@ class OpSpec:
         after ``x``, the parameters, the per-row statistics and the options).
     reference : import path of the reference module (``forward``/``backward`` on ``(R, H)`` arrays).
     family, variant : the kernel family of the fast backends and the variant implementing the op.
-    term_scales : ``term_scales(x2, params, dy2, options) -> {output: scale}``, float64 arrays of the
-        magnitude of the terms each output is computed from (:func:`pynorm.testing.term_scales`).
+    term_scales : ``term_scales(x2, arrays, dy2, options) -> {output: scale}``, float64 arrays of the
+        magnitude of the terms each output and gradient is computed from
+        (:func:`pynorm.testing.term_scales`); ``arrays`` maps the names of the extra inputs, the
+        parameters (flattened as backends see them) and the extra upstream gradients (``d<output>``)
+        to arrays, None where absent.
     check : cross-argument validation ``check(options, hidden)`` beyond each option's own.
     cases : option sets the tests, the demo and the benchmarks run (each a dict of non-defaults).
     summary : the formula in one line, for tables and help texts.
@@ -151,7 +163,7 @@ class OpSpec:
     ctx: type
     reference: str
     family: Literal["stats", "elementwise"]
-    variant: StatsVariant
+    variant: StatsVariant | ElementwiseVariant
     term_scales: Callable[..., dict[str, Any]]
     check: Callable[[Mapping[str, Any], int], None] | None = None
     cases: tuple[dict[str, Any], ...] = field(default=({},))

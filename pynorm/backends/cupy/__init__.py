@@ -21,6 +21,7 @@ Importing this package imports neither CuPy nor the submodules.
 """
 
 from ...ops import SPECS as _SPECS
+from ._loader import supports as _supports
 
 #: op name -> submodule implementing it (read by the registry): each family's module
-OPS = {name: "stats" for name, spec in _SPECS.items() if spec.family == "stats"}
+OPS = {name: "stats" for name, spec in _SPECS.items() if _supports(spec)}

@@ -61,15 +61,20 @@ FAMILY_FILES = {"stats": "stats.cu"}
 STAT_POLICIES = {"centered": "pynorm::Centered", "mean_square": "pynorm::MeanSquare"}
 
 
+def supports(spec: Any) -> bool:
+    """Whether the kernels implement ``spec``'s family and variant."""
+    if spec.family != "stats":
+        return False
+    v = spec.variant
+    return v.statistic in STAT_POLICIES and v.affine == "vector" and v.prologue == "plain" and v.epilogue == "plain"
+
+
 def variant_args(spec: Any) -> tuple[str, ...]:
     """The template arguments after the dtypes that implement ``spec`` (an :class:`pynorm.ops.OpSpec`)."""
-    if spec.family != "stats":
-        raise ValueError(f"op {spec.name!r} is not of a family the cupy backend implements ({spec.family})")
-    v = spec.variant
-    if v.statistic not in STAT_POLICIES or v.affine != "vector" or v.prologue != "plain" or v.epilogue != "plain":
-        raise ValueError(f"op {spec.name!r}: the cupy backend has no kernels for the variant {v}")
+    if not supports(spec):
+        raise ValueError(f"op {spec.name!r}: the cupy backend has no kernels for {spec.family} {spec.variant}")
     bias = "true" if "bias" in spec.param_names else "false"
-    return (STAT_POLICIES[v.statistic], f"pynorm::Vector<{bias}>")
+    return (STAT_POLICIES[spec.variant.statistic], f"pynorm::Vector<{bias}>")
 
 
 def family_variants(file: str) -> list[tuple[str, ...]]:
@@ -78,7 +83,7 @@ def family_variants(file: str) -> list[tuple[str, ...]]:
 
     out: list[tuple[str, ...]] = []
     for spec in SPECS.values():
-        if FAMILY_FILES.get(spec.family) == file:
+        if FAMILY_FILES.get(spec.family) == file and supports(spec):
             v = variant_args(spec)
             if v not in out:
                 out.append(v)

@@ -28,7 +28,7 @@ from ...errors import ContextError
 from ...ops import SPECS, OpSpec
 from . import _host, _launch
 from ._args import BwdApplyArgs, BwdArgs, BwdStatsArgs, FwdArgs
-from ._loader import FAMILY_FILES, get_kernel, variant_args
+from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
 
 __all__ = ["OP_IMPLS", "StatsOp"]
 
@@ -49,7 +49,7 @@ class StatsOp:
         self.spec = spec
         self.variant = variant_args(spec)
         self.has_bias = "bias" in spec.param_names
-        self.centered = spec.variant.statistic == "centered"
+        self.centered = getattr(spec.variant, "statistic", None) == "centered"
         self.ctx_fields = {f.name for f in fields(spec.ctx)}
 
     def _params(self, params: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -168,4 +168,4 @@ class StatsOp:
 
 
 #: op name -> its implementation, for every op of the statistics family
-OP_IMPLS: dict[str, StatsOp] = {name: StatsOp(spec) for name, spec in SPECS.items() if spec.family == "stats"}
+OP_IMPLS: dict[str, StatsOp] = {name: StatsOp(spec) for name, spec in SPECS.items() if supports(spec)}

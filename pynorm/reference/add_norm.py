@@ -14,7 +14,8 @@ returns both ``y`` and ``h``, so the caller keeps the residual stream.
 Backward, with :math:`\partial L/\partial h` the gradient arriving at ``h`` from later layers
 (``dh``, None for none) and :math:`g_h = \mathrm{norm}'(h)^T dy + \partial L/\partial h`:
 :math:`\partial L/\partial x = g_h`, :math:`\partial L/\partial\,\mathrm{residual} = \alpha\,g_h`,
-and the norm's parameter gradients as for the norm alone.
+and the norm's parameter gradients as for the norm alone; ``dx`` and ``dresidual`` have the dtypes of
+``x`` and ``residual``.
 
 Numerics: the working precision of :mod:`._common`; ``h``, ``y`` and each gradient rounded once.
 """
@@ -58,6 +59,7 @@ class AddLayerNormCtx:
     weight_offset: float
     alpha: float
     x_dtype: Any
+    residual_in_dtype: Any
     residual_dtype: Any
 
 
@@ -72,6 +74,7 @@ class AddRMSNormCtx:
     weight_offset: float
     alpha: float
     x_dtype: Any
+    residual_in_dtype: Any
     residual_dtype: Any
 
 
@@ -112,9 +115,10 @@ def _upstream(g: np.ndarray, dh: np.ndarray | None, wp: np.dtype[Any]) -> np.nda
 
 
 def _split(g: np.ndarray, ctx: Any, dx_out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """``(dx, dresidual)`` from the gradient at ``h``: ``g`` and ``alpha * g``, each rounded once."""
+    """``(dx, dresidual)`` from the gradient at ``h``: ``g`` and ``alpha * g``, each rounded once to the
+    dtype of its input."""
     dx = write_result(g, ctx.x_dtype, dx_out)
-    return dx, round_to(g.dtype.type(ctx.alpha) * g, h_dtype(ctx.x_dtype, ctx.residual_dtype))
+    return dx, round_to(g.dtype.type(ctx.alpha) * g, ctx.residual_in_dtype)
 
 
 @_ieee
@@ -140,7 +144,7 @@ def layer_norm_forward(
     y = _ln.affine(d * rstd[:, None], w, None if bias is None else bias.astype(wp))
     ctx = AddLayerNormCtx(
         h, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), float(alpha),
-        x.dtype, residual_dtype,
+        x.dtype, residual.dtype, residual_dtype,
     )  # fmt: skip
     return (write_result(y, x.dtype, out), h), ctx
 
@@ -182,7 +186,9 @@ def rms_norm_forward(
     hw = h.astype(wp)
     rstd = _rms.statistics(hw, eps=eps)
     y = _ln.affine(hw * rstd[:, None], _ln._effective_weight(weight, weight_offset, wp), None)
-    ctx = AddRMSNormCtx(h, weight, rstd, float(eps), float(weight_offset), float(alpha), x.dtype, residual_dtype)
+    ctx = AddRMSNormCtx(
+        h, weight, rstd, float(eps), float(weight_offset), float(alpha), x.dtype, residual.dtype, residual_dtype
+    )
     return (write_result(y, x.dtype, out), h), ctx
 
 

@@ -59,47 +59,60 @@ def demo(rows: int = 64, hidden: int = 384) -> int:
     if len(_dtypes()) < 4:
         print("(bfloat16 rows need ml_dtypes: pip install ml_dtypes)")
     header = (
-        f"{'op':11s} {'backend':8s} {'dtype':9s} {'y':>9s} {'dx':>9s} {'dparams':>9s} {'ms':>7s}  gradcheck(float64)"
+        f"{'op':19s} {'backend':8s} {'dtype':9s} {'y':>9s} {'dx':>9s} {'dparams':>9s} {'ms':>7s}  gradcheck(float64)"
     )
     print(header)
     print("-" * len(header))
     rng = np.random.default_rng(0)
     failures = 0
     for op, spec in SPECS.items():
-        fwd, bwd, pnames = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward"), spec.param_names
+        fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+        # which arguments after x a gradient check perturbs (not integer ids)
+        diff = [i.differentiable for i in spec.inputs] + [True] * len(spec.params)
+        multi = len(spec.outputs) > 1
         for info in pynorm.list_backends():
             if not info.available or op not in info.ops:
                 continue
             to_dev, to_host = _converters(info.name)
             for dt in _dtypes():
                 x = (rng.standard_normal((rows, hidden)) + 3).astype(dt)
-                params = [(1 + 0.1 * rng.standard_normal(hidden)).astype(dt) for _ in pnames]
+                args = spec.example_args(x.shape, -1, dt, rng)
                 dy = rng.standard_normal((rows, hidden)).astype(dt)
-                y_ref, c_ref = fwd(x, *params, backend="numpy")
+                y_ref, c_ref = fwd(x, *args, backend="numpy")
                 g_ref = bwd(dy, c_ref)
                 t0 = time.perf_counter()
-                y, c = fwd(to_dev(x), *map(to_dev, params), backend=info.name)
+                y, c = fwd(to_dev(x), *map(to_dev, args), backend=info.name)
                 g = bwd(to_dev(dy), c)
                 ms = (time.perf_counter() - t0) * 1e3
+                if multi:  # (y, h, ...): y is compared, the others are checked by the tests
+                    y, y_ref = y[0], y_ref[0]
                 ey, edx = _rel(to_host(y), y_ref), _rel(to_host(g[0]), g_ref[0])
-                ep = max(_rel(to_host(a), b) for a, b in zip(g[1:], g_ref[1:], strict=True))
+                pairs = [(a, b) for a, b in zip(g[1:], g_ref[1:], strict=True) if b is not None]
+                ep = max((_rel(to_host(a), b) for a, b in pairs), default=0.0)
                 grad = ""
                 if np.dtype(dt) == np.float64:
                     xs = rng.standard_normal((3, 7))
-                    ps = [rng.standard_normal(7) for _ in pnames]
+                    small = spec.example_args(xs.shape, -1, np.float64, rng)
+                    fixed = {i: a for i, (a, d) in enumerate(zip(small, diff, strict=True)) if not d}
 
-                    def f(*args: Any, _fwd: Any = fwd, _n: str = info.name, _d: Any = to_dev, _h: Any = to_host) -> Any:
-                        yy, cc = _fwd(*map(_d, args), backend=_n)
-                        return _h(yy), cc
+                    def f(
+                        x_: Any, *free: Any, _fwd: Any = fwd, _n: str = info.name, _d: Any = to_dev,
+                        _h: Any = to_host, _fixed: dict = fixed, _k: int = len(small), _multi: bool = multi,
+                    ) -> Any:  # fmt: skip
+                        it = iter(free)
+                        full = [_fixed[i] if i in _fixed else next(it) for i in range(_k)]
+                        yy, cc = _fwd(_d(x_), *map(_d, full), backend=_n)
+                        return _h(yy[0] if _multi else yy), cc
 
                     def b(dyy: Any, cc: Any, _bwd: Any = bwd, _d: Any = to_dev, _h: Any = to_host) -> Any:
                         return [None if gg is None else _h(gg) for gg in _bwd(_d(dyy), cc)]
 
-                    rep = check_grads(f, b, [xs, *ps])
+                    free = [a for a, d in zip(small, diff, strict=True) if d]
+                    rep = check_grads(f, b, [xs, *free])
                     grad = f"{'PASSED' if rep.passed else 'FAILED'} (max rel err {rep.max_directional_error:.1e})"
                     failures += not rep.passed
                 print(
-                    f"{op:11s} {info.name:8s} {np.dtype(dt).name:9s} {ey:9.1e} {edx:9.1e} {ep:9.1e} {ms:7.2f}  {grad}"
+                    f"{op:19s} {info.name:8s} {np.dtype(dt).name:9s} {ey:9.1e} {edx:9.1e} {ep:9.1e} {ms:7.2f}  {grad}"
                 )
     print("\nops per backend:", ", ".join(f"{k}: {'/'.join(v)}" for k, v in pynorm.list_ops().items()))
     return 1 if failures else 0

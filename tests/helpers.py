@@ -100,30 +100,13 @@ N_MODALITIES = 3
 
 
 def make_params(spec: OpSpec, shape: tuple[int, ...], dt: Any, rng: np.random.Generator) -> list[np.ndarray]:
-    """Random parameters for normalized dims ``shape`` around each parameter's initial value (weights near 1,
-    biases near 0): feature parameters of ``shape``, scalars of shape ``(1,)``, tables of
-    ``(N_MODALITIES, *shape)``."""
-    out = []
-    for p in spec.spec.params:
-        pshape = {"feature": shape, "scalar": (1,), "table": (N_MODALITIES, *shape)}[p.kind]
-        out.append((p.init + 0.5 * rng.standard_normal(pshape)).astype(dt))
-    return out
+    """Random parameters for normalized dims ``shape`` (:meth:`pynorm.ops.OpSpec.example_params`)."""
+    return spec.spec.example_params(shape, dt, rng, N_MODALITIES)
 
 
 def make_inputs(spec: OpSpec, x_shape: tuple[int, ...], axis: int, dt: Any, rng: np.random.Generator) -> list[Any]:
-    """Random extra inputs of an op for ``x`` of ``x_shape`` normalized from ``axis``: a residual of x's
-    shape (dtype ``dt``), modality ids in ``[0, N_MODALITIES)`` of ``x.shape[:axis]`` (every id used
-    where there are enough rows)."""
-    ax = axis % len(x_shape)
-    out: list[Any] = []
-    for i in spec.spec.inputs:
-        if i.kind == "like_x":
-            out.append(rng.standard_normal(x_shape).astype(dt))
-        else:
-            n = int(np.prod(x_shape[:ax]))
-            ids = np.arange(n) % N_MODALITIES
-            out.append(rng.permutation(ids).reshape(x_shape[:ax]).astype(np.int64))
-    return out
+    """Random extra inputs of an op (:meth:`pynorm.ops.OpSpec.example_inputs`)."""
+    return spec.spec.example_inputs(x_shape, axis, dt, rng, N_MODALITIES)
 
 
 def make_args(

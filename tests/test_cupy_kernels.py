@@ -95,7 +95,7 @@ def test_broken_header_error_points_into_the_header(tmp_path):
 
 @needs_nvrtc
 def test_command_line_exit_status_on_broken_kernel(tmp_path):
-    d = _broken_copy(tmp_path, "reduce.cu", "s += part[p * H + col];", "s += part[p * H + col] +;")
+    d = _broken_copy(tmp_path, "reduce.cu", "s += seg[p * H + col];", "s += seg[p * H + col] +;")
     proc = subprocess.run(
         [sys.executable, "-m", "pynorm.backends.cupy.compile_check", "--kernels-dir", str(d), "--file", "reduce.cu"],
         capture_output=True,
@@ -177,21 +177,41 @@ def test_assemble_inlines_headers_with_line_directives():
 
 
 def test_instantiations_are_what_the_specs_declare():
-    """Every op of the statistics family gets its variant's kernels for all 16 dtype pairs."""
+    """Every op of a kernel family gets its variant's kernels for every (T, W) the runtime may ask
+    for: W in {T, float, double} no narrower than the accumulation type allows, and for the residual
+    ops every (h, residual) type pair; ops sharing a variant share the kernels."""
     from pynorm import ops
 
     stats = _loader.instantiations("stats.cu")
-    family = [s for s in ops.SPECS.values() if s.family == "stats"]
-    variants = {_loader.variant_args(s) for s in family}
-    assert len(stats) == len(_loader.KERNELS["stats.cu"]) * 16 * len(variants)
-    assert _loader.variant_args(ops.LAYER_NORM) == ("pynorm::Centered", "pynorm::Vector<true>")
-    assert _loader.variant_args(ops.RMS_NORM) == ("pynorm::MeanSquare", "pynorm::Vector<false>")
-    assert "pynorm::stats_fwd<__nv_bfloat16, float, pynorm::Centered, pynorm::Vector<true>>" in stats
-    assert "pynorm::stats_bwd_apply<double, __half, pynorm::MeanSquare, pynorm::Vector<false>>" in stats
+    assert _loader.variant_args(ops.LAYER_NORM) == ("pynorm::Centered", "pynorm::Vector<true>", "pynorm::Plain")
+    assert _loader.variant_args(ops.RMS_NORM) == ("pynorm::MeanSquare", "pynorm::Vector<false>", "pynorm::Plain")
+    assert _loader.variant_args(ops.SCALE_NORM) == ("pynorm::SumSquare", "pynorm::Scalar", "pynorm::Plain")
+    assert _loader.variant_args(ops.MODALITY_LAYER_NORM)[1] == "pynorm::Table<true>"
+    assert _loader.variant_args(ops.ADD_RMS_NORM, "float", "float")[2] == "pynorm::Residual<float, float>"
+    with pytest.raises(ValueError, match="residual prologue"):
+        _loader.variant_args(ops.ADD_LAYER_NORM)
+    assert _loader.variant_args(ops.DYT) == ("pynorm::Tanh",)
+    assert _loader.variant_args(ops.POWER_NORM) == ("pynorm::SignedPower",)
+    # W in {T, float, double}, no float for double x: 3 + 3 + 2 + 1 (T, W) pairs; residual ops x (Hd, Rs) pairs
+    assert len(_loader.spec_instantiations(ops.LAYER_NORM)) == 9
+    assert len(_loader.spec_instantiations(ops.ADD_LAYER_NORM)) == sum(
+        len(_loader.residual_types(t, w)) for t in _loader.CUDA_TYPES for w in _loader.param_types(t)
+    )
+    want = {tt for s in ops.SPECS.values() if s.family == "stats" for tt in _loader.spec_instantiations(s)}
+    names = {f"pynorm::{k}<{', '.join(tt)}>" for k in _loader.KERNELS["stats.cu"] for tt in want}
+    assert sorted(stats) == sorted(names)
+    assert "pynorm::stats_fwd<__nv_bfloat16, float, pynorm::Centered, pynorm::Vector<true>, pynorm::Plain>" in stats
+    assert "pynorm::stats_bwd_apply<double, double, pynorm::MeanSquare, pynorm::Vector<false>, pynorm::Plain>" in stats
+    # no float64 x with float32 parameters: those are cast to double on the host
+    assert not any(n.startswith("pynorm::stats_fwd<double, float,") for n in stats)
     groups = _loader.instantiation_groups("stats.cu")
-    assert len(groups) == len(variants) and sorted(n for g in groups for n in g) == sorted(stats)
+    assert sorted(n for g in groups for n in g) == sorted(stats)
+    ew = _loader.instantiations("elementwise.cu")
+    assert len(ew) == 2 * 2 * 9 and "pynorm::ew_bwd<__half, float, pynorm::SignedPower>" in ew
     red = _loader.instantiations("reduce.cu")
-    assert "pynorm::reduce_partials<__nv_bfloat16, float>" in red and len(red) == 16
+    assert "pynorm::reduce_partials<__nv_bfloat16, float>" in red and len(red) == 8
+    cast = _loader.instantiations("cast.cu")
+    assert len(cast) == 12 and "pynorm::cast_values<__half, float>" in cast
     assert set(_loader.TYPE_NAMES) == {"float16", "bfloat16", "float32", "float64"}
 
 
@@ -201,7 +221,7 @@ _PARAM = re.compile(r"^\s*(const\s+)?([\w:<>, ]+?)\s*(\*)?\s*(?:__restrict__\s*)
 def _signature(src: str, kernel: str) -> list[tuple[str, str]]:
     """``(name, C type)`` of each parameter of ``__global__ ... kernel(...)`` in ``src``."""
     m = re.search(r"__global__\s+void\s+__launch_bounds__\([^)]*\)\s*" + kernel + r"\(", src)
-    assert m, f"no __global__ {kernel} in stats.cu"
+    assert m, f"no __global__ {kernel}"
     depth, i = 1, m.end()
     while depth:
         depth += {"(": 1, ")": -1}.get(src[i], 0)
@@ -224,13 +244,16 @@ def _signature(src: str, kernel: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("kernel", list(_loader.KERNELS["stats.cu"]))
-def test_argument_dataclasses_mirror_the_kernel_signatures(kernel):
+@pytest.mark.parametrize(
+    ("file", "kernel"), [(f, k) for f in ("stats.cu", "elementwise.cu") for k in _loader.KERNELS[f]]
+)
+def test_argument_dataclasses_mirror_the_kernel_signatures(file, kernel):
     """The host passes each kernel's arguments from one dataclass; its fields must be the kernel's
     parameters in order, with the same names and C types."""
     from pynorm.backends.cupy import _args
 
-    src = (Path(str(_loader.kernel_dir())) / "stats.cu").read_text()
+    assert set(_args.KERNEL_ARGS) == {k for f in ("stats.cu", "elementwise.cu") for k in _loader.KERNELS[f]}
+    src = (Path(str(_loader.kernel_dir())) / file).read_text()
     assert list(_args.c_types(_args.KERNEL_ARGS[kernel]).items()) == _signature(src, kernel)
 
 
@@ -243,9 +266,16 @@ def test_defines_and_launch_bounds_agree():
     for file, kernels in _loader.KERNELS.items():
         src = (Path(str(_loader.kernel_dir())) / file).read_text()
         for k in kernels:
-            m = re.search(r"__launch_bounds__\((PYNORM_\w+)(?:[^)]*)\)\s*\n?\s*" + k + r"\(", src)
+            m = re.search(r"__launch_bounds__\(((?:PYNORM|Pro::k)\w+)(?:[^)]*)\)\s*\n?\s*" + k + r"\(", src)
             assert m, f"{k} has no __launch_bounds__ in {file}"
-            assert _launch.launch_bound(k) == defs[m.group(1)], k
+            if m.group(1) == "Pro::kBwdThreads":  # set by the prologue policy
+                for pro, macro in (("Plain", "PYNORM_BWD_THREADS"), ("Residual", "PYNORM_BWD_RESIDUAL_THREADS")):
+                    body = re.search(r"struct " + pro + r" \{(.*?)\n\};", src, re.S)
+                    assert body and f"kBwdThreads = {macro};" in body.group(1), pro
+                    name = f"pynorm::{k}<float, float, pynorm::Centered, pynorm::Vector<true>, pynorm::{pro}"
+                    assert _launch.launch_bound(name + ("<float, float>>" if pro == "Residual" else ">")) == defs[macro]
+            else:
+                assert _launch.launch_bound(k) == defs[m.group(1)], k
 
 
 def test_cuda_include_dir_has_the_half_headers():
@@ -258,7 +288,7 @@ def test_cuda_include_dir_has_the_half_headers():
 def test_package_import_does_not_import_cupy():
     code = (
         "import sys, pynorm.backends.cupy as b; "
-        "assert b.OPS == {'layer_norm': 'stats', 'rms_norm': 'stats'}; "
+        "from pynorm import ops; assert b.OPS == {n: s.family for n, s in ops.SPECS.items()}, b.OPS; "
         "import pynorm.backends.cupy._launch, pynorm.backends.cupy.compile_check; "
         "assert 'cupy' not in sys.modules, 'cupy imported'"
     )
@@ -449,21 +479,22 @@ def test_launch_bounds_table():
 @pytest.mark.parametrize(
     ("x", "w", "b", "expected"),
     [
-        ("float32", None, None, ("float", "float", "float", False, False)),
-        ("bfloat16", None, None, ("__nv_bfloat16", "__nv_bfloat16", "float", False, False)),
-        ("float16", "float16", "float16", ("__half", "__half", "float", False, False)),
-        ("bfloat16", "float32", None, ("__nv_bfloat16", "float", "float", False, False)),
-        ("bfloat16", None, "bfloat16", ("__nv_bfloat16", "__nv_bfloat16", "float", False, False)),
-        ("float16", "float64", None, ("__half", "double", "double", False, False)),
-        ("float64", "bfloat16", "bfloat16", ("double", "__nv_bfloat16", "double", False, False)),
-        ("float32", "float32", "float64", ("float", "double", "double", True, False)),
-        ("bfloat16", "bfloat16", "float32", ("__nv_bfloat16", "float", "float", True, False)),
-        ("float16", "float32", "float16", ("__half", "float", "float", False, True)),
+        ("float32", None, None, ("float", "float", "float", (False, False))),
+        ("bfloat16", None, None, ("__nv_bfloat16", "__nv_bfloat16", "float", (False, False))),
+        ("float16", "float16", "float16", ("__half", "__half", "float", (False, False))),
+        ("bfloat16", "float32", None, ("__nv_bfloat16", "float", "float", (False, False))),
+        ("bfloat16", None, "bfloat16", ("__nv_bfloat16", "__nv_bfloat16", "float", (False, False))),
+        ("float16", "float64", None, ("__half", "double", "double", (False, False))),
+        # a parameter narrower than x is widened to the accumulation type first (param_types)
+        ("float64", "bfloat16", "bfloat16", ("double", "double", "double", (True, True))),
+        ("float32", "float32", "float64", ("float", "double", "double", (True, False))),
+        ("bfloat16", "bfloat16", "float32", ("__nv_bfloat16", "float", "float", (True, False))),
+        ("float16", "float32", "float16", ("__half", "float", "float", (False, True))),
     ],
 )
 def test_type_plan(x, w, b, expected):
     plan = _launch.type_plan(dtype_of(x), w and dtype_of(w), b and dtype_of(b))
-    assert (plan.T, plan.W, plan.acc, plan.cast_weight, plan.cast_bias) == expected
+    assert (plan.T, plan.W, plan.acc, plan.casts) == expected
     assert plan.acc_dtype == ("float64" if plan.acc == "double" else "float32")
     assert plan.acc_itemsize == np.dtype(plan.acc_dtype).itemsize
 

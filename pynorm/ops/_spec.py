@@ -35,7 +35,7 @@ __all__ = [
 #: * ``"feature"``: a per-feature array of shape ``x.shape[axis:]`` or any shape that broadcasts to it
 #:   from the right; backends see it as an ``(H,)`` vector and its gradient is reduced back to its shape;
 #: * ``"scalar"``: one value for every feature (a 0-d or ``(1,)`` array), seen by backends as a
-#:   broadcast ``(H,)`` vector like a feature parameter; its gradient is the sum over all features;
+#:   ``(1,)`` array; its gradient is the sum over all elements, returned in the parameter's shape;
 #: * ``"table"``: ``M`` per-feature rows, shape ``(M, *x.shape[axis:])``, row ``ids[i]`` serving row
 #:   ``i`` of ``x`` (``Param.index`` names the ``"row_index"`` input holding ``ids``); backends see an
 #:   ``(M, H)`` array and return an ``(M, H)`` gradient.
@@ -184,6 +184,39 @@ class OpSpec:
     def grad_names(self) -> tuple[str, ...]:
         """``dx``, then one gradient per differentiable input, then one per parameter."""
         return ("dx", *(f"d{i.name}" for i in self.inputs if i.differentiable), *(f"d{p.name}" for p in self.params))
+
+    def example_inputs(self, x_shape: tuple[int, ...], axis: int, dtype: Any, rng: Any, modalities: int = 3) -> list:
+        """Random extra inputs for ``x`` of ``x_shape`` normalized from ``axis`` (the demo, benchmarks and
+        tests use them): a ``like_x`` input N(0, 1) of x's shape in ``dtype``; a ``row_index`` input of
+        ``x.shape[:axis]`` holding ids in ``[0, modalities)``, every id used where there are enough rows."""
+        import numpy as np
+
+        ax = axis % len(x_shape)
+        out: list[Any] = []
+        for i in self.inputs:
+            if i.kind == "like_x":
+                out.append(rng.standard_normal(x_shape).astype(dtype))
+            else:
+                n = int(np.prod(x_shape[:ax]))
+                out.append(rng.permutation(np.arange(n) % modalities).reshape(x_shape[:ax]).astype(np.int64))
+        return out
+
+    def example_params(self, shape: tuple[int, ...], dtype: Any, rng: Any, modalities: int = 3) -> list:
+        """Random parameters for normalized dims ``shape``: ``init + 0.5 * N(0, 1)`` (weights near 1, biases
+        near 0), feature parameters of ``shape``, scalars of ``(1,)``, tables of ``(modalities, *shape)``."""
+        out = []
+        for p in self.params:
+            pshape = {"feature": shape, "scalar": (1,), "table": (modalities, *shape)}[p.kind]
+            out.append((p.init + 0.5 * rng.standard_normal(pshape)).astype(dtype))
+        return out
+
+    def example_args(self, x_shape: tuple[int, ...], axis: int, dtype: Any, rng: Any, modalities: int = 3) -> list:
+        """:meth:`example_inputs` then :meth:`example_params`: the arguments after ``x`` of ``<op>(x, ...)``."""
+        ax = axis % len(x_shape)
+        return [
+            *self.example_inputs(x_shape, ax, dtype, rng, modalities),
+            *self.example_params(tuple(x_shape[ax:]), dtype, rng, modalities),
+        ]
 
     def dtypes_of_outputs(self, x_dtype: Any, options: Mapping[str, Any]) -> tuple[Any, ...]:
         if self.output_dtypes is None:

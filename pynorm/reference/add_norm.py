@@ -8,7 +8,7 @@ r"""Fused residual add + LayerNorm / RMSNorm, the reference definitions.
 stream in fp32 for half inputs, as flash-attention's ``residual_in_fp32``) and the norm is taken
 of that rounded ``h`` -- exactly what the unfused ``h = x + alpha * r; y = norm(h)`` computes --
 with every convention of :mod:`.layer_norm` / :mod:`.rms_norm`. ``alpha`` is a float (DeepNorm's
-up-weighted skip ``x + alpha * f(x)`` is ``add_layer_norm(f(x), x, alpha=alpha)``). Forward
+up-weighted skip ``alpha * x + f(x)`` is ``add_layer_norm(f(x), x, alpha=alpha)``). Forward
 returns both ``y`` and ``h``, so the caller keeps the residual stream.
 
 Backward, with :math:`\partial L/\partial h` the gradient arriving at ``h`` from later layers

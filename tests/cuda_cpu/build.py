@@ -202,18 +202,32 @@ def _split_top(args: str) -> list[str]:
     return out
 
 
-def launch_bounds(code: str) -> dict[str, tuple[str, str]]:
-    """Kernel base name -> (max threads, min blocks) expressions of its ``__launch_bounds__``."""
+_TEMPLATE = re.compile(r"template\s*<([^<>]*(?:<[^<>]*>[^<>]*)*)>\s*__global__\s+void\s*$")
+
+
+def launch_bounds(code: str) -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """Kernel base name -> (max threads, min blocks) expressions of its ``__launch_bounds__``, and the
+    names of the kernel template's parameters (the expressions may depend on them, e.g.
+    ``Pro::kBwdThreads``)."""
     text = _strip(code)
-    out: dict[str, tuple[str, str]] = {}
+    out: dict[str, tuple[str, str, tuple[str, ...]]] = {}
     for m in re.finditer(r"__launch_bounds__\s*\(", text):
         end = _balanced(text, m.end() - 1)
         args = _split_top(text[m.end() : end - 1])
         name = re.match(r"\s*(\w+)\s*\(", text[end:])
         if name is None or not args:
             raise BuildError(f"cannot read the kernel name after __launch_bounds__({text[m.end() : end - 1]})")
-        out[name.group(1)] = (args[0], args[1] if len(args) > 1 else "0")
+        tm = _TEMPLATE.search(text[max(0, m.start() - 400) : m.start()])
+        params = tuple(p.split()[-1] for p in _split_top(tm.group(1))) if tm else ()
+        out[name.group(1)] = (args[0], args[1] if len(args) > 1 else "0", params)
     return out
+
+
+def _bind(expr: str, params: tuple[str, ...], args: list[str]) -> str:
+    """``expr`` with each template parameter ``P`` in ``P::member`` replaced by its argument."""
+    for p, a in zip(params, args):
+        expr = re.sub(r"\b" + re.escape(p) + r"::", f"{a}::", expr)
+    return expr
 
 
 _SCOPES = re.compile(r"\bnamespace\s+(\w+)\s*\{|(\bextern\s+__shared__\b[^;{}]*?\b(\w+)\s*\[\s*\]\s*;)|[{}]")
@@ -264,7 +278,10 @@ def generated_source(code: str, names: tuple[str, ...], code_file: str) -> str:
     entries = []
     for n in names:
         base = n.split("<", 1)[0].rsplit("::", 1)[-1].strip()
-        mx, mn = bounds.get(base, ("1024", "0"))
+        mx, mn, params = bounds.get(base, ("1024", "0", ()))
+        if params and "<" in n:
+            targs = _split_top(n.split("<", 1)[1].rsplit(">", 1)[0])
+            mx, mn = _bind(mx, params, targs), _bind(mn, params, targs)
         entries.append(f"  PNC_KERNEL(({mx}), ({mn}), {n}),")
     lines.append("static const pnc_kernel pnc_kernels[] = {")
     lines.extend(entries)

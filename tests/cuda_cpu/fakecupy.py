@@ -420,6 +420,11 @@ def asnumpy(a: Any, stream: Any = None, order: str = "C", out: Any = None) -> np
     return np.asarray(a, order=order)
 
 
+def isfinite(a: ndarray) -> ndarray:
+    """``cupy.isfinite`` (the dispatcher checks parameters that must be finite with it)."""
+    return ndarray(_to_device(np.isfinite(_unwrap(a))))
+
+
 def broadcast_to(a: ndarray, shape: Any) -> ndarray:
     return ndarray(np.broadcast_to(a._a, shape))
 
@@ -867,7 +872,8 @@ def module() -> types.ModuleType:
     m = types.ModuleType("cupy", "CuPy stand-in of pynorm's CPU execution harness (tests/cuda_cpu)")
     names = [
         "ndarray", "empty", "full", "zeros", "ones", "empty_like", "zeros_like", "ones_like", "full_like",
-        "array", "asarray", "ascontiguousarray", "asnumpy", "broadcast_to", "may_share_memory", "shares_memory",
+        "array", "asarray", "ascontiguousarray", "asnumpy", "isfinite", "broadcast_to", "may_share_memory",
+        "shares_memory",
         "is_available", "get_default_memory_pool", "get_default_pinned_memory_pool", "RawModule", "RawKernel",
         "HarnessError",
     ]  # fmt: skip

@@ -44,8 +44,8 @@ PLANTED = {
     ),
     "off-by-one loop bound": (
         "reduce.cu",
-        "for (long long p = threadIdx.y; p < P; p += PYNORM_REDUCE_Y)",
-        "for (long long p = threadIdx.y; p <= P; p += PYNORM_REDUCE_Y)",
+        "for (long long p = threadIdx.y; p < n; p += PYNORM_REDUCE_Y)",
+        "for (long long p = threadIdx.y; p <= n; p += PYNORM_REDUCE_Y)",
     ),
     "out-of-bounds store": (
         "common.cuh",

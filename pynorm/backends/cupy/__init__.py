@@ -4,7 +4,9 @@ Each op is a variant of a kernel family (:mod:`pynorm.ops`: the spec names it), 
 serves every op of a family, mirroring :mod:`pynorm.reference` op by op (same ``forward``/``backward``
 contract, the same ctx dataclasses and gradient tuples, holding CuPy arrays):
 
-* :mod:`.stats` -- host launchers of the statistics family (LayerNorm, RMSNorm...), ``OP_IMPLS``;
+* :mod:`.stats` -- host launchers of the statistics family (LayerNorm, RMSNorm, ScaleNorm, the fused
+  residual add + norm, the modality norms), ``OP_IMPLS``;
+* :mod:`.elementwise` -- host launchers of the element-wise family (PowerNorm, DyT), ``OP_IMPLS``;
 * :mod:`._loader` -- reads the ``.cu`` files (``#line`` directives keep compiler messages
   pointing at them) and instantiates templates through NVRTC name expressions, one
   :class:`cupy.RawModule` per file, dtypes and variant, cached per device;
@@ -24,4 +26,4 @@ from ...ops import SPECS as _SPECS
 from ._loader import supports as _supports
 
 #: op name -> submodule implementing it (read by the registry): each family's module
-OPS = {name: "stats" for name, spec in _SPECS.items() if _supports(spec)}
+OPS = {name: spec.family for name, spec in _SPECS.items() if _supports(spec)}

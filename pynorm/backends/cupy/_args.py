@@ -1,4 +1,5 @@
-"""The parameter lists of the statistics family's kernels (``kernels/stats.cu``), one dataclass each.
+"""The parameter lists of the kernel families' kernels (``kernels/stats.cu``, ``kernels/elementwise.cu``), one
+dataclass each.
 
 Each dataclass has one field per kernel parameter, in order, named as in the ``.cu`` source and
 annotated with its C type (``Annotated[..., "const T*"]``); ``tests/test_cupy_kernels.py`` checks
@@ -19,7 +20,7 @@ from typing import Annotated, Any, get_type_hints
 
 import numpy as np
 
-__all__ = ["KERNEL_ARGS", "BwdApplyArgs", "BwdArgs", "BwdStatsArgs", "FwdArgs", "c_types"]
+__all__ = ["KERNEL_ARGS", "BwdApplyArgs", "BwdArgs", "BwdStatsArgs", "EwBwdArgs", "EwFwdArgs", "FwdArgs", "c_types"]
 
 # a field's C type is carried by its annotation (``Annotated[..., "<C type>"]``)
 ConstT = Annotated[Any, "const T*"]
@@ -27,6 +28,13 @@ ConstW = Annotated[Any, "const W*"]
 OutT = Annotated[Any, "T*"]
 ConstAcc = Annotated[Any, "const acc_t<T, W>*"]
 OutAcc = Annotated[Any, "acc_t<T, W>*"]
+ConstRow = Annotated[Any, "const row_t<Pro, T>*"]  # the normalized row: x, or the pre-norm sum h
+OutRow = Annotated[Any, "row_t<Pro, T>*"]
+ConstRes = Annotated[Any, "const res_t<Pro, T>*"]  # the residual input (and dresidual)
+OutRes = Annotated[Any, "res_t<Pro, T>*"]
+ConstIdx = Annotated[Any, "const long long*"]
+ConstBool = Annotated[Any, "const bool*"]
+OutBool = Annotated[Any, "bool*"]
 LongLong = Annotated[int, "long long"]
 Int = Annotated[int, "int"]
 Double = Annotated[float, "double"]
@@ -56,17 +64,22 @@ class FwdArgs(_Args):
     """``stats_fwd``'s parameters."""
 
     x: ConstT
+    residual: ConstRes
     weight: ConstW
     bias: ConstW
+    ids: ConstIdx
     y: OutT
+    h_out: OutRow
     mean_out: OutAcc
     rstd_out: OutAcc
+    floor_out: OutBool
     rows: LongLong
     hidden: Int
     eps: Double
     correction: Int
-    std_mode: Int
+    eps_mode: Int
     weight_offset: Double
+    alpha: Double
     log2g: Int
     vec: Int
     over_smem: Int
@@ -77,18 +90,22 @@ class BwdArgs(_Args):
     """``stats_bwd``'s parameters (the fused backward)."""
 
     dy: ConstT
-    x: ConstT
+    x: ConstRow
+    dh: ConstRow
     weight: ConstW
     mean: ConstAcc
     rstd: ConstAcc
+    floors: ConstBool
     dx: OutT
+    dres: OutRes
     part_w: OutAcc
     part_b: OutAcc
     rows: LongLong
     hidden: Int
     correction: Int
-    std_mode: Int
+    eps_mode: Int
     weight_offset: Double
+    alpha: Double
     log2g: Int
     vec: Int
 
@@ -98,15 +115,17 @@ class BwdStatsArgs(_Args):
     """``stats_bwd_stats``'s parameters (split backward, step 1)."""
 
     dy: ConstT
-    x: ConstT
+    x: ConstRow
     weight: ConstW
+    ids: ConstIdx
     mean: ConstAcc
     rstd: ConstAcc
+    floors: ConstBool
     coefs: OutAcc
     rows: LongLong
     hidden: Int
     correction: Int
-    std_mode: Int
+    eps_mode: Int
     weight_offset: Double
     log2g: Int
     vec: Int
@@ -117,18 +136,59 @@ class BwdApplyArgs(_Args):
     """``stats_bwd_apply``'s parameters (split backward, step 2)."""
 
     dy: ConstT
-    x: ConstT
+    x: ConstRow
+    dh: ConstRow
     weight: ConstW
+    ids: ConstIdx
     mean: ConstAcc
     rstd: ConstAcc
     coefs: ConstAcc
+    order: ConstIdx
+    chunk_rows: ConstIdx
     dx: OutT
+    dres: OutRes
     part_w: OutAcc
     part_b: OutAcc
     rows: LongLong
     hidden: Int
     rows_per_chunk: LongLong
     weight_offset: Double
+    alpha: Double
+    vec: Int
+
+
+@dataclass(frozen=True)
+class EwFwdArgs(_Args):
+    """``ew_fwd``'s parameters (the element-wise family)."""
+
+    x: ConstT
+    alpha: ConstW
+    weight: ConstW
+    bias: ConstW
+    y: OutT
+    rows: LongLong
+    hidden: Int
+    rows_per_chunk: LongLong
+    p: Double
+    vec: Int
+
+
+@dataclass(frozen=True)
+class EwBwdArgs(_Args):
+    """``ew_bwd``'s parameters."""
+
+    dy: ConstT
+    x: ConstT
+    alpha: ConstW
+    weight: ConstW
+    dx: OutT
+    part_w: OutAcc
+    part_b: OutAcc
+    part_a: OutAcc
+    rows: LongLong
+    hidden: Int
+    rows_per_chunk: LongLong
+    p: Double
     vec: Int
 
 
@@ -138,4 +198,6 @@ KERNEL_ARGS = {
     "stats_bwd": BwdArgs,
     "stats_bwd_stats": BwdStatsArgs,
     "stats_bwd_apply": BwdApplyArgs,
+    "ew_fwd": EwFwdArgs,
+    "ew_bwd": EwBwdArgs,
 }

@@ -94,26 +94,50 @@ def launch(
     kernel(grid, block, args, shared_mem=shared_mem)
 
 
+def cast(a: cupy.ndarray, dtype: Any) -> cupy.ndarray:
+    """A C-contiguous copy of ``a`` converted to ``dtype`` on the device, each value rounded once
+    (``a`` itself when it already has that dtype and layout)."""
+    a = contiguous(a)
+    if a.dtype == np.dtype(dtype):
+        return a
+    out = empty(tuple(a.shape), dtype)
+    n = int(a.size)
+    if n:
+        k = get_kernel("cast.cu", "cast_values", (_launch.cuda_type(a.dtype), _launch.cuda_type(dtype)))
+        block = _launch.DEFS["CAST_THREADS"]
+        launch(k, min(-(-n // block), 65535), block, (a, out, np.int64(n)))
+    return out
+
+
 def prepare_param(p: cupy.ndarray | None, cast_to: str | None) -> cupy.ndarray | None:
     """A parameter ready for the kernels: C-contiguous, and cast to ``cast_to`` (``"float"``/``"double"``) if set."""
     if p is None:
         return None
-    p = contiguous(p)
-    if cast_to is None:
-        return p
-    out = cupy.empty(p.shape, dtype=np.float64 if cast_to == "double" else np.float32)
-    n = int(p.size)
-    if n:
-        k = get_kernel("reduce.cu", "cast_params", (_launch.cuda_type(p.dtype), cast_to))
-        block = _launch.DEFS["CAST_THREADS"]
-        launch(k, min(-(-n // block), 65535), block, (p, out, np.int32(n)))
-    return out
+    return cast(p, "float64" if cast_to == "double" else "float32") if cast_to is not None else contiguous(p)
 
 
-def reduce_partials(part: cupy.ndarray | None, partials: int, hidden: int, out_dtype: Any, acc: str) -> cupy.ndarray:
-    """Sum the ``(partials, hidden)`` accumulator rows in a fixed order into a ``(hidden,)`` ``out_dtype`` array."""
-    out = empty((hidden,), out_dtype)
+def reduce_partials(
+    part: cupy.ndarray | None,
+    partials: int,
+    hidden: int,
+    out_dtype: Any,
+    acc: str,
+    segs: cupy.ndarray | None = None,
+    segments: int = 1,
+) -> cupy.ndarray:
+    """Sum the ``(partials, hidden)`` accumulator rows in a fixed order, rounded once to ``out_dtype``: a
+    ``(hidden,)`` array; with ``segs`` (``segments + 1`` int64 row offsets) a ``(segments, hidden)`` array,
+    row ``m`` the sum of partial rows ``segs[m]:segs[m + 1]``."""
+    out = empty((segments, hidden) if segs is not None else (hidden,), out_dtype)
     k = get_kernel("reduce.cu", "reduce_partials", (_launch.cuda_type(out_dtype), acc))
-    grid, block = _launch.reduce_grid(hidden)
-    launch(k, grid, block, (ptr_or_null(part), out, np.int64(partials), np.int32(hidden)))
+    grid, block = _launch.reduce_grid(hidden, segments)
+    launch(k, grid, block, (ptr_or_null(part), out, ptr_or_null(segs), np.int64(partials), np.int32(hidden)))
     return out
+
+
+def reduce_scalar(part: cupy.ndarray | None, partials: int, hidden: int, out_dtype: Any, acc: str) -> cupy.ndarray:
+    """The ``(1,)`` sum of every element of the ``(partials, hidden)`` accumulator rows: per column first,
+    then over the columns, each in a fixed order; rounded once to ``out_dtype``."""
+    acc_dtype = "float64" if acc == "double" else "float32"
+    cols = reduce_partials(part, partials, hidden, acc_dtype, acc)
+    return reduce_partials(cols.reshape(hidden, 1), hidden, 1, out_dtype, acc)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ...errors import DTypeError, ShapeError
-from ._loader import TYPE_NAMES, defines
+from ._loader import TYPE_NAMES, acc_of, defines, param_types
 
 __all__ = [
     "ARCH_LIMITS",
@@ -30,6 +30,7 @@ __all__ = [
     "backward_config",
     "bwd_items",
     "can_vectorize",
+    "chunk_grid",
     "forward_config",
     "group_size",
     "launch_bound",
@@ -127,17 +128,20 @@ def occupancy(regs: int, static_smem: int, block: int, limits: Limits, dynamic_s
 def launch_bound(kernel: str) -> int:
     """``__launch_bounds__`` (max threads per block) of a kernel, by its template name."""
     base = kernel.split("<", 1)[0].rsplit("::", 1)[-1]
+    if base.startswith("ew_"):
+        return DEFS["APPLY_THREADS"]
     if base.endswith("_fwd"):
         return DEFS["FWD_THREADS"]
     if base.endswith("_bwd"):
-        return DEFS["BWD_THREADS"]
+        # the prologue policy sets it: the residual ops' fused backward holds h, dh and dres too
+        return DEFS["BWD_RESIDUAL_THREADS"] if "Residual<" in kernel else DEFS["BWD_THREADS"]
     if base.endswith("_bwd_stats"):
         return DEFS["STATS_THREADS"]
     if base.endswith("_bwd_apply"):
         return DEFS["APPLY_THREADS"]
     if base == "reduce_partials":
         return DEFS["REDUCE_THREADS"]
-    if base == "cast_params":
+    if base == "cast_values":
         return DEFS["CAST_THREADS"]
     raise KeyError(f"unknown kernel {kernel!r}")
 
@@ -251,6 +255,7 @@ def forward_config(
     regs: int = 0,
     static_smem: int = 0,
     overflow: Literal["smem", "global"] | None = None,
+    row_itemsize: int | None = None,
 ) -> RowConfig:
     """Forward launch: group size, block, grid, and where items beyond the registers go.
 
@@ -258,13 +263,15 @@ def forward_config(
     power of two that covers the row with them, up to ``FWD_THREADS`` threads. Longer
     rows give each thread further items, kept in dynamic shared memory when they fit
     in a block's opt-in limit, else re-read from global memory (L2) on each pass
-    (``overflow`` forces either; tests use it).
+    (``overflow`` forces either; tests use it). ``row_itemsize``: the element size of the normalized
+    row when it is not x (a pre-norm sum wider than x: its items are that much larger).
     """
     _check_hidden(hidden)
     g = group_size(hidden, itemsize, fwd_items(itemsize, acc_itemsize), DEFS["FWD_THREADS"])
     block = _block_for(g)
     nk = items_per_thread(hidden, itemsize, g)
-    over = max(0, nk - fwd_items(itemsize, acc_itemsize)) * g * (block // g) * ITEM_BYTES
+    item_bytes = vector_width(itemsize) * (row_itemsize or itemsize)
+    over = max(0, nk - fwd_items(itemsize, acc_itemsize)) * g * (block // g) * item_bytes
     if over:
         fits = over + static_smem <= limits.smem_per_block_optin
         if overflow == "smem" and not fits:
@@ -298,15 +305,20 @@ class BackwardConfig:
 
 
 def backward_kind(
-    hidden: int, itemsize: int, acc_itemsize: int, force: Literal["fused", "split"] | None = None
+    hidden: int,
+    itemsize: int,
+    acc_itemsize: int,
+    force: Literal["fused", "split"] | None = None,
+    max_threads: int = 0,
 ) -> Literal["fused", "split"]:
-    """``"fused"`` when a row fits in the registers of ``BWD_THREADS`` threads, else ``"split"``.
+    """``"fused"`` when a row fits in the registers of ``max_threads`` threads (the fused kernel's
+    ``__launch_bounds__``: ``BWD_THREADS`` by default), else ``"split"``.
 
     ``force`` picks a path (tests run both); forcing ``"fused"`` where it cannot run raises.
     """
     _check_hidden(hidden)
     k = bwd_items(itemsize, acc_itemsize)
-    fits = k > 0 and group_size(hidden, itemsize, k, 1 << 30) <= DEFS["BWD_THREADS"]
+    fits = k > 0 and group_size(hidden, itemsize, k, 1 << 30) <= (max_threads or DEFS["BWD_THREADS"])
     if force == "fused" and not fits:
         raise ValueError(
             f"hidden size {hidden} (itemsize {itemsize}, accumulator {acc_itemsize}) has no fused backward"
@@ -326,16 +338,18 @@ def backward_config(
     kind: Literal["fused", "split"],
     regs: int = 0,
     static_smem: int = 0,
+    max_threads: int = 0,
 ) -> BackwardConfig:
     """Backward launch for the path ``kind`` (see :func:`backward_kind`).
 
     ``regs``/``static_smem`` describe the kernel that runs over rows (the fused kernel,
-    or the split path's statistics kernel) and size its persistent grid.
+    or the split path's statistics kernel) and size its persistent grid; ``max_threads`` is the
+    fused kernel's ``__launch_bounds__`` (``BWD_THREADS`` by default).
     """
     _check_hidden(hidden)
     if kind == "fused":
         k = bwd_items(itemsize, acc_itemsize)
-        g = group_size(hidden, itemsize, max(k, 1), DEFS["BWD_THREADS"])
+        g = group_size(hidden, itemsize, max(k, 1), max_threads or DEFS["BWD_THREADS"])
         nk = items_per_thread(hidden, itemsize, g)
         if k == 0 or nk > k:
             raise ValueError(f"hidden size {hidden} does not fit the fused backward")
@@ -350,21 +364,33 @@ def backward_config(
     grid = _grid(rows, block // g, occ.blocks_per_sm * limits.sm_count)
     rc = RowConfig(g, block, grid, vec, items_per_thread(hidden, itemsize, g))
     # ... then the apply kernel: (row chunks) x (column tiles of one item per thread)
-    ab = DEFS["APPLY_THREADS"]
-    tiles = items_per_thread(hidden, itemsize, ab)
+    chunks, tiles, rpc = chunk_grid(rows, hidden, itemsize, limits)
+    return BackwardConfig(
+        "split", rc, partials=chunks, apply_block=DEFS["APPLY_THREADS"], tiles=tiles, chunks=chunks, rows_per_chunk=rpc
+    )
+
+
+def chunk_grid(rows: int, hidden: int, itemsize: int, limits: Limits) -> tuple[int, int, int]:
+    """``(chunks, tiles, rows_per_chunk)`` of a (row chunks) x (column tiles) launch of ``APPLY_THREADS``
+    threads owning one item each (the split backward's apply kernel, the element-wise family): about
+    ``APPLY_BLOCKS_PER_SM`` blocks per SM, ``rows_per_chunk`` consecutive rows per chunk."""
+    _check_hidden(hidden)
+    tiles = items_per_thread(hidden, itemsize, DEFS["APPLY_THREADS"])
     if tiles > MAX_GRID_Y:
         raise ValueError(f"hidden size {hidden} needs {tiles} column tiles (> {MAX_GRID_Y})")
     target = APPLY_BLOCKS_PER_SM * limits.sm_count
     chunks = max(1, min(rows, -(-target // tiles))) if rows > 0 else 0
     rpc = -(-rows // chunks) if chunks else 0
     chunks = -(-rows // rpc) if rpc else 0
-    return BackwardConfig("split", rc, partials=chunks, apply_block=ab, tiles=tiles, chunks=chunks, rows_per_chunk=rpc)
+    return chunks, tiles, rpc
 
 
-def reduce_grid(hidden: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``(grid, block)`` of ``reduce_partials``: 32 columns x 8 slices per block."""
+def reduce_grid(hidden: int, segments: int = 1) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(grid, block)`` of ``reduce_partials``: 32 columns x 8 slices per block, one grid row per segment."""
     x, y = DEFS["REDUCE_X"], DEFS["REDUCE_Y"]
-    return (-(-hidden // x), 1), (x, y)
+    if not 1 <= segments <= MAX_GRID_Y:
+        raise ValueError(f"{segments} segments: the reduction handles 1..{MAX_GRID_Y}")
+    return (-(-hidden // x), segments), (x, y)
 
 
 def acc_itemsize(*itemsizes: int | None) -> int:
@@ -395,17 +421,17 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 class TypePlan:
     """Template arguments and conversions for one call.
 
-    ``T`` is x's CUDA type, ``W`` the parameters' (x's type when there are none);
-    ``acc`` the accumulation type (``"double"`` when x or a parameter is float64, else
-    ``"float"``), which is also the dtype of the saved mean/rstd. Weight and bias of
-    different dtypes are both cast to ``acc`` first (``cast_weight``/``cast_bias``).
+    ``T`` is x's CUDA type, ``W`` the parameters' (``T`` or ``acc``); ``acc`` the accumulation type
+    (``"double"`` when x, a parameter or an extra operand -- a pre-norm sum, a residual -- is float64,
+    else ``"float"``), which is also the dtype of the saved mean/rstd. ``casts[i]``: parameter ``i``
+    is first cast to ``acc`` (exactly: the kernels convert every parameter to ``acc`` anyway), which
+    happens when the parameters' dtypes differ or are neither ``T`` nor ``acc``.
     """
 
     T: str
     W: str
     acc: str
-    cast_weight: bool = False
-    cast_bias: bool = False
+    casts: tuple[bool, ...] = ()
 
     @property
     def acc_dtype(self) -> str:
@@ -416,25 +442,24 @@ class TypePlan:
         return 8 if self.acc == "double" else 4
 
 
-def type_plan(x_dtype: Any, weight_dtype: Any = None, bias_dtype: Any = None) -> TypePlan:
-    """Pick the kernel instantiation for these dtypes (None: no such parameter)."""
+def type_plan(x_dtype: Any, *param_dtypes: Any, extra: tuple[Any, ...] = ()) -> TypePlan:
+    """Pick the kernel instantiation for these dtypes (a param dtype of None: no such parameter;
+    ``extra``: dtypes of other operands that need double accumulation when float64)."""
     t = cuda_type(x_dtype)
-    params = [d for d in (weight_dtype, bias_dtype) if d is not None]
-    names = [_dtype_name(d) for d in params]
-    for n in names:
-        cuda_type(n)
-    acc = "double" if any(_ITEMSIZE[n] == 8 for n in [_dtype_name(x_dtype), *names]) else "float"
-    if not params:
-        return TypePlan(t, t, acc)
-    if len(set(names)) == 1:
-        return TypePlan(t, cuda_type(names[0]), acc)
-    return TypePlan(
-        t,
-        acc,
-        acc,
-        cast_weight=weight_dtype is not None and cuda_type(weight_dtype) != acc,
-        cast_bias=bias_dtype is not None and cuda_type(bias_dtype) != acc,
-    )
+    names = [None if d is None else _dtype_name(d) for d in param_dtypes]
+    types = [None if n is None else cuda_type(n) for n in names]
+    for d in extra:
+        cuda_type(d)
+    wide = [t, *(c for c in types if c is not None), *(cuda_type(d) for d in extra)]
+    acc = "double" if "double" in wide else "float"
+    present = {c for c in types if c is not None}
+    if not present:
+        return TypePlan(t, t if acc_of(t, t) == acc else acc, acc, tuple(False for _ in types))
+    if len(present) == 1:
+        (w,) = present
+        if w in param_types(t) and acc_of(t, w) == acc:
+            return TypePlan(t, w, acc, tuple(False for _ in types))
+    return TypePlan(t, acc, acc, tuple(c is not None and c != acc for c in types))
 
 
 def check_input(x: Any) -> tuple[int, int]:

@@ -4,7 +4,7 @@ The kernels live in ``kernels/*.cu`` (package data, read with :mod:`importlib.re
 :func:`assemble` returns a file's text with its local ``#include "x.cuh"`` lines replaced by
 the header's text, framed by ``#line`` directives so that compiler messages name the real
 file and line. Templates are instantiated through NVRTC *name expressions*
-(``pynorm::stats_fwd<__nv_bfloat16, float, pynorm::Centered, pynorm::Vector<true>>``), never by
+(``pynorm::stats_fwd<__nv_bfloat16, float, pynorm::Centered, pynorm::Vector<true>, pynorm::Plain>``), never by
 string substitution.
 
 Importing this module is cheap and does not import CuPy; :func:`get_kernel` does, and
@@ -48,46 +48,110 @@ CUDA_TYPES = tuple(TYPE_NAMES.values())
 ACC_TYPES = ("float", "double")
 
 #: kernel templates of each source file. The family kernels take <T, W, variant policies...>
-#: (stats.cu: the statistic and the affine policy of each op of the family, from the op specs),
-#: reduce.cu's <O, A> and <S, D>.
+#: (stats.cu: the statistic, affine and prologue policies of each op of the family; elementwise.cu:
+#: the function policy), reduce.cu's <O, A>, cast.cu's <S, D>.
 KERNELS: dict[str, tuple[str, ...]] = {
     "stats.cu": ("stats_fwd", "stats_bwd", "stats_bwd_stats", "stats_bwd_apply"),
-    "reduce.cu": ("reduce_partials", "cast_params"),
+    "elementwise.cu": ("ew_fwd", "ew_bwd"),
+    "reduce.cu": ("reduce_partials",),
+    "cast.cu": ("cast_values",),
 }
 #: kernel family -> the source file implementing it
-FAMILY_FILES = {"stats": "stats.cu"}
+FAMILY_FILES = {"stats": "stats.cu", "elementwise": "elementwise.cu"}
 
-#: C++ policy of each variant axis value of the statistics family (pynorm.ops.StatsVariant)
-STAT_POLICIES = {"centered": "pynorm::Centered", "mean_square": "pynorm::MeanSquare"}
+#: C++ policy of each variant axis value (pynorm.ops.StatsVariant / ElementwiseVariant)
+STAT_POLICIES = {"centered": "pynorm::Centered", "mean_square": "pynorm::MeanSquare", "l2": "pynorm::SumSquare"}
+FUNCTION_POLICIES = {"signed_power": "pynorm::SignedPower", "tanh": "pynorm::Tanh"}
+_PROLOGUES = {("plain", "plain"), ("residual", "prenorm")}
 
 
 def supports(spec: Any) -> bool:
     """Whether the kernels implement ``spec``'s family and variant."""
-    if spec.family != "stats":
-        return False
     v = spec.variant
-    return v.statistic in STAT_POLICIES and v.affine == "vector" and v.prologue == "plain" and v.epilogue == "plain"
+    if spec.family == "stats":
+        return (
+            v.statistic in STAT_POLICIES
+            and v.affine in ("vector", "scalar", "table")
+            and (v.prologue, v.epilogue) in _PROLOGUES
+        )
+    if spec.family == "elementwise":
+        return v.function in FUNCTION_POLICIES
+    return False
 
 
-def variant_args(spec: Any) -> tuple[str, ...]:
-    """The template arguments after the dtypes that implement ``spec`` (an :class:`pynorm.ops.OpSpec`)."""
+def acc_of(t: str, w: str) -> str:
+    """The accumulation type ``acc_t<T, W>``."""
+    return "double" if "double" in (t, w) else "float"
+
+
+def param_types(t: str) -> tuple[str, ...]:
+    """The parameter types ``W`` the kernels are instantiated for with ``T = t``: ``t`` itself and the
+    accumulation types at least as wide (parameters of any other dtype are cast to the accumulation
+    type first, exactly: every parameter is converted to it anyway)."""
+    return tuple(dict.fromkeys(w for w in (t, "float", "double") if w != "float" or t != "double"))
+
+
+def residual_types(t: str, w: str) -> tuple[tuple[str, str], ...]:
+    """``(Hd, Rs)`` pairs of ``Residual<Hd, Rs>`` with ``T = t, W = w``: the pre-norm sum in x's type, the
+    accumulation type A or float (an fp32 residual stream beside float64 parameters or x), the residual
+    read in h's type or in A."""
+    a = acc_of(t, w)
+    return tuple(dict.fromkeys(((t, t), (t, a), (a, a), ("float", "float"), ("float", a))))
+
+
+def variant_args(spec: Any, h: str | None = None, r: str | None = None) -> tuple[str, ...]:
+    """The template arguments after the dtypes that implement ``spec`` (an :class:`pynorm.ops.OpSpec`);
+    ``h``/``r``: the ``(Hd, Rs)`` types of an op with a residual prologue."""
     if not supports(spec):
         raise ValueError(f"op {spec.name!r}: the cupy backend has no kernels for {spec.family} {spec.variant}")
+    v = spec.variant
+    if spec.family == "elementwise":
+        return (FUNCTION_POLICIES[v.function],)
     bias = "true" if "bias" in spec.param_names else "false"
-    return (STAT_POLICIES[spec.variant.statistic], f"pynorm::Vector<{bias}>")
+    affine = {"vector": f"pynorm::Vector<{bias}>", "scalar": "pynorm::Scalar", "table": f"pynorm::Table<{bias}>"}
+    if v.prologue == "residual":
+        if h is None or r is None:
+            raise ValueError(f"op {spec.name!r}: a residual prologue needs its (Hd, Rs) types")
+        pro = f"pynorm::Residual<{h}, {r}>"
+    else:
+        pro = "pynorm::Plain"
+    return (STAT_POLICIES[v.statistic], affine[v.affine], pro)
+
+
+def spec_instantiations(spec: Any) -> list[tuple[str, ...]]:
+    """Every template-argument tuple (dtypes, then policies) the runtime may request for ``spec``."""
+    out: list[tuple[str, ...]] = []
+    for t in CUDA_TYPES:
+        for w in param_types(t):
+            if spec.family == "stats" and spec.variant.prologue == "residual":
+                out.extend((t, w, *variant_args(spec, h, r)) for h, r in residual_types(t, w))
+            else:
+                out.append((t, w, *variant_args(spec)))
+    return out
 
 
 def family_variants(file: str) -> list[tuple[str, ...]]:
     """Every variant (template arguments after the dtypes) the op specs declare for ``file``."""
+    out: list[tuple[str, ...]] = []
+    for types in (tt for group in _family_groups(file) for tt in group):
+        if types[2:] not in out:
+            out.append(types[2:])
+    return out
+
+
+def _family_groups(file: str) -> list[list[tuple[str, ...]]]:
+    """The template-argument tuples of ``file``, one group per op spec (ops sharing a variant share it)."""
     from ...ops import SPECS
 
-    out: list[tuple[str, ...]] = []
+    groups: list[list[tuple[str, ...]]] = []
+    seen: set[tuple[str, ...]] = set()
     for spec in SPECS.values():
         if FAMILY_FILES.get(spec.family) == file and supports(spec):
-            v = variant_args(spec)
-            if v not in out:
-                out.append(v)
-    return out
+            group = [tt for tt in spec_instantiations(spec) if tt not in seen]
+            seen.update(group)
+            if group:
+                groups.append(group)
+    return groups
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
@@ -163,21 +227,21 @@ def module_names(file: str, types: tuple[str, ...]) -> tuple[str, ...]:
 
 def type_pairs(file: str) -> list[tuple[str, ...]]:
     """Every template-argument combination a file is instantiated for: (output, accumulator) pairs for
-    reduce.cu; (x, parameter) dtype pairs times every variant the specs declare for a family file."""
+    reduce.cu, (source, destination) pairs for cast.cu; for a family file the (x, parameter) dtypes and
+    policies of every op the specs declare."""
     if file == "reduce.cu":
         return [(o, a) for o in CUDA_TYPES for a in ACC_TYPES]
-    return [(t, w, *v) for v in family_variants(file) for t in CUDA_TYPES for w in CUDA_TYPES]
+    if file == "cast.cu":
+        return [(a, b) for a in CUDA_TYPES for b in CUDA_TYPES if a != b]
+    return [tt for group in _family_groups(file) for tt in group]
 
 
 def instantiation_groups(file: str) -> list[list[str]]:
-    """The name expressions of ``file`` in groups that compile independently (one per variant), so the
+    """The name expressions of ``file`` in groups that compile independently (one per op variant), so the
     compile check can spread them over cores."""
-    if file == "reduce.cu":
+    if file in ("reduce.cu", "cast.cu"):
         return [instantiations(file)]
-    return [
-        [n for t in CUDA_TYPES for w in CUDA_TYPES for n in module_names(file, (t, w, *v))]
-        for v in family_variants(file)
-    ]
+    return [[n for tt in group for n in module_names(file, tt)] for group in _family_groups(file)]
 
 
 def instantiations(file: str) -> list[str]:

@@ -1,19 +1,29 @@
 """The statistics family on the GPU: host launchers of ``kernels/stats.cu`` for every op of the family.
 
 :data:`OP_IMPLS` maps each op of :data:`pynorm.ops.SPECS` whose family is ``"stats"`` to a
-:class:`StatsOp`: ``forward(x2d, *params, out=None, **options) -> (y, ctx)`` and
-``backward(dy2d, ctx, dx_out=None) -> grads``, with the ctx dataclass and gradient tuple of the op's
-spec (the reference's) holding CuPy arrays. The op's variant (statistic, affine) picks the kernels'
-policy template arguments (:func:`._loader.variant_args`); nothing here is specific to one op.
+:class:`StatsOp`: ``forward(x2d, *inputs, *params, out=None, **options) -> (y, ctx)`` (``((y, h), ctx)``
+for the fused residual add) and ``backward(dy2d, ctx, dx_out=None, dh=None) -> grads``, with the ctx
+dataclass and gradient tuple of the op's spec (the reference's) holding CuPy arrays. The op's
+variant picks the kernels' policy template arguments (:func:`._loader.variant_args`): the statistic
+(centred / mean square / sum of squares), the affine source (vector / scalar / table) and the
+prologue (plain x / residual add). Nothing here is specific to one op.
 
 The kernels' parameter lists are mirrored by the dataclasses of :mod:`._args`; launches pass their
-fields positionally. Differences from the reference, by design:
+fields positionally (null pointers where an op has no such operand). Differences from the
+reference, by design:
 
-* statistics are accumulated in float32 (float64 when x or a parameter is float64), with exact
-  power-of-two row scaling; ``ctx.mean``/``ctx.rstd`` have that accumulation dtype;
-* ``ctx.x`` is the C-contiguous input the kernels read (``x`` itself when it already was);
-* parameter gradients are summed per block, then across blocks in a fixed order: results are
-  bitwise reproducible run to run on the same device and launch configuration.
+* statistics are accumulated in float32 (float64 when x, a parameter, the pre-norm sum or the
+  residual is float64), with exact power-of-two row scaling; ``ctx.mean``/``ctx.rstd`` have that
+  accumulation dtype;
+* ``ctx.x`` (``ctx.h``) is the C-contiguous row the kernels read (the input itself when it already was);
+* parameter gradients are summed per block (per row chunk), then across blocks in a fixed order:
+  results are bitwise reproducible run to run on the same device and launch configuration;
+* the fused residual add stores ``h`` in x's dtype, in float32 or in the accumulation dtype (a
+  float32 residual stream for float16/bfloat16 or float64 x); another ``residual_dtype`` (bfloat16
+  beside float16 x, e.g.) is a DTypeError here;
+* parameter tables (modality norms): the backward copies the ``(R,)`` ids to the host once, to
+  order the rows by modality (a stable sort) so that each row chunk of the split backward holds
+  one modality; the per-modality sums are then reduced on the device.
 """
 
 from __future__ import annotations
@@ -24,8 +34,8 @@ from typing import Any
 import cupy
 import numpy as np
 
-from ...errors import ContextError
-from ...ops import SPECS, OpSpec
+from ...errors import ContextError, DTypeError
+from ...ops import SPECS, OpSpec, StatsVariant
 from . import _host, _launch
 from ._args import BwdApplyArgs, BwdArgs, BwdStatsArgs, FwdArgs
 from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
@@ -33,139 +43,267 @@ from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
 __all__ = ["OP_IMPLS", "StatsOp"]
 
 _FILE = FAMILY_FILES["stats"]
-
-# ---------------------------------------------------------------------------
-# one op of the family
+#: the kernels' eps_mode codes (EpsMode in common.cuh) of every eps_mode option value
+EPS_MODES = {"var": 0, "root": 0, "std": 1, "floor": 2}
+_DTYPES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32", "double": "float64"}
 
 
 def _dtype(a: Any) -> Any:
     return None if a is None else a.dtype
 
 
+def _name(dt: Any) -> str:
+    return str(np.dtype(dt).name) if not isinstance(dt, str) else dt
+
+
+def _exact(src: str, dst: str) -> bool:
+    """Whether every value of CUDA type ``src`` is a value of ``dst``."""
+    return src == dst or dst == "double" or (dst == "float" and src in ("__half", "__nv_bfloat16"))
+
+
+class _Types:
+    """Template arguments of one call: the type plan and, with a residual prologue, ``Hd``/``Rs``."""
+
+    def __init__(self, op: StatsOp, x_dtype: Any, weight: Any, bias: Any, h_dtype: Any, res_dtype: Any) -> None:
+        extra = () if h_dtype is None else (h_dtype, res_dtype)
+        self.plan = plan = _launch.type_plan(x_dtype, _dtype(weight), _dtype(bias), extra=extra)
+        self.h = self.r = None
+        if h_dtype is not None:
+            hd = _launch.cuda_type(h_dtype)
+            if hd not in (plan.T, plan.acc, "float"):
+                raise DTypeError(
+                    f"the cupy backend's {op.spec.name} stores h in x's dtype ({_name(x_dtype)}), in float32 or "
+                    f"in the accumulation dtype ({plan.acc_dtype}); residual_dtype={_name(h_dtype)} is not supported"
+                )
+            rs = _launch.cuda_type(res_dtype)
+            self.h = hd
+            self.r = hd if _exact(rs, hd) and (rs == hd or hd in ("float", "double")) else plan.acc
+        self.args = (plan.T, plan.W, *variant_args(op.spec, self.h, self.r))
+
+    @property
+    def h_dtype(self) -> str | None:
+        return None if self.h is None else _DTYPES[self.h]
+
+    @property
+    def r_dtype(self) -> str | None:
+        return None if self.r is None else _DTYPES[self.r]
+
+
 class StatsOp:
     """Forward and backward of one op of the statistics family (see the module docstring)."""
 
     def __init__(self, spec: OpSpec) -> None:
+        v = spec.variant
+        if not isinstance(v, StatsVariant):
+            raise TypeError(f"op {spec.name!r} is not of the statistics family")
         self.spec = spec
-        self.variant = variant_args(spec)
-        self.has_bias = "bias" in spec.param_names
-        self.centered = getattr(spec.variant, "statistic", None) == "centered"
+        self.residual = v.prologue == "residual"
+        self.table = v.affine == "table"
+        self.scalar = v.affine == "scalar"
+        self.centered = v.statistic == "centered"
+        self.floors = v.statistic == "l2"
+        self.weight_name = next((p.name for p in spec.params if p.name != "bias"), "")
         self.ctx_fields = {f.name for f in fields(spec.ctx)}
 
-    def _params(self, params: tuple[Any, ...]) -> tuple[Any, Any]:
-        named = dict(zip(self.spec.param_names, params, strict=True))
-        return named.get("weight"), named.get("bias")
+    def _split(self, args: tuple[Any, ...]) -> tuple[dict[str, Any], Any, Any]:
+        n = len(self.spec.inputs)
+        inputs = dict(zip(self.spec.input_names, args[:n], strict=True))
+        named = dict(zip(self.spec.param_names, args[n:], strict=True))
+        return inputs, named.get(self.weight_name), named.get("bias")
 
-    def forward(self, x: cupy.ndarray, *params: Any, out: cupy.ndarray | None = None, **options: Any) -> Any:
-        """Forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)`` (see the reference module)."""
+    def forward(self, x: cupy.ndarray, *args: Any, out: cupy.ndarray | None = None, **options: Any) -> Any:
+        """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); see the reference."""
         rows, hidden = _launch.check_input(x)
-        weight, bias = self._params(params)
+        inputs, weight, bias = self._split(args)
         options = {**self.spec.defaults(), **options}
-        plan = _launch.type_plan(x.dtype, _dtype(weight), _dtype(bias))
+        residual = inputs.get("residual")
+        h_dtype = None
+        if self.residual:
+            h_dtype = np.dtype(x.dtype) if options["residual_dtype"] is None else _host_dtype(options["residual_dtype"])
+        ty = _Types(self, x.dtype, weight, bias, h_dtype, _dtype(residual))
+        plan = ty.plan
         x = _host.contiguous(x)
-        w = _host.prepare_param(weight, plan.acc if plan.cast_weight else None)
-        b = _host.prepare_param(bias, plan.acc if plan.cast_bias else None)
+        w = _host.prepare_param(weight, plan.acc if plan.casts[0] else None)
+        b = _host.prepare_param(bias, plan.acc if plan.casts[1] else None)
+        res = _host.cast(residual, ty.r_dtype) if residual is not None else None
+        ids = _ids(inputs["modality_ids"]) if self.table else None
         y = out if out is not None else _host.empty((rows, hidden), x.dtype)
+        h = _host.empty((rows, hidden), ty.h_dtype) if self.residual else None
         mean = cupy.empty(rows, dtype=plan.acc_dtype) if self.centered else None
         rstd = cupy.empty(rows, dtype=plan.acc_dtype)
+        floor = cupy.zeros(rows, dtype=bool) if self.floors else None
         if rows:
-            k = get_kernel(_FILE, "stats_fwd", (plan.T, plan.W, *self.variant))
+            k = get_kernel(_FILE, "stats_fwd", ty.args)
             itemsize = x.dtype.itemsize
+            ptrs = tuple(a.data.ptr for a in (x, y, res, h) if a is not None)
             cfg = _launch.forward_config(
                 rows,
                 hidden,
                 itemsize,
                 plan.acc_itemsize,
-                _launch.can_vectorize(hidden, itemsize, (x.data.ptr, y.data.ptr)),
+                _launch.can_vectorize(hidden, itemsize, ptrs),
                 _host.device_limits(),
                 k.num_regs,
                 k.shared_size_bytes,
                 _host.forced("OVERFLOW"),
+                row_itemsize=None if h is None else h.dtype.itemsize,
             )
-            args = FwdArgs(
-                x, w, b, y, mean, rstd, rows, hidden,
-                options["eps"], options.get("correction", 0), options.get("eps_mode", "var") == "std",
-                options.get("weight_offset", 0.0), cfg.log2g, cfg.vec, cfg.over_smem > 0,
+            args_ = FwdArgs(
+                x, res, w, b, ids, y, h, mean, rstd, floor, rows, hidden,
+                options["eps"], options.get("correction", 0), EPS_MODES[options.get("eps_mode", "var")],
+                options.get("weight_offset", 0.0), options.get("alpha", 1.0), cfg.log2g, cfg.vec, cfg.over_smem > 0,
             )  # fmt: skip
-            _host.launch(k, cfg.grid, cfg.block, args.pack(), cfg.over_smem)
-        values = {"x": x, "weight": weight, "bias": bias, "mean": mean, "rstd": rstd, **options}
-        return y, self.spec.ctx(**{n: values[n] for n in self.ctx_fields})
+            _host.launch(k, cfg.grid, cfg.block, args_.pack(), cfg.over_smem)
+        values = {
+            "x": x, "h": h, self.weight_name: weight, "bias": bias, "mean": mean, "rstd": rstd, "floor": floor,
+            "modality_ids": ids, "x_dtype": x.dtype, "residual_in_dtype": _dtype(residual), **options,
+        }  # fmt: skip
+        ctx = self.spec.ctx(**{n: values[n] for n in self.ctx_fields})
+        return ((y, h), ctx) if self.residual else (y, ctx)
 
-    def backward(self, dy: cupy.ndarray, ctx: Any, *, dx_out: cupy.ndarray | None = None) -> Any:
-        """Backward: gradients of a scalar loss given ``dy = dL/dy`` (see the reference module)."""
+    def backward(
+        self, dy: cupy.ndarray, ctx: Any, *, dx_out: cupy.ndarray | None = None, dh: cupy.ndarray | None = None
+    ) -> Any:
+        """Backward: gradients of a scalar loss given ``dy = dL/dy`` (and ``dh = dL/dh``); see the reference."""
         if not issubclass(type(ctx), self.spec.ctx):  # (no isinstance: mypy would narrow ctx to object)
             raise ContextError(
                 f"ctx must be the {self.spec.ctx.__name__} returned by forward, got {type(ctx).__name__}"
             )
-        x, weight = ctx.x, ctx.weight
+        x = ctx.h if self.residual else ctx.x
+        weight = getattr(ctx, self.weight_name)
         bias = getattr(ctx, "bias", None)
         mean = getattr(ctx, "mean", None)
-        plan = _launch.type_plan(x.dtype, _dtype(weight), _dtype(bias))
+        res_dtype = ctx.residual_in_dtype if self.residual else None
+        ty = _Types(self, ctx.x_dtype if self.residual else x.dtype, weight, bias, x.dtype if self.residual else None,
+                    res_dtype)  # fmt: skip
+        plan = ty.plan
         if ctx.rstd.dtype != np.dtype(plan.acc_dtype):
             raise ContextError(f"ctx was not produced by the cupy backend's {self.spec.name} forward")
         x = _host.contiguous(x)
         dy = _host.contiguous(dy)
+        dh = _host.contiguous(dh) if dh is not None else None
         rows, hidden = (int(d) for d in x.shape)
         correction = getattr(ctx, "correction", 0)
-        std_mode = getattr(ctx, "eps_mode", "var") == "std"
-        w = _host.prepare_param(weight, plan.acc if plan.cast_weight else None)
-        dx = dx_out if dx_out is not None else _host.empty((rows, hidden), x.dtype)
-        itemsize = x.dtype.itemsize
-        vec = _launch.can_vectorize(hidden, itemsize, (x.data.ptr, dy.data.ptr, dx.data.ptr))
+        eps_mode = EPS_MODES[getattr(ctx, "eps_mode", "var")]
+        alpha = getattr(ctx, "alpha", 1.0)
+        floors = getattr(ctx, "floor", None)
+        ids = getattr(ctx, "modality_ids", None)
+        w = _host.prepare_param(weight, plan.acc if plan.casts[0] else None)
+        dx = dx_out if dx_out is not None else _host.empty((rows, hidden), dy.dtype)
+        dres = _host.empty((rows, hidden), ty.r_dtype) if self.residual else None
+        itemsize = dy.dtype.itemsize
+        ptrs = tuple(a.data.ptr for a in (x, dy, dx, dh, dres) if a is not None)
+        vec = _launch.can_vectorize(hidden, itemsize, ptrs)
         limits = _host.device_limits()
         partials = 0
-        part_w = part_b = None
+        part_w = part_b = segs = None
+        n_seg = weight.shape[0] if self.table and weight is not None else 1
+
+        def make_partials(n: int) -> tuple[Any, Any]:
+            def make(p: Any) -> Any:
+                return cupy.empty((n, hidden), dtype=plan.acc_dtype) if p is not None else None
+
+            return make(weight), make(bias)
+
+        if self.table:
+            segs = cupy.zeros(n_seg + 1, dtype=np.int64)
         if rows:
-            kind = _launch.backward_kind(hidden, itemsize, plan.acc_itemsize, _host.forced("BACKWARD"))
-            types = (plan.T, plan.W, *self.variant)
-
-            def make_partials(n: int) -> tuple[Any, Any]:
-                def make(p: Any) -> Any:
-                    return cupy.empty((n, hidden), dtype=plan.acc_dtype) if p is not None else None
-
-                return make(weight), make(bias)
-
+            # the fused kernel's __launch_bounds__ (its Pro policy's kBwdThreads)
+            bwd_threads = _launch.DEFS["BWD_RESIDUAL_THREADS" if self.residual else "BWD_THREADS"]
+            kind = "split" if self.table else _launch.backward_kind(
+                hidden, itemsize, plan.acc_itemsize, _host.forced("BACKWARD"), bwd_threads
+            )  # fmt: skip
             if kind == "fused":
-                k = get_kernel(_FILE, "stats_bwd", types)
+                k = get_kernel(_FILE, "stats_bwd", ty.args)
                 cfg = _launch.backward_config(
-                    rows, hidden, itemsize, plan.acc_itemsize, vec, limits, kind, k.num_regs, k.shared_size_bytes
-                )
+                    rows, hidden, itemsize, plan.acc_itemsize, vec, limits, kind, k.num_regs, k.shared_size_bytes,
+                    bwd_threads,
+                )  # fmt: skip
                 partials = cfg.partials
                 part_w, part_b = make_partials(partials)
                 rc = cfg.rows
-                args = BwdArgs(
-                    dy, x, w, mean, ctx.rstd, dx, part_w, part_b, rows, hidden, correction, std_mode,
-                    ctx.weight_offset, rc.log2g, rc.vec,
+                args_ = BwdArgs(
+                    dy, x, dh, w, mean, ctx.rstd, floors, dx, dres, part_w, part_b, rows, hidden, correction,
+                    eps_mode, ctx.weight_offset if hasattr(ctx, "weight_offset") else 0.0, alpha, rc.log2g, rc.vec,
                 )  # fmt: skip
-                _host.launch(k, rc.grid, rc.block, args.pack())
+                _host.launch(k, rc.grid, rc.block, args_.pack())
             else:
-                ks = get_kernel(_FILE, "stats_bwd_stats", types)
-                ka = get_kernel(_FILE, "stats_bwd_apply", types)
+                ks = get_kernel(_FILE, "stats_bwd_stats", ty.args)
+                ka = get_kernel(_FILE, "stats_bwd_apply", ty.args)
                 cfg = _launch.backward_config(
-                    rows, hidden, itemsize, plan.acc_itemsize, vec, limits, kind, ks.num_regs, ks.shared_size_bytes
+                    rows, hidden, itemsize, plan.acc_itemsize, vec, limits, "split", ks.num_regs, ks.shared_size_bytes
                 )
+                offset = getattr(ctx, "weight_offset", 0.0)
                 coefs = cupy.empty((rows, 3), dtype=plan.acc_dtype)
                 rc = cfg.rows
                 sargs = BwdStatsArgs(
-                    dy, x, w, mean, ctx.rstd, coefs, rows, hidden, correction, std_mode, ctx.weight_offset,
+                    dy, x, w, ids, mean, ctx.rstd, floors, coefs, rows, hidden, correction, eps_mode, offset,
                     rc.log2g, rc.vec,
                 )  # fmt: skip
                 _host.launch(ks, rc.grid, rc.block, sargs.pack())
-                partials = cfg.partials
+                order = chunk_rows = None
+                partials = cfg.chunks
+                if self.table:
+                    order, chunk_rows, segs, partials = _modality_chunks(ids, n_seg, cfg.rows_per_chunk)
                 part_w, part_b = make_partials(partials)
                 aargs = BwdApplyArgs(
-                    dy, x, w, mean, ctx.rstd, coefs, dx, part_w, part_b, rows, hidden, cfg.rows_per_chunk,
-                    ctx.weight_offset, rc.vec,
+                    dy, x, dh, w, ids, mean, ctx.rstd, coefs, order, chunk_rows, dx, dres, part_w, part_b, rows,
+                    hidden, cfg.rows_per_chunk, offset, alpha, rc.vec,
                 )  # fmt: skip
-                _host.launch(ka, (cfg.chunks, cfg.tiles), cfg.apply_block, aargs.pack())
-        grads = {}
-        for name, part, p in (("weight", part_w, weight), ("bias", part_b, bias)):
-            if name in self.spec.param_names:
-                grads[name] = (
-                    _host.reduce_partials(part, partials, hidden, p.dtype, plan.acc) if p is not None else None
-                )
-        return self.spec.grads(dx, *(grads[n] for n in self.spec.param_names))
+                _host.launch(ka, (partials, cfg.tiles), cfg.apply_block, aargs.pack())
+        grads: dict[str, Any] = {}
+        for name, part, p in ((self.weight_name, part_w, weight), ("bias", part_b, bias)):
+            if name not in self.spec.param_names:
+                continue
+            if p is None:
+                grads[name] = None
+            elif self.scalar:
+                grads[name] = _host.reduce_scalar(part, partials, hidden, p.dtype, plan.acc)
+            elif self.table:
+                grads[name] = _host.reduce_partials(part, partials, hidden, p.dtype, plan.acc, segs, n_seg)
+            else:
+                grads[name] = _host.reduce_partials(part, partials, hidden, p.dtype, plan.acc)
+        d_inputs: tuple[Any, ...] = ()
+        if self.residual:
+            d_inputs = (_host.cast(dres, res_dtype),)
+        return self.spec.grads(dx, *d_inputs, *(grads[n] for n in self.spec.param_names))
+
+
+def _host_dtype(name: Any) -> np.dtype[Any]:
+    from ...testing import _dtype as dtype_of
+
+    return dtype_of(name)
+
+
+def _ids(ids: cupy.ndarray) -> cupy.ndarray:
+    """The row ids as the kernels read them: C-contiguous int64."""
+    ids = _host.contiguous(ids)
+    return ids if ids.dtype == np.int64 else ids.astype(np.int64)
+
+
+def _modality_chunks(ids: cupy.ndarray, m: int, rows_per_chunk: int) -> tuple[Any, Any, Any, int]:
+    """The split backward's rows ordered by modality (a stable sort of the ids, on the host), chunks of at
+    most ``rows_per_chunk`` rows that never cross a modality, and each modality's range of chunks:
+    ``(order, chunk_rows, segs, chunks)`` (device int64 arrays, and the number of chunks)."""
+    ids_h = cupy.asnumpy(ids).astype(np.int64)
+    order = np.argsort(ids_h, kind="stable")
+    counts = np.bincount(ids_h, minlength=m)
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    bounds: list[int] = []
+    segs = [0]
+    for i in range(m):
+        bounds.extend(range(int(starts[i]), int(starts[i + 1]), rows_per_chunk))
+        segs.append(len(bounds))
+    bounds.append(int(starts[-1]))
+    return (
+        cupy.asarray(order.astype(np.int64)),
+        cupy.asarray(np.asarray(bounds, dtype=np.int64)),
+        cupy.asarray(np.asarray(segs, dtype=np.int64)),
+        len(bounds) - 1,
+    )
 
 
 #: op name -> its implementation, for every op of the statistics family
-OP_IMPLS: dict[str, StatsOp] = {name: StatsOp(spec) for name, spec in SPECS.items() if supports(spec)}
+OP_IMPLS: dict[str, StatsOp] = {
+    name: StatsOp(spec) for name, spec in SPECS.items() if spec.family == "stats" and supports(spec)
+}

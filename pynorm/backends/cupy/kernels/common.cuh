@@ -30,13 +30,14 @@
 #define PYNORM_FWD_ACC_BYTES 64   // forward: row elements a thread keeps in registers, in accumulator bytes
 #define PYNORM_BWD_THREADS 1024   // __launch_bounds__ of the fused backward kernels ...
 #define PYNORM_BWD_MIN_BLOCKS 1   // ... (1024 threads: <= 64 registers)
+#define PYNORM_BWD_RESIDUAL_THREADS 512 // fused backward of the residual ops (h, dh, dres: <= 128 registers)
 #define PYNORM_BWD_ACC_BYTES 32   // fused backward: per-thread dweight (and dbias) accumulators, in bytes
 #define PYNORM_STATS_THREADS 1024 // __launch_bounds__ of the split-backward row-statistics kernels
 #define PYNORM_APPLY_THREADS 256  // __launch_bounds__ of the split-backward apply kernels
 #define PYNORM_REDUCE_X 32        // reduce kernel block: 32 columns ...
 #define PYNORM_REDUCE_Y 8         // ... times 8 slices of the partial rows
 #define PYNORM_REDUCE_THREADS 256 // = PYNORM_REDUCE_X * PYNORM_REDUCE_Y (__launch_bounds__)
-#define PYNORM_CAST_THREADS 256   // __launch_bounds__ of cast_params
+#define PYNORM_CAST_THREADS 256   // __launch_bounds__ of cast_values
 #define PYNORM_ITEM_BYTES 16      // bytes per item (one 16-byte vector)
 
 namespace pynorm {
@@ -106,10 +107,22 @@ __device__ __forceinline__ double div_row(double a, double b) { return a * __drc
 // ---------------------------------------------------------------------------
 // items
 
-template <typename T> struct alignas(16) Vec {
-  static constexpr int N = PYNORM_ITEM_BYTES / sizeof(T);
-  T v[N];
+// N consecutive elements of type S: one item of a row.  Every array of a row's elements is cut
+// into items of the same N = V = 16 / sizeof(T) elements (T: the op's x / y type), so element i
+// of every array belongs to the same thread; an array of a wider type S (a float32 pre-norm sum
+// beside float16 x) moves an item as sizeof(S) * V bytes (two or four 16-byte vectors).
+// aligned as one vector access moves it: 16 bytes, or the whole pack when it is narrower (a row of
+// floats beside double x: 2 floats, 8 bytes, at 8-byte aligned offsets)
+template <typename S, int Count> struct alignas(sizeof(S) * Count < 16 ? sizeof(S) * Count : 16) Pack {
+  static constexpr int N = Count;
+  S v[Count];
 };
+template <typename T> struct VecOf {
+  static constexpr int N = PYNORM_ITEM_BYTES / sizeof(T);
+  using type = Pack<T, N>;
+};
+template <typename T> using Vec = typename VecOf<T>::type;
+template <typename T> __host__ __device__ constexpr int vec_n() { return VecOf<T>::N; }
 
 // Register budgets, in items per thread: BYTES / sizeof(A) elements (16 float or
 // 8 double for 64 bytes), i.e. BYTES * sizeof(T) / (16 * sizeof(A)) items, at least 1.
@@ -121,8 +134,8 @@ template <typename T> struct alignas(16) Vec {
 // (2-byte T with double accumulators in the backward): no fused path then.
 template <typename T, typename A, int BYTES> struct ItemsFor {
   static constexpr int elems = BYTES / static_cast<int>(sizeof(A));
-  static constexpr bool fits = elems >= Vec<T>::N;
-  static constexpr int value = fits ? elems / Vec<T>::N : 1;
+  static constexpr bool fits = elems >= vec_n<T>();
+  static constexpr int value = fits ? elems / vec_n<T>() : 1;
 };
 template <typename T, typename A> struct FwdItems : ItemsFor<T, A, PYNORM_FWD_ACC_BYTES> {};
 template <typename T, typename A> struct BwdItems : ItemsFor<T, A, PYNORM_BWD_ACC_BYTES> {};
@@ -130,47 +143,48 @@ template <typename T, typename A> struct BwdItems : ItemsFor<T, A, PYNORM_BWD_AC
 // first element of item k of thread t in a group of G threads: items hold V
 // consecutive elements, whether they are moved as one vector or one by one
 template <typename T> __device__ __forceinline__ int item_base(int t, int k, int G) {
-  return (t + G * k) * Vec<T>::N;
+  return (t + G * k) * vec_n<T>();
 }
 
-template <typename T> __device__ __forceinline__ Vec<T> zero_item() {
-  Vec<T> r;
+template <int N, typename S> __device__ __forceinline__ Pack<S, N> zero_item() {
+  Pack<S, N> r;
 #pragma unroll
-  for (int e = 0; e < Vec<T>::N; ++e) r.v[e] = zero_of<T>();
+  for (int e = 0; e < N; ++e) r.v[e] = zero_of<S>();
   return r;
 }
 
 // Elements at or beyond H read as 0 and are never written.  Vector mode moves
-// the item with one 16-byte access (the host guarantees alignment and H % V == 0);
+// the item with 16-byte accesses (the host guarantees alignment and H % N == 0);
 // scalar mode element by element (still coalesced through L1: a warp's accesses
-// cover whole cache lines over the V instructions).
-template <typename T>
-__device__ __forceinline__ Vec<T> load_item(const T* __restrict__ row, int base, int H, bool vec) {
-  constexpr int V = Vec<T>::N;
+// cover whole cache lines over the N instructions).
+template <int N, typename S>
+__device__ __forceinline__ Pack<S, N> load_item(const S* __restrict__ row, int base, int H, bool vec) {
   if (vec) {
-    if (base < H) return *reinterpret_cast<const Vec<T>*>(row + base);
-    return zero_item<T>();
+    if (base < H) return *reinterpret_cast<const Pack<S, N>*>(row + base);
+    return zero_item<N, S>();
   }
-  Vec<T> r;
-  const T* p = row + base;
+  Pack<S, N> r;
+  const S* p = row + base;
 #pragma unroll
-  for (int e = 0; e < V; ++e) r.v[e] = base + e < H ? p[e] : zero_of<T>();
+  for (int e = 0; e < N; ++e) r.v[e] = base + e < H ? p[e] : zero_of<S>();
   return r;
 }
 
-template <typename T>
-__device__ __forceinline__ void store_item(T* __restrict__ row, const Vec<T>& r, int base, int H, bool vec) {
-  constexpr int V = Vec<T>::N;
+template <int N, typename S>
+__device__ __forceinline__ void store_item(S* __restrict__ row, const Pack<S, N>& r, int base, int H, bool vec) {
   if (vec) {
-    if (base < H) *reinterpret_cast<Vec<T>*>(row + base) = r;
+    if (base < H) *reinterpret_cast<Pack<S, N>*>(row + base) = r;
     return;
   }
-  T* p = row + base;
+  S* p = row + base;
 #pragma unroll
-  for (int e = 0; e < V; ++e) {
+  for (int e = 0; e < N; ++e) {
     if (base + e < H) p[e] = r.v[e];
   }
 }
+
+// row `off` of an optional array (null stays null)
+template <typename P> __device__ __forceinline__ P* row_at(P* p, long long off) { return p != nullptr ? p + off : p; }
 
 // effective weight (w + offset) of column i, or 1 without a weight
 template <typename A, typename W> __device__ __forceinline__ A eff_weight(const W* __restrict__ w, int i, A offset) {
@@ -254,34 +268,59 @@ template <typename A> __device__ __forceinline__ int scale_exponent(A amax) {
   return k;
 }
 
-// v: the variance (LayerNorm) or mean square (RMSNorm) of the row scaled by
-// s = 2^k.  Computes, in double, the true r = 1/sqrt(v/s^2 + eps)
-// ("std": 1/(sqrt(v)/s + eps)) and rs = r / s, the factor applied to the scaled
-// centred values, without overflow or underflow of the intermediate terms.
+// Where eps enters the per-row factor r (the kernels' `eps_mode` parameter):
+enum EpsMode : int {
+  kEpsVar = 0,    // r = 1 / sqrt(v + eps)      (LayerNorm / RMSNorm "var", ScaleNorm "root")
+  kEpsStd = 1,    // r = 1 / (sqrt(v) + eps)    (LayerNorm "std")
+  kEpsFloor = 2,  // r = 1 / max(sqrt(v), eps)  (ScaleNorm "floor")
+};
+
+// v: the variance (LayerNorm), mean square (RMSNorm) or sum of squares (ScaleNorm)
+// of the row scaled by s = 2^k.  Computes, in double, the true r of `mode` for the
+// unscaled v / s^2 and rs = r / s, the factor applied to the scaled centred values,
+// without overflow or underflow of the intermediate terms; returns whether the
+// floor was taken (kEpsFloor: sqrt(v / s^2) < eps; never in the other modes).
 // v == 0 (constant rows, every row when H = 1): r is 1/sqrt(eps) (1/eps) exactly;
 // forming it from eps * s or eps * s^2 would overflow (std mode, 1/(eps s) for
 // |x| > ~1e303) or lose precision where those products are subnormal (|x| ~ 1e155).
 // For v > 0 the scaled data lies in [0.5, 4), so v is far above any subnormal term
 // it is added to.
-__device__ __forceinline__ void finalize_rstd(double v, int k, double eps, bool std_mode, double& r, double& rs) {
+__device__ __forceinline__ bool finalize_rstd(double v, int k, double eps, int mode, double& r, double& rs) {
   const double s = ldexp(1.0, k), inv_s = ldexp(1.0, -k);
+  const bool std_mode = mode == kEpsStd;
+  if (mode == kEpsFloor) {
+    // the norm sqrt(v) / s against eps, compared as sqrt(v) < eps * s: exact unless eps * s
+    // overflows (tiny rows scaled up: then the floor is taken, rightly) or is subnormal (huge
+    // rows scaled down: sqrt(v) >= 0.5 is above it, rightly); eps == 0 never floors (r = inf
+    // for a zero row, as in the reference)
+    const double n = sqrt(v);
+    if (n < eps * s) {
+      r = 1.0 / eps;
+      rs = r * inv_s;
+      return true;
+    }
+    rs = 1.0 / n;
+    r = rs * s;
+    return false;
+  }
   if (v == 0.0) {
     r = std_mode ? 1.0 / eps : 1.0 / sqrt(eps);  // eps == 0: inf, as in the reference
   } else if (k <= 0) {  // data scaled down (or not at all): eps * s^2 can only underflow
     const double es = eps * s;
     rs = 1.0 / (std_mode ? sqrt(v) + es : sqrt(v + es * s));
     r = rs * s;
-    return;
+    return false;
   } else {  // tiny data scaled up: the unscaled variance cannot overflow
     if (eps == 0.0) {
       rs = 1.0 / sqrt(v);
       r = rs * s;
-      return;
+      return false;
     }
     const double var = v * inv_s * inv_s;
     r = std_mode ? 1.0 / (sqrt(var) + eps) : 1.0 / sqrt(var + eps);
   }
   rs = r * inv_s;
+  return false;
 }
 
 // rs in the accumulator type; a finite r never gives an infinite factor (the

@@ -1,12 +1,12 @@
-// Second stage of the deterministic parameter-gradient reduction, and the cast
-// used when weight and bias arrive in different dtypes.
+// Second stage of the deterministic parameter-gradient reduction.
 //
-//   reduce_partials<O, A>  out[c] = sum over p of part[p, c] (a (P, H) array of
-//                          per-block / per-chunk partial sums in the accumulation
-//                          type A), summed in a fixed order and rounded once to O.
-//                          P == 0 writes zeros (gradients of an empty batch).
-//   cast_params<S, D>      out[i] = D(in[i]) (parameters promoted to the
-//                          accumulation type before the main kernels).
+//   reduce_partials<O, A>  out[m, c] = sum over p in segment m of part[p, c] (a (P, H)
+//                          array of per-block / per-chunk partial sums in the
+//                          accumulation type A), summed in a fixed order and rounded
+//                          once to O. Segment m = blockIdx.y is rows [segs[m], segs[m+1])
+//                          (a parameter table's modality m), or all P rows when segs is
+//                          null. An empty segment writes zeros (an unused modality, an
+//                          empty batch).
 #include "common.cuh"
 
 namespace pynorm {
@@ -15,12 +15,18 @@ static_assert(PYNORM_REDUCE_THREADS == PYNORM_REDUCE_X * PYNORM_REDUCE_Y, "reduc
 
 template <typename O, typename A>
 __global__ void __launch_bounds__(PYNORM_REDUCE_THREADS)
-reduce_partials(const A* __restrict__ part, O* __restrict__ out, long long P, int H) {
+reduce_partials(const A* __restrict__ part, O* __restrict__ out, const long long* __restrict__ segs, long long P,
+                int H) {
   __shared__ A sm[PYNORM_REDUCE_Y][PYNORM_REDUCE_X + 1];
   const int col = blockIdx.x * PYNORM_REDUCE_X + threadIdx.x;
+  const long long p0 = segs != nullptr ? segs[blockIdx.y] : 0;
+  const long long p1 = segs != nullptr ? segs[blockIdx.y + 1] : P;
+  const A* seg = part + p0 * H;
+  const long long n = p1 - p0;
+  out += static_cast<long long>(blockIdx.y) * H;
   A s = A(0);
   if (col < H) {
-    for (long long p = threadIdx.y; p < P; p += PYNORM_REDUCE_Y) s += part[p * H + col];
+    for (long long p = threadIdx.y; p < n; p += PYNORM_REDUCE_Y) s += seg[p * H + col];
   }
   sm[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
@@ -29,13 +35,6 @@ reduce_partials(const A* __restrict__ part, O* __restrict__ out, long long P, in
 #pragma unroll
     for (int q = 1; q < PYNORM_REDUCE_Y; ++q) tot += sm[q][threadIdx.x];
     out[col] = Conv<O>::from(tot);
-  }
-}
-
-template <typename S, typename D>
-__global__ void __launch_bounds__(PYNORM_CAST_THREADS) cast_params(const S* __restrict__ in, D* __restrict__ out, int n) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    out[i] = static_cast<D>(Conv<S>::to_float(in[i]));
   }
 }
 

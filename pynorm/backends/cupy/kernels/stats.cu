@@ -1,28 +1,32 @@
 // The statistics kernel family of pynorm's CuPy backend: row norms defined by per-row
-// statistics (LayerNorm, RMSNorm, and the ops the family issues add). The math of each
-// op is defined in pynorm/reference/<op>.py; an op is one choice per variant axis:
+// statistics. The math of each op is defined in pynorm/reference/<op>.py; an op is one choice
+// per variant axis (pynorm.ops.StatsVariant, mapped to these policies by _loader.py):
 //
 //   Stat    the per-row statistic and how it centres / scales the row
-//             Centered    mean and variance (corrected two-pass)      LayerNorm
-//             MeanSquare  mean of squares                             RMSNorm
+//             Centered     mean and variance (corrected two-pass)    LayerNorm
+//             MeanSquare   mean of squares                           RMSNorm
+//             SumSquare    sum of squares (the squared L2 norm)      ScaleNorm
 //   Affine  where the output's scale and shift come from
-//             Vector<B>   per-feature weight (+ offset), bias when B
+//             Vector<B>    per-feature weight (+ offset), bias when B
+//             Scalar       one scalar weight                         ScaleNorm's g
+//             Table<B>     row ids[i] of (M, H) tables               modality norms
+//   Pro     what the normalized row is (prologue) and what is stored besides y (epilogue)
+//             Plain        x
+//             Residual<Hd, Rs>  h = x + alpha * residual, stored     fused add + norm
 //
-// (the input prologue -- plain today, a residual add next -- and the output epilogue --
-// plain today, the pre-norm sum or int8 quantization next -- are the two axes the family
-// issues add, as template parameters beside these two).
-//
-// Kernels (templates over T = x/y/dx dtype, W = parameter dtype, and the variant):
-//   stats_fwd          forward: y, per-row statistics (mean when the statistic has one, rstd)
-//   stats_bwd          fused backward, rows held in registers: dx and per-block partial sums of
-//                      the parameter gradients
+// Kernels (templates over T = x/y/dx dtype, W = parameter dtype, and the three policies):
+//   stats_fwd          forward: y (and h), per-row statistics (mean when the statistic has one,
+//                      rstd, whether ScaleNorm's floor was taken)
+//   stats_bwd          fused backward, rows held in registers: dx (and dresidual) and per-block
+//                      partial sums of the parameter gradients
 //   stats_bwd_stats    split backward, step 1 (any H): per-row coefficients
-//   stats_bwd_apply    split backward, step 2: dx and per-chunk partial sums
+//   stats_bwd_apply    split backward, step 2: dx (and dresidual) and per-chunk partial sums
 // The partial sums are reduced in a fixed order by reduce.cu: no atomics, so every result
 // is bitwise reproducible. Row layout, items and reductions: see common.cuh.
 //
 // The parameter lists of the four kernels are mirrored field by field by the dataclasses
-// of pynorm/backends/cupy/stats.py (tests/test_cupy_kernels.py checks names and types).
+// of pynorm/backends/cupy/_args.py (tests/test_cupy_kernels.py checks names and types); every
+// op of the family passes all of them (null pointers for what it does not have).
 #include "common.cuh"
 
 namespace pynorm {
@@ -101,13 +105,14 @@ struct Centered {
     S[3] += u * u;
   }
   template <typename A>
-  static __device__ __forceinline__ BwdCoef<A> coef(const A (&S)[kBwdSums], int H, int correction, bool std_mode) {
+  static __device__ __forceinline__ BwdCoef<A> coef(const A (&S)[kBwdSums], int H, int correction, int eps_mode,
+                                                     bool /*floored*/) {
     BwdCoef<A> o;
     const A n = A(H - correction);
     o.cu = div_row(S[2], A(H));
     o.gbar = div_row(S[0], A(H));
     const A gx = S[1] - o.cu * S[0];
-    if (!std_mode) {
+    if (eps_mode != kEpsStd) {
       o.coef = div_row(gx, n);
     } else {
       A q = S[3] - o.cu * S[2];
@@ -123,9 +128,11 @@ struct Centered {
   }
 };
 
-// RMSNorm's statistic. Forward: v = sum(xs^2) / H on the scaled row, the row itself not
-// centred. Backward: xhat = x * r, c = sum(g * xhat) / H, dx = r * (g - xhat * c).
-struct MeanSquare {
+// RMSNorm's (PerElement) and ScaleNorm's statistic. Forward: v = sum(xs^2) / H (RMSNorm) or
+// sum(xs^2) (ScaleNorm: the squared L2 norm) on the scaled row, the row itself not centred.
+// Backward: xhat = x * r, c = sum(g * xhat) / H (RMSNorm) or sum(g * xhat) (ScaleNorm; 0 on rows
+// that took the floor, where r = 1/eps does not depend on x), dx = r * (g - xhat * c).
+template <bool PerElement> struct Squares {
   static constexpr bool kMean = false;
   static constexpr int kFwdSums = 1;
   static constexpr int kBwdSums = 1;  // sum g * xhat
@@ -142,7 +149,7 @@ struct MeanSquare {
       acc[0] += xs * xs;
     });
     group_sum(acc, G, red);
-    return Row<A>{static_cast<double>(acc[0]) / static_cast<double>(H)};
+    return Row<A>{PerElement ? static_cast<double>(acc[0]) / static_cast<double>(H) : static_cast<double>(acc[0])};
   }
   template <typename A> static __device__ __forceinline__ A centre(A xs, const Row<A>&) { return xs; }
   template <typename A> static __device__ __forceinline__ A mean(const Row<A>&, int) { return A(0); }
@@ -152,34 +159,136 @@ struct MeanSquare {
     S[0] += g * u;
   }
   template <typename A>
-  static __device__ __forceinline__ BwdCoef<A> coef(const A (&S)[kBwdSums], int H, int, bool) {
-    return BwdCoef<A>{A(0), A(0), S[0] / A(H)};
+  static __device__ __forceinline__ BwdCoef<A> coef(const A (&S)[kBwdSums], int H, int, int, bool floored) {
+    return BwdCoef<A>{A(0), A(0), floored ? A(0) : (PerElement ? S[0] / A(H) : S[0])};
   }
   template <typename A> static __device__ __forceinline__ A xhat(A u, const BwdCoef<A>&) { return u; }
   template <typename A> static __device__ __forceinline__ A dx(A r, A g, A xh, const BwdCoef<A>& cf) {
     return r * (g - xh * cf.coef);
   }
 };
+using MeanSquare = Squares<true>;
+using SumSquare = Squares<false>;
 
 // ---------------------------------------------------------------------------
-// the affine axis
+// the affine axis: where row `row`'s scale and shift come from (`param_row`) and which element
+// of that row serves column i (`col`). The scale is w + offset (1 without a weight), the shift
+// b (0 without a bias); the parameter gradients per column: dweight += dy * xhat, dbias += dy.
 
-// Per-feature weight (w + offset; 1 without a weight) and, when B, a per-feature bias
-// (0 without one). The parameter gradients: dweight += dy * xhat, dbias += dy.
+// per-feature weight and, when B, bias: one (H,) vector for every row
 template <bool B> struct Vector {
   static constexpr bool kBias = B;
+  static constexpr bool kShared = true;  // every row uses the same parameters
+  template <typename W>
+  static __device__ __forceinline__ const W* param_row(const W* p, const long long*, long long, int) {
+    return p;
+  }
+  static __device__ __forceinline__ int col(int i) { return i; }
 };
+
+// one scalar weight (ScaleNorm's g) for every element; its gradient is the sum of the per-column
+// sums, reduced by the host
+struct Scalar {
+  static constexpr bool kBias = false;
+  static constexpr bool kShared = true;
+  template <typename W>
+  static __device__ __forceinline__ const W* param_row(const W* p, const long long*, long long, int) {
+    return p;
+  }
+  static __device__ __forceinline__ int col(int) { return 0; }
+};
+
+// (M, H) tables, row ids[row] serving row `row` (modality norms). The per-column sums of a block
+// must not mix modalities: there is no fused backward (rows of any modality share its blocks);
+// the split backward's row chunks each hold rows of one modality (the host orders them).
+template <bool B> struct Table {
+  static constexpr bool kBias = B;
+  static constexpr bool kShared = false;
+  template <typename W>
+  static __device__ __forceinline__ const W* param_row(const W* p, const long long* ids, long long row, int H) {
+    return p != nullptr ? p + ids[row] * H : nullptr;
+  }
+  static __device__ __forceinline__ int col(int i) { return i; }
+};
+
+// ---------------------------------------------------------------------------
+// the prologue / epilogue axis: what the normalized row is
+
+// the row is x itself
+struct Plain {
+  static constexpr bool kResidual = false;
+  static constexpr int kBwdThreads = PYNORM_BWD_THREADS;       // __launch_bounds__ of stats_bwd
+  static constexpr int kFwdMinBlocks = PYNORM_FWD_MIN_BLOCKS;  // ... and of stats_fwd
+  template <typename T> using Row = T;
+  template <typename T> using Res = T;
+};
+
+// the row is the pre-norm sum h = x + alpha * residual, computed in double and rounded once to Hd
+// (x's type or the accumulation type: a float32 residual stream for float16 x), stored (the
+// forward's second output) and normalized as rounded. The residual is read as Rs (Hd, or the
+// accumulation type when the host widened it). Backward: the row is the saved h; dh (the gradient
+// arriving at h from later layers, Hd, may be null) is added to the norm's gradient g, and
+// dx = g, dresidual = alpha * g are each rounded once (to x's type and to Rs).
+template <typename Hd, typename Rs> struct Residual {
+  static constexpr bool kResidual = true;
+  static constexpr int kBwdThreads = PYNORM_BWD_RESIDUAL_THREADS;  // h, dh and dres need more registers
+  static constexpr int kFwdMinBlocks = 1;  // h = x + alpha * residual in double: <= 128 registers
+  template <typename T> using Row = Hd;
+  template <typename T> using Res = Rs;
+};
+
+template <class Pro, typename T> using row_t = typename Pro::template Row<T>;
+template <class Pro, typename T> using res_t = typename Pro::template Res<T>;
+
+// the accumulation type covers every operand (the host widens W where h or the residual is double)
+template <typename T, typename W, class Pro> struct CheckAcc {
+  static constexpr bool ok =
+      is_double<acc_t<T, W>>::value || !(is_double<row_t<Pro, T>>::value || is_double<res_t<Pro, T>>::value);
+  static_assert(ok, "a double pre-norm sum or residual needs double accumulation");
+};
+
+// dx of one item from the norm's gradient v (in the accumulation type): plus dh, rounded once to
+// T; with a residual also dresidual = alpha * (v + dh) rounded once to Rs
+template <class Pro, typename T, typename A, int V>
+__device__ __forceinline__ void store_dx(T* __restrict__ dxr, res_t<Pro, T>* __restrict__ dresr,
+                                         const row_t<Pro, T>* __restrict__ dhr, A (&v)[V], int b, int H, bool vm,
+                                         double alpha) {
+  if constexpr (Pro::kResidual) {
+    if (dhr != nullptr) {
+      const Pack<row_t<Pro, T>, V> d = load_item<V>(dhr, b, H, vm);
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] += to_acc<A>(d.v[e]);
+    }
+  }
+  Vec<T> o;
+#pragma unroll
+  for (int e = 0; e < V; ++e) o.v[e] = Conv<T>::from(v[e]);
+  store_item<V>(dxr, o, b, H, vm);
+  if constexpr (Pro::kResidual) {
+    if (dresr != nullptr) {
+      Pack<res_t<Pro, T>, V> q;
+#pragma unroll
+      for (int e = 0; e < V; ++e) q.v[e] = Conv<res_t<Pro, T>>::from(alpha * static_cast<double>(v[e]));
+      store_item<V>(dresr, q, b, H, vm);
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------
 // forward
 
-template <typename T, typename W, class Stat, class Affine>
-__global__ void __launch_bounds__(PYNORM_FWD_THREADS, PYNORM_FWD_MIN_BLOCKS)
-stats_fwd(const T* __restrict__ x, const W* __restrict__ weight, const W* __restrict__ bias, T* __restrict__ y,
-          acc_t<T, W>* __restrict__ mean_out, acc_t<T, W>* __restrict__ rstd_out, long long rows, int hidden,
-          double eps, int correction, int std_mode, double weight_offset, int log2g, int vec, int over_smem) {
+template <typename T, typename W, class Stat, class Affine, class Pro>
+__global__ void __launch_bounds__(PYNORM_FWD_THREADS, Pro::kFwdMinBlocks)
+stats_fwd(const T* __restrict__ x, const res_t<Pro, T>* __restrict__ residual, const W* __restrict__ weight,
+          const W* __restrict__ bias, const long long* __restrict__ ids, T* __restrict__ y,
+          row_t<Pro, T>* __restrict__ h_out, acc_t<T, W>* __restrict__ mean_out, acc_t<T, W>* __restrict__ rstd_out,
+          bool* __restrict__ floor_out, long long rows, int hidden, double eps, int correction, int eps_mode,
+          double weight_offset, double alpha, int log2g, int vec, int over_smem) {
   using A = acc_t<T, W>;
-  constexpr int V = Vec<T>::N;
+  using X = row_t<Pro, T>;  // the normalized row's elements: x, or the pre-norm sum h
+  static_assert(CheckAcc<T, W, Pro>::ok, "accumulation type");
+  constexpr int V = vec_n<T>();
+  using Item = Pack<X, V>;
   constexpr int K = FwdItems<T, A>::value;
   __shared__ A red[Stat::kFwdSums * 32];
   extern __shared__ __align__(16) unsigned char dyn_smem[];
@@ -191,36 +300,72 @@ stats_fwd(const T* __restrict__ x, const W* __restrict__ weight, const W* __rest
   const int nover = nk > K ? nk - K : 0;
   const bool vm = vec != 0;
   const A wo = static_cast<A>(weight_offset);
-  Vec<T>* over = reinterpret_cast<Vec<T>*>(dyn_smem) + static_cast<size_t>(gi) * nover * G;
+  Item* over = reinterpret_cast<Item*>(dyn_smem) + static_cast<size_t>(gi) * nover * G;
 
   for (long long r0 = static_cast<long long>(blockIdx.x) * gpb; r0 < R;
        r0 += static_cast<long long>(gridDim.x) * gpb) {
     const long long row = r0 + gi;
     const bool valid = row < R;
-    const T* xr = x + (valid ? row : 0LL) * H;
+    const long long off = (valid ? row : 0LL) * H;
+
+    // item k of the row: x, or h = x + alpha * residual rounded once; read once (h is stored
+    // after the loads: storing it inside fetch doubled the register pressure)
+    auto fetch = [&](int k) -> Item {
+      const int b = item_base<T>(t, k, G);
+      if constexpr (Pro::kResidual) {
+        const Vec<T> xi = load_item<V>(x + off, b, H, vm);
+        const Pack<res_t<Pro, T>, V> ri = load_item<V>(residual + off, b, H, vm);
+        Item hi;
+#pragma unroll
+        for (int e = 0; e < V; ++e) hi.v[e] = Conv<X>::from(fma(alpha, to_acc<double>(ri.v[e]), to_acc<double>(xi.v[e])));
+        return hi;
+      } else {
+        return load_item<V>(x + off, b, H, vm);
+      }
+    };
+    // item k again, after the first pass (h was stored by this very thread)
+    auto refetch = [&](int k) -> Item {
+      const int b = item_base<T>(t, k, G);
+      if constexpr (Pro::kResidual) {
+        return load_item<V>(h_out + off, b, H, vm);
+      } else {
+        return load_item<V>(x + off, b, H, vm);
+      }
+    };
 
     // pass A: load the row once (registers, then shared memory); largest magnitude for the scaling
-    Vec<T> xc[K];
+    Item xc[K];
     A amax = A(0);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      xc[k] = (valid && k < nk) ? load_item(xr, item_base<T>(t, k, G), H, vm) : zero_item<T>();
-      if (needs_scaling<T>::value) {
+      xc[k] = (valid && k < nk) ? fetch(k) : zero_item<V, X>();
+      if (needs_scaling<X>::value) {
 #pragma unroll
         for (int e = 0; e < V; ++e) amax = fmax(amax, fabs(to_acc<A>(xc[k].v[e])));
       }
     }
+    if constexpr (Pro::kResidual) {
+      if (valid) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          if (k < nk) store_item<V>(h_out + off, xc[k], item_base<T>(t, k, G), H, vm);
+        }
+      }
+    }
     for (int k = K; k < nk; ++k) {
-      const Vec<T> it = valid ? load_item(xr, item_base<T>(t, k, G), H, vm) : zero_item<T>();
+      const Item it = valid ? fetch(k) : zero_item<V, X>();
+      if constexpr (Pro::kResidual) {
+        if (valid) store_item<V>(h_out + off, it, item_base<T>(t, k, G), H, vm);
+      }
       if (over_smem) over[(k - K) * G + t] = it;
-      if (needs_scaling<T>::value) {
+      if (needs_scaling<X>::value) {
 #pragma unroll
         for (int e = 0; e < V; ++e) amax = fmax(amax, fabs(to_acc<A>(it.v[e])));
       }
     }
-    auto over_item = [&](int k) -> Vec<T> {
+    auto over_item = [&](int k) -> Item {
       if (over_smem) return over[(k - K) * G + t];
-      return valid ? load_item(xr, item_base<T>(t, k, G), H, vm) : zero_item<T>();
+      return valid ? refetch(k) : zero_item<V, X>();
     };
     // fn(value) for every element of the row this thread owns
     auto each = [&](auto&& fn) {
@@ -235,7 +380,7 @@ stats_fwd(const T* __restrict__ x, const W* __restrict__ weight, const W* __rest
         }
       }
       for (int k = K; k < nk; ++k) {
-        const Vec<T> it = over_item(k);
+        const Item it = over_item(k);
         const int b = item_base<T>(t, k, G);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
@@ -244,22 +389,24 @@ stats_fwd(const T* __restrict__ x, const W* __restrict__ weight, const W* __rest
       }
     };
 
-    const int ks = needs_scaling<T>::value ? scale_exponent(group_max(amax, G, red)) : 0;
+    const int ks = needs_scaling<X>::value ? scale_exponent(group_max(amax, G, red)) : 0;
     const A s = static_cast<A>(ldexp(1.0, ks));
     const typename Stat::template Row<A> st = Stat::stats(each, s, G, red, H, correction);
 
     double r, rs;
-    finalize_rstd(st.v, ks, eps, std_mode != 0, r, rs);
+    const bool floored = finalize_rstd(st.v, ks, eps, eps_mode, r, rs);
     const A rsa = scaled_factor<A>(r, rs);
     if (valid && t == 0) {
       if (Stat::kMean) mean_out[row] = Stat::mean(st, ks);
       rstd_out[row] = static_cast<A>(r);
+      if (floor_out != nullptr) floor_out[row] = floored;
     }
 
     // last pass: y = centre(xs) * rs * (w + offset) + b, rounded once to T
     if (valid) {
-      T* yr = y + row * H;
-      auto emit = [&](const Vec<T>& it, int k) {
+      const W* wr = Affine::param_row(weight, ids, row, H);
+      const W* br = Affine::param_row(bias, ids, row, H);
+      auto emit = [&](const Item& it, int k) {
         const int b = item_base<T>(t, k, G);
         Vec<T> o;
 #pragma unroll
@@ -268,12 +415,12 @@ stats_fwd(const T* __restrict__ x, const W* __restrict__ weight, const W* __rest
           A v = A(0);
           if (i < H) {
             v = Stat::centre(to_acc<A>(it.v[e]) * s, st) * rsa;
-            if (weight != nullptr) v = v * eff_weight<A>(weight, i, wo);
-            if (Affine::kBias && bias != nullptr) v = v + bias_at<A>(bias, i);
+            if (wr != nullptr) v = v * eff_weight<A>(wr, Affine::col(i), wo);
+            if (Affine::kBias && br != nullptr) v = v + bias_at<A>(br, Affine::col(i));
           }
           o.v[e] = Conv<T>::from(v);
         }
-        store_item(yr, o, b, H, vm);
+        store_item<V>(y + off, o, b, H, vm);
       };
 #pragma unroll
       for (int k = 0; k < K; ++k) {
@@ -314,19 +461,20 @@ __device__ __forceinline__ void store_partials(A* __restrict__ pw, A* __restrict
   }
 }
 
-// the backward's row sums over one item of a row (x and dy elements b .. b + V - 1)
-template <class Stat, typename T, typename W, typename A>
-__device__ __forceinline__ void accumulate_item(A (&S)[Stat::kBwdSums], const T* __restrict__ xr,
-                                                const T* __restrict__ dyr, const W* __restrict__ weight, int b, int H,
+// the backward's row sums over one item of a row (row and dy elements b .. b + V - 1); `wr` is
+// the row's weights
+template <class Stat, class Affine, typename T, typename X, typename W, typename A>
+__device__ __forceinline__ void accumulate_item(A (&S)[Stat::kBwdSums], const X* __restrict__ xr,
+                                                const T* __restrict__ dyr, const W* __restrict__ wr, int b, int H,
                                                 bool vm, A m, A r, A wo) {
-  constexpr int V = Vec<T>::N;
-  const Vec<T> xi = load_item(xr, b, H, vm);
-  const Vec<T> di = load_item(dyr, b, H, vm);
+  constexpr int V = vec_n<T>();
+  const Pack<X, V> xi = load_item<V>(xr, b, H, vm);
+  const Vec<T> di = load_item<V>(dyr, b, H, vm);
 #pragma unroll
   for (int e = 0; e < V; ++e) {
     const int i = b + e;
     if (i < H) {
-      const A g = to_acc<A>(di.v[e]) * eff_weight<A>(weight, i, wo);
+      const A g = to_acc<A>(di.v[e]) * eff_weight<A>(wr, Affine::col(i), wo);
       Stat::accumulate(S, Stat::u_of(to_acc<A>(xi.v[e]), m, r), g);
     }
   }
@@ -334,9 +482,9 @@ __device__ __forceinline__ void accumulate_item(A (&S)[Stat::kBwdSums], const T*
 
 // the backward's row sums of this thread's part of a row: K > 0, at most K items per thread (the
 // fused kernel, fully unrolled); K == 0, any number of items, streamed (the split path)
-template <class Stat, int K, typename T, typename W, typename A>
-__device__ __forceinline__ void bwd_row_sums(A (&S)[Stat::kBwdSums], bool valid, const T* __restrict__ xr,
-                                             const T* __restrict__ dyr, const W* __restrict__ weight,
+template <class Stat, class Affine, int K, typename T, typename X, typename W, typename A>
+__device__ __forceinline__ void bwd_row_sums(A (&S)[Stat::kBwdSums], bool valid, const X* __restrict__ xr,
+                                             const T* __restrict__ dyr, const W* __restrict__ wr,
                                              const RowGroup& grp, int H, bool vm, A m, A r, A wo) {
 #pragma unroll
   for (int j = 0; j < Stat::kBwdSums; ++j) S[j] = A(0);
@@ -344,26 +492,31 @@ __device__ __forceinline__ void bwd_row_sums(A (&S)[Stat::kBwdSums], bool valid,
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       if (valid && k < grp.nk) {
-        accumulate_item<Stat>(S, xr, dyr, weight, item_base<T>(grp.t, k, grp.G), H, vm, m, r, wo);
+        accumulate_item<Stat, Affine>(S, xr, dyr, wr, item_base<T>(grp.t, k, grp.G), H, vm, m, r, wo);
       }
     }
   } else if (valid) {
-#pragma unroll 2
+    // two items in flight where they are narrow; one where 2 x V accumulators would spill
+    [[maybe_unused]] constexpr int U = sizeof(A) * vec_n<T>() <= 32 ? 2 : 1;
+#pragma unroll U
     for (int k = 0; k < grp.nk; ++k) {
-      accumulate_item<Stat>(S, xr, dyr, weight, item_base<T>(grp.t, k, grp.G), H, vm, m, r, wo);
+      accumulate_item<Stat, Affine>(S, xr, dyr, wr, item_base<T>(grp.t, k, grp.G), H, vm, m, r, wo);
     }
   }
 }
 
-template <typename T, typename W, class Stat, class Affine>
-__device__ __forceinline__ void stats_bwd_rows(const T* __restrict__ dy, const T* __restrict__ x,
-                                               const W* __restrict__ weight, const acc_t<T, W>* __restrict__ mean,
-                                               const acc_t<T, W>* __restrict__ rstd, T* __restrict__ dx,
+template <typename T, typename W, class Stat, class Affine, class Pro>
+__device__ __forceinline__ void stats_bwd_rows(const T* __restrict__ dy, const row_t<Pro, T>* __restrict__ x,
+                                               const row_t<Pro, T>* __restrict__ dh, const W* __restrict__ weight,
+                                               const acc_t<T, W>* __restrict__ mean,
+                                               const acc_t<T, W>* __restrict__ rstd, const bool* __restrict__ floors,
+                                               T* __restrict__ dx, res_t<Pro, T>* __restrict__ dres,
                                                acc_t<T, W>* __restrict__ part_w, acc_t<T, W>* __restrict__ part_b,
-                                               long long R, int H, int correction, int std_mode,
-                                               double weight_offset, int log2g, int vec) {
+                                               long long R, int H, int correction, int eps_mode,
+                                               double weight_offset, double alpha, int log2g, int vec) {
   using A = acc_t<T, W>;
-  constexpr int V = Vec<T>::N;
+  using X = row_t<Pro, T>;
+  constexpr int V = vec_n<T>();
   constexpr int K = BwdItems<T, A>::value;  // the host guarantees nk <= K
   constexpr int NS = Stat::kBwdSums;
   __shared__ A red[NS * 32];
@@ -387,35 +540,35 @@ __device__ __forceinline__ void stats_bwd_rows(const T* __restrict__ dy, const T
     const long long off = (valid ? row : 0LL) * H;
     const A m = Stat::kMean && valid ? mean[row] : A(0);
     const A r = valid ? rstd[row] : A(0);
+    const bool floored = valid && floors != nullptr && floors[row];
 
-    // pass 1: the row sums (x and dy are read again in pass 2, from L1/L2)
+    // pass 1: the row sums (the row and dy are read again in pass 2, from L1/L2)
     A S[NS];
-    bwd_row_sums<Stat, K>(S, valid, x + off, dy + off, weight, grp, H, vm, m, r, wo);
+    bwd_row_sums<Stat, Affine, K>(S, valid, x + off, dy + off, weight, grp, H, vm, m, r, wo);
     group_sum(S, G, red);
-    const BwdCoef<A> cf = Stat::coef(S, H, correction, std_mode != 0);
+    const BwdCoef<A> cf = Stat::coef(S, H, correction, eps_mode, floored);
 
     if (valid) {
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (k < nk) {
           const int b = item_base<T>(t, k, G);
-          const Vec<T> xi = load_item(x + off, b, H, vm);
-          const Vec<T> di = load_item(dy + off, b, H, vm);
-          Vec<T> o;
+          const Pack<X, V> xi = load_item<V>(x + off, b, H, vm);
+          const Vec<T> di = load_item<V>(dy + off, b, H, vm);
+          A v[V];
 #pragma unroll
           for (int e = 0; e < V; ++e) {
             const int i = b + e;
-            A v = A(0);
+            v[e] = A(0);
             if (i < H) {
               const A dv = to_acc<A>(di.v[e]);
               const A xh = Stat::xhat(Stat::u_of(to_acc<A>(xi.v[e]), m, r), cf);
-              v = Stat::dx(r, dv * eff_weight<A>(weight, i, wo), xh, cf);
+              v[e] = Stat::dx(r, dv * eff_weight<A>(weight, Affine::col(i), wo), xh, cf);
               aw[k][e] += dv * xh;
               if (Affine::kBias) ab[k][e] += dv;
             }
-            o.v[e] = Conv<T>::from(v);
           }
-          store_item(dx + off, o, b, H, vm);
+          store_dx<Pro>(dx + off, row_at(dres, off), row_at(dh, off), v, b, H, vm, alpha);
         }
       }
     }
@@ -429,29 +582,32 @@ __device__ __forceinline__ void stats_bwd_rows(const T* __restrict__ dy, const T
                                    gpb, nk, H);
 }
 
-// fused backward kernel; empty for type pairs without a fused path
-// (BwdItems<T, A>::fits is false: the host takes the split path)
-template <typename T, typename W, class Stat, class Affine>
-__global__ void __launch_bounds__(PYNORM_BWD_THREADS, PYNORM_BWD_MIN_BLOCKS)
-stats_bwd(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ weight,
-          const acc_t<T, W>* __restrict__ mean, const acc_t<T, W>* __restrict__ rstd, T* __restrict__ dx,
+// fused backward kernel of the ops whose rows share their parameters; empty for type pairs without
+// a fused path (BwdItems<T, A>::fits is false) and for parameter tables: the host takes the split
+// path there
+template <typename T, typename W, class Stat, class Affine, class Pro>
+__global__ void __launch_bounds__(Pro::kBwdThreads, PYNORM_BWD_MIN_BLOCKS)
+stats_bwd(const T* __restrict__ dy, const row_t<Pro, T>* __restrict__ x, const row_t<Pro, T>* __restrict__ dh,
+          const W* __restrict__ weight, const acc_t<T, W>* __restrict__ mean, const acc_t<T, W>* __restrict__ rstd,
+          const bool* __restrict__ floors, T* __restrict__ dx, res_t<Pro, T>* __restrict__ dres,
           acc_t<T, W>* __restrict__ part_w, acc_t<T, W>* __restrict__ part_b, long long rows, int hidden,
-          int correction, int std_mode, double weight_offset, int log2g, int vec) {
-  if constexpr (BwdItems<T, acc_t<T, W>>::fits) {
-    stats_bwd_rows<T, W, Stat, Affine>(dy, x, weight, mean, rstd, dx, part_w, part_b, rows, hidden, correction,
-                                       std_mode, weight_offset, log2g, vec);
+          int correction, int eps_mode, double weight_offset, double alpha, int log2g, int vec) {
+  if constexpr (BwdItems<T, acc_t<T, W>>::fits && Affine::kShared) {
+    stats_bwd_rows<T, W, Stat, Affine, Pro>(dy, x, dh, weight, mean, rstd, floors, dx, dres, part_w, part_b, rows,
+                                            hidden, correction, eps_mode, weight_offset, alpha, log2g, vec);
   }
 }
 
 // split backward, step 1: per-row (cu, gbar, coef) for any H, streaming the row
-template <typename T, typename W, class Stat, class Affine>
+template <typename T, typename W, class Stat, class Affine, class Pro>
 __global__ void __launch_bounds__(PYNORM_STATS_THREADS)
-stats_bwd_stats(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ weight,
-                const acc_t<T, W>* __restrict__ mean, const acc_t<T, W>* __restrict__ rstd,
-                acc_t<T, W>* __restrict__ coefs, long long rows, int hidden, int correction, int std_mode,
+stats_bwd_stats(const T* __restrict__ dy, const row_t<Pro, T>* __restrict__ x, const W* __restrict__ weight,
+                const long long* __restrict__ ids, const acc_t<T, W>* __restrict__ mean,
+                const acc_t<T, W>* __restrict__ rstd, const bool* __restrict__ floors,
+                acc_t<T, W>* __restrict__ coefs, long long rows, int hidden, int correction, int eps_mode,
                 double weight_offset, int log2g, int vec) {
   using A = acc_t<T, W>;
-  constexpr int V = Vec<T>::N;
+  constexpr int V = vec_n<T>();
   constexpr int NS = Stat::kBwdSums;
   __shared__ A red[NS * 32];
 
@@ -469,10 +625,12 @@ stats_bwd_stats(const T* __restrict__ dy, const T* __restrict__ x, const W* __re
     const long long off = (valid ? row : 0LL) * H;
     const A m = Stat::kMean && valid ? mean[row] : A(0);
     const A r = valid ? rstd[row] : A(0);
+    const bool floored = valid && floors != nullptr && floors[row];
+    const W* wr = valid ? Affine::param_row(weight, ids, row, H) : weight;
     A S[NS];
-    bwd_row_sums<Stat, 0>(S, valid, x + off, dy + off, weight, grp, H, vm, m, r, wo);
+    bwd_row_sums<Stat, Affine, 0>(S, valid, x + off, dy + off, wr, grp, H, vm, m, r, wo);
     group_sum(S, G, red);
-    const BwdCoef<A> cf = Stat::coef(S, H, correction, std_mode != 0);
+    const BwdCoef<A> cf = Stat::coef(S, H, correction, eps_mode, floored);
     if (valid && t == 0) {
       coefs[row * 3 + 0] = cf.cu;
       coefs[row * 3 + 1] = cf.gbar;
@@ -483,16 +641,22 @@ stats_bwd_stats(const T* __restrict__ dy, const T* __restrict__ x, const W* __re
 
 // split backward, step 2: block (blockIdx.x, blockIdx.y) handles the rows of chunk blockIdx.x
 // and item blockIdx.y of each thread (a tile of columns): dx, and the chunk's partial sums for
-// those columns.
-template <typename T, typename W, class Stat, class Affine>
+// those columns. Chunk c holds rows order[j] for j in [chunk_rows[c], chunk_rows[c + 1]) --
+// with null `order` / `chunk_rows`: rows j in [c * rows_per_chunk, (c + 1) * rows_per_chunk) --
+// and every row of a chunk uses the parameters of its first row (one modality per chunk).
+template <typename T, typename W, class Stat, class Affine, class Pro>
 __global__ void __launch_bounds__(PYNORM_APPLY_THREADS)
-stats_bwd_apply(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ weight,
-                const acc_t<T, W>* __restrict__ mean, const acc_t<T, W>* __restrict__ rstd,
-                const acc_t<T, W>* __restrict__ coefs, T* __restrict__ dx, acc_t<T, W>* __restrict__ part_w,
+stats_bwd_apply(const T* __restrict__ dy, const row_t<Pro, T>* __restrict__ x,
+                const row_t<Pro, T>* __restrict__ dh, const W* __restrict__ weight,
+                const long long* __restrict__ ids, const acc_t<T, W>* __restrict__ mean,
+                const acc_t<T, W>* __restrict__ rstd, const acc_t<T, W>* __restrict__ coefs,
+                const long long* __restrict__ order, const long long* __restrict__ chunk_rows, T* __restrict__ dx,
+                res_t<Pro, T>* __restrict__ dres, acc_t<T, W>* __restrict__ part_w,
                 acc_t<T, W>* __restrict__ part_b, long long rows, int hidden, long long rows_per_chunk,
-                double weight_offset, int vec) {
+                double weight_offset, double alpha, int vec) {
   using A = acc_t<T, W>;
-  constexpr int V = Vec<T>::N;
+  using X = row_t<Pro, T>;
+  constexpr int V = vec_n<T>();
   const long long R = rows;
   const int H = hidden;
   const int G = blockDim.x;
@@ -501,37 +665,45 @@ stats_bwd_apply(const T* __restrict__ dy, const T* __restrict__ x, const W* __re
   const int b = item_base<T>(t, blockIdx.y, G);
   const A wo = static_cast<A>(weight_offset);
 
+  long long j_begin, j_end;
+  if (chunk_rows != nullptr) {
+    j_begin = chunk_rows[blockIdx.x];
+    j_end = chunk_rows[blockIdx.x + 1];
+  } else {
+    j_begin = static_cast<long long>(blockIdx.x) * rows_per_chunk;
+    j_end = j_begin + rows_per_chunk < R ? j_begin + rows_per_chunk : R;
+  }
+  const W* wr = j_begin < j_end ? Affine::param_row(weight, ids, order != nullptr ? order[j_begin] : j_begin, H)
+                                : weight;
   A wv[V], aw[V], ab[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) {
     const int i = b + e;
-    wv[e] = i < H ? eff_weight<A>(weight, i, wo) : A(0);
+    wv[e] = i < H ? eff_weight<A>(wr, Affine::col(i), wo) : A(0);
     aw[e] = ab[e] = A(0);
   }
-  const long long r_begin = static_cast<long long>(blockIdx.x) * rows_per_chunk;
-  const long long r_end = r_begin + rows_per_chunk < R ? r_begin + rows_per_chunk : R;
-  for (long long row = r_begin; row < r_end; ++row) {
+  for (long long j = j_begin; j < j_end; ++j) {
+    const long long row = order != nullptr ? order[j] : j;
     const long long off = row * H;
-    const Vec<T> xi = load_item(x + off, b, H, vm);
-    const Vec<T> gi_ = load_item(dy + off, b, H, vm);
+    const Pack<X, V> xi = load_item<V>(x + off, b, H, vm);
+    const Vec<T> gi_ = load_item<V>(dy + off, b, H, vm);
     const A m = Stat::kMean ? mean[row] : A(0);
     const A r = rstd[row];
     const BwdCoef<A> cf{coefs[row * 3 + 0], coefs[row * 3 + 1], coefs[row * 3 + 2]};
-    Vec<T> o;
+    A v[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       const int i = b + e;
-      A v = A(0);
+      v[e] = A(0);
       if (i < H) {
         const A dv = to_acc<A>(gi_.v[e]);
         const A xh = Stat::xhat(Stat::u_of(to_acc<A>(xi.v[e]), m, r), cf);
-        v = Stat::dx(r, dv * wv[e], xh, cf);
+        v[e] = Stat::dx(r, dv * wv[e], xh, cf);
         aw[e] += dv * xh;
         if (Affine::kBias) ab[e] += dv;
       }
-      o.v[e] = Conv<T>::from(v);
     }
-    store_item(dx + off, o, b, H, vm);
+    store_dx<Pro>(dx + off, row_at(dres, off), row_at(dh, off), v, b, H, vm, alpha);
   }
   const long long poff = static_cast<long long>(blockIdx.x) * H;
 #pragma unroll

@@ -75,6 +75,23 @@ def test_matches_reference_on_hard_inputs(backend, op, kind, dt):
         _compare(backend, op, x, make_args(spec, x.shape, -1, dtype(dt), rng), {}, -1)
 
 
+@pytest.mark.parametrize("path", ["auto", "split"])
+@pytest.mark.parametrize("h", [1000, 20000])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_long_rows_on_each_backward_path(backend, op, h, path, monkeypatch):
+    """Rows of many items per thread: at H = 1000 every fast backend keeps a row in registers; at
+    H = 20000 forward items spill to shared memory (cupy) and the backward streams. ``path``: the
+    cupy backend's choice (the fused backward where a row fits) or its split backward forced
+    (``PYNORM_CUPY_BACKWARD``; other backends ignore it)."""
+    if path == "split":
+        monkeypatch.setenv("PYNORM_CUPY_BACKWARD", "split")
+    rng = np.random.default_rng(13)
+    spec = OPS[op]
+    for dt in DTYPES:
+        x = make_rows("normal", (3, h), dt, rng)
+        _compare(backend, op, x, make_args(spec, x.shape, -1, dtype(dt), rng), {}, -1)
+
+
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_matches_reference_every_convention(backend, op):
     rng = np.random.default_rng(11)

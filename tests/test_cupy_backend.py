@@ -1,8 +1,10 @@
 """The CuPy backend's kernels against the NumPy reference, on a CUDA device.
 
-Calls the backend's op implementations directly (``pynorm.backends.cupy.stats.OP_IMPLS``) on
-``(R, H)`` arrays, for every op of :data:`pynorm.ops.SPECS`, so every launch path is reached on
-purpose: hidden sizes 1, 3, odd
+Calls the backend's op implementations directly on ``(R, H)`` arrays, for the statistics-family ops
+with per-feature parameters and mean/rstd statistics (LayerNorm, RMSNorm: :data:`MATRIX_OPS`; every
+other op runs on this backend through the backend-parametrized suite -- ``tests/test_backends.py``
+with its long rows on each backward path, ``tests/test_gradients.py`` and ``tests/test_<op>.py``),
+so every launch path is reached on purpose: hidden sizes 1, 3, odd
 sizes, 65,536 and 262,144; one thread / a sub-warp / a warp / a block per row; the fused
 and the split backward; forward items in registers, shared memory or re-read from L2;
 vectorized and scalar (misaligned or odd-sized) rows; every dtype, mixed parameter dtypes
@@ -30,7 +32,13 @@ from .helpers import BACKEND_RTOL, DTYPES, assert_close_scaled, make_rows, term_
 from .helpers import dtype as dtype_of
 
 SELF_CHECK = os.environ.get("PYNORM_CUPY_TEST_SELFCHECK") == "1"
-REF = {name: importlib.import_module(spec.reference) for name, spec in ops.SPECS.items()}
+#: the ops this matrix models: per-feature parameters only, no extra inputs, saved rstd
+MATRIX_OPS = tuple(
+    name
+    for name, spec in ops.SPECS.items()
+    if spec.family == "stats" and not spec.inputs and all(p.kind == "feature" for p in spec.params)
+)
+REF = {name: importlib.import_module(ops.SPECS[name].reference) for name in MATRIX_OPS}
 
 if SELF_CHECK:
     xp: Any = np
@@ -49,16 +57,16 @@ else:
     xp = cupy
     from pynorm import _registry
 
-    IMPLS = {name: _registry.op_module("cupy", name) for name in ops.SPECS}
+    IMPLS = {name: _registry.op_module("cupy", name) for name in MATRIX_OPS}
 
 pytestmark = pytest.mark.gpu
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: op -> (its cupy implementation, its reference module)
-_MODS = {name: (IMPLS[name], REF[name]) for name in ops.SPECS}
-_PARAMS = {name: spec.param_names for name, spec in ops.SPECS.items()}
+_MODS = {name: (IMPLS[name], REF[name]) for name in MATRIX_OPS}
+_PARAMS = {name: ops.SPECS[name].param_names for name in MATRIX_OPS}
 #: every op's test cases (its spec's), with each option spelled out
-CONVENTIONS = {name: [{**spec.defaults(), **case} for case in spec.cases] for name, spec in ops.SPECS.items()}
+CONVENTIONS = {name: [{**ops.SPECS[name].defaults(), **case} for case in ops.SPECS[name].cases] for name in MATRIX_OPS}
 
 
 # ---------------------------------------------------------------------------

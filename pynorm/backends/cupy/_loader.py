@@ -94,9 +94,10 @@ def param_types(t: str) -> tuple[str, ...]:
 def residual_types(t: str, w: str) -> tuple[tuple[str, str], ...]:
     """``(Hd, Rs)`` pairs of ``Residual<Hd, Rs>`` with ``T = t, W = w``: the pre-norm sum in x's type, the
     accumulation type A or float (an fp32 residual stream beside float64 parameters or x), the residual
-    read in h's type or in A."""
+    read (and its gradient written) in x's type, h's type or A."""
     a = acc_of(t, w)
-    return tuple(dict.fromkeys(((t, t), (t, a), (a, a), ("float", "float"), ("float", a))))
+    pairs = [(h, r) for h in (t, a, "float") for r in (t, h, a)]
+    return tuple(dict.fromkeys(pairs))
 
 
 def variant_args(spec: Any, h: str | None = None, r: str | None = None) -> tuple[str, ...]:

@@ -77,7 +77,10 @@ class _Types:
                 )
             rs = _launch.cuda_type(res_dtype)
             self.h = hd
-            self.r = hd if _exact(rs, hd) and (rs == hd or hd in ("float", "double")) else plan.acc
+            # the residual is read (and dresidual written) in its own type where the kernels have it, so
+            # dresidual = alpha * g is rounded once; else (bfloat16 beside float16 x) in the accumulation
+            # type and cast after: two roundings, in that one combination
+            self.r = rs if rs in (plan.T, hd, plan.acc) else plan.acc
         self.args = (plan.T, plan.W, *variant_args(op.spec, self.h, self.r))
 
     @property

@@ -37,9 +37,8 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from pynorm.backends.cupy import _loader
-from pynorm.backends.cupy import layer_norm as LN
-from pynorm.backends.cupy import rms_norm as RMS
+from pynorm import ops
+from pynorm.backends.cupy import _loader, stats
 
 try:
     import torch
@@ -136,11 +135,11 @@ def bench_case(op: str, shape: tuple[int, int], dt: str, iters: int) -> dict[str
     sets = max(2, min(8, -(-4 * L2_BYTES // tensor_bytes)))
     xs = [cupy_random(shape, dt) for _ in range(sets)]
     dys = [cupy_random(shape, dt) for _ in range(sets)]
-    w = cupy_random((h,), dt, 0.1, 1.0)
-    b = cupy_random((h,), dt, 0.1) if op == "layer_norm" else None
-    mod = LN if op == "layer_norm" else RMS
+    mod = stats.OP_IMPLS[op]
+    spec = ops.SPECS[op]
     eps = 1e-5
-    params = (w, b) if op == "layer_norm" else (w,)
+    params = tuple(cupy_random((h,), dt, 0.1, p.init) for p in spec.params)  # weights near 1, biases near 0
+    w, b = params[0], (params[1] if len(params) > 1 else None)
     ctxs = [mod.forward(xs[i], *params, eps=eps)[1] for i in range(sets)]
     res: dict[str, Any] = {"op": op, "shape": f"{rows}x{h}", "dtype": dt}
 

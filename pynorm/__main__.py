@@ -20,12 +20,8 @@ from typing import Any
 import numpy as np
 
 import pynorm
+from pynorm.ops import SPECS
 from pynorm.testing import check_grads
-
-_OPS: dict[str, tuple[Any, Any, tuple[str, ...]]] = {
-    "layer_norm": (pynorm.layer_norm_forward, pynorm.layer_norm_backward, ("weight", "bias")),
-    "rms_norm": (pynorm.rms_norm_forward, pynorm.rms_norm_backward, ("weight",)),
-}
 
 
 def _converters(name: str) -> tuple[Any, Any]:
@@ -69,7 +65,8 @@ def demo(rows: int = 64, hidden: int = 384) -> int:
     print("-" * len(header))
     rng = np.random.default_rng(0)
     failures = 0
-    for op, (fwd, bwd, pnames) in _OPS.items():
+    for op, spec in SPECS.items():
+        fwd, bwd, pnames = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward"), spec.param_names
         for info in pynorm.list_backends():
             if not info.available or op not in info.ops:
                 continue

@@ -9,8 +9,10 @@ and reduce each parameter's gradient back to the parameter's own shape.
 
 Shapes follow ONNX's ``axis`` rule: dims ``axis .. ndim-1`` of ``x`` are normalized together
 (``axis`` may be negative); ``"feature"`` parameters have shape ``x.shape[axis:]`` or any shape
-that broadcasts to it from the right (``(H,)`` for a ``(..., 1, H)`` block, say). Gradients come
-back in each parameter's own shape and dtype.
+that broadcasts to it from the right (``(H,)`` for a ``(..., 1, H)`` block, say) and reach the
+backend as ``(H,)`` vectors; ``"scalar"`` ones as ``(1,)`` arrays; ``"table"`` ones as ``(M, H)``.
+Extra inputs reach it as ``(rows, H)`` (``"like_x"``) or ``(rows,)`` (``"row_index"``) arrays.
+Gradients come back in each parameter's own shape and dtype.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class Context:
     param_shapes : shape of each parameter as given (None where absent).
     inner : the backend's ctx (e.g. :class:`pynorm.reference.layer_norm.LayerNormCtx`):
         the flattened input, parameters and per-row statistics.
+    input_dtypes : dtype of each differentiable extra input (a residual's), in order.
+    output_dtypes : dtype of each output after the first (the upstream gradients' dtypes).
+    array_family : ``(module, class)`` of the arrays forward ran on (``("numpy", "ndarray")``).
     """
 
     op: str
@@ -57,6 +62,9 @@ class Context:
     axis: int
     param_shapes: tuple[tuple[int, ...] | None, ...]
     inner: Any
+    input_dtypes: tuple[Any, ...] = ()
+    output_dtypes: tuple[Any, ...] = ()
+    array_family: tuple[str, str] = ("numpy", "ndarray")
 
     @property
     def rows(self) -> int:
@@ -101,23 +109,68 @@ def check_axis(axis: Any, ndim: int) -> int:
     return a % ndim
 
 
-def _check_feature_param(p: Any, name: str, x: Array, axis: int) -> Array | None:
+def _same_family(a: Array, name: str, x: Array) -> None:
+    if _registry.array_family(a) != _registry.array_family(x):
+        _registry._family_of((x, a), ("x", name))  # raises ArrayTypeError with both types
+
+
+def _check_param(spec_param: Any, p: Any, x: Array, axis: int, inputs: dict[str, Array]) -> Array | None:
+    name = spec_param.name
     if p is None:
+        if spec_param.required:
+            raise ArgumentError(f"{name} is required (got None)")
         return None
     p = as_array(p, name)
-    if _registry.array_family(p) != _registry.array_family(x):
-        _registry._family_of((x, p), ("x", name))  # raises ArrayTypeError with both types
+    _same_family(p, name, x)
     check_float_dtype(p, name)
     norm_shape = tuple(x.shape[axis:])
-    ok = p.ndim <= len(norm_shape) and all(
-        d == n or d == 1 for d, n in zip(p.shape[::-1], norm_shape[::-1], strict=False)
-    )
-    if not ok:
-        raise ShapeError(
-            f"{name} has shape {tuple(p.shape)}, expected x.shape[axis:] = {norm_shape} "
-            f"(or a shape broadcastable to it from the right)"
+    kind = spec_param.kind
+    if kind == "feature":
+        ok = p.ndim <= len(norm_shape) and all(
+            d == n or d == 1 for d, n in zip(p.shape[::-1], norm_shape[::-1], strict=False)
         )
+        if not ok:
+            raise ShapeError(
+                f"{name} has shape {tuple(p.shape)}, expected x.shape[axis:] = {norm_shape} "
+                f"(or a shape broadcastable to it from the right)"
+            )
+    elif kind == "scalar":
+        if tuple(p.shape) not in ((), (1,)):
+            raise ShapeError(f"{name} must be a scalar (a 0-d or (1,) array), got shape {tuple(p.shape)}")
+    else:  # table
+        if p.ndim != 1 + len(norm_shape) or tuple(p.shape[1:]) != norm_shape or p.shape[0] < 1:
+            raise ShapeError(
+                f"{name} must be a table of shape (M, *x.shape[axis:]) = (M, {', '.join(map(str, norm_shape))}) "
+                f"with M >= 1, got shape {tuple(p.shape)}"
+            )
+        ids = inputs[spec_param.index]
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= p.shape[0]):
+            raise ArgumentError(
+                f"{spec_param.index} must hold values in [0, {p.shape[0]}) (the rows of {name}), "
+                f"got values from {int(ids.min())} to {int(ids.max())}"
+            )
+    if spec_param.finite and p.size and not bool(xp_of(p).isfinite(p.astype(xp_of(p).float64)).all()):
+        raise ArgumentError(f"{name} must be finite, got {p!r}")
     return p
+
+
+def _check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
+    name = spec_input.name
+    if a is None:
+        raise ArgumentError(f"{name} is required (got None)")
+    a = as_array(a, name)
+    _same_family(a, name, x)
+    if spec_input.kind == "like_x":
+        check_float_dtype(a, name)
+        if tuple(a.shape) != tuple(x.shape):
+            raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected the shape of x, {tuple(x.shape)}")
+    else:  # row_index
+        kind = getattr(a.dtype, "kind", "")
+        if kind not in "iu" or not kind or a.dtype == bool:
+            raise DTypeError(f"{name} must be an integer array, got dtype {a.dtype}")
+        if tuple(a.shape) != tuple(x.shape[:axis]):
+            raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected x.shape[:axis] = {tuple(x.shape[:axis])}")
+    return a
 
 
 def _flat_feature(p: Array | None, norm_shape: tuple[int, ...]) -> Array | None:
@@ -127,6 +180,17 @@ def _flat_feature(p: Array | None, norm_shape: tuple[int, ...]) -> Array | None:
     if tuple(p.shape) == norm_shape:
         return p.reshape(h)
     return xp_of(p).broadcast_to(p, norm_shape).reshape(h)
+
+
+def _flat_param(kind: str, p: Array | None, norm_shape: tuple[int, ...]) -> Array | None:
+    """A parameter as backends see it: ``(H,)`` (feature), ``(1,)`` (scalar), ``(M, H)`` (table)."""
+    if p is None:
+        return None
+    if kind == "scalar":
+        return p.reshape(1)
+    if kind == "table":
+        return p.reshape(p.shape[0], math.prod(norm_shape))
+    return _flat_feature(p, norm_shape)
 
 
 def _unflat_feature_grad(
@@ -181,8 +245,10 @@ def forward(
     backend: str | None,
     out: Any,
     options: Mapping[str, Any],
-) -> tuple[Array, Context]:
-    """Validate, dispatch and run ``spec``'s forward; ``(y, ctx)`` in ``x``'s shape."""
+    inputs: tuple[Any, ...] = (),
+) -> tuple[Any, Context]:
+    """Validate, dispatch and run ``spec``'s forward; ``(y, ctx)`` (``((y, h, ...), ctx)`` for an op of
+    several outputs), in ``x``'s shape."""
     x = as_array(x, "x")
     check_float_dtype(x, "x")
     if x.ndim < 1:
@@ -193,37 +259,83 @@ def forward(
     if h == 0:
         raise ShapeError(f"the normalized dims x.shape[{ax}:] = {norm_shape} must not be empty")
     opts = spec.validate(options, h)
-    names = spec.param_names
-    ps = tuple(_check_feature_param(p, n, x, ax) for p, n in zip(params, names, strict=True))
-    name, mod = _registry.resolve(spec.name, (x, *ps), ("x", *names), backend)
-    out = check_out(out, "out", x, (x, *ps))
+    ins = tuple(_check_input(si, a, x, ax) for si, a in zip(spec.inputs, inputs, strict=True))
+    by_name = dict(zip(spec.input_names, ins, strict=True))
+    ps = tuple(_check_param(sp, p, x, ax, by_name) for sp, p in zip(spec.params, params, strict=True))
+    names = (*spec.input_names, *spec.param_names)
+    name, mod = _registry.resolve(spec.name, (x, *ins, *ps), ("x", *names), backend)
+    out = check_out(out, "out", x, (x, *ins, *ps))
     rows = math.prod(x.shape[:ax])
-    flat = tuple(_flat_feature(p, norm_shape) for p in ps)
-    y2, inner = mod.forward(x.reshape(rows, h), *flat, out=None if out is None else out.reshape(rows, h), **opts)
-    y = out if out is not None else y2.reshape(x.shape)
-    shapes = tuple(None if p is None else tuple(p.shape) for p in ps)
-    return y, Context(spec.name, name, tuple(x.shape), x.dtype, ax, shapes, inner)
+    flat_in = tuple(a.reshape(rows, h) if si.kind == "like_x" else a.reshape(rows) for si, a in zip(spec.inputs, ins))
+    flat_p = tuple(_flat_param(sp.kind, p, norm_shape) for sp, p in zip(spec.params, ps, strict=True))
+    res, inner = mod.forward(
+        x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, h), **opts
+    )
+    outs = res if len(spec.outputs) > 1 else (res,)
+    shaped = tuple(out if (i == 0 and out is not None) else o.reshape(x.shape) for i, o in enumerate(outs))
+    ctx = Context(
+        spec.name,
+        name,
+        tuple(x.shape),
+        x.dtype,
+        ax,
+        tuple(None if p is None else tuple(p.shape) for p in ps),
+        inner,
+        tuple(a.dtype for si, a in zip(spec.inputs, ins) if si.differentiable),
+        tuple(o.dtype for o in shaped[1:]),
+        _registry.array_family(x),
+    )
+    return (shaped if len(spec.outputs) > 1 else shaped[0]), ctx
 
 
-def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any) -> Any:
-    """Validate and run ``spec``'s backward on the forward's backend; ``spec.grads(dx, d<param>...)``."""
+def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str, Any] | None = None) -> Any:
+    """Validate and run ``spec``'s backward on the forward's backend; ``spec.grads(dx, d<input>..., d<param>...)``.
+
+    ``upstream`` maps ``d<output>`` for each output after the first to its gradient (or None).
+    """
     op = spec.name
     if not isinstance(ctx, Context):
         raise ContextError(f"ctx must be the Context returned by {op}_forward, got {type(ctx).__name__}")
     if ctx.op != op:
         raise ContextError(f"ctx was produced by {ctx.op}_forward and cannot be used by {op}_backward")
     dy = as_array(dy, "dy")
-    _registry._family_of((ctx.inner.x, dy), ("x", "dy"))
+    if _registry.array_family(dy) != ctx.array_family:
+        fam = _registry.array_family(dy)
+        raise ArrayTypeError(
+            f"arrays of different types cannot be mixed: x is {ctx.array_family[0]}.{ctx.array_family[1]} "
+            f"but dy is {fam[0]}.{fam[1]}"
+        )
     if tuple(dy.shape) != ctx.x_shape:
         raise ShapeError(f"dy has shape {tuple(dy.shape)}, expected the shape of x, {ctx.x_shape}")
     if dy.dtype != ctx.x_dtype:
         raise DTypeError(f"dy has dtype {dy.dtype}, expected the dtype of x, {ctx.x_dtype}")
-    dx_out = check_out(dx_out, "dx_out", dy, (dy, ctx.inner.x))
     rows, h = ctx.rows, ctx.hidden
+    extra: dict[str, Any] = {}
+    for oname, odt in zip(spec.outputs[1:], ctx.output_dtypes, strict=True):
+        g = (upstream or {}).get(f"d{oname}")
+        if g is not None:
+            g = as_array(g, f"d{oname}")
+            _registry._family_of((dy, g), ("dy", f"d{oname}"))
+            if tuple(g.shape) != ctx.x_shape or g.dtype != odt:
+                raise ShapeError(
+                    f"d{oname} must have the shape {ctx.x_shape} and dtype {odt} of {oname}, "
+                    f"got shape {tuple(g.shape)} and dtype {g.dtype}"
+                )
+            g = g.reshape(rows, h)
+        extra[f"d{oname}"] = g
+    inner_arrays = tuple(v for v in vars(ctx.inner).values() if hasattr(v, "shape") and hasattr(v, "dtype"))
+    dx_out = check_out(dx_out, "dx_out", dy, (dy, *inner_arrays, *(g for g in extra.values() if g is not None)))
     mod = _registry.op_module(ctx.backend, op)
-    grads = mod.backward(dy.reshape(rows, h), ctx.inner, dx_out=None if dx_out is None else dx_out.reshape(rows, h))
+    grads = mod.backward(
+        dy.reshape(rows, h), ctx.inner, dx_out=None if dx_out is None else dx_out.reshape(rows, h), **extra
+    )
     dx = dx_out if dx_out is not None else grads[0].reshape(ctx.x_shape)
+    n_in = sum(1 for si in spec.inputs if si.differentiable)
+    d_inputs = tuple(g.reshape(ctx.x_shape) for g in grads[1 : 1 + n_in])
     norm_shape = ctx.x_shape[ctx.axis :]
     xp = xp_of(dy)
-    rest = tuple(_unflat_feature_grad(g, s, norm_shape, xp) for g, s in zip(grads[1:], ctx.param_shapes, strict=True))
-    return spec.grads(dx, *rest)
+    d_params = tuple(
+        _unflat_feature_grad(g, s, norm_shape, xp) if sp.kind == "feature" else (None if g is None else g.reshape(s))
+        for sp, g, s in zip(spec.params, grads[1 + n_in :], ctx.param_shapes, strict=True)
+    )
+    return spec.grads(dx, *d_inputs, *d_params)

@@ -19,26 +19,71 @@ from typing import Any
 
 from . import _dispatch
 from ._dispatch import FLOAT_DTYPES, Context, check_axis
-from .ops import LAYER_NORM, RMS_NORM, check_eps, check_real
+from .ops import (
+    ADD_LAYER_NORM,
+    ADD_RMS_NORM,
+    DYT,
+    LAYER_NORM,
+    MODALITY_LAYER_NORM,
+    MODALITY_RMS_NORM,
+    POWER_NORM,
+    RMS_NORM,
+    SCALE_NORM,
+    check_eps,
+    check_real,
+)
+from .reference.add_norm import AddLayerNormGrads, AddRMSNormGrads
+from .reference.dyt import DyTGrads
 from .reference.layer_norm import LayerNormGrads
+from .reference.modality_norm import ModalityLayerNormGrads, ModalityRMSNormGrads
+from .reference.power_norm import PowerNormGrads
 from .reference.rms_norm import RMSNormGrads
+from .reference.scale_norm import ScaleNormGrads
 
 __all__ = [
     "FLOAT_DTYPES",
     "LAYER_NORM",
     "RMS_NORM",
+    "AddLayerNormGrads",
+    "AddRMSNormGrads",
     "Context",
+    "DyTGrads",
     "LayerNormGrads",
+    "ModalityLayerNormGrads",
+    "ModalityRMSNormGrads",
+    "PowerNormGrads",
     "RMSNormGrads",
+    "ScaleNormGrads",
+    "add_layer_norm",
+    "add_layer_norm_backward",
+    "add_layer_norm_forward",
+    "add_rms_norm",
+    "add_rms_norm_backward",
+    "add_rms_norm_forward",
     "check_axis",
     "check_eps",
     "check_real",
+    "dyt",
+    "dyt_backward",
+    "dyt_forward",
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_forward",
+    "modality_layer_norm",
+    "modality_layer_norm_backward",
+    "modality_layer_norm_forward",
+    "modality_rms_norm",
+    "modality_rms_norm_backward",
+    "modality_rms_norm_forward",
+    "power_norm",
+    "power_norm_backward",
+    "power_norm_forward",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
+    "scale_norm",
+    "scale_norm_backward",
+    "scale_norm_forward",
 ]
 
 Array = Any  # numpy.ndarray, cupy.ndarray, or another backend's array type
@@ -210,3 +255,397 @@ def rms_norm(
 ) -> Array:
     """RMSNorm of ``x``; see :func:`rms_norm_forward` for the formula and options."""
     return rms_norm_forward(x, weight, axis=axis, eps=eps, backend=backend, weight_offset=weight_offset, out=out)[0]
+
+
+# ---------------------------------------------------------------------------
+# ScaleNorm
+
+
+def scale_norm_forward(
+    x: Array,
+    g: Array | None = None,
+    *,
+    axis: int = -1,
+    eps: float = 1e-5,
+    eps_mode: str = "floor",
+    backend: str | None = None,
+    out: Array | None = None,
+) -> tuple[Array, Context]:
+    r"""ScaleNorm forward (Nguyen & Salazar 2019); returns ``(y, ctx)`` for :func:`scale_norm_backward`.
+
+    .. math::
+
+        y = g\,\frac{x}{\max(\lVert x\rVert_2, \epsilon)} \quad (\texttt{eps\_mode="floor"}), \qquad
+        y = g\,\frac{x}{\sqrt{\lVert x\rVert_2^2 + \epsilon}} \quad (\texttt{"root"})
+
+    over the normalized dims ``x.shape[axis:]``.
+
+    Parameters
+    ----------
+    x : float16, bfloat16, float32 or float64 array, at least 1-D.
+    g : the learnable scalar, a 0-d or ``(1,)`` array (None means 1).
+    axis : first normalized axis (ONNX semantics). Default -1.
+    eps : the floor of the norm (default 1e-5, the authors' code), or what is added to its square.
+    eps_mode : ``"floor"`` (default) or ``"root"``.
+    backend, out : as for :func:`layer_norm_forward`.
+
+    Notes
+    -----
+    The norm is computed without overflow for magnitudes up to the dtype's max. Gradient: see
+    :func:`scale_norm_backward`; below the floor ``y = g x / eps`` is linear in ``x``.
+    """
+    options = {"eps": eps, "eps_mode": eps_mode}
+    return _dispatch.forward(SCALE_NORM, x, (g,), axis=axis, backend=backend, out=out, options=options)
+
+
+def scale_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> ScaleNormGrads:
+    r"""ScaleNorm backward: ``ScaleNormGrads(dx, dg)``.
+
+    With :math:`r` the row's factor, :math:`\hat x = x r`, :math:`G = g\,dy`: where the norm is active
+    (``"root"``, or ``"floor"`` with :math:`\lVert x\rVert \ge \epsilon`)
+    :math:`dx = r\,(G - \hat x \sum G \hat x)`; on the floor branch (:math:`\lVert x\rVert < \epsilon`)
+    :math:`dx = r\,G`; :math:`dg = \sum dy\,\hat x`. At :math:`\lVert x\rVert = \epsilon` exactly the
+    norm branch's gradient is used (the one-sided derivative from above).
+    """
+    return _dispatch.backward(SCALE_NORM, dy, ctx, dx_out)  # type: ignore[no-any-return]
+
+
+def scale_norm(
+    x: Array,
+    g: Array | None = None,
+    *,
+    axis: int = -1,
+    eps: float = 1e-5,
+    eps_mode: str = "floor",
+    backend: str | None = None,
+    out: Array | None = None,
+) -> Array:
+    """ScaleNorm of ``x``; see :func:`scale_norm_forward`."""
+    return scale_norm_forward(x, g, axis=axis, eps=eps, eps_mode=eps_mode, backend=backend, out=out)[0]
+
+
+# ---------------------------------------------------------------------------
+# PowerNorm (the source documents' signed power)
+
+
+def power_norm_forward(
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    p: float = 0.5,
+    axis: int = -1,
+    backend: str | None = None,
+    out: Array | None = None,
+) -> tuple[Array, Context]:
+    r"""The second source document's "PowerNorm": ``y = w * sign(x) * |x|**p + b``, element-wise.
+
+    ``axis`` only fixes the parameters' shape (``x.shape[axis:]``); ``p > 0`` is a finite
+    hyperparameter (default 0.5). This is **not** Shen et al.'s 2020 PowerNorm (a batch norm with
+    running quadratic means, see ``docs/norms.md``): no library implements this signed-power form.
+
+    Returns ``(y, ctx)`` for :func:`power_norm_backward`.
+    """
+    return _dispatch.forward(POWER_NORM, x, (weight, bias), axis=axis, backend=backend, out=out, options={"p": p})
+
+
+def power_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> PowerNormGrads:
+    r"""PowerNorm backward: ``PowerNormGrads(dx, dweight, dbias)``.
+
+    :math:`dx = w\,p\,\lvert x\rvert^{p-1} dy` for :math:`x \ne 0`; at :math:`x = 0` the value 0 is
+    used for :math:`p < 1` (the derivative is infinite there: a subgradient choice), ``w dy`` for
+    :math:`p = 1`, 0 for :math:`p > 1`; where the exact ``dx`` exceeds ``x``'s dtype it saturates at
+    the largest finite value. :math:`dw = \sum_{rows} dy\,\mathrm{sign}(x)\lvert x\rvert^p`,
+    :math:`db = \sum_{rows} dy`.
+    """
+    return _dispatch.backward(POWER_NORM, dy, ctx, dx_out)  # type: ignore[no-any-return]
+
+
+def power_norm(
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    p: float = 0.5,
+    axis: int = -1,
+    backend: str | None = None,
+    out: Array | None = None,
+) -> Array:
+    """The signed-power PowerNorm of ``x``; see :func:`power_norm_forward`."""
+    return power_norm_forward(x, weight, bias, p=p, axis=axis, backend=backend, out=out)[0]
+
+
+# ---------------------------------------------------------------------------
+# DyT
+
+
+def dyt_forward(
+    x: Array,
+    alpha: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    axis: int = -1,
+    backend: str | None = None,
+    out: Array | None = None,
+) -> tuple[Array, Context]:
+    r"""DyT ("Transformers without Normalization", 2025): ``y = w * tanh(alpha * x) + b``, element-wise.
+
+    ``alpha`` is a learnable scalar (a 0-d or ``(1,)`` array, finite; the paper starts it at 0.5);
+    ``weight``/``bias`` per-feature (shape ``x.shape[axis:]``). Returns ``(y, ctx)`` for
+    :func:`dyt_backward`.
+    """
+    return _dispatch.forward(DYT, x, (alpha, weight, bias), axis=axis, backend=backend, out=out, options={})
+
+
+def dyt_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> DyTGrads:
+    r"""DyT backward: ``DyTGrads(dx, dalpha, dweight, dbias)``.
+
+    With :math:`z = \alpha x`, :math:`G = w\,dy`: :math:`dx = \alpha\,\mathrm{sech}^2(z)\,G`,
+    :math:`d\alpha = \sum x\,\mathrm{sech}^2(z)\,G`, :math:`dw = \sum_{rows} dy\tanh z`,
+    :math:`db = \sum_{rows} dy`; :math:`\mathrm{sech}^2 z` is computed without cancellation
+    (:math:`4s/(1+s)^2`, :math:`s = e^{-2|z|}`), accurate where ``tanh`` saturates.
+    """
+    return _dispatch.backward(DYT, dy, ctx, dx_out)  # type: ignore[no-any-return]
+
+
+def dyt(
+    x: Array,
+    alpha: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    axis: int = -1,
+    backend: str | None = None,
+    out: Array | None = None,
+) -> Array:
+    """DyT of ``x``; see :func:`dyt_forward`."""
+    return dyt_forward(x, alpha, weight, bias, axis=axis, backend=backend, out=out)[0]
+
+
+# ---------------------------------------------------------------------------
+# fused residual add + norm
+
+
+def add_layer_norm_forward(
+    x: Array,
+    residual: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    alpha: float = 1.0,
+    residual_dtype: Any = None,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> tuple[tuple[Array, Array], Context]:
+    r"""Fused residual add + LayerNorm: ``h = x + alpha * residual``, ``y = layer_norm(h)``; ``((y, h), ctx)``.
+
+    ``h`` is rounded once to ``residual_dtype`` (default ``x``'s dtype; ``"float32"`` keeps the
+    residual stream in fp32 for half inputs, as flash-attention's ``residual_in_fp32``) and the
+    norm is that of the rounded ``h`` -- bitwise what the unfused two steps give. ``alpha`` is a
+    float (DeepNorm's up-weighted skip). Every LayerNorm convention applies (see
+    :func:`layer_norm_forward`); ``residual`` has ``x``'s shape and any float dtype. ``y`` has
+    ``x``'s dtype; ``out`` receives ``y``.
+    """
+    options = {
+        "eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset,
+        "alpha": alpha, "residual_dtype": residual_dtype,
+    }  # fmt: skip
+    return _dispatch.forward(  # type: ignore[return-value]
+        ADD_LAYER_NORM, x, (weight, bias), inputs=(residual,), axis=axis, backend=backend, out=out, options=options
+    )
+
+
+def add_layer_norm_backward(
+    dy: Array, ctx: Context, dh: Array | None = None, *, dx_out: Array | None = None
+) -> AddLayerNormGrads:
+    r"""Backward of the fused add + LayerNorm: ``AddLayerNormGrads(dx, dresidual, dweight, dbias)``.
+
+    ``dh`` is the gradient arriving at ``h`` from later layers (None: none). With
+    :math:`g_h = \mathrm{LN}'(h)^T dy + dh`: :math:`dx = g_h`, :math:`d\,\mathrm{residual} = \alpha\,g_h`
+    (each rounded once to its input's dtype); ``dweight``/``dbias`` as for :func:`layer_norm_backward`.
+    """
+    return _dispatch.backward(ADD_LAYER_NORM, dy, ctx, dx_out, {"dh": dh})  # type: ignore[no-any-return]
+
+
+def add_layer_norm(
+    x: Array,
+    residual: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    alpha: float = 1.0,
+    residual_dtype: Any = None,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> tuple[Array, Array]:
+    """``(y, h)`` of the fused residual add + LayerNorm; see :func:`add_layer_norm_forward`."""
+    return add_layer_norm_forward(
+        x, residual, weight, bias, alpha=alpha, residual_dtype=residual_dtype, axis=axis, eps=eps, backend=backend,
+        correction=correction, eps_mode=eps_mode, weight_offset=weight_offset, out=out,
+    )[0]  # fmt: skip
+
+
+def add_rms_norm_forward(
+    x: Array,
+    residual: Array,
+    weight: Array | None = None,
+    *,
+    alpha: float = 1.0,
+    residual_dtype: Any = None,
+    axis: int = -1,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> tuple[tuple[Array, Array], Context]:
+    r"""Fused residual add + RMSNorm: ``h = x + alpha * residual``, ``y = rms_norm(h)``; ``((y, h), ctx)``.
+
+    As :func:`add_layer_norm_forward`, with the RMSNorm conventions of :func:`rms_norm_forward`.
+    """
+    options = {"eps": eps, "weight_offset": weight_offset, "alpha": alpha, "residual_dtype": residual_dtype}
+    return _dispatch.forward(  # type: ignore[return-value]
+        ADD_RMS_NORM, x, (weight,), inputs=(residual,), axis=axis, backend=backend, out=out, options=options
+    )
+
+
+def add_rms_norm_backward(
+    dy: Array, ctx: Context, dh: Array | None = None, *, dx_out: Array | None = None
+) -> AddRMSNormGrads:
+    r"""Backward of the fused add + RMSNorm: ``AddRMSNormGrads(dx, dresidual, dweight)``; see
+    :func:`add_layer_norm_backward` for ``dh``."""
+    return _dispatch.backward(ADD_RMS_NORM, dy, ctx, dx_out, {"dh": dh})  # type: ignore[no-any-return]
+
+
+def add_rms_norm(
+    x: Array,
+    residual: Array,
+    weight: Array | None = None,
+    *,
+    alpha: float = 1.0,
+    residual_dtype: Any = None,
+    axis: int = -1,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> tuple[Array, Array]:
+    """``(y, h)`` of the fused residual add + RMSNorm; see :func:`add_rms_norm_forward`."""
+    return add_rms_norm_forward(
+        x, residual, weight, alpha=alpha, residual_dtype=residual_dtype, axis=axis, eps=eps, backend=backend,
+        weight_offset=weight_offset, out=out,
+    )[0]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# modality norms
+
+
+def modality_layer_norm_forward(
+    x: Array,
+    modality_ids: Array,
+    weight: Array,
+    bias: Array | None = None,
+    *,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> tuple[Array, Context]:
+    r"""Modality-specific LayerNorm: row ``i`` uses row ``modality_ids[i]`` of the parameter tables.
+
+    .. math::
+
+        y_i = \hat x_i\,(w_{\mathrm{ids}_i} + o) + b_{\mathrm{ids}_i}
+
+    ``weight``/``bias`` have shape ``(M, *x.shape[axis:])``; ``modality_ids`` is an integer array
+    of shape ``x.shape[:axis]`` with values in ``[0, M)``. Every LayerNorm convention applies.
+    Returns ``(y, ctx)`` for :func:`modality_layer_norm_backward`.
+    """
+    options = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+    return _dispatch.forward(
+        MODALITY_LAYER_NORM, x, (weight, bias), inputs=(modality_ids,), axis=axis, backend=backend, out=out,
+        options=options,
+    )  # fmt: skip
+
+
+def modality_layer_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> ModalityLayerNormGrads:
+    r"""Backward of the modality LayerNorm: ``(dx, dweight, dbias)``, the table gradients summed per
+    modality in a fixed order (deterministic), rows of unused modalities 0."""
+    return _dispatch.backward(MODALITY_LAYER_NORM, dy, ctx, dx_out)  # type: ignore[no-any-return]
+
+
+def modality_layer_norm(
+    x: Array,
+    modality_ids: Array,
+    weight: Array,
+    bias: Array | None = None,
+    *,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> Array:
+    """The modality LayerNorm of ``x``; see :func:`modality_layer_norm_forward`."""
+    return modality_layer_norm_forward(
+        x, modality_ids, weight, bias, axis=axis, eps=eps, backend=backend, correction=correction,
+        eps_mode=eps_mode, weight_offset=weight_offset, out=out,
+    )[0]  # fmt: skip
+
+
+def modality_rms_norm_forward(
+    x: Array,
+    modality_ids: Array,
+    weight: Array,
+    *,
+    axis: int = -1,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> tuple[Array, Context]:
+    r"""Modality-specific RMSNorm: row ``i`` uses row ``modality_ids[i]`` of the ``(M, *x.shape[axis:])``
+    weight table; see :func:`modality_layer_norm_forward` and :func:`rms_norm_forward`."""
+    options = {"eps": eps, "weight_offset": weight_offset}
+    return _dispatch.forward(
+        MODALITY_RMS_NORM, x, (weight,), inputs=(modality_ids,), axis=axis, backend=backend, out=out,
+        options=options,
+    )  # fmt: skip
+
+
+def modality_rms_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> ModalityRMSNormGrads:
+    """Backward of the modality RMSNorm: ``(dx, dweight)``, ``dweight`` summed per modality."""
+    return _dispatch.backward(MODALITY_RMS_NORM, dy, ctx, dx_out)  # type: ignore[no-any-return]
+
+
+def modality_rms_norm(
+    x: Array,
+    modality_ids: Array,
+    weight: Array,
+    *,
+    axis: int = -1,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> Array:
+    """The modality RMSNorm of ``x``; see :func:`modality_rms_norm_forward`."""
+    return modality_rms_norm_forward(
+        x, modality_ids, weight, axis=axis, eps=eps, backend=backend, weight_offset=weight_offset, out=out
+    )[0]

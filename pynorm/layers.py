@@ -26,7 +26,7 @@ import numpy as np
 from . import functional as F
 from .errors import ArgumentError, DTypeError, ShapeError
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["AddNorm", "DyT", "LayerNorm", "ModalityNorm", "PowerNorm", "RMSNorm", "ScaleNorm"]
 
 
 def _shape(normalized_shape: Any) -> tuple[int, ...]:
@@ -101,8 +101,9 @@ class _Norm:
             )
         new = {}
         for n, v in state.items():
-            if tuple(v.shape) != self.normalized_shape:
-                raise ShapeError(f"state[{n!r}] has shape {tuple(v.shape)}, expected {self.normalized_shape}")
+            expected = tuple(self.params[n].shape)
+            if tuple(v.shape) != expected:
+                raise ShapeError(f"state[{n!r}] has shape {tuple(v.shape)}, expected {expected}")
             new[n] = self.xp.asarray(v).astype(self.dtype, copy=True)
         self.params.update(new)
 
@@ -271,3 +272,319 @@ class RMSNorm(_Norm):
         g = F.rms_norm_backward(dy, ctx)
         self._accumulate(("weight",), (g.dweight,))
         return g.dx
+
+
+class ScaleNorm(_Norm):
+    """ScaleNorm over the trailing ``normalized_shape`` dims (see :func:`pynorm.scale_norm_forward`).
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple, the trailing dims normalized together (``d`` elements).
+    g_init : the initial value of the learnable scalar ``g``; None (default) gives ``sqrt(d)``, the
+        paper's choice; ``1.0`` is fairseq's and GPT-NeoX's.
+    eps, eps_mode : see :func:`pynorm.scale_norm_forward` (default ``1e-5``, ``"floor"``).
+    dtype, backend, xp : as for :class:`LayerNorm`.
+    """
+
+    op = "scale_norm"
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        g_init: float | None = None,
+        eps: float = 1e-5,
+        eps_mode: str = "floor",
+        dtype: Any = np.float32,
+        *,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, dtype, xp, backend)
+        self.eps_mode = F.SCALE_NORM.validate({"eps": eps, "eps_mode": eps_mode})["eps_mode"]
+        g0 = math.sqrt(self.num_features) if g_init is None else F.check_real(g_init, "g_init")
+        self.params["g"] = self.xp.full((1,), g0, dtype=self.dtype)
+        self.grads["g"] = self.xp.zeros((1,), dtype=self.dtype)
+
+    def _conventions(self) -> dict[str, Any]:
+        return {"eps_mode": self.eps_mode} if self.eps_mode != "floor" else {}
+
+    def forward(self, x: Any, *, out: Any = None) -> tuple[Any, F.Context]:
+        """``(y, ctx)`` for input ``x`` whose trailing dims are ``normalized_shape``."""
+        return F.scale_norm_forward(
+            x, self.params["g"], axis=self._axis(x), eps=self.eps, eps_mode=self.eps_mode, backend=self.backend, out=out
+        )
+
+    def backward(self, dy: Any, ctx: F.Context) -> Any:
+        """Add ``dg`` into ``grads`` and return ``dx``."""
+        g = F.scale_norm_backward(dy, ctx)
+        self._accumulate(("g",), (g.dg,))
+        return g.dx
+
+
+class PowerNorm(_Norm):
+    """The source documents' signed-power "PowerNorm" ``w * sign(x) * |x|**p + b`` (see
+    :func:`pynorm.power_norm_forward`; not Shen et al.'s batch PowerNorm).
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple, the shape of ``w`` and ``b`` (the trailing dims of ``x``).
+    p : the exponent, > 0 (default 0.5).
+    elementwise_affine, bias : create ``weight`` (ones) and ``bias`` (zeros).
+    dtype, backend, xp : as for :class:`LayerNorm`.
+    """
+
+    op = "power_norm"
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        p: float = 0.5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        dtype: Any = np.float32,
+        *,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(normalized_shape, 0.0, dtype, xp, backend)
+        self.p = F.POWER_NORM.validate({"p": p})["p"]
+        if elementwise_affine:
+            self._add_param("weight", 1.0)
+            if bias:
+                self._add_param("bias", 0.0)
+
+    def _conventions(self) -> dict[str, Any]:
+        return {"p": self.p}
+
+    def forward(self, x: Any, *, out: Any = None) -> tuple[Any, F.Context]:
+        """``(y, ctx)`` for input ``x`` whose trailing dims are ``normalized_shape``."""
+        return F.power_norm_forward(
+            x, self.params.get("weight"), self.params.get("bias"), p=self.p, axis=self._axis(x), backend=self.backend,
+            out=out,
+        )  # fmt: skip
+
+    def backward(self, dy: Any, ctx: F.Context) -> Any:
+        """Add ``dweight``/``dbias`` into ``grads`` and return ``dx``."""
+        g = F.power_norm_backward(dy, ctx)
+        self._accumulate(("weight", "bias"), (g.dweight, g.dbias))
+        return g.dx
+
+
+class DyT(_Norm):
+    """DyT ``w * tanh(alpha * x) + b`` over the trailing ``normalized_shape`` dims (see :func:`pynorm.dyt_forward`).
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple, the shape of ``w`` and ``b``.
+    alpha_init : the initial value of the learnable scalar ``alpha`` (0.5, the paper's default for
+        most layers; the LLaMA variant of the paper uses other values per position).
+    elementwise_affine, bias : create ``weight`` (ones) and ``bias`` (zeros).
+    dtype, backend, xp : as for :class:`LayerNorm`.
+    """
+
+    op = "dyt"
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        alpha_init: float = 0.5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        dtype: Any = np.float32,
+        *,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(normalized_shape, 0.0, dtype, xp, backend)
+        self.params["alpha"] = self.xp.full((1,), F.check_real(alpha_init, "alpha_init"), dtype=self.dtype)
+        self.grads["alpha"] = self.xp.zeros((1,), dtype=self.dtype)
+        if elementwise_affine:
+            self._add_param("weight", 1.0)
+            if bias:
+                self._add_param("bias", 0.0)
+
+    def forward(self, x: Any, *, out: Any = None) -> tuple[Any, F.Context]:
+        """``(y, ctx)`` for input ``x`` whose trailing dims are ``normalized_shape``."""
+        return F.dyt_forward(
+            x, self.params["alpha"], self.params.get("weight"), self.params.get("bias"), axis=self._axis(x),
+            backend=self.backend, out=out,
+        )  # fmt: skip
+
+    def backward(self, dy: Any, ctx: F.Context) -> Any:
+        """Add ``dalpha``/``dweight``/``dbias`` into ``grads`` and return ``dx``."""
+        g = F.dyt_backward(dy, ctx)
+        self._accumulate(("alpha", "weight", "bias"), (g.dalpha, g.dweight, g.dbias))
+        return g.dx
+
+
+class AddNorm(_Norm):
+    """The fused residual add + norm: ``h = x + alpha * residual``, ``y = norm(h)`` (see
+    :func:`pynorm.add_layer_norm_forward`); the Pre-LN / Post-LN / DeepNorm building block.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple.
+    kind : ``"layer"`` (LayerNorm, default) or ``"rms"``.
+    alpha : the residual scale (1.0; DeepNorm's alpha for its up-weighted skip).
+    residual_dtype : dtype of the residual stream ``h`` (None: ``x``'s; ``"float32"`` for half activations).
+    eps : default 1e-5 (LayerNorm) / 1e-6 (RMSNorm).
+    elementwise_affine, bias : create ``weight`` (and, for LayerNorm, ``bias``).
+    dtype, backend, xp, and the LayerNorm conventions: as for :class:`LayerNorm`.
+
+    ``forward(x, residual) -> ((y, h), ctx)``; ``backward(dy, ctx, dh=None) -> (dx, dresidual)``.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        kind: str = "layer",
+        alpha: float = 1.0,
+        residual_dtype: Any = None,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        dtype: Any = np.float32,
+        *,
+        correction: int = 0,
+        eps_mode: str = "var",
+        weight_offset: float = 0.0,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        if kind not in ("layer", "rms"):
+            raise ArgumentError(f"kind must be 'layer' or 'rms', got {kind!r}")
+        self.kind = kind
+        spec = F.ADD_LAYER_NORM if kind == "layer" else F.ADD_RMS_NORM
+        self.op = spec.name
+        super().__init__(
+            normalized_shape, (1e-5 if kind == "layer" else 1e-6) if eps is None else eps, dtype, xp, backend
+        )
+        opts = {"eps": self.eps, "weight_offset": weight_offset, "alpha": alpha, "residual_dtype": residual_dtype}
+        if kind == "layer":
+            opts |= {"correction": correction, "eps_mode": eps_mode}
+        self.options = spec.validate(opts)
+        self.weight_offset = self.options["weight_offset"]
+        if elementwise_affine:
+            self._add_param("weight", 1.0 - self.weight_offset)
+            if bias and kind == "layer":
+                self._add_param("bias", 0.0)
+
+    def _conventions(self) -> dict[str, Any]:
+        return {"kind": self.kind, **{k: v for k, v in self.options.items() if k != "eps"}}
+
+    def forward(self, x: Any, residual: Any, *, out: Any = None) -> tuple[tuple[Any, Any], F.Context]:
+        """``((y, h), ctx)`` for input ``x`` and the residual stream ``residual`` (x's shape)."""
+        if self.kind == "layer":
+            return F.add_layer_norm_forward(
+                x, residual, self.params.get("weight"), self.params.get("bias"), axis=self._axis(x),
+                backend=self.backend, out=out, **self.options,
+            )  # fmt: skip
+        return F.add_rms_norm_forward(
+            x, residual, self.params.get("weight"), axis=self._axis(x), backend=self.backend, out=out, **self.options
+        )
+
+    def backward(self, dy: Any, ctx: F.Context, dh: Any = None) -> tuple[Any, Any]:
+        """Add the parameter gradients into ``grads``; return ``(dx, dresidual)`` (``dh``: the gradient at ``h``)."""
+        if self.kind == "layer":
+            gl = F.add_layer_norm_backward(dy, ctx, dh)
+            self._accumulate(("weight", "bias"), (gl.dweight, gl.dbias))
+            return gl.dx, gl.dresidual
+        gr = F.add_rms_norm_backward(dy, ctx, dh)
+        self._accumulate(("weight",), (gr.dweight,))
+        return gr.dx, gr.dresidual
+
+
+class ModalityNorm(_Norm):
+    """LayerNorm or RMSNorm with per-modality parameters (the second source document's 7.2).
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple.
+    n_modalities : ``M``, the number of modalities (text, image, audio...).
+    kind : ``"layer"`` (default) or ``"rms"``.
+    mode : ``"specific"`` (default): one parameter set per modality, ``(M, *normalized_shape)``
+        tables, row ``ids[i]`` serving row ``i`` (:func:`pynorm.modality_layer_norm_forward`);
+        ``"shared"``: one parameter set for every modality (a plain norm; the ids are checked and
+        otherwise ignored) -- the hybrid stacks use specific norms in low layers, shared above.
+    eps, elementwise_affine, bias, dtype, backend, xp, conventions: as for :class:`LayerNorm`
+        (eps defaults to 1e-5 for LayerNorm, 1e-6 for RMSNorm).
+
+    ``forward(x, modality_ids) -> (y, ctx)``; ``backward(dy, ctx) -> dx``.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        n_modalities: int,
+        kind: str = "layer",
+        mode: str = "specific",
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        dtype: Any = np.float32,
+        *,
+        correction: int = 0,
+        eps_mode: str = "var",
+        weight_offset: float = 0.0,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        if kind not in ("layer", "rms"):
+            raise ArgumentError(f"kind must be 'layer' or 'rms', got {kind!r}")
+        if mode not in ("specific", "shared"):
+            raise ArgumentError(f"mode must be 'specific' or 'shared', got {mode!r}")
+        if isinstance(n_modalities, bool) or not isinstance(n_modalities, (int, np.integer)) or n_modalities < 1:
+            raise ArgumentError(f"n_modalities must be a positive int, got {n_modalities!r}")
+        self.kind, self.mode, self.n_modalities = kind, mode, int(n_modalities)
+        super().__init__(
+            normalized_shape, (1e-5 if kind == "layer" else 1e-6) if eps is None else eps, dtype, xp, backend
+        )
+        opts: dict[str, Any] = {"eps": self.eps, "weight_offset": weight_offset}
+        if kind == "layer":
+            opts |= {"correction": correction, "eps_mode": eps_mode}
+        base = F.LAYER_NORM if kind == "layer" else F.RMS_NORM
+        self.options = base.validate(opts)
+        self.weight_offset = self.options["weight_offset"]
+        shape = (self.n_modalities, *self.normalized_shape) if mode == "specific" else self.normalized_shape
+        if elementwise_affine or mode == "specific":  # the tables are what makes a norm modality-specific
+            self._add_param_shaped("weight", shape, 1.0 - self.weight_offset)
+            if bias and kind == "layer":
+                self._add_param_shaped("bias", shape, 0.0)
+
+    def _add_param_shaped(self, name: str, shape: tuple[int, ...], value: float) -> None:
+        self.params[name] = self.xp.full(shape, value, dtype=self.dtype)
+        self.grads[name] = self.xp.zeros(shape, dtype=self.dtype)
+
+    def _conventions(self) -> dict[str, Any]:
+        return {"n_modalities": self.n_modalities, "kind": self.kind, "mode": self.mode}
+
+    def forward(self, x: Any, modality_ids: Any, *, out: Any = None) -> tuple[Any, F.Context]:
+        """``(y, ctx)`` for input ``x`` and one modality id per row (shape ``x.shape[:-len(normalized_shape)]``)."""
+        ax = self._axis(x)
+        w, b = self.params.get("weight"), self.params.get("bias")
+        if self.mode == "specific":
+            if self.kind == "layer":
+                return F.modality_layer_norm_forward(
+                    x, modality_ids, w, b, axis=ax, backend=self.backend, out=out, **self.options
+                )
+            return F.modality_rms_norm_forward(
+                x, modality_ids, w, axis=ax, backend=self.backend, out=out, **self.options
+            )
+        ids = np.asarray(modality_ids) if isinstance(modality_ids, (list, tuple)) else modality_ids
+        if tuple(getattr(ids, "shape", ())) != tuple(x.shape[:ax]) or getattr(ids.dtype, "kind", "") not in "iu":
+            raise ShapeError(f"modality_ids must be an integer array of shape {tuple(x.shape[:ax])}")
+        if self.kind == "layer":
+            return F.layer_norm_forward(x, w, b, axis=ax, backend=self.backend, out=out, **self.options)
+        return F.rms_norm_forward(x, w, axis=ax, backend=self.backend, out=out, **self.options)
+
+    def backward(self, dy: Any, ctx: F.Context) -> Any:
+        """Add the parameter gradients into ``grads`` and return ``dx``."""
+        names = ("weight", "bias") if self.kind == "layer" else ("weight",)
+        g = pynorm_backward(ctx.op)(dy, ctx)
+        self._accumulate(names, tuple(g[1:]))
+        return g.dx
+
+
+def pynorm_backward(op: str) -> Any:
+    """The public ``<op>_backward`` function."""
+    return getattr(F, f"{op}_backward")

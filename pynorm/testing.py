@@ -149,7 +149,8 @@ def term_scales(
     """
     from .ops import get
 
-    return get(op).term_scales(x2, params, dy2, conv)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # scales beyond float64 are inf
+        return get(op).term_scales(x2, params, dy2, conv)
 
 
 @dataclass

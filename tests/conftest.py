@@ -57,6 +57,11 @@ class BackendUnderTest:
     to_numpy: Callable[[Any], np.ndarray]
     xp: Any
 
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The ops this backend implements."""
+        return _registry.backend_ops(self.name)
+
     def forward(self, fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
         """Wrap ``op_forward`` to take and return NumPy arrays (for :func:`pynorm.testing.check_grads`)."""
 
@@ -102,8 +107,17 @@ def _params() -> list[Any]:
 
 @pytest.fixture(params=_params())
 def backend(request: pytest.FixtureRequest) -> BackendUnderTest:
-    """Each selected backend in turn (skipped, with the reason, where unavailable)."""
-    return _make(request.param)
+    """Each selected backend in turn (skipped, with the reason, where unavailable).
+
+    A test parametrized by ``op`` is skipped, saying so, for an op the backend does not implement
+    (``tests/test_registry.py`` checks separately which ops every backend must implement).
+    """
+    b = _make(request.param)
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    op = params.get("op", getattr(params.get("spec"), "name", None))
+    if isinstance(op, str) and op not in b.ops:
+        pytest.skip(f"backend {b.name!r} does not implement {op!r}")
+    return b
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

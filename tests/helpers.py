@@ -29,7 +29,13 @@ def dtype(name: str) -> np.dtype[Any]:
 
 @dataclass(frozen=True)
 class OpSpec:
-    """An op of :data:`pynorm.ops.SPECS` as the generic tests use it (entry points looked up by name)."""
+    """An op of :data:`pynorm.ops.SPECS` as the generic tests use it (entry points looked up by name).
+
+    ``forward(x, *args, **kw) -> (y, ctx)`` with ``args`` the op's extra inputs then its parameters
+    (:func:`make_args`); for an op with several outputs it returns the first (``y``) -- the others
+    and their upstream gradients are covered by the op's own tests. ``backward(dy, ctx)`` returns
+    ``(dx, d<input>..., d<param>...)``.
+    """
 
     spec: ops.OpSpec
 
@@ -39,7 +45,15 @@ class OpSpec:
 
     @property
     def forward(self) -> Callable[..., Any]:
-        return getattr(pynorm, f"{self.name}_forward")  # type: ignore[no-any-return]
+        f = getattr(pynorm, f"{self.name}_forward")
+        if len(self.spec.outputs) == 1:
+            return f  # type: ignore[no-any-return]
+
+        def first_output(*args: Any, **kw: Any) -> Any:
+            outs, ctx = f(*args, **kw)
+            return outs[0], ctx
+
+        return first_output
 
     @property
     def backward(self) -> Callable[..., Any]:
@@ -50,22 +64,93 @@ class OpSpec:
         return self.spec.param_names
 
     @property
+    def arg_names(self) -> tuple[str, ...]:
+        """Names of what follows ``x`` in a call: the extra inputs, then the parameters."""
+        return (*self.spec.input_names, *self.spec.param_names)
+
+    @property
+    def grad_names(self) -> tuple[str, ...]:
+        return self.spec.grad_names
+
+    @property
     def conventions(self) -> tuple[dict[str, Any], ...]:
         return self.spec.cases
 
     @property
     def centered(self) -> bool:
         """Output rows have mean 0 without affine (the centred statistic: LayerNorm)."""
-        return self.spec.variant.statistic == "centered"
+        return getattr(self.spec.variant, "statistic", None) == "centered"
+
+    @property
+    def differentiable(self) -> tuple[bool, ...]:
+        """Per argument after ``x``: whether a gradient check perturbs it (not integer indices)."""
+        return (*(i.differentiable for i in self.spec.inputs), *(True for _ in self.spec.params))
+
+    def without_optional(self, args: list[Any]) -> list[Any]:
+        """``args`` with every optional parameter set to None (inputs and required parameters kept)."""
+        n = len(self.spec.inputs)
+        return [*args[:n], *(a if p.required else None for p, a in zip(self.spec.params, args[n:], strict=True))]
 
 
 #: the one op table of the tests: every op pynorm has, from its spec
 OPS = {name: OpSpec(s) for name, s in ops.SPECS.items()}
 
+#: modalities of the table parameters the tests make
+N_MODALITIES = 3
+
 
 def make_params(spec: OpSpec, shape: tuple[int, ...], dt: Any, rng: np.random.Generator) -> list[np.ndarray]:
-    """Random parameters of ``shape`` around each parameter's initial value (weights near 1, biases near 0)."""
-    return [(p.init + 0.5 * rng.standard_normal(shape)).astype(dt) for p in spec.spec.params]
+    """Random parameters for normalized dims ``shape`` around each parameter's initial value (weights near 1,
+    biases near 0): feature parameters of ``shape``, scalars of shape ``(1,)``, tables of
+    ``(N_MODALITIES, *shape)``."""
+    out = []
+    for p in spec.spec.params:
+        pshape = {"feature": shape, "scalar": (1,), "table": (N_MODALITIES, *shape)}[p.kind]
+        out.append((p.init + 0.5 * rng.standard_normal(pshape)).astype(dt))
+    return out
+
+
+def make_inputs(spec: OpSpec, x_shape: tuple[int, ...], axis: int, dt: Any, rng: np.random.Generator) -> list[Any]:
+    """Random extra inputs of an op for ``x`` of ``x_shape`` normalized from ``axis``: a residual of x's
+    shape (dtype ``dt``), modality ids in ``[0, N_MODALITIES)`` of ``x.shape[:axis]`` (every id used
+    where there are enough rows)."""
+    ax = axis % len(x_shape)
+    out: list[Any] = []
+    for i in spec.spec.inputs:
+        if i.kind == "like_x":
+            out.append(rng.standard_normal(x_shape).astype(dt))
+        else:
+            n = int(np.prod(x_shape[:ax]))
+            ids = np.arange(n) % N_MODALITIES
+            out.append(rng.permutation(ids).reshape(x_shape[:ax]).astype(np.int64))
+    return out
+
+
+def make_args(
+    spec: OpSpec, x_shape: tuple[int, ...], axis: int, dt: Any, rng: np.random.Generator, pdt: Any = None
+) -> list[Any]:
+    """The extra inputs then the parameters of an op (parameters in ``pdt``, default ``dt``)."""
+    ax = axis % len(x_shape)
+    return [*make_inputs(spec, x_shape, ax, dt, rng), *make_params(spec, x_shape[ax:], dt if pdt is None else pdt, rng)]
+
+
+def flat_arrays(spec: OpSpec, x_shape: tuple[int, ...], axis: int, args: list[Any]) -> dict[str, Any]:
+    """The extra inputs and parameters by name, flattened as backends see them (for ``term_scales``)."""
+    ax = axis % len(x_shape)
+    rows, h = int(np.prod(x_shape[:ax])), int(np.prod(x_shape[ax:]))
+    out: dict[str, Any] = {}
+    for i, a in zip(spec.spec.inputs, args, strict=False):
+        out[i.name] = np.asarray(a).reshape(rows, h) if i.kind == "like_x" else np.asarray(a).reshape(rows)
+    for p, a in zip(spec.spec.params, args[len(spec.spec.inputs) :], strict=True):
+        if a is None:
+            out[p.name] = None
+        elif p.kind == "table":
+            out[p.name] = np.asarray(a).reshape(a.shape[0], h)
+        elif p.kind == "scalar":
+            out[p.name] = np.asarray(a).reshape(1)
+        else:
+            out[p.name] = np.broadcast_to(np.asarray(a), x_shape[ax:]).reshape(h)
+    return out
 
 
 def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, what: str = "", dtype: Any = None) -> None:
@@ -85,7 +170,7 @@ def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, wha
     dt = np.dtype(a_in.dtype if dtype is None else dtype)
     spacing = float(_testing.finfo(dt).smallest_subnormal) if dt.kind == "f" or dt.name == "bfloat16" else 0.0
     with np.errstate(invalid="ignore"):
-        err = np.where(a == e, 0.0, np.abs(a - e))  # equal infinities agree
+        err = np.where((a == e) | (np.isnan(a) & np.isnan(e)), 0.0, np.abs(a - e))  # equal infinities, NaN and NaN
     bad = ~(err <= rtol * s + max(spacing, 1e-300))
     if bad.any():
         i = np.unravel_index(int(np.argmax(np.where(bad, err / (s + 1e-300), -1))), a.shape)
@@ -101,3 +186,20 @@ BACKEND_RTOL = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 4e-6, "floa
 
 term_scales = _testing.term_scales
 make_rows = _testing.make_input
+
+
+def grad_check_setup(backend: Any, spec: OpSpec, x: Any, args: list[Any], **kw: Any) -> tuple[Any, Any, list, list]:
+    """``(forward, backward, inputs, names)`` for :func:`pynorm.testing.check_grads`: the differentiable
+    arguments are the checked inputs, integer index inputs are held fixed (closed over)."""
+    diff = spec.differentiable
+    fwd = backend.forward(spec.forward, **kw)
+    fixed = {i: a for i, (a, d) in enumerate(zip(args, diff, strict=True)) if not d}
+
+    def forward(x_: Any, *free: Any) -> Any:
+        it = iter(free)
+        full = [fixed[i] if i in fixed else next(it) for i in range(len(args))]
+        return fwd(x_, *full)
+
+    inputs = [x, *(a for a, d in zip(args, diff, strict=True) if d)]
+    names = ["x", *(n for n, d in zip(spec.arg_names, diff, strict=True) if d)]
+    return forward, backend.backward(spec.backward), inputs, names

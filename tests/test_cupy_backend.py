@@ -1,7 +1,8 @@
 """The CuPy backend's kernels against the NumPy reference, on a CUDA device.
 
-Calls the backend modules directly (``pynorm.backends.cupy.layer_norm.forward`` ...) on
-``(R, H)`` arrays, so every launch path is reached on purpose: hidden sizes 1, 3, odd
+Calls the backend's op implementations directly (``pynorm.backends.cupy.stats.OP_IMPLS``) on
+``(R, H)`` arrays, for every op of :data:`pynorm.ops.SPECS`, so every launch path is reached on
+purpose: hidden sizes 1, 3, odd
 sizes, 65,536 and 262,144; one thread / a sub-warp / a warp / a block per row; the fused
 and the split backward; forward items in registers, shared memory or re-read from L2;
 vectorized and scalar (misaligned or odd-sized) rows; every dtype, mixed parameter dtypes
@@ -16,24 +17,24 @@ in place of CuPy and the kernels: a check of this file's own logic, not of the b
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
 import numpy as np
 import pytest
 
-from pynorm.reference import layer_norm as ref_ln
-from pynorm.reference import rms_norm as ref_rms
+from pynorm import ops
 
 from .helpers import BACKEND_RTOL, DTYPES, assert_close_scaled, make_rows, term_scales
 from .helpers import dtype as dtype_of
 
 SELF_CHECK = os.environ.get("PYNORM_CUPY_TEST_SELFCHECK") == "1"
+REF = {name: importlib.import_module(spec.reference) for name, spec in ops.SPECS.items()}
 
 if SELF_CHECK:
     xp: Any = np
-    LN: Any = ref_ln
-    RMS: Any = ref_rms
+    IMPLS: Any = REF
 else:
     try:
         import cupy
@@ -46,24 +47,18 @@ else:
     if not _available:
         pytest.skip("cupy imports but sees no CUDA device (cupy.is_available() is False)", allow_module_level=True)
     xp = cupy
-    from pynorm.backends.cupy import layer_norm as LN
-    from pynorm.backends.cupy import rms_norm as RMS
+    from pynorm import _registry
+
+    IMPLS = {name: _registry.op_module("cupy", name) for name in ops.SPECS}
 
 pytestmark = pytest.mark.gpu
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-_MODS = {"layer_norm": (LN, ref_ln), "rms_norm": (RMS, ref_rms)}
-_PARAMS = {"layer_norm": ("weight", "bias"), "rms_norm": ("weight",)}
-CONVENTIONS = {
-    "layer_norm": [
-        {"eps": 1e-5},
-        {"eps": 1e-5, "correction": 1},
-        {"eps": 1e-5, "eps_mode": "std"},
-        {"eps": 1e-6, "eps_mode": "std", "correction": 1, "weight_offset": 1.0},
-        {"eps": 0.1, "weight_offset": 1.0},
-    ],
-    "rms_norm": [{"eps": 1e-6}, {"eps": 1e-6, "weight_offset": 1.0}, {"eps": 0.1}],
-}
+#: op -> (its cupy implementation, its reference module)
+_MODS = {name: (IMPLS[name], REF[name]) for name in ops.SPECS}
+_PARAMS = {name: spec.param_names for name, spec in ops.SPECS.items()}
+#: every op's test cases (its spec's), with each option spelled out
+CONVENTIONS = {name: [{**spec.defaults(), **case} for case in spec.cases] for name, spec in ops.SPECS.items()}
 
 
 # ---------------------------------------------------------------------------

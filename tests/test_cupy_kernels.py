@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -20,8 +21,7 @@ import pytest
 
 from pynorm.backends.cupy import _launch, _loader
 from pynorm.backends.cupy import compile_check as cc
-from pynorm.errors import ArgumentError, ContextError, DTypeError, ShapeError
-from pynorm.reference import layer_norm as ref_ln
+from pynorm.errors import DTypeError, ShapeError
 
 from .helpers import dtype as dtype_of
 
@@ -164,26 +164,74 @@ def test_python_mirrors_of_cuda_constants_agree():
 
 
 def test_assemble_inlines_headers_with_line_directives():
-    src = _loader.assemble("layer_norm.cu")
+    src = _loader.assemble("stats.cu")
     assert not any(ln.startswith('#include "') for ln in src.splitlines())
     assert "#pragma once" in src  # the header's text is there
     lines = [ln for ln in src.splitlines() if ln.startswith("#line")]
-    assert lines[0].startswith("#line 1 ") and lines[0].endswith('layer_norm.cu"')
+    assert lines[0].startswith("#line 1 ") and lines[0].endswith('stats.cu"')
     assert any(ln.endswith('common.cuh"') for ln in lines)
     # after the header, numbering resumes on the line after the #include
-    text = (Path(str(_loader.kernel_dir())) / "layer_norm.cu").read_text().splitlines()
+    text = (Path(str(_loader.kernel_dir())) / "stats.cu").read_text().splitlines()
     inc = next(i for i, t in enumerate(text, 1) if t.startswith('#include "common.cuh"'))
     assert f"#line {inc + 1} " in src
 
 
-def test_instantiations_cover_every_type_pair():
-    ln = _loader.instantiations("layer_norm.cu")
-    assert len(ln) == len(_loader.KERNELS["layer_norm.cu"]) * 16
-    assert "pynorm::layer_norm_fwd<__nv_bfloat16, float>" in ln
-    assert "pynorm::rms_norm_bwd_apply<double, __half>" in _loader.instantiations("rms_norm.cu")
+def test_instantiations_are_what_the_specs_declare():
+    """Every op of the statistics family gets its variant's kernels for all 16 dtype pairs."""
+    from pynorm import ops
+
+    stats = _loader.instantiations("stats.cu")
+    family = [s for s in ops.SPECS.values() if s.family == "stats"]
+    variants = {_loader.variant_args(s) for s in family}
+    assert len(stats) == len(_loader.KERNELS["stats.cu"]) * 16 * len(variants)
+    assert _loader.variant_args(ops.LAYER_NORM) == ("pynorm::Centered", "pynorm::Vector<true>")
+    assert _loader.variant_args(ops.RMS_NORM) == ("pynorm::MeanSquare", "pynorm::Vector<false>")
+    assert "pynorm::stats_fwd<__nv_bfloat16, float, pynorm::Centered, pynorm::Vector<true>>" in stats
+    assert "pynorm::stats_bwd_apply<double, __half, pynorm::MeanSquare, pynorm::Vector<false>>" in stats
+    groups = _loader.instantiation_groups("stats.cu")
+    assert len(groups) == len(variants) and sorted(n for g in groups for n in g) == sorted(stats)
     red = _loader.instantiations("reduce.cu")
     assert "pynorm::reduce_partials<__nv_bfloat16, float>" in red and len(red) == 16
     assert set(_loader.TYPE_NAMES) == {"float16", "bfloat16", "float32", "float64"}
+
+
+_PARAM = re.compile(r"^\s*(const\s+)?([\w:<>, ]+?)\s*(\*)?\s*(?:__restrict__\s*)?(\w+)\s*$")
+
+
+def _signature(src: str, kernel: str) -> list[tuple[str, str]]:
+    """``(name, C type)`` of each parameter of ``__global__ ... kernel(...)`` in ``src``."""
+    m = re.search(r"__global__\s+void\s+__launch_bounds__\([^)]*\)\s*" + kernel + r"\(", src)
+    assert m, f"no __global__ {kernel} in stats.cu"
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        i += 1
+    params, depth, cur = [], 0, ""
+    for ch in src[m.end() : i - 1]:
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            params.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    params.append(cur)
+    out = []
+    for p in params:
+        pm = _PARAM.match(" ".join(p.split()))
+        assert pm, p
+        const, base, star, name = pm.groups()
+        out.append((name, f"{'const ' if const else ''}{base.strip()}{'*' if star else ''}"))
+    return out
+
+
+@pytest.mark.parametrize("kernel", list(_loader.KERNELS["stats.cu"]))
+def test_argument_dataclasses_mirror_the_kernel_signatures(kernel):
+    """The host passes each kernel's arguments from one dataclass; its fields must be the kernel's
+    parameters in order, with the same names and C types."""
+    from pynorm.backends.cupy import _args
+
+    src = (Path(str(_loader.kernel_dir())) / "stats.cu").read_text()
+    assert list(_args.c_types(_args.KERNEL_ARGS[kernel]).items()) == _signature(src, kernel)
 
 
 def test_defines_and_launch_bounds_agree():
@@ -210,7 +258,7 @@ def test_cuda_include_dir_has_the_half_headers():
 def test_package_import_does_not_import_cupy():
     code = (
         "import sys, pynorm.backends.cupy as b; "
-        "assert b.OPS == {'layer_norm': 'layer_norm', 'rms_norm': 'rms_norm'}; "
+        "assert b.OPS == {'layer_norm': 'stats', 'rms_norm': 'stats'}; "
         "import pynorm.backends.cupy._launch, pynorm.backends.cupy.compile_check; "
         "assert 'cupy' not in sys.modules, 'cupy imported'"
     )
@@ -384,10 +432,11 @@ def test_vector_width_and_group_size():
 
 
 def test_launch_bounds_table():
-    assert _launch.launch_bound("pynorm::layer_norm_fwd<float, float>") == _launch.DEFS["FWD_THREADS"]
-    assert _launch.launch_bound("rms_norm_bwd") == _launch.DEFS["BWD_THREADS"]
-    assert _launch.launch_bound("rms_norm_bwd_stats") == _launch.DEFS["STATS_THREADS"]
-    assert _launch.launch_bound("layer_norm_bwd_apply") == _launch.DEFS["APPLY_THREADS"]
+    fwd = "pynorm::stats_fwd<float, float, pynorm::Centered, pynorm::Vector<true>>"
+    assert _launch.launch_bound(fwd) == _launch.DEFS["FWD_THREADS"]
+    assert _launch.launch_bound("stats_bwd") == _launch.DEFS["BWD_THREADS"]
+    assert _launch.launch_bound("stats_bwd_stats") == _launch.DEFS["STATS_THREADS"]
+    assert _launch.launch_bound("stats_bwd_apply") == _launch.DEFS["APPLY_THREADS"]
     assert _launch.launch_bound("reduce_partials") == 256
     with pytest.raises(KeyError):
         _launch.launch_bound("nope")
@@ -428,58 +477,15 @@ def test_type_plan_rejects_other_dtypes(bad):
 
 
 # ---------------------------------------------------------------------------
-# argument validation (numpy arrays stand in: the checks only read shape/dtype/flags)
+# what the kernels themselves need of their input (everything else is validated once, from the op
+# spec, before dispatch: tests/test_validation.py)
 
 
-def _fwd(x, w=None, b=None, **kw):
-    kw.setdefault("eps", 1e-5)
-    _launch.check_forward_args(x, {"weight": w, "bias": b}, **kw)
+def test_input_checks_of_the_kernels():
+    from pynorm.backends.cupy._launch import check_input as _check_input
 
-
-def test_forward_argument_validation():
-    x = np.zeros((4, 8), np.float32)
-    _fwd(x, np.ones(8, np.float32), np.zeros(8, np.float64), out=np.empty((4, 8), np.float32))
-    _fwd(np.zeros((0, 8), np.float16))  # no rows is fine
+    assert _check_input(np.zeros((0, 8), np.float16)) == (0, 8)  # no rows is fine
     with pytest.raises(ShapeError, match="2-D"):
-        _fwd(np.zeros(8, np.float32))
-    with pytest.raises(ShapeError, match="at least one column"):
-        _fwd(np.zeros((4, 0), np.float32))
-    with pytest.raises(DTypeError):
-        _fwd(x.astype(np.int32))
-    with pytest.raises(ShapeError, match=r"weight must have shape \(8,\)"):
-        _fwd(x, np.ones(7, np.float32))
-    with pytest.raises(ShapeError, match="bias"):
-        _fwd(x, None, np.ones((1, 8), np.float32))
-    with pytest.raises(DTypeError):
-        _fwd(x, np.ones(8, np.int64))
-    for eps in (-1.0, float("nan"), float("inf"), True, "1e-5"):
-        with pytest.raises(ArgumentError, match="eps"):
-            _fwd(x, eps=eps)
-    with pytest.raises(ArgumentError, match="correction"):
-        _fwd(x, correction=2)
-    with pytest.raises(ArgumentError, match="correction"):
-        _fwd(np.zeros((4, 1), np.float32), correction=1)
-    with pytest.raises(ArgumentError, match="eps_mode"):
-        _fwd(x, eps_mode="sqrt")
-    with pytest.raises(ArgumentError, match="weight_offset"):
-        _fwd(x, weight_offset=float("nan"))
-    with pytest.raises(ShapeError, match="out"):
-        _fwd(x, out=np.empty((4, 8), np.float64))
-    with pytest.raises(ArgumentError, match="C-contiguous"):
-        _fwd(x, out=np.empty((8, 4), np.float32).T)
-
-
-def test_backward_argument_validation():
-    x = np.zeros((3, 5), np.float32)
-    ctx = ref_ln.LayerNormCtx(x, None, None, np.zeros(3), np.ones(3), 1e-5, 0, "var", 0.0)
-    _launch.check_backward_args(np.zeros((3, 5), np.float32), ctx, ref_ln.LayerNormCtx)
-    with pytest.raises(ContextError):
-        _launch.check_backward_args(np.zeros((3, 5), np.float32), object(), ref_ln.LayerNormCtx)
-    with pytest.raises(ShapeError):
-        _launch.check_backward_args(np.zeros((3, 4), np.float32), ctx, ref_ln.LayerNormCtx)
-    with pytest.raises(DTypeError):
-        _launch.check_backward_args(np.zeros((3, 5), np.float64), ctx, ref_ln.LayerNormCtx)
-    with pytest.raises(ArgumentError):
-        _launch.check_backward_args(
-            np.zeros((3, 5), np.float32), ctx, ref_ln.LayerNormCtx, dx_out=np.zeros((5, 3), np.float32).T
-        )
+        _check_input(np.zeros(8, np.float32))
+    with pytest.raises(ShapeError, match="range 1"):
+        _check_input(np.zeros((4, 0), np.float32))

@@ -7,14 +7,28 @@ kernel family and variant from them. Adding an op: ``docs/adding_an_op.md``.
 
 from __future__ import annotations
 
-from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
+from ._spec import ElementwiseVariant, Input, OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
+from .add_norm import ADD_LAYER_NORM, ADD_RMS_NORM
+from .dyt import SPEC as DYT
 from .layer_norm import SPEC as LAYER_NORM
+from .modality_norm import MODALITY_LAYER_NORM, MODALITY_RMS_NORM
+from .power_norm import SPEC as POWER_NORM
 from .rms_norm import SPEC as RMS_NORM
+from .scale_norm import SPEC as SCALE_NORM
 
 __all__ = [
+    "ADD_LAYER_NORM",
+    "ADD_RMS_NORM",
+    "DYT",
     "LAYER_NORM",
+    "MODALITY_LAYER_NORM",
+    "MODALITY_RMS_NORM",
+    "POWER_NORM",
     "RMS_NORM",
+    "SCALE_NORM",
     "SPECS",
+    "ElementwiseVariant",
+    "Input",
     "OpSpec",
     "Option",
     "Param",
@@ -26,7 +40,20 @@ __all__ = [
 ]
 
 #: every op, by name, in the order of the docs
-SPECS: dict[str, OpSpec] = {s.name: s for s in (LAYER_NORM, RMS_NORM)}
+SPECS: dict[str, OpSpec] = {
+    s.name: s
+    for s in (
+        LAYER_NORM,
+        RMS_NORM,
+        SCALE_NORM,
+        POWER_NORM,
+        DYT,
+        ADD_LAYER_NORM,
+        ADD_RMS_NORM,
+        MODALITY_LAYER_NORM,
+        MODALITY_RMS_NORM,
+    )
+}
 
 
 def get(name: str) -> OpSpec:

@@ -19,6 +19,8 @@ from typing import Any, Literal
 from ..errors import ArgumentError
 
 __all__ = [
+    "ElementwiseVariant",
+    "Input",
     "OpSpec",
     "Option",
     "Param",
@@ -28,12 +30,39 @@ __all__ = [
     "one_of",
 ]
 
-#: kinds of parameter the dispatcher knows: ``"feature"``, a per-feature array broadcast (from the
-#: right) to ``x.shape[axis:]``, its gradient reduced back to the parameter's shape. (A scalar, a
-#: per-row array and a table indexed per row are the kinds the next ops add, with their handling in
-#: :mod:`pynorm._dispatch`.)
-ParamKind = Literal["feature"]
-PARAM_KINDS: tuple[str, ...] = ("feature",)
+#: kinds of parameter the dispatcher knows:
+#:
+#: * ``"feature"``: a per-feature array of shape ``x.shape[axis:]`` or any shape that broadcasts to it
+#:   from the right; backends see it as an ``(H,)`` vector and its gradient is reduced back to its shape;
+#: * ``"scalar"``: one value for every feature (a 0-d or ``(1,)`` array), seen by backends as a
+#:   broadcast ``(H,)`` vector like a feature parameter; its gradient is the sum over all features;
+#: * ``"table"``: ``M`` per-feature rows, shape ``(M, *x.shape[axis:])``, row ``ids[i]`` serving row
+#:   ``i`` of ``x`` (``Param.index`` names the ``"row_index"`` input holding ``ids``); backends see an
+#:   ``(M, H)`` array and return an ``(M, H)`` gradient.
+ParamKind = Literal["feature", "scalar", "table"]
+PARAM_KINDS: tuple[str, ...] = ("feature", "scalar", "table")
+
+#: kinds of extra array input (after ``x``): ``"like_x"``, a float array of ``x``'s shape (a residual
+#: stream), differentiable; ``"row_index"``, an integer array of ``x.shape[:axis]`` (one index per row).
+InputKind = Literal["like_x", "row_index"]
+INPUT_KINDS: tuple[str, ...] = ("like_x", "row_index")
+
+
+@dataclass(frozen=True)
+class Input:
+    """An array input of an op besides ``x`` (in call order after ``x``, before the parameters)."""
+
+    name: str
+    kind: InputKind
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in INPUT_KINDS:
+            raise ValueError(f"input {self.name!r}: kind {self.kind!r} is not one of {INPUT_KINDS}")
+
+    @property
+    def differentiable(self) -> bool:
+        return self.kind == "like_x"
 
 
 @dataclass(frozen=True)
@@ -42,16 +71,24 @@ class Param:
 
     ``init`` is the value a layer starts it at (before any offset convention: a layer with
     ``weight_offset = o`` starts ``weight`` at ``init - o`` so that ``w + o`` starts at ``init``).
+    ``required``: the op needs it (else None means "absent": no weight, no bias). ``finite``: its
+    values are checked to be finite before dispatch. ``index``: for a ``"table"``, the name of the
+    ``"row_index"`` input selecting its rows.
     """
 
     name: str
     kind: ParamKind = "feature"
     init: float = 1.0
     doc: str = ""
+    required: bool = False
+    finite: bool = False
+    index: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in PARAM_KINDS:
             raise ValueError(f"parameter {self.name!r}: kind {self.kind!r} is not one of {PARAM_KINDS}")
+        if (self.kind == "table") != bool(self.index):
+            raise ValueError(f"parameter {self.name!r}: a table names its index input, other kinds none")
 
 
 @dataclass(frozen=True)
@@ -83,6 +120,14 @@ class StatsVariant:
 
 
 @dataclass(frozen=True)
+class ElementwiseVariant:
+    """A variant of the element-wise kernel family: the function applied to each element
+    (``"signed_power"``: ``sign(x) |x|^p``; ``"tanh"``: ``tanh(alpha x)``), then the per-feature affine."""
+
+    function: Literal["signed_power", "tanh"]
+
+
+@dataclass(frozen=True)
 class OpSpec:
     """Everything about an op but its math (which lives in ``reference``).
 
@@ -92,34 +137,58 @@ class OpSpec:
     params : its parameters, in call order (after ``x``).
     options : its keyword options, validated before dispatch.
     grads : the NamedTuple its backward returns: ``dx`` first, then one gradient per parameter.
+    ctx : the dataclass every backend's forward returns as its ctx (the reference's; fields named
+        after ``x``, the parameters, the per-row statistics and the options).
     reference : import path of the reference module (``forward``/``backward`` on ``(R, H)`` arrays).
     family, variant : the kernel family of the fast backends and the variant implementing the op.
-    term_scales : ``term_scales(x2, params, dy2, options) -> {output: scale}``, float64 arrays of the
-        magnitude of the terms each output is computed from (:func:`pynorm.testing.term_scales`).
+    term_scales : ``term_scales(x2, arrays, dy2, options) -> {output: scale}``, float64 arrays of the
+        magnitude of the terms each output and gradient is computed from
+        (:func:`pynorm.testing.term_scales`); ``arrays`` maps the names of the extra inputs, the
+        parameters (flattened as backends see them) and the extra upstream gradients (``d<output>``)
+        to arrays, None where absent.
     check : cross-argument validation ``check(options, hidden)`` beyond each option's own.
     cases : option sets the tests, the demo and the benchmarks run (each a dict of non-defaults).
     summary : the formula in one line, for tables and help texts.
+    inputs : array inputs besides ``x`` (a residual stream, per-row indices), in call order.
+    outputs : names of what forward returns: ``("y",)``, or e.g. ``("y", "h")`` (the pre-norm sum);
+        backward takes the upstream gradient of the first as ``dy`` and of the others as keywords
+        ``d<name>`` (None: no gradient arrives there).
+    output_dtypes : ``(x_dtype, options) -> dtype of each output`` (default: every output in x's dtype).
     """
 
     name: str
     params: tuple[Param, ...]
     options: tuple[Option, ...]
     grads: type
+    ctx: type
     reference: str
     family: Literal["stats", "elementwise"]
-    variant: StatsVariant
+    variant: StatsVariant | ElementwiseVariant
     term_scales: Callable[..., dict[str, Any]]
     check: Callable[[Mapping[str, Any], int], None] | None = None
     cases: tuple[dict[str, Any], ...] = field(default=({},))
     summary: str = ""
+    inputs: tuple[Input, ...] = ()
+    outputs: tuple[str, ...] = ("y",)
+    output_dtypes: Callable[[Any, Mapping[str, Any]], tuple[Any, ...]] | None = None
 
     @property
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
 
     @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.inputs)
+
+    @property
     def grad_names(self) -> tuple[str, ...]:
-        return ("dx", *(f"d{p.name}" for p in self.params))
+        """``dx``, then one gradient per differentiable input, then one per parameter."""
+        return ("dx", *(f"d{i.name}" for i in self.inputs if i.differentiable), *(f"d{p.name}" for p in self.params))
+
+    def dtypes_of_outputs(self, x_dtype: Any, options: Mapping[str, Any]) -> tuple[Any, ...]:
+        if self.output_dtypes is None:
+            return (x_dtype,) * len(self.outputs)
+        return tuple(self.output_dtypes(x_dtype, options))
 
     def defaults(self) -> dict[str, Any]:
         return {o.name: o.default for o in self.options}

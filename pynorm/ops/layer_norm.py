@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError
-from ..reference.layer_norm import LayerNormGrads
+from ..reference.layer_norm import LayerNormCtx, LayerNormGrads
 from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
 
 
@@ -72,6 +72,7 @@ SPEC = OpSpec(
         Option("weight_offset", 0.0, check_real, "o in (w + o): 1.0 for Gemma / TE zero-centred gamma"),
     ),
     grads=LayerNormGrads,
+    ctx=LayerNormCtx,
     reference="pynorm.reference.layer_norm",
     family="stats",
     variant=StatsVariant("centered"),

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..reference.rms_norm import RMSNormGrads
+from ..reference.rms_norm import RMSNormCtx, RMSNormGrads
 from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real
 
 
@@ -42,6 +42,7 @@ SPEC = OpSpec(
         Option("weight_offset", 0.0, check_real, "o in (w + o): 1.0 for Gemma's (1 + w)"),
     ),
     grads=RMSNormGrads,
+    ctx=RMSNormCtx,
     reference="pynorm.reference.rms_norm",
     family="stats",
     variant=StatsVariant("mean_square"),

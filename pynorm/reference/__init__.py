@@ -1,12 +1,21 @@
 """The reference backend: pure NumPy, the definition of every op and pynorm's oracle.
 
-Registered as the ``numpy`` backend. One module per norm, each with
-``forward(x2d, *params, **conventions) -> (y, ctx)`` and ``backward(dy, ctx) -> grads``
-on ``(rows, hidden)`` arrays; :mod:`pynorm.functional` does validation and reshaping.
+Registered as the ``numpy`` backend. One module per norm (or per pair
+of related norms), each op with ``forward(x2d, *inputs, *params, **options) -> (y, ctx)`` and
+``backward(dy, ctx, **upstream) -> grads`` on ``(rows, hidden)`` arrays; :mod:`pynorm._dispatch`
+does validation and reshaping.
 """
 
-#: op name -> submodule implementing ``forward``/``backward`` (read by the registry).
+#: op name -> submodule implementing ``forward``/``backward`` (read by the registry); a submodule
+#: serving several ops maps them to their functions in ``OP_IMPLS``.
 OPS = {
     "layer_norm": "layer_norm",
     "rms_norm": "rms_norm",
+    "scale_norm": "scale_norm",
+    "power_norm": "power_norm",
+    "dyt": "dyt",
+    "add_layer_norm": "add_norm",
+    "add_rms_norm": "add_norm",
+    "modality_layer_norm": "modality_norm",
+    "modality_rms_norm": "modality_norm",
 }

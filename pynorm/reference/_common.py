@@ -81,9 +81,9 @@ def center(a: np.ndarray, mean: np.ndarray) -> np.ndarray:
 
 
 def _to_bfloat16(a: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
-    # ml_dtypes converts float64 -> bfloat16 through float32, rounding twice.
+    # ml_dtypes before 0.7 converted float64 -> bfloat16 through float32, rounding twice.
     # Rounding to float32 *to odd* first makes the second rounding exact-correct
-    # (float32 carries 24 bits, more than bfloat16's 8 + 2).
+    # (float32 carries 24 bits, more than bfloat16's 8 + 2), whichever version is installed.
     a = np.asarray(a)
     f = a.astype(np.float32)
     back = f.astype(a.dtype)

@@ -85,6 +85,55 @@ def _effective_weight(weight: np.ndarray | None, offset: float, wp: np.dtype[Any
     return weight.astype(wp) + wp.type(offset)
 
 
+# ---------------------------------------------------------------------------
+# the math, on working-precision arrays (shared by the ops built on LayerNorm: the residual-add
+# and modality variants)
+
+
+def statistics(xw: np.ndarray, *, eps: float, correction: int, eps_mode: str) -> tuple[np.ndarray, ...]:
+    """``(d, mean, rstd)`` of the ``(R, H)`` working-precision rows ``xw``: the centred values, the mean
+    and ``r`` (see the module docstring)."""
+    wp = xw.dtype
+    mean = row_mean(xw)
+    d = center(xw, mean)
+    var = np.sum(d * d, axis=1) / wp.type(xw.shape[1] - correction)
+    e = wp.type(eps)
+    rstd = 1 / np.sqrt(var + e) if eps_mode == "var" else 1 / (np.sqrt(var) + e)
+    return d, mean, rstd
+
+
+def affine(xhat: np.ndarray, w: np.ndarray | None, b: np.ndarray | None) -> np.ndarray:
+    """``xhat * w + b`` with the effective weight ``w`` and bias ``b`` (each ``(H,)``, ``(R, H)`` or None)."""
+    y = xhat * w if w is not None else xhat
+    return y + b if b is not None else y
+
+
+def input_grad(
+    dyw: np.ndarray, xw: np.ndarray, mean: np.ndarray, rstd: np.ndarray, w: np.ndarray | None, *,
+    correction: int, eps_mode: str,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """``(dx, xhat)`` in working precision for the upstream gradient ``dyw`` of ``y = xhat * w + b``."""
+    wp = xw.dtype
+    h = xw.shape[1]
+    n = wp.type(h - correction)
+    d = center(xw, mean)
+    xhat = d * rstd[:, None]
+    g = dyw * w if w is not None else dyw
+    gbar = np.sum(g, axis=1) / wp.type(h)
+    gx = np.sum(g * xhat, axis=1)
+    if eps_mode == "var":
+        coef = gx / n
+    else:
+        s = np.sqrt(np.sum(d * d, axis=1) / n)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            coef = np.where(s > 0, gx / (n * s * rstd), wp.type(0))
+    return rstd[:, None] * (g - gbar[:, None] - xhat * coef[:, None]), xhat
+
+
+# ---------------------------------------------------------------------------
+# the op
+
+
 @_ieee
 def forward(
     x: np.ndarray,
@@ -103,22 +152,9 @@ def forward(
     written into ``out`` (a C-contiguous ``(R, H)`` array of that dtype) if given.
     """
     wp = working_dtype(x.dtype, getattr(weight, "dtype", None), getattr(bias, "dtype", None))
-    h = x.shape[1]
-    xw = x.astype(wp)
-    mean = row_mean(xw)
-    d = center(xw, mean)
-    var = np.sum(d * d, axis=1) / wp.type(h - correction)
-    e = wp.type(eps)
-    if eps_mode == "var":
-        rstd = 1 / np.sqrt(var + e)
-    else:
-        rstd = 1 / (np.sqrt(var) + e)
-    y = d * rstd[:, None]
+    d, mean, rstd = statistics(x.astype(wp), eps=eps, correction=correction, eps_mode=eps_mode)
     w = _effective_weight(weight, weight_offset, wp)
-    if w is not None:
-        y = y * w
-    if bias is not None:
-        y = y + bias.astype(wp)
+    y = affine(d * rstd[:, None], w, None if bias is None else bias.astype(wp))
     ctx = LayerNormCtx(x, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset))
     return write_result(y, x.dtype, out), ctx
 
@@ -128,23 +164,12 @@ def backward(dy: np.ndarray, ctx: LayerNormCtx, *, dx_out: np.ndarray | None = N
     """LayerNorm backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
     x, weight, bias = ctx.x, ctx.weight, ctx.bias
     wp = np.result_type(ctx.mean.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
-    h = x.shape[1]
-    n = wp.type(h - ctx.correction)
-    d = center(x.astype(wp), ctx.mean.astype(wp))
-    rstd = ctx.rstd.astype(wp)
-    xhat = d * rstd[:, None]
     dyw = dy.astype(wp)
     w = _effective_weight(weight, ctx.weight_offset, wp)
-    g = dyw * w if w is not None else dyw
-    gbar = np.sum(g, axis=1) / wp.type(h)
-    gx = np.sum(g * xhat, axis=1)
-    if ctx.eps_mode == "var":
-        coef = gx / n
-    else:
-        s = np.sqrt(np.sum(d * d, axis=1) / n)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            coef = np.where(s > 0, gx / (n * s * rstd), wp.type(0))
-    dx = rstd[:, None] * (g - gbar[:, None] - xhat * coef[:, None])
+    dx, xhat = input_grad(
+        dyw, x.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), w, correction=ctx.correction,
+        eps_mode=ctx.eps_mode,
+    )  # fmt: skip
     dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None
     return LayerNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)

@@ -61,6 +61,23 @@ class RMSNormGrads(NamedTuple):
     dweight: Any
 
 
+def statistics(xw: np.ndarray, *, eps: float) -> np.ndarray:
+    """``r`` of each row of the ``(R, H)`` working-precision array ``xw``."""
+    wp = xw.dtype
+    ms = np.sum(xw * xw, axis=1) / wp.type(xw.shape[1])
+    return 1 / np.sqrt(ms + wp.type(eps))  # type: ignore[no-any-return]
+
+
+def input_grad(
+    dyw: np.ndarray, xw: np.ndarray, rstd: np.ndarray, w: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(dx, xhat)`` in working precision for the upstream gradient ``dyw`` of ``y = xhat * w``."""
+    xhat = xw * rstd[:, None]
+    g = dyw * w if w is not None else dyw
+    c = np.sum(g * xhat, axis=1) / xw.dtype.type(xw.shape[1])
+    return rstd[:, None] * (g - xhat * c[:, None]), xhat
+
+
 @_ieee
 def forward(
     x: np.ndarray,
@@ -73,8 +90,7 @@ def forward(
     """RMSNorm forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)``."""
     wp = working_dtype(x.dtype, getattr(weight, "dtype", None))
     xw = x.astype(wp)
-    ms = np.sum(xw * xw, axis=1) / wp.type(x.shape[1])
-    rstd = 1 / np.sqrt(ms + wp.type(eps))
+    rstd = statistics(xw, eps=eps)
     y = xw * rstd[:, None]
     w = _effective_weight(weight, weight_offset, wp)
     if w is not None:
@@ -88,12 +104,7 @@ def backward(dy: np.ndarray, ctx: RMSNormCtx, *, dx_out: np.ndarray | None = Non
     """RMSNorm backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
     x, weight = ctx.x, ctx.weight
     wp = np.result_type(ctx.rstd.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
-    rstd = ctx.rstd.astype(wp)
-    xhat = x.astype(wp) * rstd[:, None]
     dyw = dy.astype(wp)
-    w = _effective_weight(weight, ctx.weight_offset, wp)
-    g = dyw * w if w is not None else dyw
-    c = np.sum(g * xhat, axis=1) / wp.type(x.shape[1])
-    dx = rstd[:, None] * (g - xhat * c[:, None])
+    dx, xhat = input_grad(dyw, x.astype(wp), ctx.rstd.astype(wp), _effective_weight(weight, ctx.weight_offset, wp))
     dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     return RMSNormGrads(write_result(dx, x.dtype, dx_out), dweight)

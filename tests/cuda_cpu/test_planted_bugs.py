@@ -23,9 +23,7 @@ if _REASON is not None:
 
 import cupy  # noqa: E402  (the harness's stand-in)
 
-from pynorm.backends.cupy import _loader  # noqa: E402
-from pynorm.backends.cupy import layer_norm as cu_ln  # noqa: E402
-from pynorm.backends.cupy import rms_norm as cu_rms  # noqa: E402
+from pynorm.backends.cupy import _loader, stats  # noqa: E402
 from pynorm.reference import layer_norm as ref_ln  # noqa: E402
 from pynorm.reference import rms_norm as ref_rms  # noqa: E402
 from pynorm.testing import term_scales  # noqa: E402
@@ -40,7 +38,7 @@ PLANTED = {
         "",
     ),
     "missing barrier (partial sums of the groups)": (
-        "layer_norm.cu",
+        "stats.cu",
         "          }\n        }\n      }\n    }\n    __syncthreads();\n  }\n}",
         "          }\n        }\n      }\n    }\n  }\n}",
     ),
@@ -55,9 +53,9 @@ PLANTED = {
         "    if (base + e <= H) p[e] = r.v[e];",
     ),
     "wrong coefficient": (
-        "layer_norm.cu",
-        "    o.coef = div_row(gx, n);",
-        "    o.coef = div_row(gx, n) * A(1.001);",
+        "stats.cu",
+        "      o.coef = div_row(gx, n);",
+        "      o.coef = div_row(gx, n) * A(1.001);",
     ),
     "shuffle skipped by one lane": (
         "common.cuh",
@@ -121,7 +119,7 @@ def _run(op: str, shape: tuple[int, int], dt: str) -> str | None:
     h = shape[1]
     names = ("weight", "bias") if op == "layer_norm" else ("weight",)
     params = {n: ((1.0 if n == "weight" else 0.0) + 0.5 * rng.standard_normal(h)).astype(_dtype(dt)) for n in names}
-    dev, ref = (cu_ln, ref_ln) if op == "layer_norm" else (cu_rms, ref_rms)
+    dev, ref = stats.OP_IMPLS[op], (ref_ln if op == "layer_norm" else ref_rms)
     conv = {"eps": 1e-5, "correction": 1} if op == "layer_norm" else {"eps": 1e-6}
     y, ctx = dev.forward(cupy.asarray(x), *(cupy.asarray(p) for p in params.values()), **conv)
     grads = dev.backward(cupy.asarray(dy), ctx)

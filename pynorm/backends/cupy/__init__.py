@@ -1,16 +1,16 @@
 """The ``cupy`` backend: CUDA C kernels (``kernels/*.cu``) launched on :class:`cupy.ndarray` inputs.
 
-One module per norm, mirroring :mod:`pynorm.reference` function by function (same
-``forward``/``backward`` signatures, the same ctx dataclasses and gradient tuples, holding
-CuPy arrays):
+Each op is a variant of a kernel family (:mod:`pynorm.ops`: the spec names it), so one module
+serves every op of a family, mirroring :mod:`pynorm.reference` op by op (same ``forward``/``backward``
+contract, the same ctx dataclasses and gradient tuples, holding CuPy arrays):
 
-* :mod:`.layer_norm`, :mod:`.rms_norm` -- host launchers;
+* :mod:`.stats` -- host launchers of the statistics family (LayerNorm, RMSNorm...), ``OP_IMPLS``;
 * :mod:`._loader` -- reads the ``.cu`` files (``#line`` directives keep compiler messages
   pointing at them) and instantiates templates through NVRTC name expressions, one
-  :class:`cupy.RawModule` per file and type combination, cached per device;
+  :class:`cupy.RawModule` per file, dtypes and variant, cached per device;
 * :mod:`._launch` -- launch configuration and occupancy model (pure Python);
 * :mod:`.compile_check` -- ``python -m pynorm.backends.cupy.compile_check`` compiles every
-  instantiation for sm_80 and sm_90 with NVRTC from pip and fails on errors or spills.
+  instantiation the specs declare for sm_80 and sm_90 with NVRTC from pip and fails on errors or spills.
 
 bfloat16 arrays are ``cupy.ndarray`` objects whose dtype is ``ml_dtypes.bfloat16``
 (CuPy >= 14). The kernels do every conversion themselves; the host code only allocates,
@@ -20,8 +20,8 @@ relies on no bfloat16 arithmetic in CuPy.
 Importing this package imports neither CuPy nor the submodules.
 """
 
-#: op name -> submodule implementing ``forward``/``backward`` (read by the registry).
-OPS = {
-    "layer_norm": "layer_norm",
-    "rms_norm": "rms_norm",
-}
+from ...ops import SPECS as _SPECS
+from ._loader import supports as _supports
+
+#: op name -> submodule implementing it (read by the registry): each family's module
+OPS = {name: "stats" for name, spec in _SPECS.items() if _supports(spec)}

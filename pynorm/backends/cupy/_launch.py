@@ -13,11 +13,10 @@ disagree.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ...errors import ArgumentError, ContextError, DTypeError, ShapeError
+from ...errors import DTypeError, ShapeError
 from ._loader import TYPE_NAMES, defines
 
 __all__ = [
@@ -31,8 +30,6 @@ __all__ = [
     "backward_config",
     "bwd_items",
     "can_vectorize",
-    "check_backward_args",
-    "check_forward_args",
     "forward_config",
     "group_size",
     "launch_bound",
@@ -440,75 +437,12 @@ def type_plan(x_dtype: Any, weight_dtype: Any = None, bias_dtype: Any = None) ->
     )
 
 
-# ---------------------------------------------------------------------------
-# argument validation (the functional layer validates first; this guards direct calls)
-
-
-def _check_vector(p: Any, name: str, hidden: int) -> None:
-    if p is None:
-        return
-    if getattr(p, "ndim", None) != 1 or tuple(p.shape) != (hidden,):
-        raise ShapeError(f"{name} must have shape ({hidden},), got {tuple(getattr(p, 'shape', ()))}")
-    cuda_type(p.dtype)
-
-
-def _check_out(out: Any, name: str, x: Any) -> None:
-    if out is None:
-        return
-    if tuple(out.shape) != tuple(x.shape) or _dtype_name(out.dtype) != _dtype_name(x.dtype):
-        raise ShapeError(
-            f"{name} must have shape {tuple(x.shape)} and dtype {x.dtype}, got {tuple(out.shape)} and {out.dtype}"
-        )
-    if not out.flags.c_contiguous:
-        raise ArgumentError(f"{name} must be C-contiguous")
-
-
-def check_forward_args(
-    x: Any,
-    params: dict[str, Any],
-    *,
-    eps: Any,
-    correction: Any = 0,
-    eps_mode: Any = "var",
-    weight_offset: Any = 0.0,
-    out: Any = None,
-) -> None:
-    """Validate a forward call of the backend contract: ``x`` (R, H) with H >= 1, ``(H,)``
-    parameters, conventions in range, ``out`` a C-contiguous (R, H) array of x's dtype."""
+def check_input(x: Any) -> tuple[int, int]:
+    """``(rows, hidden)`` of a kernel input: what the kernels themselves need (a 2-D array, a hidden
+    size they can index); everything else is validated once, from the op's spec, before dispatch."""
     if getattr(x, "ndim", None) != 2:
         raise ShapeError(f"x must be a 2-D (rows, hidden) array, got shape {tuple(getattr(x, 'shape', ()))}")
-    cuda_type(x.dtype)
-    hidden = int(x.shape[1])
-    if hidden < 1:
-        raise ShapeError("x must have at least one column (hidden size >= 1)")
-    if hidden > MAX_HIDDEN:
-        raise ShapeError(f"hidden size {hidden} exceeds the cupy backend's limit {MAX_HIDDEN}")
-    for name, p in params.items():
-        _check_vector(p, name, hidden)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}")
-    if isinstance(correction, bool) or correction not in (0, 1):
-        raise ArgumentError(f"correction must be 0 or 1, got {correction!r}")
-    if hidden - correction < 1:
-        raise ArgumentError(f"correction={correction} needs more than {correction} element(s) per row")
-    if eps_mode not in ("var", "std"):
-        raise ArgumentError(f"eps_mode must be 'var' or 'std', got {eps_mode!r}")
-    if (
-        isinstance(weight_offset, bool)
-        or not isinstance(weight_offset, (int, float))
-        or not math.isfinite(weight_offset)
-    ):
-        raise ArgumentError(f"weight_offset must be a finite real number, got {weight_offset!r}")
-    _check_out(out, "out", x)
-
-
-def check_backward_args(dy: Any, ctx: Any, ctx_type: type, *, dx_out: Any = None) -> None:
-    """Validate a backward call: ``ctx`` made by this backend's forward, ``dy`` like ``ctx.x``."""
-    if not isinstance(ctx, ctx_type):
-        raise ContextError(f"ctx must be the {ctx_type.__name__} returned by forward, got {type(ctx).__name__}")
-    x: Any = getattr(ctx, "x")  # noqa: B009 (ctx_type is a dataclass with an x field)
-    if tuple(dy.shape) != tuple(x.shape):
-        raise ShapeError(f"dy has shape {tuple(dy.shape)}, expected x's shape {tuple(x.shape)}")
-    if _dtype_name(dy.dtype) != _dtype_name(x.dtype):
-        raise DTypeError(f"dy has dtype {dy.dtype}, expected x's dtype {x.dtype}")
-    _check_out(dx_out, "dx_out", x)
+    rows, hidden = (int(d) for d in x.shape)
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ShapeError(f"hidden size {hidden} is outside the cupy backend's range 1..{MAX_HIDDEN}")
+    return rows, hidden

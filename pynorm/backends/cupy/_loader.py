@@ -4,7 +4,8 @@ The kernels live in ``kernels/*.cu`` (package data, read with :mod:`importlib.re
 :func:`assemble` returns a file's text with its local ``#include "x.cuh"`` lines replaced by
 the header's text, framed by ``#line`` directives so that compiler messages name the real
 file and line. Templates are instantiated through NVRTC *name expressions*
-(``pynorm::layer_norm_fwd<__nv_bfloat16, float>``), never by string substitution.
+(``pynorm::stats_fwd<__nv_bfloat16, float, pynorm::Centered, pynorm::Vector<true>>``), never by
+string substitution.
 
 Importing this module is cheap and does not import CuPy; :func:`get_kernel` does, and
 compiles (through :class:`cupy.RawModule`, with CuPy's on-disk cache) one module per
@@ -46,12 +47,48 @@ CUDA_TYPES = tuple(TYPE_NAMES.values())
 #: accumulation types (the ``A`` of reduce.cu)
 ACC_TYPES = ("float", "double")
 
-#: kernel templates of each source file; norm kernels take <T, W>, reduce.cu's <O, A> and <S, D>.
+#: kernel templates of each source file. The family kernels take <T, W, variant policies...>
+#: (stats.cu: the statistic and the affine policy of each op of the family, from the op specs),
+#: reduce.cu's <O, A> and <S, D>.
 KERNELS: dict[str, tuple[str, ...]] = {
-    "layer_norm.cu": ("layer_norm_fwd", "layer_norm_bwd", "layer_norm_bwd_stats", "layer_norm_bwd_apply"),
-    "rms_norm.cu": ("rms_norm_fwd", "rms_norm_bwd", "rms_norm_bwd_stats", "rms_norm_bwd_apply"),
+    "stats.cu": ("stats_fwd", "stats_bwd", "stats_bwd_stats", "stats_bwd_apply"),
     "reduce.cu": ("reduce_partials", "cast_params"),
 }
+#: kernel family -> the source file implementing it
+FAMILY_FILES = {"stats": "stats.cu"}
+
+#: C++ policy of each variant axis value of the statistics family (pynorm.ops.StatsVariant)
+STAT_POLICIES = {"centered": "pynorm::Centered", "mean_square": "pynorm::MeanSquare"}
+
+
+def supports(spec: Any) -> bool:
+    """Whether the kernels implement ``spec``'s family and variant."""
+    if spec.family != "stats":
+        return False
+    v = spec.variant
+    return v.statistic in STAT_POLICIES and v.affine == "vector" and v.prologue == "plain" and v.epilogue == "plain"
+
+
+def variant_args(spec: Any) -> tuple[str, ...]:
+    """The template arguments after the dtypes that implement ``spec`` (an :class:`pynorm.ops.OpSpec`)."""
+    if not supports(spec):
+        raise ValueError(f"op {spec.name!r}: the cupy backend has no kernels for {spec.family} {spec.variant}")
+    bias = "true" if "bias" in spec.param_names else "false"
+    return (STAT_POLICIES[spec.variant.statistic], f"pynorm::Vector<{bias}>")
+
+
+def family_variants(file: str) -> list[tuple[str, ...]]:
+    """Every variant (template arguments after the dtypes) the op specs declare for ``file``."""
+    from ...ops import SPECS
+
+    out: list[tuple[str, ...]] = []
+    for spec in SPECS.values():
+        if FAMILY_FILES.get(spec.family) == file and supports(spec):
+            v = variant_args(spec)
+            if v not in out:
+                out.append(v)
+    return out
+
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _DEFINE = re.compile(r"^\s*#\s*define\s+(PYNORM_\w+)\s+(-?\d+)\b", re.MULTILINE)
@@ -118,16 +155,29 @@ def name_expression(kernel: str, *types: str) -> str:
     return f"pynorm::{kernel}<{', '.join(types)}>"
 
 
-def module_names(file: str, types: tuple[str, str]) -> tuple[str, ...]:
-    """Name expressions compiled together in one runtime module: every kernel of ``file`` for ``types``."""
+def module_names(file: str, types: tuple[str, ...]) -> tuple[str, ...]:
+    """Name expressions compiled together in one runtime module: every kernel of ``file`` for ``types``
+    (the dtypes and, for a family file, the variant's policies)."""
     return tuple(name_expression(k, *types) for k in KERNELS[file])
 
 
-def type_pairs(file: str) -> list[tuple[str, str]]:
-    """Every type combination a file is instantiated for."""
+def type_pairs(file: str) -> list[tuple[str, ...]]:
+    """Every template-argument combination a file is instantiated for: (output, accumulator) pairs for
+    reduce.cu; (x, parameter) dtype pairs times every variant the specs declare for a family file."""
     if file == "reduce.cu":
         return [(o, a) for o in CUDA_TYPES for a in ACC_TYPES]
-    return [(t, w) for t in CUDA_TYPES for w in CUDA_TYPES]
+    return [(t, w, *v) for v in family_variants(file) for t in CUDA_TYPES for w in CUDA_TYPES]
+
+
+def instantiation_groups(file: str) -> list[list[str]]:
+    """The name expressions of ``file`` in groups that compile independently (one per variant), so the
+    compile check can spread them over cores."""
+    if file == "reduce.cu":
+        return [instantiations(file)]
+    return [
+        [n for t in CUDA_TYPES for w in CUDA_TYPES for n in module_names(file, (t, w, *v))]
+        for v in family_variants(file)
+    ]
 
 
 def instantiations(file: str) -> list[str]:
@@ -180,7 +230,7 @@ _lock = threading.Lock()
 _modules: dict[tuple[int, str, tuple[str, ...]], Any] = {}
 
 
-def _module(file: str, types: tuple[str, str]) -> Any:
+def _module(file: str, types: tuple[str, ...]) -> Any:
     """The (uncompiled until first use) :class:`cupy.RawModule` of ``file`` for ``types`` on the current device."""
     import cupy
 
@@ -193,7 +243,7 @@ def _module(file: str, types: tuple[str, str]) -> Any:
     return mod
 
 
-def get_kernel(file: str, kernel: str, types: tuple[str, str]) -> Any:
+def get_kernel(file: str, kernel: str, types: tuple[str, ...]) -> Any:
     """The :class:`cupy.RawKernel` ``pynorm::kernel<types>`` of ``file`` on the current device.
 
     The first request for a (device, file, types) compiles that file's kernels for those types
@@ -202,7 +252,7 @@ def get_kernel(file: str, kernel: str, types: tuple[str, str]) -> Any:
     return _module(file, types).get_function(name_expression(kernel, *types))
 
 
-def warm_up(requests: Iterable[tuple[str, tuple[str, str]]] | None = None, jobs: int | None = None) -> int:
+def warm_up(requests: Iterable[tuple[str, tuple[str, ...]]] | None = None, jobs: int | None = None) -> int:
     """Compile runtime modules ahead of use, in parallel threads (NVRTC releases the GIL).
 
     ``requests``: ``(file, types)`` pairs; default every file and type combination. Returns
@@ -214,7 +264,7 @@ def warm_up(requests: Iterable[tuple[str, tuple[str, str]]] | None = None, jobs:
     reqs = list(requests) if requests is not None else [(f, p) for f in KERNELS for p in type_pairs(f)]
     dev = cupy.cuda.runtime.getDevice()
 
-    def one(req: tuple[str, tuple[str, str]]) -> bool:
+    def one(req: tuple[str, tuple[str, ...]]) -> bool:
         try:
             with cupy.cuda.Device(dev):
                 _module(*req).compile()

@@ -213,10 +213,10 @@ def run_check(
 ) -> list[CompileResult]:
     """Compile every file for every arch (NVRTC releases the GIL: threads run in parallel)."""
     files = list(files or _loader.KERNELS)
-    tasks = [(f, a) for a in archs for f in files]
+    tasks = [(f, a, names) for a in archs for f in files for names in _loader.instantiation_groups(f)]
     jobs = jobs or min(len(tasks), os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as ex:
-        return list(ex.map(lambda fa: check_file(fa[0], fa[1], directory), tasks))
+        return list(ex.map(lambda t: check_file(t[0], t[1], directory, t[2]), tasks))
 
 
 def format_table(results: Sequence[CompileResult]) -> str:

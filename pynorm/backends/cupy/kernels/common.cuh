@@ -180,6 +180,19 @@ template <typename A, typename W> __device__ __forceinline__ A bias_at(const W* 
   return b != nullptr ? to_acc<A>(b[i]) : A(0);
 }
 
+// The group of G = 2^log2g threads this thread belongs to: its index t in the group, the
+// group's index gi in the block, the groups per block (gpb), and the items each thread owns of
+// a row of H elements (nk = ceil(H / (G * V))).
+struct RowGroup {
+  int G, t, gi, gpb, nk;
+  __device__ __forceinline__ RowGroup(int log2g, int H, int V)
+      : G(1 << log2g),
+        t(static_cast<int>(threadIdx.x) & ((1 << log2g) - 1)),
+        gi(static_cast<int>(threadIdx.x) >> log2g),
+        gpb(static_cast<int>(blockDim.x) >> log2g),
+        nk((H + (1 << log2g) * V - 1) / ((1 << log2g) * V)) {}
+};
+
 // ---------------------------------------------------------------------------
 // group reductions.  Every thread of the group ends with the same, bitwise
 // identical value (xor butterflies are symmetric; the cross-warp step sums the

@@ -1,0 +1,101 @@
+"""The fused residual add + LayerNorm / RMSNorm ops: their specs (math in :mod:`pynorm.reference.add_norm`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import DTypeError
+from ..reference.add_norm import AddLayerNormCtx, AddLayerNormGrads, AddRMSNormCtx, AddRMSNormGrads, h_dtype
+from . import layer_norm as _ln
+from . import rms_norm as _rms
+from ._spec import Input, OpSpec, Option, StatsVariant, check_real
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_residual_dtype(v: Any, name: str) -> str | None:
+    """None (``x``'s dtype) or one of the four float dtypes, returned by name."""
+    if v is None:
+        return None
+    dt = getattr(v, "name", None) or (v if isinstance(v, str) else getattr(np.dtype(v), "name", None))
+    try:
+        dt = dt if isinstance(dt, str) else np.dtype(v).name
+    except TypeError:
+        dt = None
+    if dt not in _FLOATS:
+        raise DTypeError(f"{name} must be None or one of {', '.join(_FLOATS)}, got {v!r}")
+    return dt
+
+
+def _dtypes(x_dtype: Any, options: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (x_dtype, h_dtype(x_dtype, options.get("residual_dtype")))
+
+
+_ADD_OPTIONS = (
+    Option("alpha", 1.0, check_real, "scale of the residual: h = x + alpha * residual (DeepNorm's alpha)"),
+    Option("residual_dtype", None, check_residual_dtype, "dtype of h (None: x's; float32 keeps the stream in fp32)"),
+)
+
+
+def _with_add(term_scales: Any) -> Any:
+    """The norm's term scales, measured on ``h``, plus those of ``h`` itself and of ``dresidual``."""
+
+    def scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+        alpha = abs(options.get("alpha", 1.0))
+        res = np.asarray(arrays["residual"]).astype(np.float64)
+        xs = np.asarray(x2).astype(np.float64)
+        h = np.asarray(arrays["h"]) if arrays.get("h") is not None else xs + options.get("alpha", 1.0) * res
+        sc = term_scales(h, arrays, dy2, options)
+        dh = arrays.get("dh")
+        if dh is not None:
+            sc["dx"] = sc["dx"] + np.abs(np.asarray(dh).astype(np.float64))
+        sc["dresidual"] = alpha * sc["dx"]
+        sc["h"] = np.abs(xs) + alpha * np.abs(res)
+        return sc
+
+    return scales
+
+
+ADD_LAYER_NORM = OpSpec(
+    name="add_layer_norm",
+    inputs=(Input("residual", "like_x", "the residual stream added to x (scaled by alpha)"),),
+    params=_ln.SPEC.params,
+    options=(*_ln.SPEC.options, *_ADD_OPTIONS),
+    grads=AddLayerNormGrads,
+    ctx=AddLayerNormCtx,
+    reference="pynorm.reference.add_norm",
+    family="stats",
+    variant=StatsVariant("centered", prologue="residual", epilogue="prenorm"),
+    term_scales=_with_add(_ln.term_scales),
+    check=_ln.SPEC.check,
+    cases=(
+        {},
+        {"alpha": 2.5},
+        {"correction": 1, "eps_mode": "std"},
+        {"weight_offset": 1.0, "residual_dtype": "float32"},
+        {"alpha": 0.5, "residual_dtype": "float64"},
+    ),
+    outputs=("y", "h"),
+    output_dtypes=_dtypes,
+    summary="h = x + alpha * residual, y = layer_norm(h)",
+)
+
+ADD_RMS_NORM = OpSpec(
+    name="add_rms_norm",
+    inputs=(Input("residual", "like_x", "the residual stream added to x (scaled by alpha)"),),
+    params=_rms.SPEC.params,
+    options=(*_rms.SPEC.options, *_ADD_OPTIONS),
+    grads=AddRMSNormGrads,
+    ctx=AddRMSNormCtx,
+    reference="pynorm.reference.add_norm",
+    family="stats",
+    variant=StatsVariant("mean_square", prologue="residual", epilogue="prenorm"),
+    term_scales=_with_add(_rms.term_scales),
+    cases=({}, {"alpha": 2.5}, {"weight_offset": 1.0, "residual_dtype": "float32"}, {"alpha": -1.0}),
+    outputs=("y", "h"),
+    output_dtypes=_dtypes,
+    summary="h = x + alpha * residual, y = rms_norm(h)",
+)

@@ -1,0 +1,52 @@
+"""The DyT op (Dynamic Tanh): its spec (math in :mod:`pynorm.reference.dyt`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..reference.dyt import DyTCtx, DyTGrads, sech2
+from ._spec import ElementwiseVariant, OpSpec, Param
+
+
+def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+    """``y``: ``|w| |tanh z| + |b|`` (``z = alpha x``); ``dx``: ``|alpha sech^2(z) G|`` (``G = w dy``);
+    ``dalpha``: ``sum |x sech^2(z) G|``; ``dweight``: ``sum |dy tanh z|``; ``dbias``: ``sum |dy|``."""
+    wide = np.longdouble
+    x = x2.astype(wide)
+    dy = dy2.astype(wide)
+    alpha = wide(float(np.asarray(arrays["alpha"], np.float64).reshape(-1)[0]))
+    w, b = arrays.get("weight"), arrays.get("bias")
+    wv = np.ones(x2.shape[1], wide) if w is None else np.abs(np.asarray(w, np.float64)).astype(wide)
+    bv = 0 if b is None else np.abs(np.asarray(b, np.float64)).astype(wide)
+    z = alpha * x
+    t = np.abs(np.tanh(z))
+    gs = np.abs(dy) * wv * sech2(z)
+    out = {
+        "y": wv * t + bv,
+        "dx": abs(alpha) * gs,
+        "dalpha": (gs * np.abs(x)).sum().reshape(1),
+        "dweight": (np.abs(dy) * t).sum(axis=0),
+        "dbias": np.abs(dy).sum(axis=0),
+    }
+    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+
+
+SPEC = OpSpec(
+    name="dyt",
+    params=(
+        Param("alpha", "scalar", 0.5, "learnable scalar inside the tanh (the paper starts it at 0.5)", True, True),
+        Param("weight", "feature", 1.0, "per-feature scale"),
+        Param("bias", "feature", 0.0, "per-feature shift"),
+    ),
+    options=(),
+    grads=DyTGrads,
+    ctx=DyTCtx,
+    reference="pynorm.reference.dyt",
+    family="elementwise",
+    variant=ElementwiseVariant("tanh"),
+    term_scales=term_scales,
+    summary="y = w * tanh(alpha * x) + b",
+)

@@ -1,0 +1,80 @@
+"""The modality LayerNorm / RMSNorm ops: their specs (math in :mod:`pynorm.reference.modality_norm`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..reference.modality_norm import (
+    ModalityLayerNormCtx,
+    ModalityLayerNormGrads,
+    ModalityRMSNormCtx,
+    ModalityRMSNormGrads,
+    scatter_rows,
+)
+from . import layer_norm as _ln
+from . import rms_norm as _rms
+from ._spec import Input, OpSpec, Param, StatsVariant
+
+
+def _per_row(term_scales: Any, names: tuple[str, ...]) -> Any:
+    """The plain norm's term scales with each row's own parameter rows; parameter gradients per modality."""
+
+    def scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+        ids = np.asarray(arrays["modality_ids"]).astype(np.int64)
+        tables = {n: (None if arrays.get(n) is None else np.asarray(arrays[n]).astype(np.float64)) for n in names}
+        m = next(t.shape[0] for t in tables.values() if t is not None)
+        out: dict[str, Any] = {}
+        rows = []
+        for i in range(x2.shape[0]):  # each row with its own parameters (a plain norm of one row)
+            params = {n: (None if t is None else t[ids[i]]) for n, t in tables.items()}
+            rows.append(term_scales(x2[i : i + 1], params, dy2[i : i + 1], options))
+        for key in ("y", "dx"):
+            out[key] = np.concatenate([r[key] for r in rows]) if rows else np.zeros(x2.shape)
+        for n in names:
+            per_row = np.concatenate([r[f"d{n}"][None] for r in rows]) if rows else np.zeros((0, x2.shape[1]))
+            out[f"d{n}"] = scatter_rows(per_row, ids, m)
+        return out
+
+    return scales
+
+
+_IDS = Input("modality_ids", "row_index", "the modality of each row: an integer in [0, M)")
+
+MODALITY_LAYER_NORM = OpSpec(
+    name="modality_layer_norm",
+    inputs=(_IDS,),
+    params=(
+        Param("weight", "table", 1.0, "(M, *x.shape[axis:]) table of per-modality scales", True, index="modality_ids"),
+        Param("bias", "table", 0.0, "(M, *x.shape[axis:]) table of per-modality shifts", index="modality_ids"),
+    ),
+    options=_ln.SPEC.options,
+    grads=ModalityLayerNormGrads,
+    ctx=ModalityLayerNormCtx,
+    reference="pynorm.reference.modality_norm",
+    family="stats",
+    variant=StatsVariant("centered", affine="table"),
+    term_scales=_per_row(_ln.term_scales, ("weight", "bias")),
+    check=_ln.SPEC.check,
+    cases=({}, {"correction": 1}, {"eps_mode": "std", "weight_offset": 1.0}),
+    summary="y_i = layer_norm(x_i) with the weight/bias rows of modality ids[i]",
+)
+
+MODALITY_RMS_NORM = OpSpec(
+    name="modality_rms_norm",
+    inputs=(_IDS,),
+    params=(
+        Param("weight", "table", 1.0, "(M, *x.shape[axis:]) table of per-modality scales", True, index="modality_ids"),
+    ),
+    options=_rms.SPEC.options,
+    grads=ModalityRMSNormGrads,
+    ctx=ModalityRMSNormCtx,
+    reference="pynorm.reference.modality_norm",
+    family="stats",
+    variant=StatsVariant("mean_square", affine="table"),
+    term_scales=_per_row(_rms.term_scales, ("weight",)),
+    cases=({}, {"weight_offset": 1.0}),
+    summary="y_i = rms_norm(x_i) with the weight row of modality ids[i]",
+)

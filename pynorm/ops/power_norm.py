@@ -1,0 +1,58 @@
+"""The (source documents') PowerNorm op: its spec (math in :mod:`pynorm.reference.power_norm`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError
+from ..reference.power_norm import PowerNormCtx, PowerNormGrads
+from ._spec import ElementwiseVariant, OpSpec, Option, Param, check_real
+
+
+def check_p(v: Any, name: str) -> float:
+    """A finite exponent > 0."""
+    p = check_real(v, name)
+    if not p > 0:
+        raise ArgumentError(f"{name} must be > 0 (a finite exponent), got {v!r}")
+    return p
+
+
+def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+    """``y``: ``|w| |x|^p + |b|``; ``dx``: ``|w p |x|^(p-1) dy|`` (saturated like ``dx``); ``dweight``:
+    ``sum |dy| |x|^p``; ``dbias``: ``sum |dy|``."""
+    wide = np.longdouble
+    p = wide(options.get("p", 0.5))
+    a = np.abs(x2.astype(wide))
+    dy = np.abs(dy2.astype(wide))
+    w, b = arrays.get("weight"), arrays.get("bias")
+    wv = np.ones(x2.shape[1], wide) if w is None else np.abs(np.asarray(w, np.float64)).astype(wide)
+    bv = 0 if b is None else np.abs(np.asarray(b, np.float64)).astype(wide)
+    with np.errstate(divide="ignore", over="ignore"):
+        deriv = np.where(a == 0, wide(1.0 if p == 1 else 0.0), p * a ** (p - 1))
+        big = float(np.finfo(np.float64).max)
+        out = {
+            "y": wv * a**p + bv,
+            "dx": np.minimum(wv * deriv * dy, big),
+            "dweight": (dy * a**p).sum(axis=0),
+            "dbias": dy.sum(axis=0),
+        }
+    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+
+
+SPEC = OpSpec(
+    name="power_norm",
+    params=(Param("weight", "feature", 1.0, "per-feature scale"), Param("bias", "feature", 0.0, "per-feature shift")),
+    options=(Option("p", 0.5, check_p, "the exponent, a finite p > 0 (a hyperparameter, no gradient)"),),
+    grads=PowerNormGrads,
+    ctx=PowerNormCtx,
+    reference="pynorm.reference.power_norm",
+    family="elementwise",
+    variant=ElementwiseVariant("signed_power"),
+    term_scales=term_scales,
+    cases=({}, {"p": 1.0}, {"p": 2.0}, {"p": 0.25}, {"p": math.pi / 4}),
+    summary="y = w * sign(x) * |x|^p + b",
+)

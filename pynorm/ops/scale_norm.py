@@ -1,0 +1,53 @@
+"""The ScaleNorm op: its spec (math in :mod:`pynorm.reference.scale_norm`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..reference.scale_norm import ScaleNormCtx, ScaleNormGrads
+from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, one_of
+
+
+def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+    """``y``: ``|x̂| |g|`` (``x̂ = x r``: no cancellation); ``dx``: ``r (|G| + |x̂| sum|G x̂|)`` with
+    ``G = g dy``; ``dg``: ``sum |dy x̂|``."""
+    wide = np.longdouble
+    x = x2.astype(wide)
+    dy = dy2.astype(wide)
+    g = arrays.get("g")
+    gv = wide(1.0) if g is None else wide(abs(float(np.asarray(g, np.float64).reshape(-1)[0])))
+    s2 = (x * x).sum(axis=1, keepdims=True)
+    eps = options.get("eps", 1e-5)
+    with np.errstate(divide="ignore"):
+        r = 1 / np.maximum(np.sqrt(s2), eps) if options.get("eps_mode", "floor") == "floor" else 1 / np.sqrt(s2 + eps)
+    xhat = np.abs(x * r)
+    big_g = np.abs(dy) * gv
+    out = {
+        "y": xhat * gv,
+        "dx": r * (big_g + xhat * (big_g * xhat).sum(axis=1, keepdims=True)),
+        "dg": np.abs(dy * xhat).sum().reshape(1),
+    }
+    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+
+
+SPEC = OpSpec(
+    name="scale_norm",
+    params=(Param("g", "scalar", 1.0, "learnable scalar scale (None means 1; the layer starts it at sqrt(d))"),),
+    options=(
+        Option("eps", 1e-5, check_eps, "floor of the norm (eps_mode='floor') or added to its square ('root')"),
+        Option(
+            "eps_mode", "floor", one_of("floor", "root", doc="max(||x||, eps) or sqrt(||x||^2 + eps)"), "eps placement"
+        ),
+    ),
+    grads=ScaleNormGrads,
+    ctx=ScaleNormCtx,
+    reference="pynorm.reference.scale_norm",
+    family="stats",
+    variant=StatsVariant("l2", affine="scalar"),
+    term_scales=term_scales,
+    cases=({}, {"eps_mode": "root"}, {"eps": 0.5}),
+    summary="y = g * x / max(||x||_2, eps)",
+)

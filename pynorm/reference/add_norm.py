@@ -1,0 +1,220 @@
+r"""Fused residual add + LayerNorm / RMSNorm, the reference definitions.
+
+.. math::
+
+    h = x + \alpha\,\mathrm{residual}, \qquad y = \mathrm{norm}(h)
+
+``h`` is rounded once to ``residual_dtype`` (default: ``x``'s dtype; float32 keeps the residual
+stream in fp32 for half inputs, as flash-attention's ``residual_in_fp32``) and the norm is taken
+of that rounded ``h`` -- exactly what the unfused ``h = x + alpha * r; y = norm(h)`` computes --
+with every convention of :mod:`.layer_norm` / :mod:`.rms_norm`. ``alpha`` is a float (DeepNorm's
+up-weighted skip ``x + alpha * f(x)`` is ``add_layer_norm(f(x), x, alpha=alpha)``). Forward
+returns both ``y`` and ``h``, so the caller keeps the residual stream.
+
+Backward, with :math:`\partial L/\partial h` the gradient arriving at ``h`` from later layers
+(``dh``, None for none) and :math:`g_h = \mathrm{norm}'(h)^T dy + \partial L/\partial h`:
+:math:`\partial L/\partial x = g_h`, :math:`\partial L/\partial\,\mathrm{residual} = \alpha\,g_h`,
+and the norm's parameter gradients as for the norm alone; ``dx`` and ``dresidual`` have the dtypes of
+``x`` and ``residual``.
+
+Numerics: the working precision of :mod:`._common`; ``h``, ``y`` and each gradient rounded once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import layer_norm as _ln
+from . import rms_norm as _rms
+from ._common import _ieee, round_to, working_dtype, write_result
+
+__all__ = [
+    "AddLayerNormCtx",
+    "AddLayerNormGrads",
+    "AddRMSNormCtx",
+    "AddRMSNormGrads",
+    "layer_norm_backward",
+    "layer_norm_forward",
+    "residual_sum",
+    "rms_norm_backward",
+    "rms_norm_forward",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class AddLayerNormCtx:
+    """What the backward needs: the rounded sum ``h``, the parameters, ``h``'s per-row mean and rstd."""
+
+    h: Any
+    weight: Any
+    bias: Any
+    mean: Any
+    rstd: Any
+    eps: float
+    correction: int
+    eps_mode: str
+    weight_offset: float
+    alpha: float
+    x_dtype: Any
+    residual_in_dtype: Any
+    residual_dtype: Any
+
+
+@dataclass(frozen=True, eq=False)
+class AddRMSNormCtx:
+    """What the backward needs: the rounded sum ``h``, the weight and ``h``'s per-row rstd."""
+
+    h: Any
+    weight: Any
+    rstd: Any
+    eps: float
+    weight_offset: float
+    alpha: float
+    x_dtype: Any
+    residual_in_dtype: Any
+    residual_dtype: Any
+
+
+class AddLayerNormGrads(NamedTuple):
+    """Gradients of the fused add + LayerNorm."""
+
+    dx: Any
+    dresidual: Any
+    dweight: Any
+    dbias: Any
+
+
+class AddRMSNormGrads(NamedTuple):
+    """Gradients of the fused add + RMSNorm."""
+
+    dx: Any
+    dresidual: Any
+    dweight: Any
+
+
+def h_dtype(x_dtype: Any, residual_dtype: Any) -> np.dtype[Any]:
+    """The dtype of ``h``: ``residual_dtype``, or ``x``'s when None."""
+    from ..testing import _dtype
+
+    return np.dtype(x_dtype) if residual_dtype is None else _dtype(residual_dtype)
+
+
+def residual_sum(x: np.ndarray, residual: np.ndarray, alpha: float, residual_dtype: Any) -> np.ndarray:
+    """``h = x + alpha * residual`` computed in the working precision and rounded once."""
+    hd = h_dtype(x.dtype, residual_dtype)
+    wp = working_dtype(x.dtype, residual.dtype, hd)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return round_to(x.astype(wp) + wp.type(alpha) * residual.astype(wp), hd)
+
+
+def _upstream(g: np.ndarray, dh: np.ndarray | None, wp: np.dtype[Any]) -> np.ndarray:
+    return g if dh is None else g + dh.astype(wp)
+
+
+def _split(g: np.ndarray, ctx: Any, dx_out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``(dx, dresidual)`` from the gradient at ``h``: ``g`` and ``alpha * g``, each rounded once to the
+    dtype of its input."""
+    dx = write_result(g, ctx.x_dtype, dx_out)
+    return dx, round_to(g.dtype.type(ctx.alpha) * g, ctx.residual_in_dtype)
+
+
+@_ieee
+def layer_norm_forward(
+    x: np.ndarray,
+    residual: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    *,
+    eps: float,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    alpha: float = 1.0,
+    residual_dtype: Any = None,
+    out: np.ndarray | None = None,
+) -> tuple[tuple[np.ndarray, np.ndarray], AddLayerNormCtx]:
+    """``((y, h), ctx)`` of the fused add + LayerNorm of ``(R, H)`` arrays."""
+    h = residual_sum(x, residual, alpha, residual_dtype)
+    wp = working_dtype(h.dtype, x.dtype, getattr(weight, "dtype", None), getattr(bias, "dtype", None))
+    d, mean, rstd = _ln.statistics(h.astype(wp), eps=eps, correction=correction, eps_mode=eps_mode)
+    w = _ln._effective_weight(weight, weight_offset, wp)
+    y = _ln.affine(d * rstd[:, None], w, None if bias is None else bias.astype(wp))
+    ctx = AddLayerNormCtx(
+        h, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), float(alpha),
+        x.dtype, residual.dtype, residual_dtype,
+    )  # fmt: skip
+    return (write_result(y, x.dtype, out), h), ctx
+
+
+@_ieee
+def layer_norm_backward(
+    dy: np.ndarray, ctx: AddLayerNormCtx, *, dx_out: np.ndarray | None = None, dh: np.ndarray | None = None
+) -> AddLayerNormGrads:
+    """``(dx, dresidual, dweight, dbias)`` of the fused add + LayerNorm; ``dh`` arrives at ``h`` from later layers."""
+    h, weight, bias = ctx.h, ctx.weight, ctx.bias
+    wp = np.result_type(ctx.mean.dtype, working_dtype(h.dtype, ctx.x_dtype, getattr(weight, "dtype", None)))
+    dyw = dy.astype(wp)
+    w = _ln._effective_weight(weight, ctx.weight_offset, wp)
+    g, xhat = _ln.input_grad(
+        dyw, h.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), w, correction=ctx.correction,
+        eps_mode=ctx.eps_mode,
+    )  # fmt: skip
+    dx, dres = _split(_upstream(g, dh, wp), ctx, dx_out)
+    dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None
+    return AddLayerNormGrads(dx, dres, dweight, dbias)
+
+
+@_ieee
+def rms_norm_forward(
+    x: np.ndarray,
+    residual: np.ndarray,
+    weight: np.ndarray | None,
+    *,
+    eps: float,
+    weight_offset: float = 0.0,
+    alpha: float = 1.0,
+    residual_dtype: Any = None,
+    out: np.ndarray | None = None,
+) -> tuple[tuple[np.ndarray, np.ndarray], AddRMSNormCtx]:
+    """``((y, h), ctx)`` of the fused add + RMSNorm of ``(R, H)`` arrays."""
+    h = residual_sum(x, residual, alpha, residual_dtype)
+    wp = working_dtype(h.dtype, x.dtype, getattr(weight, "dtype", None))
+    hw = h.astype(wp)
+    rstd = _rms.statistics(hw, eps=eps)
+    y = _ln.affine(hw * rstd[:, None], _ln._effective_weight(weight, weight_offset, wp), None)
+    ctx = AddRMSNormCtx(
+        h, weight, rstd, float(eps), float(weight_offset), float(alpha), x.dtype, residual.dtype, residual_dtype
+    )
+    return (write_result(y, x.dtype, out), h), ctx
+
+
+@_ieee
+def rms_norm_backward(
+    dy: np.ndarray, ctx: AddRMSNormCtx, *, dx_out: np.ndarray | None = None, dh: np.ndarray | None = None
+) -> AddRMSNormGrads:
+    """``(dx, dresidual, dweight)`` of the fused add + RMSNorm; ``dh`` arrives at ``h`` from later layers."""
+    h, weight = ctx.h, ctx.weight
+    wp = np.result_type(ctx.rstd.dtype, working_dtype(h.dtype, ctx.x_dtype, getattr(weight, "dtype", None)))
+    dyw = dy.astype(wp)
+    g, xhat = _rms.input_grad(
+        dyw, h.astype(wp), ctx.rstd.astype(wp), _ln._effective_weight(weight, ctx.weight_offset, wp)
+    )
+    dx, dres = _split(_upstream(g, dh, wp), ctx, dx_out)
+    dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    return AddRMSNormGrads(dx, dres, dweight)
+
+
+class _Op(NamedTuple):
+    forward: Any
+    backward: Any
+
+
+#: op name -> its forward/backward (read by the registry)
+OP_IMPLS = {
+    "add_layer_norm": _Op(layer_norm_forward, layer_norm_backward),
+    "add_rms_norm": _Op(rms_norm_forward, rms_norm_backward),
+}

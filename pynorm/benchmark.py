@@ -291,36 +291,31 @@ def _bench_torch(data: dict[str, Any], repeat: int, budget: float) -> dict[str, 
 # first calls in fresh processes
 
 _FIRST_CALL = r"""
-import json, time
+import json, sys, time
 t0 = time.perf_counter()
 import pynorm
 t_import = time.perf_counter() - t0
+res = {"import_pynorm_s": t_import, "import_pulls_numba": "numba" in sys.modules, "calls": []}
 import numpy as np
-rng = np.random.default_rng(0)
-x = rng.standard_normal((256, 512)).astype(np.float32)
-dy = rng.standard_normal((256, 512)).astype(np.float32)
-w = np.ones(512, np.float32)
-b = np.zeros(512, np.float32)
-res = {"import_pynorm_s": t_import}
-t = time.perf_counter()
-y, ctx = pynorm.layer_norm_forward(x, w, b, backend="numba")
-t1 = time.perf_counter()
-pynorm.layer_norm_backward(dy, ctx)
-t2 = time.perf_counter()
-res["layer_norm"] = {"fwd_s": t1 - t, "bwd_s": t2 - t1}
-t = time.perf_counter()
-y, ctx = pynorm.rms_norm_forward(x, w, backend="numba")
-t1 = time.perf_counter()
-pynorm.rms_norm_backward(dy, ctx)
-t2 = time.perf_counter()
-res["rms_norm"] = {"fwd_s": t1 - t, "bwd_s": t2 - t1}
-import sys
-res["numba_imported"] = "numba" in sys.modules
+for op, dt in json.loads(sys.argv[1]):
+    spec = pynorm.ops.get(op)
+    dtype = np.dtype(__import__("ml_dtypes").bfloat16 if dt == "bfloat16" else dt)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 512)).astype(dtype)
+    dy = rng.standard_normal((256, 512)).astype(dtype)
+    params = [np.full(512, p.init, dtype) for p in spec.params]
+    t = time.perf_counter()
+    y, ctx = getattr(pynorm, op + "_forward")(x, *params, backend="numba")
+    t1 = time.perf_counter()
+    getattr(pynorm, op + "_backward")(dy, ctx)
+    t2 = time.perf_counter()
+    res["calls"].append({"op": op, "dtype": dt, "fwd_s": t1 - t, "bwd_s": t2 - t1, "first_call_s": t2 - t})
 print("RESULT " + json.dumps(res))
 """
 
 
-def _fresh_process(env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+def _fresh_process(calls: list[tuple[str, str]], env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the first forward+backward of each ``(op, dtype)`` of ``calls`` in a fresh Python process."""
     import pynorm
 
     env = dict(os.environ)
@@ -328,21 +323,29 @@ def _fresh_process(env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(env_extra or {})
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALL, json.dumps(calls)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=root,
+    )
     wall = time.perf_counter() - t
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         return {"error": (proc.stderr or proc.stdout)[-2000:]}
     res: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
     res["process_wall_s"] = wall
-    for op in OPS:
-        res[op]["first_call_s"] = res[op]["fwd_s"] + res[op]["bwd_s"]
+    for c in res["calls"]:
+        res.setdefault(c["op"], c)  # the first call of each op, by name
     return res
 
 
 def _first_calls(cold: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    warm = [_fresh_process() for _ in range(3)]
+    calls = [(op, "float32") for op in OPS]
+    warm = [_fresh_process(calls) for _ in range(3)]
     ok = [r for r in warm if "error" not in r]
     if ok:
         best = sorted(ok, key=lambda r: r["layer_norm"]["first_call_s"])[len(ok) // 2]
@@ -352,9 +355,53 @@ def _first_calls(cold: bool) -> dict[str, Any]:
         out["warm"] = warm[0]
     if cold:
         with tempfile.TemporaryDirectory(prefix="pynorm-numba-cache-") as d:
-            out["cold"] = _fresh_process({"NUMBA_CACHE_DIR": d})
-            out["warm_after_cold_same_cache"] = _fresh_process({"NUMBA_CACHE_DIR": d})
+            out["cold"] = _fresh_process(calls, {"NUMBA_CACHE_DIR": d})
+            out["warm_after_cold_same_cache"] = _fresh_process(calls, {"NUMBA_CACHE_DIR": d})
     return out
+
+
+COMPILE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def compile_times(ops: tuple[str, ...] = OPS, dtypes: tuple[str, ...] = COMPILE_DTYPES) -> list[dict[str, Any]]:
+    """First forward+backward of each op and dtype (256x512, every parameter given), each in a fresh process:
+    with an empty numba cache (everything the call needs compiles), then again with the cache it filled."""
+    rows = []
+    for op in ops:
+        for dt in dtypes:
+            with tempfile.TemporaryDirectory(prefix="pynorm-numba-cache-") as d:
+                _log(f"compile times: {op} {dt} (empty cache, then warm)")
+                cold = _fresh_process([(op, dt)], {"NUMBA_CACHE_DIR": d})
+                warm = _fresh_process([(op, dt)], {"NUMBA_CACHE_DIR": d})
+            row: dict[str, Any] = {"op": op, "dtype": dt}
+            for kind, res in (("cold", cold), ("warm", warm)):
+                if "error" in res:
+                    row[f"{kind}_error"] = res["error"]
+                    continue
+                c = res["calls"][0]
+                row.update({f"{kind}_fwd_s": c["fwd_s"], f"{kind}_bwd_s": c["bwd_s"], f"{kind}_s": c["first_call_s"]})
+                row[f"{kind}_import_pynorm_s"] = res["import_pynorm_s"]
+                row[f"{kind}_process_s"] = res["process_wall_s"]
+            rows.append(row)
+    return rows
+
+
+def _compile_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'op':11s} {'dtype':9s} | {'cold fwd':>8s} {'cold bwd':>8s} {'cold f+b':>8s} | {'warm f+b':>8s}"
+        f" | {'import':>6s} | {'process (cold/warm)':>19s}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "cold_s" not in r or "warm_s" not in r:
+            lines.append(f"{r['op']:11s} {r['dtype']:9s} | failed: {r.get('cold_error') or r.get('warm_error')}")
+            continue
+        lines.append(
+            f"{r['op']:11s} {r['dtype']:9s} | {r['cold_fwd_s']:7.2f}s {r['cold_bwd_s']:7.2f}s {r['cold_s']:7.2f}s |"
+            f" {r['warm_s']:7.3f}s | {r['warm_import_pynorm_s']:5.3f}s | {r['cold_process_s']:8.1f}s /"
+            f" {r['warm_process_s']:6.2f}s"
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
@@ -481,6 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     parser.add_argument("--no-reference", action="store_true", help="skip the reference-backend baseline")
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache first-call measurement")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="only the compile times: the first forward+backward of every op and dtype in a fresh process, "
+        "with an empty numba cache and then with the cache it filled (no throughput benchmark)",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -490,6 +543,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import pynorm
     from pynorm.backends.numba import _threads
+
+    if args.compile:
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = compile_times()
+        (out_dir / "compile_times.json").write_text(json.dumps({"meta": _meta(args.threads), "rows": rows}, indent=1))
+        print("first forward+backward (256x512, all parameters) in a fresh process; cold: empty numba cache")
+        print(_compile_table(rows))
+        print(f"\nwrote {out_dir / 'compile_times.json'}")
+        return 0
 
     repeat = args.repeat or (7 if args.quick else 21)
     base_repeat = 3 if args.quick else 5

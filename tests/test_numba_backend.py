@@ -1,9 +1,10 @@
 """Tests specific to the ``numba`` backend (the shared suite runs it through the functional API too).
 
-Calls the backend modules directly and compares with :mod:`pynorm.reference`:
-accuracy per dtype and convention, determinism (repeated calls, 1 vs 2 threads,
-the single-thread small-input path), ``out=``/``dx_out=`` buffers, long-column
-parameter gradients, and the hard inputs of the numerical contract.
+Calls the backend's op implementations (``stats.OP_IMPLS``) and kernels directly and compares with
+:mod:`pynorm.reference`: accuracy per dtype and convention, determinism (repeated calls, 1 vs 2
+threads, the single-thread small-input path), ``out=``/``dx_out=`` buffers, long-column parameter
+gradients, the hard inputs of the numerical contract, and every kernel path (fused vs column-tile
+backward, streaming stores, slow rows) for every variant of the statistics family.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import pytest
 
 numba = pytest.importorskip("numba", reason="numba is not installed: the numba backend is unavailable")
 
-from pynorm.backends.numba import _kernels, _threads  # noqa: E402
-from pynorm.backends.numba import layer_norm as nln  # noqa: E402
-from pynorm.backends.numba import rms_norm as nrms  # noqa: E402
+from pynorm.backends.numba import _layout, _storage, _threads, stats  # noqa: E402
+from pynorm.backends.numba import _stats_kernels as kern  # noqa: E402
+from pynorm.ops import SPECS  # noqa: E402
 from pynorm.reference import layer_norm as rln  # noqa: E402
 from pynorm.reference import rms_norm as rrms  # noqa: E402
 from pynorm.testing import make_input, max_ulp_error, term_scales  # noqa: E402
+
+nln = stats.OP_IMPLS["layer_norm"]
+nrms = stats.OP_IMPLS["rms_norm"]
 
 try:
     import ml_dtypes
@@ -36,13 +40,13 @@ TOL_PARAM = {"float32": 1e-5, "float64": 1e-12, "float16": 2e-3, "bfloat16": 1.6
 
 # (rows, hidden): empty, tiny, H=1, odd sizes, and both backward paths (fused by row blocks; by rows then by
 # column tiles for few rows of many elements); CHUNK + 1 columns exercise the chunked row sums
-SHAPES = [(0, 5), (1, 1), (3, 1), (2, 3), (7, 33), (5, 9000), (_kernels.FUSED_MIN_ROWS + 3, _kernels.CHUNK + 1)]
+SHAPES = [(0, 5), (1, 1), (3, 1), (2, 3), (7, 33), (5, 9000), (_layout.FUSED_MIN_ROWS + 3, _layout.CHUNK + 1)]
 COLS_SHAPE = (9, 4000)  # few rows, many elements: the column-tile path
 
 
 def test_shapes_cover_both_backward_paths() -> None:
-    assert not _kernels.use_fused(5, 9000) and not _kernels.use_fused(*COLS_SHAPE)
-    assert _kernels.use_fused(7, 33) and _kernels.use_fused(_kernels.FUSED_MIN_ROWS + 3, 1)
+    assert not _layout.use_fused(5, 9000) and not _layout.use_fused(*COLS_SHAPE)
+    assert _layout.use_fused(7, 33) and _layout.use_fused(_layout.FUSED_MIN_ROWS + 3, 1)
 
 
 def rel(a: Any, ref: Any) -> float:
@@ -92,6 +96,34 @@ def assert_close(g: Any, gr: Any, dt: Any, what: str = "") -> None:
         assert err <= tol, f"{what} output {i} ({a.dtype}): relative error {err:.2e} > {tol:.0e}"
 
 
+# every variant of the statistics family the backend serves: (op, options) from the specs' convention sets
+VARIANTS = [(op, conv) for op in stats.OP_IMPLS for conv in SPECS[op].cases]
+VARIANT_IDS = [f"{op}-{','.join(f'{k}={v}' for k, v in c.items()) or 'default'}" for op, c in VARIANTS]
+
+
+def _storage_of(a: Any) -> Any:
+    from pynorm.backends.numba._common import storage
+
+    return storage(a)
+
+
+def _kernel_args(op: str, conv: dict[str, Any], x: Any, w: Any, b: Any) -> tuple[Any, ...]:
+    """``(stat, w_eff, b, eps, corr, std_mode, mean, rstd)`` of the family's kernels for ``op``/``conv``."""
+    from pynorm.backends.numba import _common as cm
+
+    impl = stats.OP_IMPLS[op]
+    o = {**SPECS[op].defaults(), **conv}
+    mdt = cm.math_dtype(x.dtype if x.dtype.kind == "f" else np.float32)
+    rows = x.shape[0]
+    we = cm.effective_weight(w, float(o.get("weight_offset", 0.0)), mdt)
+    be = cm.param(b, mdt) if "bias" in SPECS[op].param_names else None
+    mean = np.empty(rows) if impl.centered else None
+    return (
+        impl.stat, we, be, float(o["eps"]), int(o.get("correction", 0)), o.get("eps_mode", "var") == "std",
+        mean, np.empty(rows),
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------
 # agreement with the reference
 
@@ -139,7 +171,7 @@ def test_rms_norm_matches_reference(dt: Any, shape: tuple[int, int], offset: flo
 
 @pytest.mark.parametrize("dt", [np.float32, np.float64], ids=name)
 @pytest.mark.parametrize("params", ["none", "weight", "bias"])
-@pytest.mark.parametrize("shape", [(7, 33), COLS_SHAPE, (_kernels.FUSED_MIN_ROWS + 5, 40)], ids=str)
+@pytest.mark.parametrize("shape", [(7, 33), COLS_SHAPE, (_layout.FUSED_MIN_ROWS + 5, 40)], ids=str)
 def test_optional_parameters(dt: Any, params: str, shape: tuple[int, int]) -> None:
     x, dy, w, b = data(shape, dt)
     wa = w if params == "weight" else None
@@ -209,7 +241,7 @@ def test_inputs_not_mutated_and_ctx_fields() -> None:
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=name)
-@pytest.mark.parametrize("shape", [(6, 50), COLS_SHAPE, (_kernels.FUSED_MIN_ROWS + 1, 70)], ids=str)
+@pytest.mark.parametrize("shape", [(6, 50), COLS_SHAPE, (_layout.FUSED_MIN_ROWS + 1, 70)], ids=str)
 def test_out_buffers(dt: Any, shape: tuple[int, int]) -> None:
     x, dy, w, b = data(shape, dt)
     y0, ctx = nln.forward(x, w, b, eps=1e-5)
@@ -243,7 +275,7 @@ def _run_all(x: Any, dy: Any, w: Any, b: Any) -> list[np.ndarray]:
     return res
 
 
-DET_SHAPES = [(50, 300), (_kernels.FUSED_MIN_ROWS * 4 + 7, 130), (3, 20000), COLS_SHAPE]
+DET_SHAPES = [(50, 300), (_layout.FUSED_MIN_ROWS * 4 + 7, 130), (3, 20000), COLS_SHAPE]
 
 
 def _assert_bitwise(a: list[np.ndarray], b: list[np.ndarray]) -> None:
@@ -284,7 +316,7 @@ def test_thread_count_does_not_change_results(dt: Any, shape: tuple[int, int]) -
 
 
 def test_serial_threshold_path_matches_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
-    x, dy, w, b = data((_kernels.FUSED_MIN_ROWS * 2 + 3, 100), np.float32)
+    x, dy, w, b = data((_layout.FUSED_MIN_ROWS * 2 + 3, 100), np.float32)
     monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 0)
     parallel = _run_all(x, dy, w, b)
     monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 1 << 62)
@@ -387,7 +419,7 @@ F64_BUDGET_ULPS = 16.0
 EXTREME_KINDS = ["huge", "near_max", "max_offset", "huge_offset", "tiny", "very_tiny"]
 # H = 1, 3; the fused backward (many rows, and few rows of few elements); the row-parallel backward with
 # parameter gradients by column tiles (few rows of many elements)
-EXTREME_SHAPES = [(4, 1), (4, 3), (_kernels.FUSED_MIN_ROWS + 3, 257), (4, 4096), (9, 4096), (4, 65536)]
+EXTREME_SHAPES = [(4, 1), (4, 3), (_layout.FUSED_MIN_ROWS + 3, 257), (4, 4096), (9, 4096), (4, 65536)]
 EXTREME_LN = [
     {"correction": c, "eps_mode": m, "weight_offset": o, "eps": e}
     for c in (0, 1)
@@ -468,23 +500,27 @@ def test_rms_norm_float64_extreme_rows_within_16_ulps(kind: str, shape: tuple[in
     _assert_within_budget(_extreme_errors("rms_norm", kind, shape, _extreme_convs("rms_norm", shape)))
 
 
-def test_float64_extreme_rows_take_the_slow_path() -> None:
-    # the backward of the rows above that are meant to exercise the rescaled float64 path takes it (the huge_offset
-    # and very_tiny rows' r is in range: only their d^2 sum, needed with eps_mode="std", overflows or underflows)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_float64_extreme_rows_take_the_slow_path(variant: tuple[str, dict[str, Any]]) -> None:
+    # the rows above that are meant to exercise the rescaled float64 path take it in the backward: the fast
+    # kernel leaves every row pending (the huge_offset and very_tiny rows' r is in range: only their d^2 sum,
+    # needed with eps_mode="std", overflows or underflows)
+    op, conv = variant
     rng = np.random.default_rng(12)
     for kind in ("huge", "near_max", "max_offset", "huge_offset", "very_tiny"):
+        if kind in ("huge_offset", "very_tiny") and conv.get("eps_mode") != "std":
+            continue
         x = extreme_f64(kind, (5, 300), rng)
         dy = rng.standard_normal(x.shape)
-        mean, rstd = np.empty(5), np.empty(5)
-        scale, cs = np.empty(5, np.int64), np.empty(5)
-        for std in (False, True) if kind not in ("huge_offset", "very_tiny") else (True,):
-            _kernels.ln_fwd(x, None, None, 1e-5, 0, std, np.empty_like(x), mean, rstd, False)
-            _kernels.ln_bwd_rows(x, dy, None, mean, rstd, 0, std, np.empty_like(x), scale, cs, False)
-            assert np.all(scale != _kernels._SLOW), kind
-        if kind not in ("huge_offset", "very_tiny"):
-            _kernels.rms_fwd(x, None, 1e-5, np.empty_like(x), rstd, False)
-            _kernels.rms_bwd_rows(x, dy, None, rstd, np.empty_like(x), scale, False)
-            assert np.all(scale != _kernels._SLOW), kind
+        stat, _, _, eps, corr, std, mean, rstd = _kernel_args(op, conv, x, None, None)
+        stats.forward_rows(stat, x, None, None, eps, corr, std, np.empty_like(x), mean, rstd, False)
+        scale = np.empty(5, np.int64)
+        cs = None if mean is None else np.empty(5)
+        pending = kern.bwd_rows(stat, x, dy, None, mean, rstd, corr, std, np.empty_like(x), scale, cs, None)
+        assert pending == 5 and np.all(scale == kern.PENDING), kind
+        if kind not in ("huge_offset", "very_tiny"):  # ... and so do the forward's rows
+            assert kern.fwd(stat, x, None, None, eps, corr, std, np.empty_like(x), mean, rstd, None) == 5, kind
+            assert np.all(rstd == -1.0)
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=name)
@@ -510,7 +546,7 @@ def test_constant_rows_and_hidden_size_one(dt: Any) -> None:
     assert g.dweight[0] == 0 and np.all(g.dx.astype(np.float64) == 0)
 
 
-@pytest.mark.parametrize("shape", [(_kernels.FUSED_MIN_ROWS + 4, 16), (9, 4000)], ids=str)
+@pytest.mark.parametrize("shape", [(_layout.FUSED_MIN_ROWS + 4, 16), (9, 4000)], ids=str)
 def test_nan_stays_in_its_row(shape: tuple[int, int]) -> None:
     x, dy, w, b = data(shape, np.float32)
     x[3, 5] = np.nan
@@ -533,7 +569,7 @@ def test_nan_stays_in_its_row(shape: tuple[int, int]) -> None:
 def _store_f32(kind: Any, v: Any) -> Any:  # pragma: no cover - jitted
     out = np.empty(v.shape[0], kind)
     for j in range(v.shape[0]):
-        _kernels.st(out, j, v[j])
+        _storage.st(out, j, v[j])
     return out
 
 
@@ -541,7 +577,7 @@ def _store_f32(kind: Any, v: Any) -> Any:  # pragma: no cover - jitted
 def _store_f64(kind: Any, v: Any) -> Any:  # pragma: no cover - jitted
     out = np.empty(v.shape[0], kind)
     for j in range(v.shape[0]):
-        _kernels.st_exact(out, j, v[j])
+        _storage.st_exact(out, j, v[j])
     return out
 
 
@@ -549,7 +585,7 @@ def _store_f64(kind: Any, v: Any) -> Any:  # pragma: no cover - jitted
 def _load(a: Any) -> Any:  # pragma: no cover - jitted
     out = np.empty(a.shape[0], np.float32)
     for j in range(a.shape[0]):
-        out[j] = _kernels.ld(a[j])
+        out[j] = _storage.ld(a[j])
     return out
 
 
@@ -655,9 +691,11 @@ def test_no_fallback_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("params", ["wb", "w", "b", ""])
 @pytest.mark.parametrize("h", [5, 16, 1000, 1037])
-def test_streaming_stores_match_plain_stores(params: str, h: int) -> None:
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_streaming_stores_match_plain_stores(variant: tuple[str, dict[str, Any]], params: str, h: int) -> None:
     # large float32 outputs are written with streaming stores (aligned part of each row);
     # the values must be bitwise those of the plain loops, for any alignment of the output
+    op, conv = variant
     rng = np.random.default_rng(7)
     rows = 19
     x = rng.standard_normal((rows, h)).astype(np.float32) * 3 + 1
@@ -671,24 +709,23 @@ def test_streaming_stores_match_plain_stores(params: str, h: int) -> None:
         for stream in (False, True):
             buf = np.full(rows * h + 16, np.float32(7.0))
             y = buf[off : off + rows * h].reshape(rows, h)
-            mean, rstd = np.empty(rows), np.empty(rows)
-            _kernels.ln_fwd(x, w, b, 1e-5, 0, False, y, mean, rstd, stream)
-            yr = np.full_like(buf, np.float32(7.0))[off : off + rows * h].reshape(rows, h)
-            r2 = np.empty(rows)
-            _kernels.rms_fwd(x, w, 1e-5, yr, r2, stream)
-            outs.append((buf.copy(), mean, rstd, yr.copy(), r2))
+            stat, we, be, eps, corr, std, mean, rstd = _kernel_args(op, conv, x, w, b)
+            stats.forward_rows(stat, x, we, be, eps, corr, std, y, mean, rstd, stream)
+            outs.append((buf.copy(), mean, rstd))
         for a, c in zip(outs[0], outs[1], strict=True):
             np.testing.assert_array_equal(a, c)
-    assert _kernels.use_stream(np.empty((4096, 1024), np.float32))
-    assert not _kernels.use_stream(np.empty((4096, 1024), np.float64))
-    assert not _kernels.use_stream(np.empty((65536, 128), np.float32))
+    assert _layout.use_stream(np.empty((4096, 1024), np.float32))
+    assert not _layout.use_stream(np.empty((4096, 1024), np.float64))
+    assert not _layout.use_stream(np.empty((65536, 128), np.float32))
 
 
 @pytest.mark.parametrize("params", ["wb", "w", "b", ""])
 @pytest.mark.parametrize("h", [5, 1000, 1037])
-def test_streaming_backward_matches_plain_stores(params: str, h: int) -> None:
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_streaming_backward_matches_plain_stores(variant: tuple[str, dict[str, Any]], params: str, h: int) -> None:
     # dx of large float32 inputs is written with streaming stores: the plain loops' values (to a few ulps),
-    # partial sums and paths bitwise
+    # partial sums and paths bitwise, on both backward paths
+    op, conv = variant
     rng = np.random.default_rng(11)
     rows = 37
     x = rng.standard_normal((rows, h)).astype(np.float32) * 3 + 1
@@ -696,37 +733,22 @@ def test_streaming_backward_matches_plain_stores(params: str, h: int) -> None:
     x[5, ::3] = 3e38  # slow path
     dy = rng.standard_normal((rows, h)).astype(np.float32)
     w = rng.standard_normal(h).astype(np.float32) if "w" in params else None
-    b = rng.standard_normal(h).astype(np.float32) if "b" in params else None
-    mean, rstd = np.empty(rows), np.empty(rows)
-    _kernels.ln_fwd(x, w, b, 1e-5, 0, False, np.empty_like(x), mean, rstd, False)
-    r2 = np.empty(rows)
-    _kernels.rms_fwd(x, w, 1e-5, np.empty_like(x), r2, False)
-    nb = -(-rows // _kernels.ROW_BLOCK)
+    b = rng.standard_normal(h).astype(np.float32) if "b" in params and "bias" in SPECS[op].param_names else None
+    stat, we, be, eps, corr, std, mean, rstd = _kernel_args(op, conv, x, w, b)
+    stats.forward_rows(stat, x, we, be, eps, corr, std, np.empty_like(x), mean, rstd, False)
+    nb = -(-rows // _layout.ROW_BLOCK)
     streamed = []
     for off in (0, 5):
         got = []
         for stream in (False, True):
-            res = []
-            for std in (False, True):
+            res: list[Any] = []
+            for path in ("fused", "rows"):
                 buf = np.full(rows * h + 16, np.float32(7.0))
                 dx = buf[off : off + rows * h].reshape(rows, h)
                 pw = np.empty((nb, h), np.float32) if w is not None else None
                 pb = np.empty((nb, h), np.float32) if b is not None else None
-                _kernels.ln_bwd_fused(x, dy, w, mean, rstd, 0, std, dx, pw, pb, stream)
-                res += [buf.copy(), pw, pb]
-                buf2 = np.full_like(buf, np.float32(7.0))
-                dx2 = buf2[off : off + rows * h].reshape(rows, h)
-                sc, cs = np.empty(rows, np.int64), np.empty(rows)
-                _kernels.ln_bwd_rows(x, dy, w, mean, rstd, 0, std, dx2, sc, cs, stream)
-                res += [buf2.copy(), sc, cs]
-            buf3 = np.full(rows * h + 16, np.float32(7.0))
-            dx3 = buf3[off : off + rows * h].reshape(rows, h)
-            pw3 = np.empty((nb, h), np.float32) if w is not None else None
-            _kernels.rms_bwd_fused(x, dy, w, r2, dx3, pw3, stream)
-            buf4 = np.full_like(buf3, np.float32(7.0))
-            sc4 = np.empty(rows, np.int64)
-            _kernels.rms_bwd_rows(x, dy, w, r2, buf4[off : off + rows * h].reshape(rows, h), sc4, stream)
-            res += [buf3, pw3, buf4, sc4]
+                scale, cs = stats.backward_rows(stat, path, x, dy, we, mean, rstd, corr, std, dx, pw, pb, stream)
+                res += [buf.copy(), pw, pb, scale, cs]
             got.append(res)
         for a, c in zip(got[0], got[1], strict=True):
             if a is None:
@@ -750,3 +772,69 @@ def test_streaming_backward_matches_plain_stores(params: str, h: int) -> None:
             assert c is None
         else:
             np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize("shape", [(37, 300), (9, 4000), (3, 1), (_layout.FUSED_MIN_ROWS + 5, 70)], ids=str)
+@pytest.mark.parametrize("dt", [np.float32, np.float64, np.float16], ids=name)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_backward_paths_agree(variant: tuple[str, dict[str, Any]], dt: Any, shape: tuple[int, int]) -> None:
+    # the fused and the row-then-column-tile backward compute each row's dx with the same code (bitwise equal)
+    # and the parameter gradients with the same terms in another order (equal to rounding), slow rows included
+    op, conv = variant
+    if conv.get("correction", 0) >= shape[1]:
+        pytest.skip("correction=1 needs H >= 2")
+    x, dy, w, b = data(shape, dt, seed=13)
+    x[1] = np.asarray(float(np.finfo(dt).max) / 2, dtype=dt)  # a constant huge row
+    # a slow row (float16 rows never need it: float32 sums hold their squares; H = 1 rows may be constant)
+    slow = np.dtype(dt) != np.float16 and shape[1] > 1
+    x[-1, ::2] = np.asarray(float(np.finfo(dt).max) / 3, dtype=dt)
+    xs, dys = _storage_of(x), _storage_of(dy)
+    bias = b if "bias" in SPECS[op].param_names else None
+    stat, we, be, eps, corr, std, mean, rstd = _kernel_args(op, conv, xs, w, bias)
+    stats.forward_rows(stat, xs, we, be, eps, corr, std, np.empty_like(xs), mean, rstd, False)
+    nb = -(-shape[0] // _layout.ROW_BLOCK)
+    mdt = np.float64 if np.dtype(dt) == np.float64 else np.float32
+    out = {}
+    for path in ("fused", "rows"):
+        dx = np.empty_like(xs)
+        pw, pb = np.empty((nb, shape[1]), mdt), (np.empty((nb, shape[1]), mdt) if bias is not None else None)
+        scale, _ = stats.backward_rows(stat, path, xs, dys, we, mean, rstd, corr, std, dx, pw, pb, False)
+        out[path] = (dx, scale, pw.astype(np.float64).sum(0), None if pb is None else pb.astype(np.float64).sum(0))
+    (dx_f, sc_f, w_f, b_f), (dx_r, sc_r, w_r, b_r) = out["fused"], out["rows"]
+    np.testing.assert_array_equal(dx_f, dx_r)
+    np.testing.assert_array_equal(sc_f, sc_r)
+    assert np.any(sc_f == kern.FAST) and (np.any(sc_f != kern.FAST) or not slow)  # both paths were taken
+    tol = 1e-12 if mdt == np.float64 else 1e-5
+    assert rel(w_f, w_r) <= tol and (b_f is None or rel(b_f, b_r) <= tol)
+
+
+def test_op_impls_follow_the_specs() -> None:
+    # every spec of the statistics family is served by the one family module, with the reference's ctx and grads
+    import pynorm.backends.numba as nb
+    from pynorm import _registry
+
+    family = [n for n, sp in SPECS.items() if sp.family == "stats"]
+    assert set(family) <= set(stats.OP_IMPLS) and {nb.OPS[n] for n in family} == {"stats"}
+    for n in family:
+        impl = _registry.op_module("numba", n)
+        assert impl is stats.OP_IMPLS[n]
+        ref = __import__(SPECS[n].reference, fromlist=["forward"])
+        x, dy, w, b = data((4, 6), np.float32)
+        params = [{"weight": w, "bias": b}[p] for p in SPECS[n].param_names]
+        _, ctx = impl.forward(x, *params, eps=1e-5)
+        _, ctxr = ref.forward(x, *params, eps=1e-5)
+        assert type(ctx) is type(ctxr) and type(impl.backward(dy, ctx)) is SPECS[n].grads
+        with pytest.raises(TypeError):
+            impl.forward(x, *params, eps=1e-5, no_such_option=1)
+
+
+def test_importing_the_backend_does_not_import_numba() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pynorm, pynorm.backends.numba as nb; pynorm.list_ops(); "
+        "print(sorted(nb.OPS), 'numba' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "False"

@@ -1,15 +1,48 @@
 """The ``numba`` backend: JIT-compiled, parallel CPU kernels for ``numpy.ndarray`` inputs.
 
-Same functions and ctx fields as :mod:`pynorm.reference`, module by module
-(``layer_norm.forward``/``backward``, ``rms_norm.forward``/``backward``). The
-jitted kernels live in :mod:`._kernels` (compiled lazily on first use and cached
-on disk, never at import); :mod:`._threads` controls the thread count.
+Every op of a kernel family this backend has is served by that family's module: ``OPS`` maps
+each op name to it (``"stats"`` for the statistics family: LayerNorm, RMSNorm), and the module's
+``OP_IMPLS`` maps the op to an object with ``forward``/``backward`` of the reference module's
+contract (:mod:`pynorm._registry`). Both are derived from :data:`pynorm.ops.SPECS`: a new spec
+of a family, in a variant the family's kernels have, needs no new module here.
 
-Importing this package does not import numba.
+Layout of the package (kernels split by piece; :mod:`._cache` keeps numba's disk cache
+consistent across the files):
+
+* :mod:`._cache` -- the ``jit`` decorator and the cache locator keyed on all the sources;
+* :mod:`._layout` -- chunk/block/tile sizes and the path rules (numba-free);
+* :mod:`._variant` -- variant tags (statistic, store mode) chosen at compile time;
+* :mod:`._storage` -- storage and rounding (float16/bfloat16 bits, one rounding);
+* :mod:`._rowstats` -- row statistics: shared helpers and each statistic's pieces;
+* :mod:`._stream` -- streaming (non-temporal) stores;
+* :mod:`._stats_kernels` -- the statistics family's kernels (one skeleton for every variant);
+* :mod:`._reduce` -- reductions of the per-block partial sums;
+* :mod:`.stats` -- the family's host code and ``OP_IMPLS``;
+* :mod:`._common`, :mod:`._threads` -- host glue (storage views, output pool), thread control.
+
+Importing this package does not import numba: the kernels compile lazily on first use and are
+cached on disk.
 """
 
-#: op name -> submodule implementing ``forward``/``backward`` (read by the registry).
-OPS = {
-    "layer_norm": "layer_norm",
-    "rms_norm": "rms_norm",
+from __future__ import annotations
+
+from ...ops import SPECS
+
+#: the variants of the statistics family this backend has kernels for (axis -> choices)
+STATS_VARIANTS: dict[str, tuple[str, ...]] = {
+    "statistic": ("centered", "mean_square"),
+    "prologue": ("plain",),
+    "affine": ("vector",),
+    "epilogue": ("plain",),
 }
+
+
+def _has_kernels(spec: object) -> bool:
+    v = getattr(spec, "variant", None)
+    return getattr(spec, "family", None) == "stats" and all(
+        getattr(v, axis, None) in choices for axis, choices in STATS_VARIANTS.items()
+    )
+
+
+#: op name -> submodule implementing it (read by the registry; ``OP_IMPLS`` of that module)
+OPS: dict[str, str] = {name: "stats" for name, spec in SPECS.items() if _has_kernels(spec)}

@@ -2,7 +2,7 @@
 
 The kernels see every array in its *storage* form: C-contiguous, with
 bfloat16 viewed as ``uint16`` and float16 as ``int16`` bits (numba computes on
-neither type; :mod:`._kernels` converts element by element, so a half input is
+neither type; :mod:`._storage` converts element by element, so a half input is
 never copied to a full-size float32 array). Parameters are converted once per
 call to the *math type* (float32, or float64 for float64 inputs) -- ``(H,)``
 vectors, negligible next to the ``(R, H)`` work.
@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ._kernels import ROW_BLOCK, sum_blocks
+from ._layout import ROW_BLOCK
+from ._reduce import sum_blocks
 from ._threads import launch
 
 __all__ = [

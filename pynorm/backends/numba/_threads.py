@@ -11,7 +11,7 @@ blocks). The number of threads a call uses is the smallest of
   stall for a scheduler tick.
 
 Results never depend on the thread count: every reduction across rows uses
-fixed row blocks summed in a fixed order (see :mod:`._kernels`).
+fixed row blocks summed in a fixed order (see :mod:`._stats_kernels`).
 """
 
 from __future__ import annotations

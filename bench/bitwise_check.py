@@ -1,0 +1,257 @@
+"""Record a backend's outputs bitwise, and compare a later version of the code against the record.
+
+    python bench/bitwise_check.py save FILE [--backend numba] [--threads N] [--quick]
+    python bench/bitwise_check.py compare FILE [--backend numba] [--threads N] [--quick]
+
+Runs every op of :data:`pynorm.ops.SPECS` through the public API (``pynorm.<op>_forward(...,
+backend=...)`` / ``<op>_backward``) over a fixed table of cases and records ``y``, the ctx's per-row
+statistics (``mean``/``rstd``), ``dx`` and every parameter gradient:
+
+* the benchmark shapes (8192x1024, 4096x4096, 2048x8192, 65536x128, 16x65536) in float32 with the
+  default conventions, at full size (large float32 outputs take the streaming stores);
+* reduced row counts of the same hidden sizes in every dtype, every convention of the op's spec and
+  every subset of the parameters, on both backward paths (fused by row blocks; by rows then by
+  column tiles for few rows of many elements), plus a 16 MiB float32 case per convention (streamed);
+* hard inputs in every dtype: rows offset by 1e4 (100 for half types), huge (near the dtype's max),
+  tiny, constant rows, H = 1 and 3, rows of NaN/Inf beside normal ones, and float64 extreme rows
+  (+-max, offsets near the max, offsets 1e10 times the spread, 1e-200 rows).
+
+``save`` writes every output to ``FILE`` (a ``.npz`` archive); ``compare`` recomputes them and
+reports, per output, whether it is bitwise identical and otherwise the largest difference in ulps
+of the output dtype (at the element's own magnitude) and how many elements differ. Exit status 1
+when anything differs. ``--threads`` caps the backend's threads (``pynorm.set_num_threads``), so the
+same record checks independence of the thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pynorm
+from pynorm.ops import SPECS
+
+try:
+    import ml_dtypes
+
+    BF16: Any = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    BF16 = None
+
+DTYPES = [np.dtype(np.float16), *([BF16] if BF16 is not None else []), np.dtype(np.float32), np.dtype(np.float64)]
+BENCH_SHAPES = [(8192, 1024), (4096, 4096), (2048, 8192), (65536, 128), (16, 65536)]
+# reduced rows, same hidden sizes: fused backward (>= 128 rows) and the column-tile path (few rows)
+SMALL_SHAPES = [(256, 1024), (40, 4096), (130, 8192), (2048, 128), (16, 65536), (5, 9000), (300, 257)]
+STREAM_SHAPE = (1024, 4096)  # 16 MiB of float32: streamed y and dx
+HARD_KINDS = ("offset", "huge", "tiny", "constant", "mixed")
+HARD_SHAPES = [(300, 257), (9, 4000), (4, 1), (7, 3), (16, 65536), (130, 1024)]
+F64_EXTREME = ("near_max", "max_offset", "huge_offset", "very_tiny")
+
+
+def _name(dt: Any) -> str:
+    return np.dtype(dt).name
+
+
+def _data(shape: tuple[int, int], dt: Any, seed: int, kind: str = "bench") -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(seed)
+    rows, h = shape
+    if kind == "bench":
+        x = rng.standard_normal(shape) + 3
+    elif kind in ("offset", "huge", "tiny", "constant"):
+        x = pynorm.testing.make_input(kind, shape, dt, rng).astype(np.float64)
+    elif kind == "mixed":  # hard rows among normal ones, in one array
+        x = rng.standard_normal(shape) * 2 + 1
+        big = float(np.finfo(np.float16).max if dt == np.float16 else 1e38 if dt.itemsize <= 4 else 1e307)
+        off = 1e4 if dt.itemsize >= 4 else 100.0
+        for i in range(rows):
+            k = i % 7
+            if k == 1:
+                x[i] = off + rng.standard_normal(h)
+            elif k == 2:
+                x[i] = np.clip(rng.standard_normal(h), -1, 1) * big * 0.9
+            elif k == 3:
+                x[i] = 2.5
+            elif k == 4:
+                x[i] *= 1e-30 if dt.itemsize >= 4 and dt != np.float16 else 1e-4
+            elif k == 5 and h > 2:
+                x[i, ::3] = big * 0.5
+        if rows > 6 and h > 5:
+            x[6, 5] = np.nan
+        if rows > 13 and h > 2:
+            x[13, 2] = np.inf
+    elif kind == "near_max":
+        x = np.clip(rng.standard_normal(shape), -1.0, 1.0) * float(np.finfo(np.float64).max)
+    elif kind == "max_offset":
+        x = 1e308 + np.clip(rng.standard_normal(shape), -1.0, 1.0) * 5e307
+    elif kind == "huge_offset":
+        x = 1e300 + rng.standard_normal(shape) * 1e290
+    elif kind == "very_tiny":
+        x = rng.standard_normal(shape) * 1e-200
+    else:
+        raise KeyError(kind)
+    dy = rng.standard_normal(shape)
+    w = 1 + 0.5 * rng.standard_normal(h)
+    b = 0.5 * rng.standard_normal(h)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return x.astype(dt), dy.astype(dt), w.astype(dt), b.astype(dt)
+
+
+def _param_subsets(names: tuple[str, ...]) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = [names]
+    for n in names:
+        out.append((n,))
+    out.append(())
+    return list(dict.fromkeys(out))
+
+
+def cases(quick: bool = False) -> Iterator[tuple[str, str, tuple[int, int], Any, str, dict[str, Any], tuple[str, ...]]]:
+    """``(key, op, shape, dtype, data kind, options, parameters given)`` of every recorded case."""
+    f32 = np.dtype(np.float32)
+    for op, spec in SPECS.items():
+        full = spec.param_names
+        for shape in BENCH_SHAPES if not quick else []:
+            yield f"{op}/bench/{shape[0]}x{shape[1]}", op, shape, f32, "bench", {}, full
+        for dt in DTYPES:
+            for shape in SMALL_SHAPES:
+                for ci, conv in enumerate(spec.cases):
+                    if conv.get("correction", 0) >= shape[1]:
+                        continue
+                    subsets = _param_subsets(full) if ci == 0 else [full]
+                    for ps in subsets:
+                        key = f"{op}/small/{_name(dt)}/{shape[0]}x{shape[1]}/c{ci}/{'+'.join(ps) or 'none'}"
+                        yield key, op, shape, dt, "bench", conv, ps
+            for kind in HARD_KINDS:
+                for shape in HARD_SHAPES:
+                    for ci, conv in enumerate(spec.cases):
+                        if conv.get("correction", 0) >= shape[1]:
+                            continue
+                        key = f"{op}/hard/{_name(dt)}/{kind}/{shape[0]}x{shape[1]}/c{ci}"
+                        yield key, op, shape, dt, kind, conv, full
+        for ci, conv in enumerate(spec.cases):
+            if not quick:
+                key = f"{op}/stream/{STREAM_SHAPE[0]}x{STREAM_SHAPE[1]}/c{ci}"
+                yield key, op, STREAM_SHAPE, f32, "bench", conv, full
+        f64 = np.dtype(np.float64)
+        for kind in F64_EXTREME:
+            for shape in [(4, 1), (4, 3), (131, 257), (9, 4096), (4, 65536)]:
+                for ci, conv in enumerate(spec.cases):
+                    if conv.get("correction", 0) >= shape[1]:
+                        continue
+                    yield f"{op}/f64x/{kind}/{shape[0]}x{shape[1]}/c{ci}", op, shape, f64, kind, conv, full
+
+
+def run_case(
+    backend: str, op: str, shape: tuple[int, int], dt: Any, kind: str, conv: dict[str, Any], ps: tuple[str, ...]
+) -> dict[str, np.ndarray]:
+    spec = SPECS[op]
+    seed = sum(ord(c) * (i + 1) for i, c in enumerate(f"{op}{shape}{_name(dt)}{kind}")) % (1 << 31)
+    x, dy, w, b = _data(shape, dt, seed, kind)
+    pool = {"weight": w, "bias": b}
+    params = [pool[n] if n in ps else None for n in spec.param_names]
+    fwd = getattr(pynorm, f"{op}_forward")
+    bwd = getattr(pynorm, f"{op}_backward")
+    with np.errstate(all="ignore"):
+        y, ctx = fwd(x, *params, backend=backend, **conv)
+        grads = bwd(dy, ctx)
+    out = {"y": np.asarray(y)}
+    inner = ctx.inner
+    for st in ("mean", "rstd"):
+        if hasattr(inner, st):
+            out[st] = np.asarray(getattr(inner, st))
+    for gname, g in zip(spec.grad_names, grads, strict=True):
+        if g is not None:
+            out[gname] = np.asarray(g)
+    return out
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def ulp_diff(a: np.ndarray, ref: np.ndarray) -> tuple[float, int]:
+    """Largest difference in ulps of ``ref``'s dtype at each element's magnitude; count of differing elements."""
+    a64 = a.astype(np.float64)
+    r64 = ref.astype(np.float64)
+    diff = ~((a64 == r64) | (np.isnan(a64) & np.isnan(r64)))
+    n = int(np.count_nonzero(diff))
+    if not n:
+        return 0.0, 0
+    if ref.dtype == BF16:
+        digits, tiny = 8, 2.0**-126
+    else:
+        fi = np.finfo(ref.dtype)
+        digits, tiny = fi.nmant + 1, float(fi.tiny)
+    mag = np.maximum(np.maximum(np.abs(a64), np.abs(r64)), tiny)
+    ulp = np.exp2(np.floor(np.log2(mag)) - (digits - 1))
+    with np.errstate(invalid="ignore"):
+        d = np.abs(a64 - r64) / ulp
+    d = np.where(np.isfinite(d), d, np.inf)
+    return float(np.max(d[diff])), n
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("mode", choices=["save", "compare"])
+    p.add_argument("file")
+    p.add_argument("--backend", default="numba")
+    p.add_argument("--threads", type=int, default=None, help="cap the backend's threads (pynorm.set_num_threads)")
+    p.add_argument("--quick", action="store_true", help="skip the full-size benchmark shapes and streamed cases")
+    p.add_argument("--only", default="", help="compare: only the cases whose key contains this string")
+    args = p.parse_args(argv)
+    if args.threads is not None:
+        pynorm.set_num_threads(args.threads)
+    print(f"pynorm from {pynorm.__file__}; backend {args.backend}; threads {pynorm.get_num_threads()}", flush=True)
+    t0 = time.perf_counter()
+    if args.mode == "save":
+        record: dict[str, np.ndarray] = {}
+        n = 0
+        for key, op, shape, dt, kind, conv, ps in cases(args.quick):
+            for out_name, a in run_case(args.backend, op, shape, dt, kind, conv, ps).items():
+                record[f"{key}|{out_name}"] = a.view(np.uint16) if a.dtype == BF16 else a
+                record[f"{key}|{out_name}|dtype"] = np.array(_name(a.dtype))
+            n += 1
+        np.savez(args.file, **record)
+        print(f"saved {n} cases ({len(record) // 2} outputs) to {args.file} in {time.perf_counter() - t0:.0f} s")
+        return 0
+    rec = np.load(args.file)
+    n = same = 0
+    bad: list[str] = []
+    missing = 0
+    for key, op, shape, dt, kind, conv, ps in cases(args.quick):
+        if args.only not in key:
+            continue
+        res = run_case(args.backend, op, shape, dt, kind, conv, ps)
+        for out_name, a in res.items():
+            k = f"{key}|{out_name}"
+            if k not in rec:
+                missing += 1
+                bad.append(f"{k}: not in the record")
+                continue
+            ref = rec[k]
+            if str(rec[f"{k}|dtype"]) == "bfloat16":
+                ref = ref.view(BF16)
+            n += 1
+            if ref.dtype == a.dtype and ref.shape == a.shape and np.array_equal(_bits(a), _bits(ref)):
+                same += 1
+                continue
+            if ref.shape != a.shape or ref.dtype != a.dtype:
+                bad.append(f"{k}: shape/dtype {a.shape} {a.dtype} != {ref.shape} {ref.dtype}")
+                continue
+            u, cnt = ulp_diff(a, ref)
+            bad.append(f"{k}: {cnt}/{a.size} elements differ, max {u:.3g} ulp")
+    print(f"compared {n} outputs in {time.perf_counter() - t0:.0f} s: {same} bitwise identical, {n - same} differ")
+    for line in bad:
+        print("  DIFF", line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

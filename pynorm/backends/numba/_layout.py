@@ -1,0 +1,71 @@
+"""Work layout of the ``numba`` backend: chunk, block and tile sizes, and which path a call takes.
+
+Numba-free (the host code decides paths without importing the kernels). Every rule here is
+a function of the shapes and dtypes only, never of the thread count, so results never depend
+on the number of threads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "CHUNK",
+    "COL_TILE",
+    "FUSED_MAX_SMALL",
+    "FUSED_MIN_ROWS",
+    "LANES",
+    "ROW_BLOCK",
+    "SPLIT_MAX_ROWS",
+    "SPLIT_MIN_HIDDEN",
+    "SPLIT_SEG",
+    "STREAM_GROUP",
+    "STREAM_MIN_BYTES",
+    "STREAM_MIN_ROW",
+    "use_fused",
+    "use_split",
+    "use_stream",
+]
+
+#: elements per chunk of a row sum accumulated in the math type before it is added in float64.
+CHUNK = 1024
+#: rows per block of the weight/bias gradient partial sums (fixed => results independent of threads).
+ROW_BLOCK = 32
+#: columns per task of the reductions over blocks and of the column-parallel gradient kernels.
+COL_TILE = 256
+#: below this many rows the backward computes dx by rows, then dweight/dbias by column tiles
+#: (unless the whole input is smaller than :data:`FUSED_MAX_SMALL` elements: one fused pass is then cheapest).
+FUSED_MIN_ROWS = 4 * ROW_BLOCK
+FUSED_MAX_SMALL = 1 << 15
+
+#: outputs of at least this many bytes are written with streaming stores (much larger than the caches).
+STREAM_MIN_BYTES = 1 << 24
+#: ... and rows of at least this many elements (shorter rows lose more to the split loops than they gain).
+STREAM_MIN_ROW = 1024
+#: rows per parallel task of the kernels that can stream (one store fence per task).
+STREAM_GROUP = 8
+#: float32 lanes per streaming store (one 64-byte cache line).
+LANES = 16
+
+#: row-split path (rows cut into segments spread over the threads, see :mod:`._stats_kernels`): at most
+#: this many rows ...
+SPLIT_MAX_ROWS = 64
+#: ... of at least this many elements,
+SPLIT_MIN_HIDDEN = 16 * CHUNK
+#: cut into segments of this many elements (a multiple of CHUNK: the chunk sums are those of the whole row).
+SPLIT_SEG = 4 * CHUNK
+
+
+def use_stream(out: np.ndarray) -> bool:
+    """Whether a kernel writes ``out`` (storage form) with streaming stores: large float32 outputs only."""
+    return bool(out.dtype == np.float32 and out.nbytes >= STREAM_MIN_BYTES and out.shape[-1] >= STREAM_MIN_ROW)
+
+
+def use_fused(rows: int, hidden: int) -> bool:
+    """The backward's path for an ``(rows, hidden)`` input: a function of the shape only (never of threads)."""
+    return rows >= FUSED_MIN_ROWS or rows * hidden < FUSED_MAX_SMALL
+
+
+def use_split(rows: int, hidden: int) -> bool:
+    """Whether the few-wide-rows path (each row cut into :data:`SPLIT_SEG`-element segments) runs."""
+    return 0 < rows <= SPLIT_MAX_ROWS and hidden >= SPLIT_MIN_HIDDEN

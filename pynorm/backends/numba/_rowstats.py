@@ -1,0 +1,476 @@
+# numba's type stubs do not model intrinsics, overload stubs or jitted calls:
+# mypy: disable-error-code="call-arg,attr-defined,var-annotated,call-overload"
+r"""Row statistics of the stats family: shared helpers, and the pieces each statistic implements.
+
+Helpers (statistic-independent): :func:`_row_shift` and :func:`_shifted_sums` (a row's sums around
+a shift, the reference's ``row_mean``), :func:`_sum_squares`, :func:`_row_scale` (the power of two
+of the slow path), the compensated sums :func:`_two_sum` / :func:`_cadd`, :func:`_scaled_rstd`.
+
+Pieces (``@overload``-ed on the statistic tag, :mod:`._variant`; :data:`PIECES` holds each statistic's
+implementation of each, so a new statistic adds its functions and one entry there, nothing in the
+kernels):
+
+========================  ==================================================================
+:func:`fwd_stats`         fast forward statistics of a row: ``(ok, k, c, var)``
+:func:`scaled_stats`      slow-path statistics of a row scaled by ``2**-e``: ``(m1, c, var_s)``
+:func:`centre`            an element's centred value ``x - mean`` from ``(k, c)`` (math type)
+:func:`bwd_centring`      the backward's ``(k, c)`` from ctx's float64 mean
+:func:`gprod`             ``g = dy * w`` as the statistic's gradient rounds it
+:func:`bwd_finish`        ``(ok, gbar, coef)`` of the backward from the row's sums
+:func:`dx_elem`           one element of ``dx``
+:func:`slow_shift`,       the slow path's float64 centring ``(x * 2**-e - m_s) - c``: the shift, and
+:func:`slow_residual`     the residual mean the stored float64 mean misses
+:func:`is_centered`       compile-time constant: the statistic subtracts the mean
+:func:`eps_outside`       ``r = 1 / (sqrt(v) + eps)`` (LayerNorm's ``eps_mode="std"``)
+========================  ==================================================================
+
+Statistics: ``"centered"`` (LayerNorm: ``v`` the variance with ``H - correction`` degrees) and
+``"mean_square"`` (RMSNorm: ``v = mean(x^2)``, ``k = c = 0``, no ``gbar``).
+
+Numerics of the centred statistic (one pass over the row while it is in cache): the row is
+shifted by ``K = x0 + mean(x[:16] - x0)`` (in ``T``) and ``S1 = sum(x - K)``, ``S2 = sum((x - K)^2)``
+are accumulated; ``mean = K + S1/H`` and ``var = (S2 - S1^2/H) / (H - correction)``, never
+``E[x^2] - E[x]^2``. When ``S1^2 > S2 H / 4`` the sums are redone around the new mean. The centred
+value is ``(x - K) - S1/H`` with ``K`` and ``S1/H`` kept apart (:func:`_centre`, compiled without
+flags), so ``1e4 + N(0, 1)`` rows keep the accuracy of their deviations and a constant row gives
+exactly 0. The backward splits ctx's float64 mean the same way (:func:`bwd_centring`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from ._cache import FM_SUM, jit
+from ._layout import CHUNK
+from ._storage import JIT_ONLY, ld, tcast, tiny_sum
+
+__all__ = [
+    "PIECES",
+    "bwd_centring",
+    "bwd_finish",
+    "centre",
+    "dx_elem",
+    "eps_outside",
+    "fwd_stats",
+    "gprod",
+    "is_centered",
+    "scaled_stats",
+    "slow_residual",
+    "slow_shift",
+]
+
+#: options of the pieces' implementations: the kernels' fastmath flags and IEEE division
+_PIECE: Any = {"fastmath": FM_SUM, "error_model": "numpy"}
+
+
+def _choice(stat):  # type: ignore[no-untyped-def]
+    """The statistic a tag's numba type names (``"centered"``, ``"mean_square"``)."""
+    if getattr(stat, "axis", None) != "statistic" or stat.choice not in PIECES:
+        raise TypeError(f"expected a statistic tag, got {stat}")
+    return stat.choice
+
+
+# ---------------------------------------------------------------------------
+# shared helpers
+
+
+@jit()
+def _centre(x, k, c):  # type: ignore[no-untyped-def]
+    # no reassoc here: (x - k) is exact for x near k, and c is small
+    return (x - k) - c
+
+
+@jit()
+def _prod(a, b):  # type: ignore[no-untyped-def]
+    # no contract here: g = dy * w is rounded the same way in the sums and in dx (exact cancellation when H = 1)
+    return a * b
+
+
+@jit(FM_SUM, inline="always")
+def _row_shift(xr):  # type: ignore[no-untyped-def]
+    """``K = x0 + mean(x[:16] - x0)`` in the math type: near the row mean; exactly the value of a constant row."""
+    n0 = min(16, xr.shape[0])
+    x0 = ld(xr[0])
+    s = tcast(xr, 0.0)
+    for j in range(n0):
+        s += ld(xr[j]) - x0
+    return x0 + s / tcast(xr, n0)
+
+
+@jit(FM_SUM, inline="always")
+def _chunked_sums(xr, k, c):  # type: ignore[no-untyped-def]
+    """``(sum(d), sum(d^2))`` with ``d = (x - k) - c``, in float64 over chunk sums in the math type (a caller
+    using one of the two sums leaves the other to dead-code elimination)."""
+    h = xr.shape[0]
+    s1 = 0.0
+    s2 = 0.0
+    zero = tcast(xr, 0.0)
+    for c0 in range(0, h, CHUNK):
+        xc = xr[c0 : min(c0 + CHUNK, h)]
+        a1 = zero
+        a2 = zero
+        for j in range(xc.shape[0]):
+            d = _centre(ld(xc[j]), k, c)
+            a1 += d
+            a2 += d * d
+        s1 += np.float64(a1)
+        s2 += np.float64(a2)
+    return s1, s2
+
+
+@jit(FM_SUM, inline="always")
+def _shifted_sums(xr, k):  # type: ignore[no-untyped-def]
+    """``(sum(x - k), sum((x - k)^2))``."""
+    return _chunked_sums(xr, k, tcast(xr, 0.0))
+
+
+@jit(FM_SUM, inline="always")
+def _sum_squares(xr):  # type: ignore[no-untyped-def]
+    """``sum(x^2)``."""
+    zero = tcast(xr, 0.0)
+    return _chunked_sums(xr, zero, zero)[1]
+
+
+@jit()
+def _any_off(xr, k, c):  # type: ignore[no-untyped-def]
+    """True if some ``(x - k) - c`` is nonzero (or NaN)."""
+    for j in range(xr.shape[0]):
+        if _centre(ld(xr[j]), k, c) != 0:
+            return True
+    return False
+
+
+@jit()
+def _row_scale(xr):  # type: ignore[no-untyped-def]
+    """Exponent ``e`` with ``max|x| * 2**-e`` in [0.5, 1) (0 for zero or non-finite rows), clamped to +-1000."""
+    amax = 0.0
+    for j in range(xr.shape[0]):
+        a = abs(np.float64(ld(xr[j])))
+        if not a <= amax:  # also catches NaN
+            amax = a
+    if amax == 0.0 or not math.isfinite(amax):
+        return 0
+    e = math.frexp(amax)[1]
+    return max(-1000, min(1000, e))
+
+
+@jit()
+def _two_sum(a, b):  # type: ignore[no-untyped-def]
+    """``(s, err)`` with ``s = fl(a + b)`` and ``s + err == a + b`` exactly (Knuth's branch-free two-sum).
+
+    No fastmath flags (here and in its callers): reassociation would fold ``err`` to 0.
+    """
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+@jit()
+def _cadd(s, t, v):  # type: ignore[no-untyped-def]
+    """One step of a compensated sum: ``s' = fl(s + v)``, its exact rounding error added to ``t``.
+
+    The sum of ``n`` terms is then ``s + t`` within about one ulp plus ``n u^2 sum|v|``,
+    whatever their order: plain sequential sums over long rows are off by up to
+    ``n u`` (hundreds of ulps of the outputs at ``H = 65536``). Slow-path rows only
+    (a few times the cost of a plain sum).
+    """
+    r, err = _two_sum(s, v)
+    return r, t + err
+
+
+@jit()
+def _centered_scaled_stats(xr, e, corr):  # type: ignore[no-untyped-def]
+    """Two-pass float64 statistics of ``x * 2**-e``: ``(m1, c, var_s)`` with mean_s = m1 + c.
+
+    Every sum is compensated (:func:`_cadd`), and ``c`` is the mean of the *exact*
+    deviations ``x * 2**-e - m1`` (each difference's rounding error is added in):
+    the rounded differences share the low bits of ``m1``, so their rounding errors
+    do not average out and would bias ``c`` by up to half an ulp of ``x``.
+    """
+    h = xr.shape[0]
+    sc = math.ldexp(1.0, -e)
+    s = 0.0
+    t = 0.0
+    for j in range(h):
+        s, t = _cadd(s, t, np.float64(ld(xr[j])) * sc)
+    m1 = (s + t) / h
+    s1 = 0.0
+    t1 = 0.0
+    s2 = 0.0
+    t2 = 0.0
+    for j in range(h):
+        d, lo = _two_sum(np.float64(ld(xr[j])) * sc, -m1)
+        s1, t1 = _cadd(s1, t1 + lo, d)
+        s2, t2 = _cadd(s2, t2, d * d)
+    s1 = s1 + t1
+    c = s1 / h
+    return m1, c, max((s2 + t2) - s1 * c, 0.0) / (h - corr)
+
+
+@jit()
+def _scaled_rstd(var_s, e, eps, std_mode):  # type: ignore[no-untyped-def]
+    """``(r, r_s)`` for the variance ``var_s * 4**e``: r = 1/sqrt(var + eps) (or 1/(sqrt(var) + eps)), r_s = r * 2**e.
+
+    ``r_s`` (what multiplies the scaled deviations) is computed without overflow or
+    underflow whenever eps scaled alongside is finite; ``r`` itself may be out of
+    range for the most extreme float64 rows (it is then only stored in ctx).
+    """
+    if std_mode:
+        e_s = math.ldexp(eps, -e)
+        if math.isfinite(e_s):
+            r_s = 1.0 / (math.sqrt(var_s) + e_s)
+            return math.ldexp(r_s, -e), r_s
+        r = 1.0 / eps
+        return r, math.ldexp(r, e)
+    e_s = math.ldexp(eps, -2 * e)
+    if math.isfinite(e_s):
+        r_s = 1.0 / math.sqrt(var_s + e_s)
+        return math.ldexp(r_s, -e), r_s
+    r = 1.0 / math.sqrt(eps)
+    return r, math.ldexp(r, e)
+
+
+@jit(FM_SUM)
+def _mean_fix(xr, k, c):  # type: ignore[no-untyped-def]
+    """``sum((x - k) - c) / H`` in float64: what ``k + c`` misses of the row mean."""
+    return _chunked_sums(xr, k, c)[0] / xr.shape[0]
+
+
+@jit()
+def _slow_residual(xr, mean, e):  # type: ignore[no-untyped-def]
+    """``mean(x * 2**-e - m_s)`` of the exact deviations (compensated, as in :func:`_centered_scaled_stats`),
+    in the math type: what the stored float64 ``mean`` misses of the row's mean.
+
+    The slow path's centring is ``(x * sc - m_s) - c`` as in the forward: rows with
+    a common offset much larger than their spread (``1e300 + 1e290 N(0, 1)``) keep
+    the accuracy of their deviations, which the rounded ``mean`` alone would lose.
+    """
+    sc = math.ldexp(1.0, -e)
+    m_s = math.ldexp(mean, -e)
+    s = 0.0
+    t = 0.0
+    for j in range(xr.shape[0]):
+        d, lo = _two_sum(np.float64(ld(xr[j])) * sc, -m_s)
+        s, t = _cadd(s, t + lo, d)
+    return np.float64(tcast(xr, (s + t) / xr.shape[0]))
+
+
+@jit(FM_SUM)
+def _prod_fm(a, b):  # type: ignore[no-untyped-def]
+    # the mean-square statistic's g = dy * w: with the kernels' flags (as it has always been rounded)
+    return a * b
+
+
+@jit()
+def _ms_scaled_stats(xr, e):  # type: ignore[no-untyped-def]
+    """``mean((x * 2**-e)^2)`` in float64, compensated."""
+    h = xr.shape[0]
+    sc = math.ldexp(1.0, -e)
+    s2 = 0.0
+    t2 = 0.0
+    for j in range(h):
+        v = np.float64(ld(xr[j])) * sc
+        s2, t2 = _cadd(s2, t2, v * v)
+    return (s2 + t2) / h
+
+
+# ---------------------------------------------------------------------------
+# the pieces: what the kernels call (each statistic implements every one, see PIECES)
+
+
+def is_centered(stat):  # type: ignore[no-untyped-def]
+    """True (a compile-time constant) when the statistic subtracts the row mean."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def eps_outside(stat, std_mode):  # type: ignore[no-untyped-def]
+    """Whether ``r = 1 / (sqrt(v) + eps)`` (else ``1 / sqrt(v + eps)``): ``std_mode`` for the statistics
+    with that convention (``eps_mode``), a compile-time False for the others."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
+    """Fast-path statistics of row ``xr``: ``(ok, k, c, v)`` with the centring ``(x - k) - c`` (``k`` in the
+    math type, ``c`` float64) and the variance-like ``v`` of ``r``; ``ok`` False: the row needs the slow path."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def scaled_stats(stat, xr, e, corr):  # type: ignore[no-untyped-def]
+    """Slow-path float64 statistics of ``x * 2**-e``: ``(m1, c, v_s)``, centring ``(x * 2**-e - m1) - c``."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def centre(stat, v, k, c):  # type: ignore[no-untyped-def]
+    """The centred value of the element ``v`` (math type)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def gprod(stat, dy, w):  # type: ignore[no-untyped-def]
+    """``g = dy * w`` in the math type, rounded as the statistic's sums and ``dx`` need it."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def bwd_centring(stat, xr, mean, r):  # type: ignore[no-untyped-def]
+    """The backward's centring ``(k, c)`` (math type) from ctx's float64 ``mean``: ``x - mean = (x - k) - c``."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, std_mode):  # type: ignore[no-untyped-def]
+    """``(ok, gbar, coef)`` (math type) of a row's backward from its sums ``sum g``, ``sum g xhat``,
+    ``sum d^2`` (the last only with :func:`eps_outside`); ``ok`` False: the row needs the slow path."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-untyped-def]
+    """Element ``j`` of a fast-path row's ``dx`` (math type)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def slow_shift(stat, mean, e):  # type: ignore[no-untyped-def]
+    """The slow path's float64 shift ``m_s`` of ``x * 2**-e`` (from ctx's mean)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def slow_residual(stat, xr, mean, e):  # type: ignore[no-untyped-def]
+    """What the stored mean misses of the row mean, at the scale ``2**-e`` (float64 of the math type)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+# ---------------------------------------------------------------------------
+# statistic "centered" (LayerNorm): mean and variance, the row centred by (x - k) - c
+
+
+def _wide_fix(xr, mean, r, k, c):  # type: ignore[no-untyped-def]
+    """``c`` plus, for float64 math, the residual mean a float64 ``mean`` misses where that matters."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_wide_fix, jit_options=_PIECE)
+def _wide_fix_ol(xr, mean, r, k, c):  # type: ignore[no-untyped-def]
+    # k + c carries a float64 mean exactly for narrower math types only; a float64 mean is itself rounded:
+    # where that matters (an offset much larger than the spread) c gets the row's residual mean
+    if xr.dtype != types.float64:
+        return lambda xr, mean, r, k, c: c
+
+    def wide(xr, mean, r, k, c):  # type: ignore[no-untyped-def]
+        if abs(mean) * r > 8.0 and math.isfinite(mean):
+            return c + tcast(xr, _mean_fix(xr, k, c))
+        return c
+
+    return wide
+
+
+def _c_fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
+    h = xr.shape[0]
+    k = _row_shift(xr)
+    s1, s2 = _shifted_sums(xr, k)
+    if not (math.isfinite(s1) and math.isfinite(s2)):
+        return False, k, 0.0, 0.0
+    if s1 * s1 > 0.25 * h * s2:  # shift far from the mean: redo around the mean
+        k = tcast(xr, np.float64(k) + s1 / h)
+        s1, s2 = _shifted_sums(xr, k)
+        if not (math.isfinite(s1) and math.isfinite(s2)):
+            return False, k, 0.0, 0.0
+    c = s1 / h
+    if s2 < tiny_sum(xr) and _any_off(xr, k, tcast(xr, 0.0)):
+        return False, k, c, 0.0
+    return True, k, c, max(s2 - s1 * c, 0.0) / (h - corr)
+
+
+def _c_bwd_centring(stat, xr, mean, r):  # type: ignore[no-untyped-def]
+    k = tcast(xr, mean)
+    return k, _wide_fix(xr, mean, r, k, tcast(xr, mean - np.float64(k)))
+
+
+def _c_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, std_mode):  # type: ignore[no-untyped-def]
+    h = xr.shape[0]
+    n = h - corr
+    ok = math.isfinite(sg) and math.isfinite(sgx) and math.isfinite(sd2)
+    if ok and std_mode and sd2 < tiny_sum(xr):
+        ok = not _any_off(xr, k, c)
+    coef = 0.0
+    if ok:
+        if std_mode:
+            s = math.sqrt(sd2 / n)
+            coef = sgx / (n * s * r) if s > 0 else 0.0
+        else:
+            coef = sgx / n
+    return ok, tcast(xr, sg / h), tcast(xr, coef)
+
+
+def _c_dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-untyped-def]
+    xhat = _centre(ld(xr[j]), k, c) * r
+    dy = ld(dyr[j])
+    g = _prod(dy, w[j]) if w is not None else dy
+    return r * ((g - gbar) - xhat * coef)
+
+
+# ---------------------------------------------------------------------------
+# statistic "mean_square" (RMSNorm): v = mean(x^2), no centring, no gbar
+
+
+def _ms_fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
+    s2 = _sum_squares(xr)
+    zero = tcast(xr, 0.0)
+    if not math.isfinite(s2) or (s2 < tiny_sum(xr) and _any_off(xr, zero, zero)):
+        return False, zero, 0.0, 0.0
+    return True, zero, 0.0, s2 / xr.shape[0]
+
+
+def _ms_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, std_mode):  # type: ignore[no-untyped-def]
+    return math.isfinite(sgx), tcast(xr, 0.0), tcast(xr, sgx / xr.shape[0])
+
+
+def _ms_dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-untyped-def]
+    dy = ld(dyr[j])
+    g = dy * w[j] if w is not None else dy
+    return r * (g - (ld(xr[j]) * r) * coef)
+
+
+# ---------------------------------------------------------------------------
+# registration: each statistic's implementation of each piece (a new statistic is one more entry)
+
+PIECES = {
+    "centered": {
+        is_centered: lambda stat: True,
+        eps_outside: lambda stat, std_mode: std_mode,
+        fwd_stats: _c_fwd_stats,
+        scaled_stats: lambda stat, xr, e, corr: _centered_scaled_stats(xr, e, corr),
+        centre: lambda stat, v, k, c: _centre(v, k, c),
+        gprod: lambda stat, dy, w: _prod(dy, w),
+        bwd_centring: _c_bwd_centring,
+        bwd_finish: _c_bwd_finish,
+        dx_elem: _c_dx_elem,
+        slow_shift: lambda stat, mean, e: math.ldexp(mean, -e),
+        slow_residual: lambda stat, xr, mean, e: _slow_residual(xr, mean, e),
+    },
+    "mean_square": {
+        is_centered: lambda stat: False,
+        eps_outside: lambda stat, std_mode: False,
+        fwd_stats: _ms_fwd_stats,
+        scaled_stats: lambda stat, xr, e, corr: (0.0, 0.0, _ms_scaled_stats(xr, e)),
+        centre: lambda stat, v, k, c: v,
+        gprod: lambda stat, dy, w: _prod_fm(dy, w),
+        bwd_centring: lambda stat, xr, mean, r: (tcast(xr, 0.0), tcast(xr, 0.0)),
+        bwd_finish: _ms_bwd_finish,
+        dx_elem: _ms_dx_elem,
+        slow_shift: lambda stat, mean, e: 0.0,
+        slow_residual: lambda stat, xr, mean, e: 0.0,
+    },
+}
+
+
+def _register(stub):  # type: ignore[no-untyped-def]
+    def typer(stat, *args):  # type: ignore[no-untyped-def]
+        return PIECES[_choice(stat)].get(stub)
+
+    overload(stub, jit_options=_PIECE, strict=False)(typer)
+
+
+for _stub in PIECES["centered"]:
+    _register(_stub)

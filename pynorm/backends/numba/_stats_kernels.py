@@ -1,0 +1,500 @@
+# numba's type stubs do not model intrinsics, overload stubs or jitted calls:
+# mypy: disable-error-code="call-arg,attr-defined,var-annotated,call-overload"
+r"""The statistics family's kernels: one skeleton for every statistic, store mode and optional parameter.
+
+Every kernel takes the statistic tag first (``stat``, :mod:`._variant`; its pieces live in
+:mod:`._rowstats`); parameters and choices a variant lacks are ``None`` and their branches are
+pruned at compile time (``b`` without bias, ``mean`` for a statistic without a mean, ``pw``/``pb``
+without weight/bias gradient, ``stream`` None for plain stores, True for streaming stores of
+large float32 outputs, :mod:`._stream`). The conventions of a statistic (``corr``, ``std_mode``:
+eps outside the root) are run-time arguments. Axes still to come add an argument and a branch here: an input prologue
+(``h = x + alpha * residual``, stored), an affine source chosen per row (a scalar, a table row
+selected by an index array), an output epilogue (the pre-norm sum, int8 quantization).
+
+Forward (:func:`fwd`): one parallel pass over groups of rows; each row's statistics are taken
+while it is in cache (:func:`._rowstats.fwd_stats`), then ``y`` is written (:func:`write_y`).
+
+Backward: ``dx`` of a row from its sums ``sum g``, ``sum g xhat`` (and ``sum d^2`` with eps
+outside the root), then ``dx`` while the row is in cache. Parameter gradients are per-block
+partial sums (blocks of :data:`._layout.ROW_BLOCK` rows, fixed), accumulated in row order in the
+math type and added in float64 in block order (:func:`._reduce.sum_blocks`), so they do not
+depend on the thread count:
+
+* fused path (:func:`bwd_fused`, many rows): per row block, each row adds ``dy * xhat`` / ``dy``
+  to the block's partials during the pass that takes its sums;
+* rows path (:func:`bwd_rows` then :func:`params_by_cols`, few rows of many elements): ``dx`` by
+  rows, then the partials by column tiles, rows by groups of four
+  (``pw += (p0 + p1) + (p2 + p3)``).
+
+Slow path (rows whose fast sums overflow, underflow or are not finite, or whose ``r`` is out of
+the math type's normal range): the fast kernels leave such rows *pending* (``rstd = -1`` in the
+forward, ``scale = PENDING`` in the backward) and return how many there are; the host then runs
+:func:`fwd_slow` / :func:`bwd_slow` (float64 after exact power-of-two scaling, compensated sums)
+and, in the fused path, :func:`redo_blocks` (the partials of a block with a slow row are
+recomputed in row order, each row with its own path's formula). These kernels, and the slow
+branch of :func:`params_by_cols` (``scale`` given instead of None), compile only when a call
+needs them.
+
+Vectorization: every hot loop writes at most two arrays and reads a few, so LLVM's run-time alias
+checks stay under its limit and the loops vectorize.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import prange
+
+from ._cache import FM_SUM, jit
+from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK, STREAM_GROUP
+from ._rowstats import (
+    _cadd,
+    _row_scale,
+    _scaled_rstd,
+    bwd_centring,
+    bwd_finish,
+    centre,
+    dx_elem,
+    eps_outside,
+    fwd_stats,
+    gprod,
+    is_centered,
+    scaled_stats,
+    slow_residual,
+    slow_shift,
+)
+from ._storage import at, ld, r_ok, seg, seg2, st, st_exact, tcast
+from ._stream import dx_vec, dx_vec1, out_vec, sfence, stream_span, streams
+
+__all__ = ["FAST", "PENDING", "bwd_fused", "bwd_rows", "bwd_slow", "fwd", "fwd_slow", "params_by_cols", "redo_blocks"]
+
+#: per-row ``scale`` of the backward: the row took the fast path (else the slow path's exponent)
+FAST = 1 << 20
+#: ... the row needs the slow path (set by the fast kernels, replaced by :func:`bwd_slow`)
+PENDING = FAST + 1
+#: ``rstd`` of a forward row that needs the slow path (set by :func:`fwd`, replaced by :func:`fwd_slow`)
+_FWD_PENDING = -1.0
+
+# ---------------------------------------------------------------------------
+# how a row's outputs are written: ``stream`` None (plain stores) or True (streaming stores for
+# the 64-byte aligned part of float32 rows; the arithmetic is the plain loops')
+
+
+@jit(FM_SUM, inline="always")
+def _y_range(stat, xr, w, b, k, c, r, yr, lo, hi):  # type: ignore[no-untyped-def]
+    for j in range(lo, hi):
+        v = centre(stat, ld(xr[j]), k, c) * r
+        if w is not None:
+            v = v * w[j]
+        if b is not None:
+            v = v + b[j]
+        st(yr, j, v)
+
+
+@jit(FM_SUM, inline="always")
+def _write_y(stat, xr, w, b, k, c, r, yr, stream):  # type: ignore[no-untyped-def]
+    """``yr = centre(x) * r [* w] [+ b]``, rounded once to the storage dtype."""
+    h = xr.shape[0]
+    if stream is not None and streams(yr):
+        j0, j1 = stream_span(yr)
+        _y_range(stat, xr, w, b, k, c, r, yr, 0, j0)
+        for j in range(j0, j1, LANES):
+            out_vec(stat, xr, w, b, k, c, r, yr, j)
+        _y_range(stat, xr, w, b, k, c, r, yr, j1, h)
+    else:
+        _y_range(stat, xr, w, b, k, c, r, yr, 0, h)
+
+
+@jit(FM_SUM, inline="always")
+def _write_dx(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, stream):  # type: ignore[no-untyped-def]
+    """``dxr[j] = dx_elem(...)`` for the whole row."""
+    h = xr.shape[0]
+    if stream is not None and streams(dxr):
+        j0, j1 = stream_span(dxr)
+        for j in range(j0):
+            dx_vec1(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
+        for j in range(j0, j1, LANES):
+            dx_vec(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
+        for j in range(j1, h):
+            dx_vec1(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
+    else:
+        for j in range(h):
+            st(dxr, j, dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j))
+
+
+# ---------------------------------------------------------------------------
+# forward
+
+
+@jit(FM_SUM, inline="always")
+def _fwd_row(stat, xr, w, b, eps, corr, std_mode, yr, stream):  # type: ignore[no-untyped-def]
+    """Normalize one row into ``yr``: ``(ok, mean, r)`` in float64 (``ok`` False: nothing written, slow path)."""
+    ok, k, c, v = fwd_stats(stat, xr, corr)
+    if not ok:
+        return False, 0.0, 0.0
+    r = 1.0 / (math.sqrt(v) + eps) if eps_outside(stat, std_mode) else 1.0 / math.sqrt(v + eps)
+    _write_y(stat, xr, w, b, k, tcast(xr, c), tcast(xr, r), yr, stream)
+    return True, np.float64(k) + c, r
+
+
+@jit(FM_SUM, parallel=True)
+def fwd(stat, x, w, b, eps, corr, std_mode, y, mean, rstd, stream):  # type: ignore[no-untyped-def]
+    """Forward of every row of ``x`` (storage dtype) into ``y``; ``mean`` (or None) and ``rstd`` float64.
+
+    Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
+    True to write float32 ``y`` with streaming stores (outputs much larger than the caches).
+    """
+    rows = x.shape[0]
+    pending = 0
+    for g in prange((rows + STREAM_GROUP - 1) // STREAM_GROUP):
+        for i in range(g * STREAM_GROUP, min(g * STREAM_GROUP + STREAM_GROUP, rows)):
+            ok, m, r = _fwd_row(stat, x[i], w, b, eps, corr, std_mode, y[i], stream)
+            if ok:
+                if mean is not None:
+                    mean[i] = m
+                rstd[i] = r
+            else:
+                rstd[i] = _FWD_PENDING
+                pending += 1
+        if stream is not None:
+            sfence()
+    return pending
+
+
+@jit()
+def _fwd_row_slow(stat, xr, w, b, eps, corr, std_mode, yr):  # type: ignore[no-untyped-def]
+    """The slow path of one row: float64 after scaling by ``2**-e``; returns ``(mean, r)``."""
+    e = _row_scale(xr)
+    m1, c, v_s = scaled_stats(stat, xr, e, corr)
+    r, r_s = _scaled_rstd(v_s, e, eps, eps_outside(stat, std_mode))
+    sc = math.ldexp(1.0, -e)
+    for j in range(xr.shape[0]):
+        v = ((np.float64(ld(xr[j])) * sc - m1) - c) * r_s
+        if w is not None:
+            v = v * np.float64(w[j])
+        if b is not None:
+            v = v + np.float64(b[j])
+        st_exact(yr, j, v)
+    return math.ldexp(m1 + c, e), r
+
+
+@jit()
+def fwd_slow(stat, x, w, b, eps, corr, std_mode, y, mean, rstd, stream):  # type: ignore[no-untyped-def]
+    """The rows :func:`fwd` left pending (``rstd == -1``), by the slow path (``stream`` unused: plain stores)."""
+    for i in range(x.shape[0]):
+        if rstd[i] == _FWD_PENDING:
+            m, r = _fwd_row_slow(stat, x[i], w, b, eps, corr, std_mode, y[i])
+            if mean is not None:
+                mean[i] = m
+            rstd[i] = r
+
+
+# ---------------------------------------------------------------------------
+# backward: a row's dx (and its share of the block partials)
+
+
+@jit(FM_SUM, inline="always")
+def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[no-untyped-def]
+    """``(sum g, sum g*xhat, sum d^2)`` in float64 with ``g = dy * w``, ``d = centre(x)``, ``xhat = d * r``
+    (``sum d^2`` only with eps outside the root); adds ``dy * xhat`` to ``pw[blk]``, ``dy`` to ``pb[blk]``.
+
+    The partials ``pw``, ``pb`` ((blocks, H) arrays or None) are passed down as the kernels' own
+    arguments with a block index: numba prunes ``is None`` branches at compile time for arguments only.
+    """
+    h = xr.shape[0]
+    sg = 0.0
+    sgx = 0.0
+    sd2 = 0.0
+    zero = tcast(xr, 0.0)
+    for c0 in range(0, h, CHUNK):
+        c1 = min(c0 + CHUNK, h)
+        xc = xr[c0:c1]
+        dc = dyr[c0:c1]
+        ag = zero
+        agx = zero
+        ad2 = zero
+        pwc = seg2(pw, blk, c0, c1)
+        pbc = seg2(pb, blk, c0, c1)
+        wc = seg(w, c0, c1)
+        if with_d2:
+            for j in range(xc.shape[0]):
+                d = centre(stat, ld(xc[j]), k, c)
+                xhat = d * r
+                dy = ld(dc[j])
+                g = gprod(stat, dy, wc[j]) if w is not None else dy
+                ag += g
+                agx += g * xhat
+                ad2 += d * d
+                if pw is not None:
+                    pwc[j] += dy * xhat
+                if pb is not None:
+                    pbc[j] += dy
+        else:
+            for j in range(xc.shape[0]):
+                xhat = centre(stat, ld(xc[j]), k, c) * r
+                dy = ld(dc[j])
+                g = gprod(stat, dy, wc[j]) if w is not None else dy
+                ag += g
+                agx += g * xhat
+                if pw is not None:
+                    pwc[j] += dy * xhat
+                if pb is not None:
+                    pbc[j] += dy
+        sg += np.float64(ag)
+        sgx += np.float64(agx)
+        sd2 += np.float64(ad2)
+    return sg, sgx, sd2
+
+
+@jit(FM_SUM, inline="always")
+def _bwd_row(stat, xr, dyr, w, mean, r, corr, std_mode, dxr, pw, pb, blk, stream):  # type: ignore[no-untyped-def]
+    """dx of one row on the fast path, and its share of ``pw[blk]``/``pb[blk]``: ``(ok, c)``.
+
+    ``ok`` False: the row needs the slow path (the partials may then hold a wrong contribution).
+    """
+    k, c = bwd_centring(stat, xr, mean, r)
+    rt = tcast(xr, r)
+    if r_ok(xr, r):
+        sg, sgx, sd2 = _bwd_sums(stat, xr, dyr, w, k, c, rt, eps_outside(stat, std_mode), pw, pb, blk)
+        ok, gbar, coef = bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, std_mode)
+        if ok:
+            _write_dx(stat, xr, dyr, w, k, c, rt, gbar, coef, dxr, stream)
+            return True, c
+    return False, c
+
+
+@jit()
+def _bwd_row_slow(stat, xr, dyr, w, mean, r, corr, std_mode, dxr):  # type: ignore[no-untyped-def]
+    """dx of one row in float64 after scaling by a power of two (compensated sums);
+    returns ``(scale exponent, residual c)``."""
+    h = xr.shape[0]
+    n = h - corr
+    e = _row_scale(xr)
+    sc = math.ldexp(1.0, -e)
+    m_s = slow_shift(stat, mean, e)
+    r_s = math.ldexp(r, e)
+    c = slow_residual(stat, xr, mean, e)
+    sg = 0.0
+    tg = 0.0
+    sgx = 0.0
+    tgx = 0.0
+    sd2 = 0.0
+    td2 = 0.0
+    for j in range(h):
+        d = (np.float64(ld(xr[j])) * sc - m_s) - c
+        g = np.float64(ld(dyr[j]))
+        if w is not None:
+            g *= np.float64(w[j])
+        sg, tg = _cadd(sg, tg, g)
+        sgx, tgx = _cadd(sgx, tgx, g * (d * r_s))
+        sd2, td2 = _cadd(sd2, td2, d * d)
+    sg = sg + tg
+    sgx = sgx + tgx
+    if eps_outside(stat, std_mode):
+        s_s = math.sqrt((sd2 + td2) / n)
+        coef = sgx / (n * s_s * r_s) if s_s > 0 else 0.0
+    else:
+        coef = sgx / n
+    gbar = sg / h if is_centered(stat) else 0.0
+    for j in range(h):
+        xhat = ((np.float64(ld(xr[j])) * sc - m_s) - c) * r_s
+        g = np.float64(ld(dyr[j]))
+        if w is not None:
+            g *= np.float64(w[j])
+        st_exact(dxr, j, r * ((g - gbar) - xhat * coef))
+    return e, c
+
+
+# ---------------------------------------------------------------------------
+# backward: row contributions to the block partials
+
+
+@jit(FM_SUM, inline="always")
+def _acc(stat, xr, dyr, k, c, r, pw, pb, blk, j0):  # type: ignore[no-untyped-def]
+    """Add one fast-path row segment's ``dy * xhat`` to ``pw[blk, j0:]`` and ``dy`` to ``pb[blk, j0:]``."""
+    n = xr.shape[0]
+    if pw is not None:
+        pwr = pw[blk, j0 : j0 + n]
+        for j in range(n):
+            pwr[j] += ld(dyr[j]) * (centre(stat, ld(xr[j]), k, c) * r)
+    if pb is not None:
+        pbr = pb[blk, j0 : j0 + n]
+        for j in range(n):
+            pbr[j] += ld(dyr[j])
+
+
+@jit(FM_SUM, inline="always")
+def _acc4(stat, x0, x1, x2, x3, d0, d1, d2, d3, kq, cq, rq, pw, pb, blk, j0):  # type: ignore[no-untyped-def]
+    """:func:`_acc` of four fast-path rows at once: ``pw += (row0 + row1) + (row2 + row3)``.
+
+    One loop per output: few pointers per loop keep the compiler's run-time alias checks within
+    its limit, so both loops vectorize.
+    """
+    n = x0.shape[0]
+    if pw is not None:
+        pwr = pw[blk, j0 : j0 + n]
+        k0, k1, k2, k3 = tcast(x0, kq[0]), tcast(x0, kq[1]), tcast(x0, kq[2]), tcast(x0, kq[3])
+        c0, c1, c2, c3 = tcast(x0, cq[0]), tcast(x0, cq[1]), tcast(x0, cq[2]), tcast(x0, cq[3])
+        r0, r1, r2, r3 = tcast(x0, rq[0]), tcast(x0, rq[1]), tcast(x0, rq[2]), tcast(x0, rq[3])
+        for j in range(n):
+            p01 = ld(d0[j]) * (centre(stat, ld(x0[j]), k0, c0) * r0) + ld(d1[j]) * (
+                centre(stat, ld(x1[j]), k1, c1) * r1
+            )
+            p23 = ld(d2[j]) * (centre(stat, ld(x2[j]), k2, c2) * r2) + ld(d3[j]) * (
+                centre(stat, ld(x3[j]), k3, c3) * r3
+            )
+            pwr[j] += p01 + p23
+    if pb is not None:
+        pbr = pb[blk, j0 : j0 + n]
+        for j in range(n):
+            pbr[j] += (ld(d0[j]) + ld(d1[j])) + (ld(d2[j]) + ld(d3[j]))
+
+
+@jit()
+def _acc_slow(stat, xr, dyr, mean, r, e, c, pw, pb, blk, j0):  # type: ignore[no-untyped-def]
+    """:func:`_acc` of a slow-path row segment (float64, scaled by ``2**-e``; ``c``: the row's residual)."""
+    sc = math.ldexp(1.0, -e)
+    m_s = slow_shift(stat, mean, e)
+    r_s = math.ldexp(r, e)
+    for j in range(xr.shape[0]):
+        dy = np.float64(ld(dyr[j]))
+        if pw is not None:
+            pw[blk, j0 + j] += tcast(xr, dy * (((np.float64(ld(xr[j])) * sc - m_s) - c) * r_s))
+        if pb is not None:
+            pb[blk, j0 + j] += tcast(xr, dy)
+
+
+# ---------------------------------------------------------------------------
+# backward kernels
+
+
+@jit(FM_SUM, parallel=True)
+def bwd_fused(stat, x, dy, w, mean, rstd, corr, std_mode, dx, pw, pb, scale, stream):  # type: ignore[no-untyped-def]
+    """Backward by row blocks: dx, and per-block partial sums ``pw``/``pb`` (or None).
+
+    ``scale[i]``: :data:`FAST`, or :data:`PENDING` for the rows left for :func:`bwd_slow` (their
+    number is returned; their blocks' partials are then for :func:`redo_blocks`).
+    """
+    rows = x.shape[0]
+    nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+    pending = 0
+    for blk in prange(nb):
+        if pw is not None:
+            pw[blk, :] = 0
+        if pb is not None:
+            pb[blk, :] = 0
+        for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
+            ok = _bwd_row(stat, x[i], dy[i], w, at(mean, i), rstd[i], corr, std_mode, dx[i], pw, pb, blk, stream)[0]
+            scale[i] = FAST if ok else PENDING
+            if not ok:
+                pending += 1
+        if stream is not None:
+            sfence()
+    return pending
+
+
+@jit(FM_SUM, parallel=True)
+def bwd_rows(stat, x, dy, w, mean, rstd, corr, std_mode, dx, scale, cs, stream):  # type: ignore[no-untyped-def]
+    """Backward, dx only, row-parallel; ``scale[i]`` as in :func:`bwd_fused`, ``cs[i]`` the row's ``c``
+    (or None). Returns the number of rows left for :func:`bwd_slow`."""
+    pending = 0
+    for i in prange(x.shape[0]):
+        ok, c = _bwd_row(stat, x[i], dy[i], w, at(mean, i), rstd[i], corr, std_mode, dx[i], None, None, 0, stream)
+        if stream is not None:
+            sfence()
+        scale[i] = FAST if ok else PENDING
+        if cs is not None:
+            cs[i] = c
+        if not ok:
+            pending += 1
+    return pending
+
+
+@jit()
+def bwd_slow(stat, x, dy, w, mean, rstd, corr, std_mode, dx, scale, cs):  # type: ignore[no-untyped-def]
+    """dx of the rows left :data:`PENDING`, by the slow path; records their exponent in ``scale``
+    and (``cs`` not None) their residual ``c``."""
+    for i in range(x.shape[0]):
+        if scale[i] == PENDING:
+            e, c = _bwd_row_slow(stat, x[i], dy[i], w, at(mean, i), rstd[i], corr, std_mode, dx[i])
+            scale[i] = e
+            if cs is not None:
+                cs[i] = tcast(x, c)
+
+
+@jit(FM_SUM)
+def redo_blocks(stat, x, dy, mean, rstd, scale, pw, pb):  # type: ignore[no-untyped-def]
+    """Recompute the partials of the blocks holding a slow-path row: rows in order, each with the
+    formula of its path (as :func:`bwd_fused` adds them)."""
+    rows = x.shape[0]
+    for blk in range((rows + ROW_BLOCK - 1) // ROW_BLOCK):
+        i0 = blk * ROW_BLOCK
+        i1 = min(i0 + ROW_BLOCK, rows)
+        clean = True
+        for i in range(i0, i1):
+            clean = clean and scale[i] == FAST
+        if clean:
+            continue
+        if pw is not None:
+            pw[blk, :] = 0
+        if pb is not None:
+            pb[blk, :] = 0
+        for i in range(i0, i1):
+            xr = x[i]
+            if scale[i] == FAST:
+                k, c = bwd_centring(stat, xr, at(mean, i), rstd[i])
+                _acc(stat, xr, dy[i], k, c, tcast(xr, rstd[i]), pw, pb, blk, 0)
+            else:
+                cr = slow_residual(stat, xr, at(mean, i), scale[i])
+                _acc_slow(stat, xr, dy[i], at(mean, i), rstd[i], scale[i], cr, pw, pb, blk, 0)
+
+
+@jit(FM_SUM, parallel=True)
+def params_by_cols(stat, x, dy, mean, rstd, scale, cs, pw, pb):  # type: ignore[no-untyped-def]
+    """Per-block partial sums of ``dy * xhat`` and ``dy`` by column tiles (for few rows); rows by groups of 4.
+
+    ``scale`` None: every row took the fast path; else the rows' paths from :func:`bwd_rows` /
+    :func:`bwd_slow` (a group with a slow row is added row by row).
+    """
+    rows, h = x.shape
+    nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+    nt = (h + COL_TILE - 1) // COL_TILE
+    for t in prange(nt):
+        j0 = t * COL_TILE
+        j1 = min(j0 + COL_TILE, h)
+        kq = np.empty(4)
+        cq = np.empty(4)
+        rq = np.empty(4)
+        for blk in range(nb):
+            if pw is not None:
+                pw[blk, j0:j1] = 0
+            if pb is not None:
+                pb[blk, j0:j1] = 0
+            i = blk * ROW_BLOCK
+            end = min(i + ROW_BLOCK, rows)
+            while i < end:
+                n4 = min(4, end - i)
+                allfast = n4 == 4
+                for q in range(n4):
+                    kq[q] = tcast(x, at(mean, i + q))
+                    cq[q] = at(cs, i + q)
+                    rq[q] = tcast(x, rstd[i + q])
+                    if scale is not None:
+                        allfast = allfast and scale[i + q] == FAST
+                if allfast:
+                    _acc4(stat, x[i, j0:j1], x[i + 1, j0:j1], x[i + 2, j0:j1], x[i + 3, j0:j1],
+                          dy[i, j0:j1], dy[i + 1, j0:j1], dy[i + 2, j0:j1], dy[i + 3, j0:j1],
+                          kq, cq, rq, pw, pb, blk, j0)  # fmt: skip
+                else:
+                    for q in range(n4):
+                        xr = x[i + q, j0:j1]
+                        dyr = dy[i + q, j0:j1]
+                        if scale is None:
+                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, blk, j0)
+                        elif scale[i + q] == FAST:
+                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, blk, j0)
+                        else:
+                            e = scale[i + q]
+                            _acc_slow(stat, xr, dyr, at(mean, i + q), rstd[i + q], e, cq[q], pw, pb, blk, j0)
+                i += 4

@@ -1,0 +1,66 @@
+"""Variant tags: Python objects whose numba *type* names one choice on one axis of a kernel family.
+
+A kernel takes a tag as an argument (``stat``, the statistic); the ``@overload``-ed pieces it calls
+pick their implementation from the tag's type at compile time, so each variant compiles only its
+own code. (Axes carried by data or by a yes/no choice -- a bias or not, streaming stores or not, a
+residual input or not -- are optional arguments instead: ``None``-typed arguments whose branches
+numba prunes.) Tags are cheap to pass (their numba type is
+attached, ``_numba_type_``) and pickle with the cached kernels' signatures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from numba import types
+from numba.extending import NativeValue, models, register_model, unbox
+
+__all__ = ["STATISTICS", "Tag", "TagType", "statistic"]
+
+
+class TagType(types.Dummy):
+    """The numba type of a :class:`Tag`: axis, choice and flags, all known at compile time."""
+
+    def __init__(self, axis: str, choice: str, flags: tuple[tuple[str, Any], ...]) -> None:
+        self.axis = axis
+        self.choice = choice
+        self.flags = dict(flags)
+        shown = "".join(f",{k}={v}" for k, v in flags)
+        super().__init__(f"{axis}[{choice}{shown}]")
+
+
+register_model(TagType)(models.OpaqueModel)
+
+
+@unbox(TagType)
+def _unbox_tag(typ, obj, c):  # type: ignore[no-untyped-def]
+    return NativeValue(c.context.get_dummy_value())
+
+
+class Tag:
+    """A choice on a variant axis, e.g. ``Tag("statistic", "centered")``."""
+
+    __slots__ = ("_numba_type_", "axis", "choice", "flags")
+
+    def __init__(self, axis: str, choice: str, **flags: Any) -> None:
+        self.axis = axis
+        self.choice = choice
+        self.flags = flags
+        self._numba_type_ = TagType(axis, choice, tuple(sorted(flags.items())))
+
+    def __repr__(self) -> str:
+        return f"Tag({self._numba_type_.name})"
+
+
+#: statistics of the stats family (``OpSpec.variant.statistic``) with kernels here
+STATISTICS = ("centered", "mean_square")
+_stat_tags: dict[str, Tag] = {}
+
+
+def statistic(kind: str) -> Tag:
+    """The tag of a statistic: ``"centered"`` (mean and variance) or ``"mean_square"``."""
+    if kind not in STATISTICS:
+        raise ValueError(f"the numba backend has no statistic {kind!r} (it has {', '.join(STATISTICS)})")
+    if kind not in _stat_tags:
+        _stat_tags[kind] = Tag("statistic", kind)
+    return _stat_tags[kind]

@@ -102,12 +102,86 @@ def h_dtype(x_dtype: Any, residual_dtype: Any) -> np.dtype[Any]:
     return np.dtype(x_dtype) if residual_dtype is None else _dtype(residual_dtype)
 
 
+def _two_sum(a: Any, b: Any) -> tuple[Any, Any]:
+    """``s + e == a + b`` exactly, ``s = fl(a + b)`` (Knuth)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _veltkamp(a: Any) -> tuple[Any, Any]:
+    c = 134217729.0 * a  # 2**27 + 1 (Veltkamp)
+    hi = c - (c - a)
+    return hi, a - hi
+
+
+def _two_prod(a: float, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``p + e == a * b`` exactly, ``p = fl(a * b)`` (Dekker), barring overflow and underflow."""
+    p = a * b
+    ah, al = _veltkamp(a)
+    bh, bl = _veltkamp(b)
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def _odd_or_even(c: np.ndarray, rem: np.ndarray, narrower: bool) -> np.ndarray:
+    """``c`` (float64, ``fl(v)``) with ``v - c`` of the sign of ``rem``: for a narrower target, the float64
+    next to ``v`` with an odd last bit where ``v`` is not a float64 (round to odd: rounding that once more
+    to a dtype of at most 51 significand bits rounds ``v`` correctly); else ``c``."""
+    if not narrower:
+        return c
+    odd = (c.view(np.int64) & 1) == 1
+    step = np.nextafter(c, np.where(rem > 0, np.inf, -np.inf))
+    return np.where((rem == 0) | odd | ~np.isfinite(c), c, step)
+
+
 def residual_sum(x: np.ndarray, residual: np.ndarray, alpha: float, residual_dtype: Any) -> np.ndarray:
-    """``h = x + alpha * residual`` computed in the working precision and rounded once."""
+    """``h = x + alpha * residual``, the exact value rounded once to ``h``'s dtype.
+
+    Error-free transformations in float64 (Dekker's product, Knuth's sum) give ``c = fl(x + alpha r)``
+    and the sign of the remainder; the rare elements where that rounding could be off by one (a
+    remainder within its own error of half an ulp, or operands where the transformations overflow or
+    underflow) are redone exactly with :class:`fractions.Fraction`. For a ``h`` narrower than float64
+    the value is rounded to odd first, so that the rounding to ``h``'s dtype is the only one.
+    (Computing in ``longdouble`` and rounding to float64 would round twice.)
+    """
+    from fractions import Fraction
+
     hd = h_dtype(x.dtype, residual_dtype)
-    wp = working_dtype(x.dtype, residual.dtype, hd)
+    narrower = hd.itemsize < 8
+    xd = np.ascontiguousarray(x, dtype=np.float64)
+    rd = np.ascontiguousarray(residual, dtype=np.float64)
+    a = float(alpha)
+    with np.errstate(all="ignore"):
+        p, pe = _two_prod(a, rd)
+        s, se = _two_sum(xd, p)
+        t, te = _two_sum(se, pe)
+        c, w = _two_sum(s, t)  # x + alpha r == c + w + te exactly
+        rem = w + te  # its sign is the sign of the exact remainder
+        sp = np.spacing(np.abs(c))
+        pow2 = (c != 0) & (np.frexp(np.abs(c))[0] == 0.5)
+        near_half = (np.abs(np.abs(w) - sp / 2) <= np.abs(te)) | (pow2 & (np.abs(np.abs(w) - sp / 4) <= np.abs(te)))
+        mag = np.abs(p)
+        unsafe = ~np.isfinite(c) | (np.abs(rd) > 2.0**990) | (mag > 2.0**990) | ((mag < 2.0**-960) & (p != 0))
+        unsafe |= (np.abs(xd) > 2.0**1020) | ((a != 0) & (np.abs(rd) < 2.0**-960) & (rd != 0))
+        out = _odd_or_even(c, rem, narrower)
+    redo = (near_half & (te != 0)) | unsafe
+    for i in zip(*np.nonzero(redo), strict=True):
+        xv, rv = float(xd[i]), float(rd[i])
+        if not (np.isfinite(xv) and np.isfinite(rv)):
+            with np.errstate(all="ignore"):
+                out[i] = xv + a * rv
+            continue
+        exact = Fraction(xv) + Fraction(a) * Fraction(rv)
+        try:
+            f = float(exact)
+        except OverflowError:
+            out[i] = np.inf if exact > 0 else -np.inf
+            continue
+        if narrower and Fraction(f) != exact and (np.float64(f).view(np.int64) & 1) == 0:
+            f = float(np.nextafter(f, np.inf if exact > Fraction(f) else -np.inf))
+        out[i] = f
     with np.errstate(over="ignore", invalid="ignore"):
-        return round_to(x.astype(wp) + wp.type(alpha) * residual.astype(wp), hd)
+        return round_to(out, hd)
 
 
 def _upstream(g: np.ndarray, dh: np.ndarray | None, wp: np.dtype[Any]) -> np.ndarray:

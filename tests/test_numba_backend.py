@@ -96,8 +96,15 @@ def assert_close(g: Any, gr: Any, dt: Any, what: str = "") -> None:
         assert err <= tol, f"{what} output {i} ({a.dtype}): relative error {err:.2e} > {tol:.0e}"
 
 
-# every variant of the statistics family the backend serves: (op, options) from the specs' convention sets
-VARIANTS = [(op, conv) for op in stats.OP_IMPLS for conv in SPECS[op].cases]
+# every statistic and convention of the statistics family the backend serves, with its plain prologue and a vector
+# (or scalar, which the kernels see as a vector) affine source: (op, options) from the specs' convention sets (the
+# residual prologue and table affine source: test_residual_and_table_variants_on_every_path)
+VARIANTS = [
+    (op, conv)
+    for op, impl in stats.OP_IMPLS.items()
+    if not impl.residual and SPECS[op].variant.affine != "table"  # type: ignore[union-attr]
+    for conv in SPECS[op].cases
+]
 VARIANT_IDS = [f"{op}-{','.join(f'{k}={v}' for k, v in c.items()) or 'default'}" for op, c in VARIANTS]
 
 
@@ -113,15 +120,13 @@ def _kernel_args(op: str, conv: dict[str, Any], x: Any, w: Any, b: Any) -> tuple
 
     impl = stats.OP_IMPLS[op]
     o = {**SPECS[op].defaults(), **conv}
+    mode = stats.EPS_MODES[o.get("eps_mode", "var")]
     mdt = cm.math_dtype(x.dtype if x.dtype.kind == "f" else np.float32)
     rows = x.shape[0]
     we = cm.effective_weight(w, float(o.get("weight_offset", 0.0)), mdt)
     be = cm.param(b, mdt) if "bias" in SPECS[op].param_names else None
-    mean = np.empty(rows) if impl.centered else None
-    return (
-        impl.stat, we, be, float(o["eps"]), int(o.get("correction", 0)), o.get("eps_mode", "var") == "std",
-        mean, np.empty(rows),
-    )  # fmt: skip
+    mean = np.empty(rows) if impl.centered or impl.floors else None
+    return impl.stat, we, be, float(o["eps"]), int(o.get("correction", 0)), mode, mean, np.empty(rows)
 
 
 # ---------------------------------------------------------------------------
@@ -513,13 +518,14 @@ def test_float64_extreme_rows_take_the_slow_path(variant: tuple[str, dict[str, A
         x = extreme_f64(kind, (5, 300), rng)
         dy = rng.standard_normal(x.shape)
         stat, _, _, eps, corr, std, mean, rstd = _kernel_args(op, conv, x, None, None)
-        stats.forward_rows(stat, x, None, None, eps, corr, std, np.empty_like(x), mean, rstd, False)
+        stats.forward_rows(stat, x, None, None, None, None, eps, corr, std, np.empty_like(x), mean, rstd, False)
         scale = np.empty(5, np.int64)
-        cs = None if mean is None else np.empty(5)
-        pending = kern.bwd_rows(stat, x, dy, None, mean, rstd, corr, std, np.empty_like(x), scale, cs, None)
+        cs = np.empty(5) if stats.OP_IMPLS[op].centered else None
+        pending = kern.bwd_rows(stat, x, dy, None, None, mean, rstd, corr, std, None, np.empty_like(x), scale, cs, None)
         assert pending == 5 and np.all(scale == kern.PENDING), kind
         if kind not in ("huge_offset", "very_tiny"):  # ... and so do the forward's rows
-            assert kern.fwd(stat, x, None, None, eps, corr, std, np.empty_like(x), mean, rstd, None) == 5, kind
+            left = kern.fwd(stat, x, None, None, None, None, eps, corr, std, np.empty_like(x), mean, rstd, None)
+            assert left == 5, kind
             assert np.all(rstd == -1.0)
 
 
@@ -710,7 +716,7 @@ def test_streaming_stores_match_plain_stores(variant: tuple[str, dict[str, Any]]
             buf = np.full(rows * h + 16, np.float32(7.0))
             y = buf[off : off + rows * h].reshape(rows, h)
             stat, we, be, eps, corr, std, mean, rstd = _kernel_args(op, conv, x, w, b)
-            stats.forward_rows(stat, x, we, be, eps, corr, std, y, mean, rstd, stream)
+            stats.forward_rows(stat, x, None, we, be, None, eps, corr, std, y, mean, rstd, stream)
             outs.append((buf.copy(), mean, rstd))
         for a, c in zip(outs[0], outs[1], strict=True):
             np.testing.assert_array_equal(a, c)
@@ -735,7 +741,7 @@ def test_streaming_backward_matches_plain_stores(variant: tuple[str, dict[str, A
     w = rng.standard_normal(h).astype(np.float32) if "w" in params else None
     b = rng.standard_normal(h).astype(np.float32) if "b" in params and "bias" in SPECS[op].param_names else None
     stat, we, be, eps, corr, std, mean, rstd = _kernel_args(op, conv, x, w, b)
-    stats.forward_rows(stat, x, we, be, eps, corr, std, np.empty_like(x), mean, rstd, False)
+    stats.forward_rows(stat, x, None, we, be, None, eps, corr, std, np.empty_like(x), mean, rstd, False)
     nb = -(-rows // _layout.ROW_BLOCK)
     streamed = []
     for off in (0, 5):
@@ -747,7 +753,9 @@ def test_streaming_backward_matches_plain_stores(variant: tuple[str, dict[str, A
                 dx = buf[off : off + rows * h].reshape(rows, h)
                 pw = np.empty((nb, h), np.float32) if w is not None else None
                 pb = np.empty((nb, h), np.float32) if b is not None else None
-                scale, cs = stats.backward_rows(stat, path, x, dy, we, mean, rstd, corr, std, dx, pw, pb, stream)
+                scale, cs = stats.backward_rows(
+                    stat, path, x, dy, we, None, mean, rstd, corr, std, None, dx, pw, pb, stream
+                )
                 res += [buf.copy(), pw, pb, scale, cs]
             got.append(res)
         for a, c in zip(got[0], got[1], strict=True):
@@ -791,14 +799,14 @@ def test_backward_paths_agree(variant: tuple[str, dict[str, Any]], dt: Any, shap
     xs, dys = _storage_of(x), _storage_of(dy)
     bias = b if "bias" in SPECS[op].param_names else None
     stat, we, be, eps, corr, std, mean, rstd = _kernel_args(op, conv, xs, w, bias)
-    stats.forward_rows(stat, xs, we, be, eps, corr, std, np.empty_like(xs), mean, rstd, False)
+    stats.forward_rows(stat, xs, None, we, be, None, eps, corr, std, np.empty_like(xs), mean, rstd, False)
     nb = -(-shape[0] // _layout.ROW_BLOCK)
     mdt = np.float64 if np.dtype(dt) == np.float64 else np.float32
     out = {}
     for path in ("fused", "rows"):
         dx = np.empty_like(xs)
         pw, pb = np.empty((nb, shape[1]), mdt), (np.empty((nb, shape[1]), mdt) if bias is not None else None)
-        scale, _ = stats.backward_rows(stat, path, xs, dys, we, mean, rstd, corr, std, dx, pw, pb, False)
+        scale, _ = stats.backward_rows(stat, path, xs, dys, we, None, mean, rstd, corr, std, None, dx, pw, pb, False)
         out[path] = (dx, scale, pw.astype(np.float64).sum(0), None if pb is None else pb.astype(np.float64).sum(0))
     (dx_f, sc_f, w_f, b_f), (dx_r, sc_r, w_r, b_r) = out["fused"], out["rows"]
     np.testing.assert_array_equal(dx_f, dx_r)
@@ -808,24 +816,84 @@ def test_backward_paths_agree(variant: tuple[str, dict[str, Any]], dt: Any, shap
     assert rel(w_f, w_r) <= tol and (b_f is None or rel(b_f, b_r) <= tol)
 
 
+RESIDUAL_TABLE_OPS = [n for n, impl in stats.OP_IMPLS.items() if impl.residual or SPECS[n].variant.affine == "table"]
+
+
+@pytest.mark.parametrize("shape", [(9, 4000), (_layout.FUSED_MIN_ROWS + 5, 70)], ids=str)
+@pytest.mark.parametrize("op", RESIDUAL_TABLE_OPS)
+def test_residual_and_table_variants_on_every_path(
+    op: str, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the residual prologue / dh epilogue and the table affine source on both backward paths (fused by row blocks;
+    # rows then column tiles), with a slow row, a constant row and rows of every modality: each path matches the
+    # reference, and the two paths give the same dx bitwise and the same parameter gradients to rounding
+    import pynorm
+
+    from .helpers import OPS, assert_close_scaled, flat_arrays, make_args
+
+    spec = OPS[op]
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal(shape).astype(np.float32) * 2 + 1
+    x[1] = 2.5
+    x[-1, ::2] = np.float32(1e38)  # sums of squares overflow float32: the slow path
+    args = make_args(spec, shape, -1, np.float32, rng)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    for conv in SPECS[op].cases[:2]:
+        res_ref, c_ref = fwd(x, *args, backend="numpy", **conv)
+        extra = {}
+        if stats.OP_IMPLS[op].residual:
+            extra["dh"] = rng.standard_normal(shape).astype(res_ref[1].dtype)
+        g_ref = bwd(dy, c_ref, *extra.values())
+        got = {}
+        for fused in (True, False):
+            monkeypatch.setattr(stats, "use_fused", lambda r, h, f=fused: f)
+            res, c = fwd(x, *args, backend="numba", **conv)
+            got[fused] = (res, bwd(dy, c, *extra.values()))
+        (res_f, g_f), (res_r, g_r) = got[True], got[False]
+        for a, b in zip(res_f if extra else (res_f,), res_r if extra else (res_r,), strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(g_f[0], g_r[0])
+        arrays = flat_arrays(spec, shape, -1, args)
+        if extra:
+            arrays.update(h=res_ref[1], **extra)
+        sc = term_scales(op, x, arrays, dy, conv)
+        y_ref = res_ref[0] if extra else res_ref
+        for res, g in ((res_f, g_f), (res_r, g_r)):
+            y = res[0] if extra else res
+            assert_close_scaled(y, y_ref, sc["y"], 4e-6, f"{op} y")
+            if extra:
+                np.testing.assert_array_equal(res[1], res_ref[1])  # h: the same one rounding
+            for gname, a, ref in zip(spec.grad_names, g, g_ref, strict=True):
+                if ref is None:
+                    assert a is None
+                    continue
+                assert a.dtype == ref.dtype and a.shape == ref.shape, gname
+                assert_close_scaled(a, ref, sc[gname].reshape(ref.shape), 2e-5, f"{op} {gname}")
+
+
 def test_op_impls_follow_the_specs() -> None:
-    # every spec of the statistics family is served by the one family module, with the reference's ctx and grads
+    # every spec is served by its family's one module, with the spec's ctx and grads; OPS lists exactly those ops
+    import pynorm
     import pynorm.backends.numba as nb
     from pynorm import _registry
+    from pynorm.backends.numba import elementwise
 
-    family = [n for n, sp in SPECS.items() if sp.family == "stats"]
-    assert set(family) <= set(stats.OP_IMPLS) and {nb.OPS[n] for n in family} == {"stats"}
-    for n in family:
+    assert set(nb.OPS) == set(SPECS)
+    families = {"stats": stats.OP_IMPLS, "elementwise": elementwise.OP_IMPLS}
+    rng = np.random.default_rng(0)
+    for n, spec in SPECS.items():
+        assert nb.OPS[n] == spec.family
         impl = _registry.op_module("numba", n)
-        assert impl is stats.OP_IMPLS[n]
-        ref = __import__(SPECS[n].reference, fromlist=["forward"])
-        x, dy, w, b = data((4, 6), np.float32)
-        params = [{"weight": w, "bias": b}[p] for p in SPECS[n].param_names]
-        _, ctx = impl.forward(x, *params, eps=1e-5)
-        _, ctxr = ref.forward(x, *params, eps=1e-5)
-        assert type(ctx) is type(ctxr) and type(impl.backward(dy, ctx)) is SPECS[n].grads
+        assert impl is families[spec.family][n]
+        x = rng.standard_normal((4, 6)).astype(np.float32)
+        inputs = [x.copy() if i.kind == "like_x" else np.arange(4) % 2 for i in spec.inputs]
+        params = [np.ones({"table": (2, 6), "scalar": (1,)}.get(p.kind, (6,)), np.float32) for p in spec.params]
+        _, ctx = getattr(pynorm, f"{n}_forward")(x, *inputs, *params, backend="numba")
+        assert type(ctx.inner) is spec.ctx
+        assert type(getattr(pynorm, f"{n}_backward")(np.ones_like(x), ctx)) is spec.grads
         with pytest.raises(TypeError):
-            impl.forward(x, *params, eps=1e-5, no_such_option=1)
+            impl.forward(x, *inputs, *params, no_such_option=1)
 
 
 def test_importing_the_backend_does_not_import_numba() -> None:

@@ -1,7 +1,8 @@
 """The ``numba`` backend: JIT-compiled, parallel CPU kernels for ``numpy.ndarray`` inputs.
 
 Every op of a kernel family this backend has is served by that family's module: ``OPS`` maps
-each op name to it (``"stats"`` for the statistics family: LayerNorm, RMSNorm), and the module's
+each op name to it (``"stats"`` for the statistics family: LayerNorm, RMSNorm, ScaleNorm, the fused
+residual add + norm, the modality norms; ``"elementwise"`` for PowerNorm and DyT), and the module's
 ``OP_IMPLS`` maps the op to an object with ``forward``/``backward`` of the reference module's
 contract (:mod:`pynorm._registry`). Both are derived from :data:`pynorm.ops.SPECS`: a new spec
 of a family, in a variant the family's kernels have, needs no new module here.
@@ -17,7 +18,9 @@ consistent across the files):
 * :mod:`._stream` -- streaming (non-temporal) stores;
 * :mod:`._stats_kernels` -- the statistics family's kernels (one skeleton for every variant);
 * :mod:`._reduce` -- reductions of the per-block partial sums;
-* :mod:`.stats` -- the family's host code and ``OP_IMPLS``;
+* :mod:`._io` -- the statistics family's prologue, affine-source and epilogue pieces;
+* :mod:`.stats` -- the statistics family's host code and ``OP_IMPLS``;
+* :mod:`._ew_kernels`, :mod:`.elementwise` -- the element-wise family (kernels; host code and ``OP_IMPLS``);
 * :mod:`._common`, :mod:`._threads` -- host glue (storage views, output pool), thread control.
 
 Importing this package does not import numba: the kernels compile lazily on first use and are
@@ -28,21 +31,23 @@ from __future__ import annotations
 
 from ...ops import SPECS
 
-#: the variants of the statistics family this backend has kernels for (axis -> choices)
-STATS_VARIANTS: dict[str, tuple[str, ...]] = {
-    "statistic": ("centered", "mean_square"),
-    "prologue": ("plain",),
-    "affine": ("vector",),
-    "epilogue": ("plain",),
+#: the variants of each kernel family this backend has kernels for (axis -> choices)
+VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "stats": {
+        "statistic": ("centered", "mean_square", "l2"),
+        "prologue": ("plain", "residual"),
+        "affine": ("vector", "scalar", "table"),
+        "epilogue": ("plain", "prenorm"),
+    },
+    "elementwise": {"function": ("signed_power", "tanh")},
 }
 
 
 def _has_kernels(spec: object) -> bool:
+    family = getattr(spec, "family", None)
     v = getattr(spec, "variant", None)
-    return getattr(spec, "family", None) == "stats" and all(
-        getattr(v, axis, None) in choices for axis, choices in STATS_VARIANTS.items()
-    )
+    return family in VARIANTS and all(getattr(v, axis, None) in ch for axis, ch in VARIANTS[family].items())
 
 
-#: op name -> submodule implementing it (read by the registry; ``OP_IMPLS`` of that module)
-OPS: dict[str, str] = {name: "stats" for name, spec in SPECS.items() if _has_kernels(spec)}
+#: op name -> submodule implementing it (read by the registry; ``OP_IMPLS`` of that module): the family's module
+OPS: dict[str, str] = {name: spec.family for name, spec in SPECS.items() if _has_kernels(spec)}

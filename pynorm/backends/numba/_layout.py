@@ -12,6 +12,7 @@ import numpy as np
 __all__ = [
     "CHUNK",
     "COL_TILE",
+    "EW_TILE",
     "FUSED_MAX_SMALL",
     "FUSED_MIN_ROWS",
     "LANES",
@@ -37,6 +38,9 @@ COL_TILE = 256
 #: (unless the whole input is smaller than :data:`FUSED_MAX_SMALL` elements: one fused pass is then cheapest).
 FUSED_MIN_ROWS = 4 * ROW_BLOCK
 FUSED_MAX_SMALL = 1 << 15
+
+#: columns per task of the element-wise family's kernels (tasks: row, or row block, times column tile).
+EW_TILE = 2048
 
 #: outputs of at least this many bytes are written with streaming stores (much larger than the caches).
 STREAM_MIN_BYTES = 1 << 24

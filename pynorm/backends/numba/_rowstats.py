@@ -50,6 +50,9 @@ from ._layout import CHUNK
 from ._storage import JIT_ONLY, ld, tcast, tiny_sum
 
 __all__ = [
+    "FLOOR",
+    "INSIDE",
+    "OUTSIDE",
     "PIECES",
     "bwd_centring",
     "bwd_finish",
@@ -59,7 +62,10 @@ __all__ = [
     "fwd_stats",
     "gprod",
     "is_centered",
+    "row_aux",
     "scaled_stats",
+    "slow_aux",
+    "slow_coef",
     "slow_residual",
     "slow_shift",
 ]
@@ -212,18 +218,33 @@ def _centered_scaled_stats(xr, e, corr):  # type: ignore[no-untyped-def]
     return m1, c, max((s2 + t2) - s1 * c, 0.0) / (h - corr)
 
 
+#: eps modes of the kernels (``mode`` argument): eps inside the root, outside it (LayerNorm's "std"), a floor
+#: of the root (ScaleNorm's "floor": ``r = 1 / max(sqrt(v), eps)``)
+INSIDE, OUTSIDE, FLOOR = 0, 1, 2
+
+
 @jit()
-def _scaled_rstd(var_s, e, eps, std_mode):  # type: ignore[no-untyped-def]
-    """``(r, r_s)`` for the variance ``var_s * 4**e``: r = 1/sqrt(var + eps) (or 1/(sqrt(var) + eps)), r_s = r * 2**e.
+def _rfactor(v, eps, mode):  # type: ignore[no-untyped-def]
+    """``r`` of the variance-like ``v`` (float64) under eps mode ``mode`` (:data:`INSIDE`, ...)."""
+    if mode == OUTSIDE:
+        return 1.0 / (math.sqrt(v) + eps)
+    if mode == FLOOR:
+        return 1.0 / max(math.sqrt(v), eps)
+    return 1.0 / math.sqrt(v + eps)
+
+
+@jit()
+def _scaled_rstd(var_s, e, eps, mode):  # type: ignore[no-untyped-def]
+    """``(r, r_s)`` for the variance ``var_s * 4**e``: ``r`` as :func:`_rfactor`, ``r_s = r * 2**e``.
 
     ``r_s`` (what multiplies the scaled deviations) is computed without overflow or
     underflow whenever eps scaled alongside is finite; ``r`` itself may be out of
     range for the most extreme float64 rows (it is then only stored in ctx).
     """
-    if std_mode:
+    if mode == OUTSIDE or mode == FLOOR:
         e_s = math.ldexp(eps, -e)
         if math.isfinite(e_s):
-            r_s = 1.0 / (math.sqrt(var_s) + e_s)
+            r_s = 1.0 / (math.sqrt(var_s) + e_s) if mode == OUTSIDE else 1.0 / max(math.sqrt(var_s), e_s)
             return math.ldexp(r_s, -e), r_s
         r = 1.0 / eps
         return r, math.ldexp(r, e)
@@ -233,6 +254,15 @@ def _scaled_rstd(var_s, e, eps, std_mode):  # type: ignore[no-untyped-def]
         return math.ldexp(r_s, -e), r_s
     r = 1.0 / math.sqrt(eps)
     return r, math.ldexp(r, e)
+
+
+@jit()
+def _scaled_floor(var_s, e, eps, mode):  # type: ignore[no-untyped-def]
+    """1.0 where the floor branch is taken (``sqrt(var_s) * 2**e < eps`` in :data:`FLOOR` mode), else 0.0."""
+    if mode != FLOOR:
+        return 0.0
+    e_s = math.ldexp(eps, -e)
+    return 1.0 if (not math.isfinite(e_s)) or math.sqrt(var_s) < e_s else 0.0
 
 
 @jit(FM_SUM)
@@ -267,16 +297,29 @@ def _prod_fm(a, b):  # type: ignore[no-untyped-def]
 
 
 @jit()
-def _ms_scaled_stats(xr, e):  # type: ignore[no-untyped-def]
-    """``mean((x * 2**-e)^2)`` in float64, compensated."""
-    h = xr.shape[0]
+def _scaled_sum_squares(xr, e):  # type: ignore[no-untyped-def]
+    """``sum((x * 2**-e)^2)`` in float64, compensated."""
     sc = math.ldexp(1.0, -e)
     s2 = 0.0
     t2 = 0.0
-    for j in range(h):
+    for j in range(xr.shape[0]):
         v = np.float64(ld(xr[j])) * sc
         s2, t2 = _cadd(s2, t2, v * v)
-    return (s2 + t2) / h
+    return s2 + t2
+
+
+@jit()
+def _ms_scaled_stats(xr, e):  # type: ignore[no-untyped-def]
+    """``mean((x * 2**-e)^2)`` in float64, compensated."""
+    return _scaled_sum_squares(xr, e) / xr.shape[0]
+
+
+@jit(FM_SUM, inline="always")
+def _squares_row(xr):  # type: ignore[no-untyped-def]
+    """``(ok, sum(x^2))``: ``ok`` False where the sum is not finite or may hide subnormal squares (slow path)."""
+    s2 = _sum_squares(xr)
+    zero = tcast(xr, 0.0)
+    return not (not math.isfinite(s2) or (s2 < tiny_sum(xr) and _any_off(xr, zero, zero))), s2
 
 
 # ---------------------------------------------------------------------------
@@ -288,9 +331,25 @@ def is_centered(stat):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-def eps_outside(stat, std_mode):  # type: ignore[no-untyped-def]
-    """Whether ``r = 1 / (sqrt(v) + eps)`` (else ``1 / sqrt(v + eps)``): ``std_mode`` for the statistics
-    with that convention (``eps_mode``), a compile-time False for the others."""
+def eps_outside(stat, mode):  # type: ignore[no-untyped-def]
+    """Whether the backward needs ``sum d^2`` (eps outside the root, LayerNorm's ``eps_mode="std"``): ``mode ==
+    OUTSIDE`` for the statistics with that convention, a compile-time False for the others."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def row_aux(stat, k, c, v, eps, mode):  # type: ignore[no-untyped-def]
+    """The per-row value a statistic keeps in ctx besides ``r`` (float64): the mean (centred), the floor flag
+    (``l2``: 1.0 where ``sqrt(v) < eps`` in :data:`FLOOR` mode), nothing (0.0, mean square)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def slow_aux(stat, m1, c, e, v_s, eps, mode):  # type: ignore[no-untyped-def]
+    """:func:`row_aux` of a slow-path row (statistics of ``x * 2**-e``)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def slow_coef(stat, sgx, sd2, n, r_s, mode, aux):  # type: ignore[no-untyped-def]
+    """The slow path's ``coef`` (float64) from ``sum g xhat``, ``sum d^2`` (scaled) and ``n = H - correction``."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -320,9 +379,10 @@ def bwd_centring(stat, xr, mean, r):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-def bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, std_mode):  # type: ignore[no-untyped-def]
+def bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, aux):  # type: ignore[no-untyped-def]
     """``(ok, gbar, coef)`` (math type) of a row's backward from its sums ``sum g``, ``sum g xhat``,
-    ``sum d^2`` (the last only with :func:`eps_outside`); ``ok`` False: the row needs the slow path."""
+    ``sum d^2`` (the last only with :func:`eps_outside`) and its :func:`row_aux`; ``ok`` False: the row needs
+    the slow path."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -387,15 +447,15 @@ def _c_bwd_centring(stat, xr, mean, r):  # type: ignore[no-untyped-def]
     return k, _wide_fix(xr, mean, r, k, tcast(xr, mean - np.float64(k)))
 
 
-def _c_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, std_mode):  # type: ignore[no-untyped-def]
+def _c_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, aux):  # type: ignore[no-untyped-def]
     h = xr.shape[0]
     n = h - corr
     ok = math.isfinite(sg) and math.isfinite(sgx) and math.isfinite(sd2)
-    if ok and std_mode and sd2 < tiny_sum(xr):
+    if ok and mode == OUTSIDE and sd2 < tiny_sum(xr):
         ok = not _any_off(xr, k, c)
     coef = 0.0
     if ok:
-        if std_mode:
+        if mode == OUTSIDE:
             s = math.sqrt(sd2 / n)
             coef = sgx / (n * s * r) if s > 0 else 0.0
         else:
@@ -415,15 +475,33 @@ def _c_dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-unt
 
 
 def _ms_fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
-    s2 = _sum_squares(xr)
-    zero = tcast(xr, 0.0)
-    if not math.isfinite(s2) or (s2 < tiny_sum(xr) and _any_off(xr, zero, zero)):
-        return False, zero, 0.0, 0.0
-    return True, zero, 0.0, s2 / xr.shape[0]
+    ok, s2 = _squares_row(xr)
+    return ok, tcast(xr, 0.0), 0.0, (s2 / xr.shape[0] if ok else 0.0)
 
 
-def _ms_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, std_mode):  # type: ignore[no-untyped-def]
+def _ms_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, aux):  # type: ignore[no-untyped-def]
     return math.isfinite(sgx), tcast(xr, 0.0), tcast(xr, sgx / xr.shape[0])
+
+
+def _c_slow_coef(stat, sgx, sd2, n, r_s, mode, aux):  # type: ignore[no-untyped-def]
+    if mode == OUTSIDE:
+        s_s = math.sqrt(sd2 / n)
+        return sgx / (n * s_s * r_s) if s_s > 0 else 0.0
+    return sgx / n
+
+
+# ---------------------------------------------------------------------------
+# statistic "l2" (ScaleNorm): v = sum(x^2), r = 1 / max(sqrt(v), eps) (FLOOR) or 1 / sqrt(v + eps); on the floor
+# branch r is a constant (coef = 0). Elements, products and dx are the mean square's.
+
+
+def _l2_fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
+    ok, s2 = _squares_row(xr)
+    return ok, tcast(xr, 0.0), 0.0, (s2 if ok else 0.0)
+
+
+def _l2_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, aux):  # type: ignore[no-untyped-def]
+    return math.isfinite(sgx), tcast(xr, 0.0), tcast(xr, 0.0 if aux != 0.0 else sgx)
 
 
 def _ms_dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-untyped-def]
@@ -435,10 +513,30 @@ def _ms_dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-un
 # ---------------------------------------------------------------------------
 # registration: each statistic's implementation of each piece (a new statistic is one more entry)
 
+_MEAN_SQUARE = {
+    is_centered: lambda stat: False,
+    eps_outside: lambda stat, mode: False,
+    row_aux: lambda stat, k, c, v, eps, mode: 0.0,
+    slow_aux: lambda stat, m1, c, e, v_s, eps, mode: 0.0,
+    slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: sgx / n,
+    fwd_stats: _ms_fwd_stats,
+    scaled_stats: lambda stat, xr, e, corr: (0.0, 0.0, _ms_scaled_stats(xr, e)),
+    centre: lambda stat, v, k, c: v,
+    gprod: lambda stat, dy, w: _prod_fm(dy, w),
+    bwd_centring: lambda stat, xr, mean, r: (tcast(xr, 0.0), tcast(xr, 0.0)),
+    bwd_finish: _ms_bwd_finish,
+    dx_elem: _ms_dx_elem,
+    slow_shift: lambda stat, mean, e: 0.0,
+    slow_residual: lambda stat, xr, mean, e: 0.0,
+}
+
 PIECES = {
     "centered": {
         is_centered: lambda stat: True,
-        eps_outside: lambda stat, std_mode: std_mode,
+        eps_outside: lambda stat, mode: mode == OUTSIDE,
+        row_aux: lambda stat, k, c, v, eps, mode: np.float64(k) + c,
+        slow_aux: lambda stat, m1, c, e, v_s, eps, mode: math.ldexp(m1 + c, e),
+        slow_coef: _c_slow_coef,
         fwd_stats: _c_fwd_stats,
         scaled_stats: lambda stat, xr, e, corr: _centered_scaled_stats(xr, e, corr),
         centre: lambda stat, v, k, c: _centre(v, k, c),
@@ -449,18 +547,16 @@ PIECES = {
         slow_shift: lambda stat, mean, e: math.ldexp(mean, -e),
         slow_residual: lambda stat, xr, mean, e: _slow_residual(xr, mean, e),
     },
-    "mean_square": {
-        is_centered: lambda stat: False,
-        eps_outside: lambda stat, std_mode: False,
-        fwd_stats: _ms_fwd_stats,
-        scaled_stats: lambda stat, xr, e, corr: (0.0, 0.0, _ms_scaled_stats(xr, e)),
-        centre: lambda stat, v, k, c: v,
-        gprod: lambda stat, dy, w: _prod_fm(dy, w),
-        bwd_centring: lambda stat, xr, mean, r: (tcast(xr, 0.0), tcast(xr, 0.0)),
-        bwd_finish: _ms_bwd_finish,
-        dx_elem: _ms_dx_elem,
-        slow_shift: lambda stat, mean, e: 0.0,
-        slow_residual: lambda stat, xr, mean, e: 0.0,
+    "mean_square": _MEAN_SQUARE,
+    # l2 (ScaleNorm): the mean square's elements, products and dx; its own sum, floor and coefficient
+    "l2": {
+        **_MEAN_SQUARE,
+        row_aux: lambda stat, k, c, v, eps, mode: 1.0 if mode == FLOOR and math.sqrt(v) < eps else 0.0,
+        slow_aux: lambda stat, m1, c, e, v_s, eps, mode: _scaled_floor(v_s, e, eps, mode),
+        slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: 0.0 if aux != 0.0 else sgx,
+        fwd_stats: _l2_fwd_stats,
+        scaled_stats: lambda stat, xr, e, corr: (0.0, 0.0, _scaled_sum_squares(xr, e)),
+        bwd_finish: _l2_bwd_finish,
     },
 }
 

@@ -6,10 +6,12 @@ Every kernel takes the statistic tag first (``stat``, :mod:`._variant`; its piec
 :mod:`._rowstats`); parameters and choices a variant lacks are ``None`` and their branches are
 pruned at compile time (``b`` without bias, ``mean`` for a statistic without a mean, ``pw``/``pb``
 without weight/bias gradient, ``stream`` None for plain stores, True for streaming stores of
-large float32 outputs, :mod:`._stream`). The conventions of a statistic (``corr``, ``std_mode``:
-eps outside the root) are run-time arguments. Axes still to come add an argument and a branch here: an input prologue
-(``h = x + alpha * residual``, stored), an affine source chosen per row (a scalar, a table row
-selected by an index array), an output epilogue (the pre-norm sum, int8 quantization).
+large float32 outputs, :mod:`._stream`). The conventions of a statistic (``corr``, ``mode``: eps inside the
+root, outside it or as a floor, :data:`._rowstats.INSIDE`...) are run-time arguments. The other axes of
+:class:`pynorm.ops.StatsVariant` are optional arguments whose helpers live in :mod:`._io`: the prologue
+``pro`` (``h = x + alpha * residual``, stored, then normalized), the affine source ``tab`` (parameter
+tables indexed per row; the partials get one row per modality and block) and the epilogue ``ep`` (the
+gradient at ``h`` plus ``dh``, stored as ``dx`` and ``alpha`` times it as ``dresidual``).
 
 Forward (:func:`fwd`): one parallel pass over groups of rows; each row's statistics are taken
 while it is in cache (:func:`._rowstats.fwd_stats`), then ``y`` is written (:func:`write_y`).
@@ -44,12 +46,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from ._cache import FM_SUM, jit
+from ._io import arow, ep_row, pslot, put, put_exact, pzero, src_done, src_row
 from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK, STREAM_GROUP
 from ._rowstats import (
     _cadd,
+    _rfactor,
     _row_scale,
     _scaled_rstd,
     bwd_centring,
@@ -60,14 +65,28 @@ from ._rowstats import (
     fwd_stats,
     gprod,
     is_centered,
+    row_aux,
     scaled_stats,
+    slow_aux,
+    slow_coef,
     slow_residual,
     slow_shift,
 )
-from ._storage import at, ld, r_ok, seg, seg2, st, st_exact, tcast
+from ._storage import JIT_ONLY, at, ld, opt_add, opt_mul, r_ok, seg, seg2, st, st_exact, tcast
 from ._stream import dx_vec, dx_vec1, out_vec, sfence, stream_span, streams
 
-__all__ = ["FAST", "PENDING", "bwd_fused", "bwd_rows", "bwd_slow", "fwd", "fwd_slow", "params_by_cols", "redo_blocks"]
+__all__ = [
+    "FAST",
+    "PENDING",
+    "bwd_fused",
+    "bwd_rows",
+    "bwd_slow",
+    "fwd",
+    "fwd_slow",
+    "params_by_cols",
+    "prologue_rows",
+    "redo_blocks",
+]
 
 #: per-row ``scale`` of the backward: the row took the fast path (else the slow path's exponent)
 FAST = 1 << 20
@@ -84,12 +103,7 @@ _FWD_PENDING = -1.0
 @jit(FM_SUM, inline="always")
 def _y_range(stat, xr, w, b, k, c, r, yr, lo, hi):  # type: ignore[no-untyped-def]
     for j in range(lo, hi):
-        v = centre(stat, ld(xr[j]), k, c) * r
-        if w is not None:
-            v = v * w[j]
-        if b is not None:
-            v = v + b[j]
-        st(yr, j, v)
+        st(yr, j, opt_add(opt_mul(centre(stat, ld(xr[j]), k, c) * r, w, j), b, j))
 
 
 @jit(FM_SUM, inline="always")
@@ -107,8 +121,9 @@ def _write_y(stat, xr, w, b, k, c, r, yr, stream):  # type: ignore[no-untyped-de
 
 
 @jit(FM_SUM, inline="always")
-def _write_dx(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, stream):  # type: ignore[no-untyped-def]
-    """``dxr[j] = dx_elem(...)`` for the whole row."""
+def _write_dx(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream):  # type: ignore[no-untyped-def]
+    """``dxr[j] = dx_elem(...)`` for the whole row, through the epilogue ``er`` (:func:`._io.put`; streaming
+    stores only without one)."""
     h = xr.shape[0]
     if stream is not None and streams(dxr):
         j0, j1 = stream_span(dxr)
@@ -120,7 +135,19 @@ def _write_dx(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, stream):  # type: igno
             dx_vec1(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
     else:
         for j in range(h):
-            st(dxr, j, dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j))
+            put(er, dxr, j, dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j))
+
+
+def gmul(stat, dy, w, j):  # type: ignore[no-untyped-def]
+    """``g = dy * w[j]`` as the statistic rounds it (:func:`._rowstats.gprod`), or ``dy`` when ``w`` is None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(gmul, inline="always")
+def _gmul_ol(stat, dy, w, j):  # type: ignore[no-untyped-def]
+    if isinstance(w, types.NoneType):
+        return lambda stat, dy, w, j: dy
+    return lambda stat, dy, w, j: gprod(stat, dy, w[j])
 
 
 # ---------------------------------------------------------------------------
@@ -128,19 +155,21 @@ def _write_dx(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, stream):  # type: igno
 
 
 @jit(FM_SUM, inline="always")
-def _fwd_row(stat, xr, w, b, eps, corr, std_mode, yr, stream):  # type: ignore[no-untyped-def]
-    """Normalize one row into ``yr``: ``(ok, mean, r)`` in float64 (``ok`` False: nothing written, slow path)."""
+def _fwd_row(stat, xr, w, b, eps, corr, mode, yr, stream):  # type: ignore[no-untyped-def]
+    """Normalize one row into ``yr``: ``(ok, aux, r)`` in float64 (``aux``: :func:`._rowstats.row_aux`; ``ok``
+    False: nothing written, slow path)."""
     ok, k, c, v = fwd_stats(stat, xr, corr)
     if not ok:
         return False, 0.0, 0.0
-    r = 1.0 / (math.sqrt(v) + eps) if eps_outside(stat, std_mode) else 1.0 / math.sqrt(v + eps)
+    r = _rfactor(v, eps, mode)
     _write_y(stat, xr, w, b, k, tcast(xr, c), tcast(xr, r), yr, stream)
-    return True, np.float64(k) + c, r
+    return True, row_aux(stat, k, c, v, eps, mode), r
 
 
 @jit(FM_SUM, parallel=True)
-def fwd(stat, x, w, b, eps, corr, std_mode, y, mean, rstd, stream):  # type: ignore[no-untyped-def]
-    """Forward of every row of ``x`` (storage dtype) into ``y``; ``mean`` (or None) and ``rstd`` float64.
+def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream):  # type: ignore[no-untyped-def]
+    """Forward of every row of ``x`` (storage dtype) into ``y``; ``aux`` (the statistic's per-row value, or None)
+    and ``rstd`` float64. ``pro``: the prologue, ``tab``: the affine source (:mod:`._io`).
 
     Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
     True to write float32 ``y`` with streaming stores (outputs much larger than the caches).
@@ -149,10 +178,11 @@ def fwd(stat, x, w, b, eps, corr, std_mode, y, mean, rstd, stream):  # type: ign
     pending = 0
     for g in prange((rows + STREAM_GROUP - 1) // STREAM_GROUP):
         for i in range(g * STREAM_GROUP, min(g * STREAM_GROUP + STREAM_GROUP, rows)):
-            ok, m, r = _fwd_row(stat, x[i], w, b, eps, corr, std_mode, y[i], stream)
+            xr = src_row(pro, x, i)
+            ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, y[i], stream)
             if ok:
-                if mean is not None:
-                    mean[i] = m
+                if aux is not None:
+                    aux[i] = m
                 rstd[i] = r
             else:
                 rstd[i] = _FWD_PENDING
@@ -162,12 +192,20 @@ def fwd(stat, x, w, b, eps, corr, std_mode, y, mean, rstd, stream):  # type: ign
     return pending
 
 
+@jit(parallel=True)
+def prologue_rows(pro, x):  # type: ignore[no-untyped-def]
+    """The prologue alone (``h = x + alpha * residual`` of every row, stored): for an ``h`` narrower than the math
+    type, which is then normalized from its float64 copy."""
+    for i in prange(x.shape[0]):
+        src_row(pro, x, i)
+
+
 @jit()
-def _fwd_row_slow(stat, xr, w, b, eps, corr, std_mode, yr):  # type: ignore[no-untyped-def]
-    """The slow path of one row: float64 after scaling by ``2**-e``; returns ``(mean, r)``."""
+def _fwd_row_slow(stat, xr, w, b, eps, corr, mode, yr):  # type: ignore[no-untyped-def]
+    """The slow path of one row: float64 after scaling by ``2**-e``; returns ``(aux, r)``."""
     e = _row_scale(xr)
     m1, c, v_s = scaled_stats(stat, xr, e, corr)
-    r, r_s = _scaled_rstd(v_s, e, eps, eps_outside(stat, std_mode))
+    r, r_s = _scaled_rstd(v_s, e, eps, mode)
     sc = math.ldexp(1.0, -e)
     for j in range(xr.shape[0]):
         v = ((np.float64(ld(xr[j])) * sc - m1) - c) * r_s
@@ -176,17 +214,18 @@ def _fwd_row_slow(stat, xr, w, b, eps, corr, std_mode, yr):  # type: ignore[no-u
         if b is not None:
             v = v + np.float64(b[j])
         st_exact(yr, j, v)
-    return math.ldexp(m1 + c, e), r
+    return slow_aux(stat, m1, c, e, v_s, eps, mode), r
 
 
 @jit()
-def fwd_slow(stat, x, w, b, eps, corr, std_mode, y, mean, rstd, stream):  # type: ignore[no-untyped-def]
+def fwd_slow(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream):  # type: ignore[no-untyped-def]
     """The rows :func:`fwd` left pending (``rstd == -1``), by the slow path (``stream`` unused: plain stores)."""
     for i in range(x.shape[0]):
         if rstd[i] == _FWD_PENDING:
-            m, r = _fwd_row_slow(stat, x[i], w, b, eps, corr, std_mode, y[i])
-            if mean is not None:
-                mean[i] = m
+            xr = src_done(pro, x, i)
+            m, r = _fwd_row_slow(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, y[i])
+            if aux is not None:
+                aux[i] = m
             rstd[i] = r
 
 
@@ -222,7 +261,7 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[
                 d = centre(stat, ld(xc[j]), k, c)
                 xhat = d * r
                 dy = ld(dc[j])
-                g = gprod(stat, dy, wc[j]) if w is not None else dy
+                g = gmul(stat, dy, wc, j)
                 ag += g
                 agx += g * xhat
                 ad2 += d * d
@@ -234,7 +273,7 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[
             for j in range(xc.shape[0]):
                 xhat = centre(stat, ld(xc[j]), k, c) * r
                 dy = ld(dc[j])
-                g = gprod(stat, dy, wc[j]) if w is not None else dy
+                g = gmul(stat, dy, wc, j)
                 ag += g
                 agx += g * xhat
                 if pw is not None:
@@ -248,7 +287,7 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[
 
 
 @jit(FM_SUM, inline="always")
-def _bwd_row(stat, xr, dyr, w, mean, r, corr, std_mode, dxr, pw, pb, blk, stream):  # type: ignore[no-untyped-def]
+def _bwd_row(stat, xr, dyr, w, mean, r, corr, mode, dxr, er, pw, pb, blk, stream):  # type: ignore[no-untyped-def]
     """dx of one row on the fast path, and its share of ``pw[blk]``/``pb[blk]``: ``(ok, c)``.
 
     ``ok`` False: the row needs the slow path (the partials may then hold a wrong contribution).
@@ -256,16 +295,16 @@ def _bwd_row(stat, xr, dyr, w, mean, r, corr, std_mode, dxr, pw, pb, blk, stream
     k, c = bwd_centring(stat, xr, mean, r)
     rt = tcast(xr, r)
     if r_ok(xr, r):
-        sg, sgx, sd2 = _bwd_sums(stat, xr, dyr, w, k, c, rt, eps_outside(stat, std_mode), pw, pb, blk)
-        ok, gbar, coef = bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, std_mode)
+        sg, sgx, sd2 = _bwd_sums(stat, xr, dyr, w, k, c, rt, eps_outside(stat, mode), pw, pb, blk)
+        ok, gbar, coef = bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, mean)
         if ok:
-            _write_dx(stat, xr, dyr, w, k, c, rt, gbar, coef, dxr, stream)
+            _write_dx(stat, xr, dyr, w, k, c, rt, gbar, coef, dxr, er, stream)
             return True, c
     return False, c
 
 
 @jit()
-def _bwd_row_slow(stat, xr, dyr, w, mean, r, corr, std_mode, dxr):  # type: ignore[no-untyped-def]
+def _bwd_row_slow(stat, xr, dyr, w, mean, r, corr, mode, dxr, er):  # type: ignore[no-untyped-def]
     """dx of one row in float64 after scaling by a power of two (compensated sums);
     returns ``(scale exponent, residual c)``."""
     h = xr.shape[0]
@@ -291,18 +330,14 @@ def _bwd_row_slow(stat, xr, dyr, w, mean, r, corr, std_mode, dxr):  # type: igno
         sd2, td2 = _cadd(sd2, td2, d * d)
     sg = sg + tg
     sgx = sgx + tgx
-    if eps_outside(stat, std_mode):
-        s_s = math.sqrt((sd2 + td2) / n)
-        coef = sgx / (n * s_s * r_s) if s_s > 0 else 0.0
-    else:
-        coef = sgx / n
+    coef = slow_coef(stat, sgx, sd2 + td2, n, r_s, mode, mean)
     gbar = sg / h if is_centered(stat) else 0.0
     for j in range(h):
         xhat = ((np.float64(ld(xr[j])) * sc - m_s) - c) * r_s
         g = np.float64(ld(dyr[j]))
         if w is not None:
             g *= np.float64(w[j])
-        st_exact(dxr, j, r * ((g - gbar) - xhat * coef))
+        put_exact(er, dxr, j, r * ((g - gbar) - xhat * coef))
     return e, c
 
 
@@ -370,8 +405,9 @@ def _acc_slow(stat, xr, dyr, mean, r, e, c, pw, pb, blk, j0):  # type: ignore[no
 
 
 @jit(FM_SUM, parallel=True)
-def bwd_fused(stat, x, dy, w, mean, rstd, corr, std_mode, dx, pw, pb, scale, stream):  # type: ignore[no-untyped-def]
-    """Backward by row blocks: dx, and per-block partial sums ``pw``/``pb`` (or None).
+def bwd_fused(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream):  # type: ignore[no-untyped-def]
+    """Backward by row blocks: dx (through the epilogue ``ep``), and per-block partial sums ``pw``/``pb`` (or
+    None; ``M`` rows per block with a table affine source ``tab``, :mod:`._io`). ``mean``: the forward's ``aux``.
 
     ``scale[i]``: :data:`FAST`, or :data:`PENDING` for the rows left for :func:`bwd_slow` (their
     number is returned; their blocks' partials are then for :func:`redo_blocks`).
@@ -380,12 +416,11 @@ def bwd_fused(stat, x, dy, w, mean, rstd, corr, std_mode, dx, pw, pb, scale, str
     nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
     pending = 0
     for blk in prange(nb):
-        if pw is not None:
-            pw[blk, :] = 0
-        if pb is not None:
-            pb[blk, :] = 0
+        pzero(pw, tab, blk, 0, x.shape[1])
+        pzero(pb, tab, blk, 0, x.shape[1])
         for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
-            ok = _bwd_row(stat, x[i], dy[i], w, at(mean, i), rstd[i], corr, std_mode, dx[i], pw, pb, blk, stream)[0]
+            ok = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
+                          pw, pb, pslot(tab, blk, i), stream)[0]  # fmt: skip
             scale[i] = FAST if ok else PENDING
             if not ok:
                 pending += 1
@@ -395,12 +430,13 @@ def bwd_fused(stat, x, dy, w, mean, rstd, corr, std_mode, dx, pw, pb, scale, str
 
 
 @jit(FM_SUM, parallel=True)
-def bwd_rows(stat, x, dy, w, mean, rstd, corr, std_mode, dx, scale, cs, stream):  # type: ignore[no-untyped-def]
+def bwd_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream):  # type: ignore[no-untyped-def]
     """Backward, dx only, row-parallel; ``scale[i]`` as in :func:`bwd_fused`, ``cs[i]`` the row's ``c``
     (or None). Returns the number of rows left for :func:`bwd_slow`."""
     pending = 0
     for i in prange(x.shape[0]):
-        ok, c = _bwd_row(stat, x[i], dy[i], w, at(mean, i), rstd[i], corr, std_mode, dx[i], None, None, 0, stream)
+        ok, c = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
+                         None, None, 0, stream)  # fmt: skip
         if stream is not None:
             sfence()
         scale[i] = FAST if ok else PENDING
@@ -412,19 +448,20 @@ def bwd_rows(stat, x, dy, w, mean, rstd, corr, std_mode, dx, scale, cs, stream):
 
 
 @jit()
-def bwd_slow(stat, x, dy, w, mean, rstd, corr, std_mode, dx, scale, cs):  # type: ignore[no-untyped-def]
+def bwd_slow(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs):  # type: ignore[no-untyped-def]
     """dx of the rows left :data:`PENDING`, by the slow path; records their exponent in ``scale``
     and (``cs`` not None) their residual ``c``."""
     for i in range(x.shape[0]):
         if scale[i] == PENDING:
-            e, c = _bwd_row_slow(stat, x[i], dy[i], w, at(mean, i), rstd[i], corr, std_mode, dx[i])
+            e, c = _bwd_row_slow(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i],
+                                 ep_row(ep, i))  # fmt: skip
             scale[i] = e
             if cs is not None:
                 cs[i] = tcast(x, c)
 
 
 @jit(FM_SUM)
-def redo_blocks(stat, x, dy, mean, rstd, scale, pw, pb):  # type: ignore[no-untyped-def]
+def redo_blocks(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[no-untyped-def]
     """Recompute the partials of the blocks holding a slow-path row: rows in order, each with the
     formula of its path (as :func:`bwd_fused` adds them)."""
     rows = x.shape[0]
@@ -436,22 +473,21 @@ def redo_blocks(stat, x, dy, mean, rstd, scale, pw, pb):  # type: ignore[no-unty
             clean = clean and scale[i] == FAST
         if clean:
             continue
-        if pw is not None:
-            pw[blk, :] = 0
-        if pb is not None:
-            pb[blk, :] = 0
+        pzero(pw, tab, blk, 0, x.shape[1])
+        pzero(pb, tab, blk, 0, x.shape[1])
         for i in range(i0, i1):
             xr = x[i]
+            slot = pslot(tab, blk, i)
             if scale[i] == FAST:
                 k, c = bwd_centring(stat, xr, at(mean, i), rstd[i])
-                _acc(stat, xr, dy[i], k, c, tcast(xr, rstd[i]), pw, pb, blk, 0)
+                _acc(stat, xr, dy[i], k, c, tcast(xr, rstd[i]), pw, pb, slot, 0)
             else:
                 cr = slow_residual(stat, xr, at(mean, i), scale[i])
-                _acc_slow(stat, xr, dy[i], at(mean, i), rstd[i], scale[i], cr, pw, pb, blk, 0)
+                _acc_slow(stat, xr, dy[i], at(mean, i), rstd[i], scale[i], cr, pw, pb, slot, 0)
 
 
 @jit(FM_SUM, parallel=True)
-def params_by_cols(stat, x, dy, mean, rstd, scale, cs, pw, pb):  # type: ignore[no-untyped-def]
+def params_by_cols(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb):  # type: ignore[no-untyped-def]
     """Per-block partial sums of ``dy * xhat`` and ``dy`` by column tiles (for few rows); rows by groups of 4.
 
     ``scale`` None: every row took the fast path; else the rows' paths from :func:`bwd_rows` /
@@ -467,34 +503,34 @@ def params_by_cols(stat, x, dy, mean, rstd, scale, cs, pw, pb):  # type: ignore[
         cq = np.empty(4)
         rq = np.empty(4)
         for blk in range(nb):
-            if pw is not None:
-                pw[blk, j0:j1] = 0
-            if pb is not None:
-                pb[blk, j0:j1] = 0
+            pzero(pw, tab, blk, j0, j1)
+            pzero(pb, tab, blk, j0, j1)
             i = blk * ROW_BLOCK
             end = min(i + ROW_BLOCK, rows)
             while i < end:
                 n4 = min(4, end - i)
-                allfast = n4 == 4
+                allfast = n4 == 4 and pslot(tab, blk, i) == pslot(tab, blk, i + n4 - 1)
                 for q in range(n4):
                     kq[q] = tcast(x, at(mean, i + q))
                     cq[q] = at(cs, i + q)
                     rq[q] = tcast(x, rstd[i + q])
+                    allfast = allfast and pslot(tab, blk, i + q) == pslot(tab, blk, i)
                     if scale is not None:
                         allfast = allfast and scale[i + q] == FAST
                 if allfast:
                     _acc4(stat, x[i, j0:j1], x[i + 1, j0:j1], x[i + 2, j0:j1], x[i + 3, j0:j1],
                           dy[i, j0:j1], dy[i + 1, j0:j1], dy[i + 2, j0:j1], dy[i + 3, j0:j1],
-                          kq, cq, rq, pw, pb, blk, j0)  # fmt: skip
+                          kq, cq, rq, pw, pb, pslot(tab, blk, i), j0)  # fmt: skip
                 else:
                     for q in range(n4):
                         xr = x[i + q, j0:j1]
                         dyr = dy[i + q, j0:j1]
+                        slot = pslot(tab, blk, i + q)
                         if scale is None:
-                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, blk, j0)
+                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
                         elif scale[i + q] == FAST:
-                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, blk, j0)
+                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
                         else:
                             e = scale[i + q]
-                            _acc_slow(stat, xr, dyr, at(mean, i + q), rstd[i + q], e, cq[q], pw, pb, blk, j0)
+                            _acc_slow(stat, xr, dyr, at(mean, i + q), rstd[i + q], e, cq[q], pw, pb, slot, j0)
                 i += 4

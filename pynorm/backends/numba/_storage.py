@@ -28,7 +28,7 @@ from numba.extending import intrinsic, overload
 
 from ._cache import jit
 
-__all__ = ["JIT_ONLY", "at", "ld", "r_ok", "seg", "seg2", "st", "st_exact", "tcast", "tiny_sum"]
+__all__ = ["JIT_ONLY", "at", "ld", "opt_add", "opt_mul", "r_ok", "seg", "seg2", "st", "st_exact", "tcast", "tiny_sum"]
 
 #: message of the Python bodies of ``@overload``-ed helpers: numba replaces them inside jitted code
 JIT_ONLY = "this helper is a numba @overload: it exists only inside numba-jitted kernels"
@@ -263,3 +263,27 @@ def _at_ol(a, i):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda a, i: 0.0
     return lambda a, i: a[i]
+
+
+def opt_mul(v, a, j):  # type: ignore[no-untyped-def]
+    """``v * a[j]``, or ``v`` when ``a`` is None (chosen by type: inlined callers cannot prune a local None)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def opt_add(v, a, j):  # type: ignore[no-untyped-def]
+    """``v + a[j]``, or ``v`` when ``a`` is None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(opt_mul, inline="always")
+def _opt_mul_ol(v, a, j):  # type: ignore[no-untyped-def]
+    if isinstance(a, types.NoneType):
+        return lambda v, a, j: v
+    return lambda v, a, j: v * a[j]
+
+
+@overload(opt_add, inline="always")
+def _opt_add_ol(v, a, j):  # type: ignore[no-untyped-def]
+    if isinstance(a, types.NoneType):
+        return lambda v, a, j: v
+    return lambda v, a, j: v + a[j]

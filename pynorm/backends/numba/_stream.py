@@ -116,7 +116,7 @@ def _streams_ol(a):  # type: ignore[no-untyped-def]
 
 
 def _centered(stat):  # type: ignore[no-untyped-def]
-    if getattr(stat, "axis", None) != "statistic" or stat.choice not in ("centered", "mean_square"):
+    if getattr(stat, "axis", None) != "statistic" or stat.choice not in ("centered", "mean_square", "l2"):
         raise TypeError(f"no streaming stores for {stat}")
     return stat.choice == "centered"
 

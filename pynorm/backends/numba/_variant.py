@@ -15,7 +15,7 @@ from typing import Any
 from numba import types
 from numba.extending import NativeValue, models, register_model, unbox
 
-__all__ = ["STATISTICS", "Tag", "TagType", "statistic"]
+__all__ = ["FUNCTIONS", "STATISTICS", "Tag", "TagType", "function", "statistic"]
 
 
 class TagType(types.Dummy):
@@ -52,15 +52,28 @@ class Tag:
         return f"Tag({self._numba_type_.name})"
 
 
+_tags: dict[tuple[str, str], Tag] = {}
+
+
+def _tag(axis: str, kind: str, choices: tuple[str, ...]) -> Tag:
+    if kind not in choices:
+        raise ValueError(f"the numba backend has no {axis} {kind!r} (it has {', '.join(choices)})")
+    if (axis, kind) not in _tags:
+        _tags[axis, kind] = Tag(axis, kind)
+    return _tags[axis, kind]
+
+
 #: statistics of the stats family (``OpSpec.variant.statistic``) with kernels here
-STATISTICS = ("centered", "mean_square")
-_stat_tags: dict[str, Tag] = {}
+STATISTICS = ("centered", "mean_square", "l2")
+#: functions of the element-wise family (``OpSpec.variant.function``) with kernels here
+FUNCTIONS = ("signed_power", "tanh")
 
 
 def statistic(kind: str) -> Tag:
-    """The tag of a statistic: ``"centered"`` (mean and variance) or ``"mean_square"``."""
-    if kind not in STATISTICS:
-        raise ValueError(f"the numba backend has no statistic {kind!r} (it has {', '.join(STATISTICS)})")
-    if kind not in _stat_tags:
-        _stat_tags[kind] = Tag("statistic", kind)
-    return _stat_tags[kind]
+    """The tag of a statistic: ``"centered"`` (mean and variance), ``"mean_square"`` or ``"l2"`` (sum of squares)."""
+    return _tag("statistic", kind, STATISTICS)
+
+
+def function(kind: str) -> Tag:
+    """The tag of an element-wise function: ``"signed_power"`` (``sign(x) |x|^p``) or ``"tanh"`` (``tanh(alpha x)``)."""
+    return _tag("function", kind, FUNCTIONS)

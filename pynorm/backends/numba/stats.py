@@ -1,14 +1,22 @@
-"""The statistics family on the ``numba`` backend: LayerNorm, RMSNorm and every op of that family.
+"""The statistics family on the ``numba`` backend: every op of :data:`pynorm.ops.SPECS` whose family is ``"stats"``.
 
-:data:`OP_IMPLS` maps each op of :data:`pynorm.ops.SPECS` whose ``family`` is ``"stats"`` (and whose
-variant this backend has kernels for, :data:`pynorm.backends.numba.STATS_VARIANTS`) to a
-:class:`StatsOp`: ``forward(x2d, *params, out=None, **options) -> (y, ctx)`` and
-``backward(dy2d, ctx, dx_out=None) -> grads``, with the reference module's contract (same
-arguments, options, ctx dataclass and grads tuple; ``spec.reference``). A new spec of the family
-needs nothing here: its statistic picks the kernels' pieces (:mod:`._rowstats`).
+:data:`OP_IMPLS` maps each such op (LayerNorm, RMSNorm, ScaleNorm, the fused residual add + norm, the
+modality norms) to a :class:`StatsOp`: ``forward(x2d, *inputs, *params, out=None, **options) -> (y, ctx)``
+(``((y, h), ctx)`` with the residual prologue) and ``backward(dy2d, ctx, dx_out=None, dh=None) -> grads``,
+with the reference module's contract (same arguments, options, ctx dataclass and grads tuple,
+``spec.ctx``/``spec.grads``). Nothing here is specific to one op: the spec's variant picks
 
-Forward: one parallel pass over the rows (:func:`._stats_kernels.fwd`); ``ctx`` keeps ``x`` as
-given and float64 per-row statistics (``mean`` where the statistic has one, ``rstd``).
+* the statistic's kernel pieces (:mod:`._rowstats`; ``"l2"`` is ScaleNorm's sum of squares with the
+  ``floor`` eps mode, its floor flag the per-row ``aux`` value);
+* the prologue (``"residual"``: ``h = x + alpha * residual`` computed, rounded once to ``residual_dtype``
+  and stored by the forward kernel before the row's statistics; the backward adds ``dh`` and writes
+  ``dx`` and ``dresidual = alpha * dx``, :mod:`._io`);
+* the affine source (:data:`AFFINE_SOURCES`): a per-feature vector, a scalar (broadcast to a vector; its
+  gradient the sum of the vector's) or a table of rows selected by the row index input.
+
+Forward: one parallel pass over the rows (:func:`._stats_kernels.fwd`); ``ctx`` keeps ``x`` (``h``) as
+given and float64 per-row statistics. Math type: float32, or float64 when ``x`` or ``h`` is float64
+(a narrower ``h`` of a float64 ``x`` is normalized from its exact float64 copy).
 
 Backward: ``dx`` row by row; parameter gradients from per-block partial sums (blocks of
 :data:`._layout.ROW_BLOCK` rows, accumulated during the ``dx`` rows' first pass, or -- for few rows
@@ -20,134 +28,218 @@ finished by the slow-path kernels, compiled on first need. Outputs not passed as
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import typing
+import math
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
 
 from ...ops import SPECS, OpSpec
+from ...reference._common import round_to
 from . import _common as cm
 from . import _stats_kernels as k
-from ._layout import use_fused, use_stream
+from ._layout import ROW_BLOCK, use_fused, use_stream
+from ._rowstats import FLOOR, INSIDE, OUTSIDE
 from ._threads import launch
 from ._variant import Tag, statistic
 
-__all__ = ["OP_IMPLS", "StatsOp", "backward_rows", "forward_rows"]
+__all__ = ["AFFINE_SOURCES", "OP_IMPLS", "StatsOp", "backward_rows", "forward_rows"]
 
-#: the options of the family's kernels and their values where an op does not have them
-_OPTION_DEFAULTS = {"eps": 0.0, "correction": 0, "eps_mode": "var", "weight_offset": 0.0}
-#: the parameters of the "vector" affine source: a per-feature weight (with the offset) and a bias
-_AFFINE = ("weight", "bias")
+#: the kernels' eps mode of each ``eps_mode`` option value (ops without the option: eps inside the root)
+EPS_MODES = {"var": INSIDE, "root": INSIDE, "std": OUTSIDE, "floor": FLOOR}
 
 
-def _ctx_class(spec: OpSpec) -> type:
-    ref = importlib.import_module(spec.reference)
-    ret = typing.get_type_hints(ref.forward)["return"]
-    return typing.get_args(ret)[1]  # type: ignore[no-any-return]
+class _Vector:
+    """Affine source ``"vector"``: ``(H,)`` weight (plus the offset) and bias; gradients by column."""
+
+    def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
+        return cm.effective_weight(w, offset, mdt), cm.param(b, mdt), None
+
+    def partials(self, rows: int, h: int, mdt: Any, param: Any) -> np.ndarray | None:
+        return cm.block_partials(rows, h, mdt, param is not None)
+
+    def reduce(self, part: np.ndarray, param: Any) -> np.ndarray:
+        return cm.reduce_blocks(part, param.dtype)
+
+
+class _Scalar(_Vector):
+    """Affine source ``"scalar"``: a ``(1,)`` scale broadcast to every feature (the kernels see the vector);
+    its gradient is the float64 sum of the vector's column gradients, rounded once."""
+
+    def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
+        vec = None if w is None else np.full(h, np.asarray(w).reshape(-1)[0], dtype=mdt)
+        return vec, None if b is None else np.full(h, np.asarray(b).reshape(-1)[0], dtype=mdt), None
+
+    def reduce(self, part: np.ndarray, param: Any) -> np.ndarray:
+        cols = cm.reduce_blocks(part, np.float64)
+        return round_to(np.asarray([math.fsum(cols.tolist())]), param.dtype)
+
+
+class _Table(_Vector):
+    """Affine source ``"table"``: ``(M, H)`` weight (plus the offset) and bias tables, row ``ids[i]`` serving
+    row ``i``; partials have ``M`` rows per row block (:mod:`._io`), gradients are ``(M, H)`` tables."""
+
+    def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
+        m = (w if w is not None else b).shape[0]
+        tab = (np.ascontiguousarray(ids, dtype=np.int64), int(m))
+        return cm.effective_weight(w, offset, mdt), cm.param(b, mdt), tab
+
+    def partials(self, rows: int, h: int, mdt: Any, param: Any) -> np.ndarray | None:
+        if param is None:
+            return None
+        return np.empty((-(-rows // ROW_BLOCK) * param.shape[0], h), mdt)
+
+    def reduce(self, part: np.ndarray, param: Any) -> np.ndarray:
+        m, h = param.shape
+        return cm.reduce_blocks(part.reshape(-1, m * h), param.dtype).reshape(m, h)
+
+
+#: the affine sources of :class:`pynorm.ops.StatsVariant` (``variant.affine``) this backend has
+AFFINE_SOURCES = {"vector": _Vector(), "scalar": _Scalar(), "table": _Table()}
+
+
+def _h_dtype(x_dtype: Any, residual_dtype: Any) -> np.dtype[Any]:
+    from ...reference.add_norm import h_dtype
+
+    return h_dtype(x_dtype, residual_dtype)
 
 
 class StatsOp:
     """One op of the statistics family on this backend (see the module doc)."""
 
     def __init__(self, spec: OpSpec) -> None:
-        unknown = [n for n in spec.param_names if n not in _AFFINE]
-        if unknown:
-            raise ValueError(f"{spec.name}: parameters {unknown} are not those of the vector affine source")
+        v = spec.variant
         self.spec = spec
         self.name = spec.name
-        self.statistic = spec.variant.statistic
+        self.statistic = v.statistic  # type: ignore[union-attr]
         self.centered = self.statistic == "centered"
+        self.floors = self.statistic == "l2"
         self.stat = statistic(self.statistic)
-        self.ctx_type = _ctx_class(spec)
+        self.residual = v.prologue == "residual"  # type: ignore[union-attr]
+        self.affine = AFFINE_SOURCES[v.affine]  # type: ignore[union-attr]
+        self.weight_name = next((p for p in spec.param_names if p != "bias"), "")
+        self.ctx_type = spec.ctx
         self.grads = spec.grads
-        self._fields = tuple(f.name for f in dataclasses.fields(self.ctx_type))
-        self._options = {o.name: o.default for o in spec.options}
+        self._fields = tuple(f.name for f in fields(spec.ctx))
+        self._options = spec.defaults()
 
     def __repr__(self) -> str:
-        return f"<numba stats op {self.name!r} (statistic {self.statistic!r})>"
+        return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"
 
-    def _opts(self, options: dict[str, Any]) -> dict[str, Any]:
+    def _math(self, x_dtype: Any, h_dtype: Any) -> tuple[np.dtype[Any], bool]:
+        """``(math dtype, widen)``: float64 when x or h is float64; ``widen``: h is narrower than that."""
+        wide = np.dtype(x_dtype) == np.float64 or (h_dtype is not None and np.dtype(h_dtype) == np.float64)
+        mdt = np.dtype(np.float64) if wide else np.dtype(np.float32)
+        return mdt, h_dtype is not None and cm.math_dtype(h_dtype) != mdt
+
+    def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
+        """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
+        (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given)."""
+        n_in = len(self.spec.inputs)
+        if len(args) != n_in + len(self.spec.params):
+            raise TypeError(f"{self.name} forward() takes x, {n_in} input(s) and {len(self.spec.params)} parameter(s)")
         unknown = set(options) - set(self._options)
         if unknown:
             raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
-        return {**_OPTION_DEFAULTS, **self._options, **options}
-
-    def forward(self, x: np.ndarray, *params: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
-        """Forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)`` (``y`` is ``out`` if given)."""
-        if len(params) != len(self.spec.param_names):
-            raise TypeError(f"{self.name} forward() takes x and {len(self.spec.param_names)} parameter(s)")
-        p = dict(zip(self.spec.param_names, params, strict=True))
-        o = self._opts(options)
-        rows = x.shape[0]
-        mdt = cm.math_dtype(x.dtype)
+        o = {**self._options, **options}
+        inputs = dict(zip(self.spec.input_names, args[:n_in], strict=True))
+        p = dict(zip(self.spec.param_names, args[n_in:], strict=True))
+        rows, hidden = x.shape
+        residual = inputs.get("residual")
+        hd = _h_dtype(x.dtype, o["residual_dtype"]) if self.residual else None
+        mdt, widen = self._math(x.dtype, hd)
         y = cm.output(out, x.shape, x.dtype)
-        mean = np.empty(rows) if self.centered else None
+        h = cm.output(None, x.shape, hd) if hd is not None else None
+        aux = np.empty(rows) if self.centered or self.floors else None
         rstd = np.empty(rows)
+        alpha = float(o.get("alpha", 1.0))
         if rows:
-            w = cm.effective_weight(p.get("weight"), float(o["weight_offset"]), mdt)
+            w, b, tab = self.affine.prepare(
+                p.get(self.weight_name), p.get("bias"), inputs.get("modality_ids"), float(o.get("weight_offset", 0.0)),
+                mdt, hidden,
+            )  # fmt: skip
+            src = cm.storage(x)
+            pro = None
+            if h is not None and residual is not None:
+                pro = (cm.storage(residual), alpha, cm.storage(h))
+                if widen:  # h first, then its exact float64 copy is normalized
+                    launch(k.prologue_rows, rows * hidden, pro, src)
+                    src, pro = h.astype(np.float64), None
             ys = cm.storage(y)
             forward_rows(
-                self.stat, cm.storage(x), w, cm.param(p.get("bias"), mdt), float(o["eps"]), int(o["correction"]),
-                o["eps_mode"] == "std", ys, mean, rstd, use_stream(ys),
+                self.stat, src, pro, w, b, tab, float(o["eps"]), int(o.get("correction", 0)),
+                EPS_MODES[o.get("eps_mode", "var")], ys, aux, rstd, use_stream(ys),
             )  # fmt: skip
-        values = {**o, **p, "x": x, "mean": mean, "rstd": rstd}
-        values["eps"] = float(values["eps"])
-        values["weight_offset"] = float(values["weight_offset"])
-        return y, self.ctx_type(**{f: values[f] for f in self._fields})
+        values = {
+            **o, **p, **inputs, "x": x, "h": h, "mean": aux, "rstd": rstd, "x_dtype": x.dtype,
+            "floor": None if aux is None or not self.floors else aux != 0.0,
+            "residual_in_dtype": None if residual is None else residual.dtype,
+        }  # fmt: skip
+        for f in ("eps", "weight_offset", "alpha"):
+            if f in values:
+                values[f] = float(values[f])
+        ctx = self.ctx_type(**{f: values[f] for f in self._fields})
+        return ((y, h), ctx) if self.residual else (y, ctx)
 
-    def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None) -> Any:
-        """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
-        x = ctx.x
-        weight = getattr(ctx, "weight", None)
+    def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None, dh: np.ndarray | None = None) -> Any:
+        """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``) and, with the residual
+        prologue, ``dh = dL/dh`` from later layers (None: none)."""
+        x = ctx.h if self.residual else ctx.x
+        weight = getattr(ctx, self.weight_name, None)
         bias = getattr(ctx, "bias", None)
-        rows, h = x.shape
-        mdt = cm.math_dtype(x.dtype)
-        dx = cm.output(dx_out, x.shape, x.dtype)
-        pw = cm.block_partials(rows, h, mdt, weight is not None)
-        pb = cm.block_partials(rows, h, mdt, bias is not None)
+        rows, hidden = x.shape
+        x_dtype = ctx.x_dtype if self.residual else x.dtype
+        mdt, widen = self._math(x_dtype, x.dtype if self.residual else None)
+        dx = cm.output(dx_out, x.shape, x_dtype)
+        dres = cm.output(None, x.shape, ctx.residual_in_dtype) if self.residual else None
+        pw = self.affine.partials(rows, hidden, mdt, weight)
+        pb = self.affine.partials(rows, hidden, mdt, bias)
         if rows:
+            w, _, tab = self.affine.prepare(
+                weight, None, getattr(ctx, "modality_ids", None), float(getattr(ctx, "weight_offset", 0.0)), mdt,
+                hidden,
+            )  # fmt: skip
+            aux = None
+            if self.centered:
+                aux = cm.stats(ctx.mean)
+            elif self.floors:
+                aux = np.ascontiguousarray(ctx.floor, dtype=np.float64)
+            src = x.astype(np.float64) if widen else cm.storage(x)
+            ep = None
+            if dres is not None:
+                ep = (None if dh is None else cm.storage(dh), float(ctx.alpha), cm.storage(dres))
             dxs = cm.storage(dx)
             backward_rows(
-                self.stat,
-                "fused" if use_fused(rows, h) else "rows",
-                cm.storage(x),
-                cm.storage(dy),
-                cm.effective_weight(weight, float(getattr(ctx, "weight_offset", 0.0)), mdt),
-                cm.stats(ctx.mean) if self.centered else None,
-                cm.stats(ctx.rstd),
-                int(getattr(ctx, "correction", 0)),
-                getattr(ctx, "eps_mode", "var") == "std",
-                dxs,
-                pw,
-                pb,
-                use_stream(dxs),
-            )
-        partials = {"weight": (pw, weight), "bias": (pb, bias)}
+                self.stat, "fused" if use_fused(rows, hidden) else "rows", src, cm.storage(dy), w, tab, aux,
+                cm.stats(ctx.rstd), int(getattr(ctx, "correction", 0)), EPS_MODES[getattr(ctx, "eps_mode", "var")],
+                ep, dxs, pw, pb, ep is None and use_stream(dxs),
+            )  # fmt: skip
+        partials = {self.weight_name: (pw, weight), "bias": (pb, bias)}
         grads = []
         for n in self.spec.param_names:
             part, param = partials[n]
-            grads.append(None if part is None or param is None else cm.reduce_blocks(part, param.dtype))
-        return self.grads(dx, *grads)
+            grads.append(None if part is None or param is None else self.affine.reduce(part, param))
+        return self.grads(dx, *([dres] if self.residual else []), *grads)
 
 
 def forward_rows(
     stat: Tag,
     x: Any,
+    pro: Any,
     w: Any,
     b: Any,
+    tab: Any,
     eps: float,
     corr: int,
-    std_mode: bool,
+    mode: int,
     y: Any,
-    mean: Any,
+    aux: Any,
     rstd: Any,
     stream: bool,
 ) -> None:
     """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd`, then the slow path for the rows it
-    left (``stream``: streaming stores for ``y``)."""
-    args = (stat, x, w, b, eps, corr, std_mode, y, mean, rstd, True if stream else None)
+    left (``stream``: streaming stores for ``y``; ``pro``/``tab``: prologue and affine source, :mod:`._io`)."""
+    args = (stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, True if stream else None)
     if launch(k.fwd, x.shape[0] * x.shape[1], *args):
         k.fwd_slow(*args)
 
@@ -158,37 +250,39 @@ def backward_rows(
     x: Any,
     dy: Any,
     w: Any,
-    mean: Any,
+    tab: Any,
+    aux: Any,
     rstd: Any,
     corr: int,
-    std_mode: bool,
+    mode: int,
+    ep: Any,
     dx: Any,
     pw: Any,
     pb: Any,
     stream: bool,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The backward's kernels on storage arrays along ``path`` (``"fused"`` or ``"rows"``, see
-    :func:`._layout.use_fused`): ``dx`` and the block partials ``pw``/``pb`` (or None). Returns the rows'
-    ``scale`` (:data:`._stats_kernels.FAST` or the slow path's exponent) and, on the rows path of a
-    centred statistic, their ``c``."""
+    :func:`._layout.use_fused`): ``dx`` (through the epilogue ``ep``) and the block partials ``pw``/``pb`` (or
+    None). Returns the rows' ``scale`` (:data:`._stats_kernels.FAST` or the slow path's exponent) and, on the rows
+    path of a centred statistic, their ``c``."""
     rows, h = x.shape
     st = True if stream else None
     scale = np.empty(rows, np.int64)
     cs = None
     if path == "fused":
-        if launch(k.bwd_fused, rows * h, stat, x, dy, w, mean, rstd, corr, std_mode, dx, pw, pb, scale, st):
-            k.bwd_slow(stat, x, dy, w, mean, rstd, corr, std_mode, dx, scale, None)
+        if launch(k.bwd_fused, rows * h, stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, pw, pb, scale, st):
+            k.bwd_slow(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, None)
             if pw is not None or pb is not None:
-                k.redo_blocks(stat, x, dy, mean, rstd, scale, pw, pb)
+                k.redo_blocks(stat, x, dy, tab, aux, rstd, scale, pw, pb)
         return scale, cs
     if path != "rows":
         raise ValueError(f"unknown backward path {path!r}")
-    cs = np.empty(rows) if mean is not None else None
-    slow = launch(k.bwd_rows, rows * h, stat, x, dy, w, mean, rstd, corr, std_mode, dx, scale, cs, st)
+    cs = np.empty(rows) if stat.choice == "centered" else None
+    slow = launch(k.bwd_rows, rows * h, stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs, st)
     if slow:
-        k.bwd_slow(stat, x, dy, w, mean, rstd, corr, std_mode, dx, scale, cs)
+        k.bwd_slow(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs)
     if pw is not None or pb is not None:
-        launch(k.params_by_cols, rows * h, stat, x, dy, mean, rstd, scale if slow else None, cs, pw, pb)
+        launch(k.params_by_cols, rows * h, stat, x, dy, tab, aux, rstd, scale if slow else None, cs, pw, pb)
     return scale, cs
 
 

@@ -1,0 +1,200 @@
+# numba's type stubs do not model intrinsics, overload stubs or jitted calls:
+# mypy: disable-error-code="call-arg,attr-defined,var-annotated,call-overload"
+r"""The element-wise family's kernels: ``y = w * f(x) + b`` element by element, one skeleton for every function.
+
+Every kernel takes the function tag first (``fn``, :mod:`._variant`); the function's pieces are
+``@overload``-ed on it (:data:`PIECES`: a new function adds its two pieces and one entry there):
+
+* :func:`f_value` -- ``f(v; a)`` (``a``: the function's scalar, PowerNorm's exponent ``p`` or DyT's ``alpha``);
+* :func:`f_grad` -- ``(dx, f, da)`` of one element from ``v`` and ``G = w dy``: ``dx = G f'(v)`` (saturated at
+  ``big``, the largest finite value of ``x``'s dtype, where the function says so), ``f(v)`` (for
+  ``dweight``) and the element's term of ``dL/da`` (DyT's ``x sech^2(alpha x) G``; 0 for PowerNorm).
+
+Functions:
+
+* ``"signed_power"``: :math:`f = \operatorname{sign}(v)\,|v|^p`, :math:`f' = p\,|v|^{p-1}` for :math:`v \ne 0`;
+  at :math:`v = 0` it is 1 for :math:`p = 1` and 0 otherwise (the reference's documented subgradient);
+  ``p = 1/2, 1, 2`` are evaluated as a square root, the identity and a square. ``dx`` is clipped to
+  ``+-big``; where ``p |v|^(p-1)`` itself overflows (float64 subnormals with small ``p``) ``|G| p |v|^(p-1)``
+  is evaluated as an exponential of logarithms before clipping, and ``G = 0`` gives 0: no finite input
+  gives NaN or an infinity.
+* ``"tanh"``: :math:`f = \tanh(\alpha v)`, :math:`f' = \alpha\,\operatorname{sech}^2(\alpha v)` with
+  :math:`\operatorname{sech}^2 z = 4s/(1+s)^2`, :math:`s = e^{-2|z|}` (full relative accuracy where tanh
+  saturates, as the reference).
+
+Values are computed in the *function math type*: float32 for float16/bfloat16 storage, float64 for
+float32/float64 (:func:`fcast`; the transcendental functions cost the same either way, and float64
+keeps float32's gradients in range). Parameter-gradient partials are per block of
+:data:`._layout.ROW_BLOCK` rows and column tile, rows added in order, then summed over blocks in
+float64 in block order (:func:`._reduce.sum_blocks`): results do not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import prange, types
+from numba.extending import overload
+
+from ._cache import FM_SUM, jit
+from ._layout import EW_TILE, ROW_BLOCK
+from ._storage import JIT_ONLY, ld, seg2, st
+
+__all__ = ["PIECES", "ew_bwd", "ew_fwd", "f_grad", "f_value", "fcast"]
+
+_PIECE: Any = {"fastmath": False, "error_model": "numpy"}
+
+
+def fcast(a, v):  # type: ignore[no-untyped-def]
+    """``v`` in the function math type of storage array ``a`` (float32 for half types, else float64)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(fcast)
+def _fcast_ol(a, v):  # type: ignore[no-untyped-def]
+    if a.dtype in (types.int16, types.uint16):
+        return lambda a, v: np.float32(v)
+    return lambda a, v: np.float64(v)
+
+
+def f_value(fn, v, a):  # type: ignore[no-untyped-def]
+    """``f(v; a)`` (see the module doc)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def f_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    """``(dx, f(v), da term)`` of one element (see the module doc)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@jit()
+def _abs_power(t, p):  # type: ignore[no-untyped-def]
+    if p == 0.5:
+        return math.sqrt(t)
+    if p == 1.0:
+        return t
+    if p == 2.0:
+        return t * t
+    return t**p
+
+
+def _spow_value(fn, v, p):  # type: ignore[no-untyped-def]
+    return math.copysign(_abs_power(abs(v), p), v)
+
+
+def _spow_grad(fn, v, g, p, big):  # type: ignore[no-untyped-def]
+    t = abs(v)
+    one = p - p + 1.0
+    if t == 0:
+        deriv = one if p == 1.0 else one - one
+    elif p == 0.5:
+        deriv = 0.5 / math.sqrt(t)
+    elif p == 1.0:
+        deriv = one
+    elif p == 2.0:
+        deriv = t + t
+    else:
+        deriv = p * t ** (p - one)
+    dx = g * deriv
+    if not abs(dx) <= big:
+        if g == 0:
+            dx = g - g
+        elif math.isinf(deriv):  # p |v|^(p-1) overflows: |G| p |v|^(p-1) by logarithms
+            dx = math.copysign(min(math.exp(math.log(abs(g)) + math.log(p) + (p - one) * math.log(t)), big), g)
+        elif not math.isnan(dx):
+            dx = math.copysign(big, dx)
+    return dx, f_value(fn, v, p), g - g
+
+
+def _tanh_value(fn, v, a):  # type: ignore[no-untyped-def]
+    return math.tanh(a * v)
+
+
+def _tanh_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    z = a * v
+    s = math.exp(-2.0 * abs(z))
+    gs = g * (4.0 * s / ((1.0 + s) * (1.0 + s)))
+    return a * gs, math.tanh(z), gs * v
+
+
+#: each function's implementation of each piece (a new function is one more entry)
+PIECES = {
+    "signed_power": {f_value: _spow_value, f_grad: _spow_grad},
+    "tanh": {f_value: _tanh_value, f_grad: _tanh_grad},
+}
+
+
+def _register(stub):  # type: ignore[no-untyped-def]
+    def typer(fn, *args):  # type: ignore[no-untyped-def]
+        if getattr(fn, "axis", None) != "function" or fn.choice not in PIECES:
+            raise TypeError(f"expected an element-wise function tag, got {fn}")
+        return PIECES[fn.choice][stub]
+
+    overload(stub, jit_options=_PIECE, strict=False)(typer)
+
+
+for _stub in (f_value, f_grad):
+    _register(_stub)
+
+
+@jit(FM_SUM, parallel=True)
+def ew_fwd(fn, x, a, w, b, y):  # type: ignore[no-untyped-def]
+    """``y = f(x; a) [* w] [+ b]`` (storage arrays; ``w``/``b`` ``(H,)`` in the function math type, or None),
+    parallel over (row, column tile) tasks."""
+    rows, h = x.shape
+    nt = (h + EW_TILE - 1) // EW_TILE
+    for t in prange(rows * nt):
+        i = t // nt
+        j0 = (t - i * nt) * EW_TILE
+        j1 = min(j0 + EW_TILE, h)
+        xr = x[i]
+        yr = y[i]
+        av = fcast(x, a)
+        for j in range(j0, j1):
+            v = f_value(fn, fcast(x, ld(xr[j])), av)
+            if w is not None:
+                v = v * w[j]
+            if b is not None:
+                v = v + b[j]
+            st(yr, j, v)
+
+
+@jit(FM_SUM, parallel=True)
+def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa):  # type: ignore[no-untyped-def]
+    """``dx = f'(x) * dy [* w]`` and the per-block partials of ``dy * f(x)`` (``pw``), ``dy`` (``pb``) and the
+    scalar's terms (``pa``), each a ``(blocks, H)`` array in the function math type or None; parallel over
+    (row block, column tile) tasks, rows in order within a block."""
+    rows, h = x.shape
+    nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+    nt = (h + EW_TILE - 1) // EW_TILE
+    for t in prange(nb * nt):
+        blk = t // nt
+        j0 = (t - blk * nt) * EW_TILE
+        j1 = min(j0 + EW_TILE, h)
+        pwr = seg2(pw, blk, j0, j1)
+        pbr = seg2(pb, blk, j0, j1)
+        par = seg2(pa, blk, j0, j1)
+        if pw is not None:
+            pwr[:] = 0
+        if pb is not None:
+            pbr[:] = 0
+        if pa is not None:
+            par[:] = 0
+        av = fcast(x, a)
+        for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
+            xr = x[i]
+            dyr = dy[i]
+            dxr = dx[i]
+            for j in range(j0, j1):
+                d = fcast(x, ld(dyr[j]))
+                g = d * w[j] if w is not None else d
+                dxv, fv, da = f_grad(fn, fcast(x, ld(xr[j])), g, av, big)
+                st(dxr, j, dxv)
+                if pw is not None:
+                    pwr[j - j0] += d * fv
+                if pb is not None:
+                    pbr[j - j0] += d
+                if pa is not None:
+                    par[j - j0] += da

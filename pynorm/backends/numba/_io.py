@@ -1,0 +1,198 @@
+# numba's type stubs do not model intrinsics or overload stubs:
+# mypy: disable-error-code="call-arg,attr-defined,var-annotated,call-overload"
+r"""Per-row sources and sinks of the statistics family's variants (jitted pieces only).
+
+Each axis of :class:`pynorm.ops.StatsVariant` other than the statistic is one optional argument of
+the kernels (``None`` for the plain choice), and one ``@overload``-ed helper here picks the code
+from that argument's numba type at compile time, so a plain variant compiles none of it:
+
+* prologue ``pro`` -- ``None`` (the row is ``x[i]``) or ``(residual, alpha, h)``: :func:`src_row`
+  computes ``h[i] = x[i] + alpha * residual[i]`` (in float64, rounded once to ``h``'s dtype: FMA when
+  an operand is float64, so the sum is correctly rounded; else the float64 product and sum, as the
+  reference), stores it, and returns ``h[i]`` -- the row the statistics are taken of, while it is in
+  cache; :func:`src_done` is that row again (the slow path, after :func:`src_row` wrote it);
+* affine source ``tab`` -- ``None`` (``w``/``b`` are ``(H,)`` vectors) or ``(ids, M)``: ``w``/``b``
+  are ``(M, H)`` tables and row ``i`` uses row ``ids[i]`` (:func:`arow`); the parameter-gradient
+  partials then have ``M`` rows per row block, and row ``i`` adds into row ``blk * M + ids[i]``
+  (:func:`pslot`, :func:`pzero`), so each modality's sums keep the plain norm's order;
+* epilogue ``ep`` -- ``None`` (``dx`` is stored) or ``(dh, alpha, dresidual)``: the gradient at
+  ``h`` is ``v + dh`` (``dh`` may be None), stored as ``dx`` and as ``dresidual = alpha * (v + dh)``,
+  each rounded once (:func:`ep_row`, :func:`put`, :func:`put_exact`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import types
+from numba.extending import intrinsic, overload
+
+from ._cache import jit
+from ._storage import JIT_ONLY, ld, st, st_exact
+
+__all__ = ["arow", "ep_row", "pslot", "put", "put_exact", "pzero", "src_done", "src_row"]
+
+
+def _none(t):  # type: ignore[no-untyped-def]
+    return t is None or isinstance(t, types.NoneType)
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """``a * b + c`` with one rounding (float64)."""
+    if not all(t == types.float64 for t in (a, b, c)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.fma(*args)
+
+    return types.float64(types.float64, types.float64, types.float64), codegen
+
+
+def _hsum(x, r, alpha):  # type: ignore[no-untyped-def]
+    """``x + alpha * r`` in float64 (see the module doc)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_hsum, jit_options={"fastmath": False, "error_model": "numpy"})
+def _hsum_ol(x, r, alpha):  # type: ignore[no-untyped-def]
+    if x == types.float64 or r == types.float64:
+        return lambda x, r, alpha: _fma(alpha, np.float64(r), np.float64(x))
+    return lambda x, r, alpha: np.float64(x) + alpha * np.float64(r)
+
+
+@jit()
+def _h_row(xr, rr, alpha, hr):  # type: ignore[no-untyped-def]
+    for j in range(xr.shape[0]):
+        st_exact(hr, j, _hsum(ld(xr[j]), ld(rr[j]), alpha))
+
+
+def src_row(pro, x, i):  # type: ignore[no-untyped-def]
+    """The row the statistics of row ``i`` are taken of: ``x[i]``, or ``h[i]`` after computing and storing it."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def src_done(pro, x, i):  # type: ignore[no-untyped-def]
+    """``x[i]``, or the ``h[i]`` :func:`src_row` stored."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(src_row)
+def _src_row_ol(pro, x, i):  # type: ignore[no-untyped-def]
+    if _none(pro):
+        return lambda pro, x, i: x[i]
+
+    def impl(pro, x, i):  # type: ignore[no-untyped-def]
+        hr = pro[2][i]
+        _h_row(x[i], pro[0][i], pro[1], hr)
+        return hr
+
+    return impl
+
+
+@overload(src_done)
+def _src_done_ol(pro, x, i):  # type: ignore[no-untyped-def]
+    if _none(pro):
+        return lambda pro, x, i: x[i]
+    return lambda pro, x, i: pro[2][i]
+
+
+def arow(p, tab, i):  # type: ignore[no-untyped-def]
+    """Row ``i``'s parameter vector: ``p`` itself, ``p[ids[i]]`` for a table, None for no parameter."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(arow)
+def _arow_ol(p, tab, i):  # type: ignore[no-untyped-def]
+    if _none(p):
+        return lambda p, tab, i: None
+    if _none(tab):
+        return lambda p, tab, i: p
+    return lambda p, tab, i: p[tab[0][i]]
+
+
+def pslot(tab, blk, i):  # type: ignore[no-untyped-def]
+    """The partials' row that row ``i`` of row block ``blk`` adds into."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(pslot)
+def _pslot_ol(tab, blk, i):  # type: ignore[no-untyped-def]
+    if _none(tab):
+        return lambda tab, blk, i: blk
+    return lambda tab, blk, i: blk * tab[1] + tab[0][i]
+
+
+def pzero(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
+    """Zero the partials of row block ``blk`` (columns ``j0:j1``); nothing when ``p`` is None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(pzero)
+def _pzero_ol(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
+    if _none(p):
+        return lambda p, tab, blk, j0, j1: None
+    if _none(tab):
+
+        def vec(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
+            p[blk, j0:j1] = 0
+
+        return vec
+
+    def table(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
+        p[blk * tab[1] : (blk + 1) * tab[1], j0:j1] = 0
+
+    return table
+
+
+def ep_row(ep, i):  # type: ignore[no-untyped-def]
+    """Row ``i`` of the epilogue: None, or ``(dh[i] or None, alpha, dresidual[i])``."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(ep_row)
+def _ep_row_ol(ep, i):  # type: ignore[no-untyped-def]
+    if _none(ep):
+        return lambda ep, i: None
+    if _none(ep[0]):
+        return lambda ep, i: (None, ep[1], ep[2][i])
+    return lambda ep, i: (ep[0][i], ep[1], ep[2][i])
+
+
+def _with_dh(er, j, v):  # type: ignore[no-untyped-def]
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_with_dh, jit_options={"fastmath": False, "error_model": "numpy"})
+def _with_dh_ol(er, j, v):  # type: ignore[no-untyped-def]
+    if _none(er[0]):
+        return lambda er, j, v: v
+    return lambda er, j, v: v + ld(er[0][j])
+
+
+def put(er, dxr, j, v):  # type: ignore[no-untyped-def]
+    """Store the math-type gradient ``v`` of element ``j`` (see the module doc), rounded once."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def put_exact(er, dxr, j, v):  # type: ignore[no-untyped-def]
+    """:func:`put` of a float64 ``v``, correctly rounded."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def _put_make(store):  # type: ignore[no-untyped-def]
+    def ol(er, dxr, j, v):  # type: ignore[no-untyped-def]
+        if _none(er):
+            return lambda er, dxr, j, v: store(dxr, j, v)
+
+        def impl(er, dxr, j, v):  # type: ignore[no-untyped-def]
+            g = _with_dh(er, j, v)
+            store(dxr, j, g)
+            store(er[2], j, er[1] * g)
+
+        return impl
+
+    return ol
+
+
+overload(put, jit_options={"fastmath": False, "error_model": "numpy"})(_put_make(st))
+overload(put_exact, jit_options={"fastmath": False, "error_model": "numpy"})(_put_make(st_exact))

@@ -1,0 +1,120 @@
+"""The element-wise family on the ``numba`` backend: every op of :data:`pynorm.ops.SPECS` whose family is
+``"elementwise"`` (the signed-power PowerNorm, DyT).
+
+:data:`OP_IMPLS` maps each such op to an :class:`ElementwiseOp`: ``forward(x2d, *params, out=None, **options)
+-> (y, ctx)`` and ``backward(dy2d, ctx, dx_out=None) -> grads``, with the reference module's contract
+(``spec.ctx``, ``spec.grads``). The spec's variant names the function (:mod:`._ew_kernels`); its scalar
+is the option ``p`` or the ``"scalar"`` parameter ``alpha``, and the per-feature ``weight``/``bias`` are the
+affine after it. Nothing here is specific to one op.
+
+Forward: ``y = w * f(x) + b`` in one parallel pass (:func:`._ew_kernels.ew_fwd`). Backward: ``dx`` and
+per-block partial sums of ``dy f(x)``, ``dy`` and the scalar's terms in one pass
+(:func:`._ew_kernels.ew_bwd`), summed over blocks in float64 in a fixed order (the scalar's over
+every column too, with :func:`math.fsum`), each gradient rounded once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+
+from ...ops import SPECS, OpSpec
+from ...reference._common import round_to
+from ...testing import finfo
+from . import _common as cm
+from . import _ew_kernels as k
+from ._layout import ROW_BLOCK
+from ._threads import launch
+from ._variant import function
+
+__all__ = ["OP_IMPLS", "ElementwiseOp"]
+
+#: the parameters the element-wise kernels have a slot for
+_SLOTS = ("alpha", "weight", "bias")
+
+
+def _fmath(dtype: Any) -> np.dtype[Any]:
+    """The function math type for inputs of ``dtype`` (see :mod:`._ew_kernels`)."""
+    return np.dtype(np.float32) if np.dtype(dtype).itemsize == 2 else np.dtype(np.float64)
+
+
+class ElementwiseOp:
+    """One op of the element-wise family on this backend (see the module doc)."""
+
+    def __init__(self, spec: OpSpec) -> None:
+        unknown = set(spec.param_names) - set(_SLOTS)
+        if unknown:
+            raise ValueError(f"{spec.name}: the element-wise kernels have no parameter slot for {sorted(unknown)}")
+        self.spec = spec
+        self.name = spec.name
+        self.fn = function(spec.variant.function)  # type: ignore[union-attr]
+        self._fields = tuple(f.name for f in fields(spec.ctx))
+        self._options = spec.defaults()
+
+    def __repr__(self) -> str:
+        return f"<numba element-wise op {self.name!r} (function {self.fn.choice!r})>"
+
+    def _scalar(self, named: dict[str, Any], options: dict[str, Any]) -> float:
+        if "alpha" in self.spec.param_names:
+            return float(np.asarray(named["alpha"], dtype=np.float64).reshape(-1)[0])
+        return float(options.get("p", 0.0))
+
+    def forward(self, x: np.ndarray, *params: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
+        """Forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)`` (``y`` is ``out`` if given)."""
+        if len(params) != len(self.spec.params):
+            raise TypeError(f"{self.name} forward() takes x and {len(self.spec.params)} parameter(s)")
+        unknown = set(options) - set(self._options)
+        if unknown:
+            raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
+        o = {**self._options, **options}
+        named = dict(zip(self.spec.param_names, params, strict=True))
+        rows, h = x.shape
+        fdt = _fmath(x.dtype)
+        y = cm.output(out, x.shape, x.dtype)
+        if rows:
+            w, b = cm.param(named.get("weight"), fdt), cm.param(named.get("bias"), fdt)
+            launch(k.ew_fwd, rows * h, self.fn, cm.storage(x), self._scalar(named, o), w, b, cm.storage(y))
+        values = {**o, **named, "x": x}
+        if "p" in values:
+            values["p"] = float(values["p"])
+        return y, self.spec.ctx(**{f: values[f] for f in self._fields})
+
+    def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None) -> Any:
+        """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
+        x = ctx.x
+        named = {n: getattr(ctx, n) for n in self.spec.param_names}
+        rows, h = x.shape
+        fdt = _fmath(x.dtype)
+        nb = -(-rows // ROW_BLOCK)
+        parts = {n: (np.empty((nb, h), fdt) if named.get(n) is not None else None) for n in _SLOTS}
+        dx = cm.output(dx_out, x.shape, x.dtype)
+        if rows:
+            launch(
+                k.ew_bwd, rows * h, self.fn, cm.storage(x), cm.storage(dy), self._scalar(named, vars(ctx)),
+                cm.param(named.get("weight"), fdt), float(finfo(x.dtype).max), cm.storage(dx),
+                parts["weight"], parts["bias"], parts["alpha"],
+            )  # fmt: skip
+        grads: list[Any] = []
+        for n in self.spec.param_names:
+            p, part = named[n], parts[n]
+            if p is None or part is None:
+                grads.append(None)
+            elif n == "alpha":
+                total = math.fsum(cm.reduce_blocks(part, np.float64).tolist())
+                grads.append(round_to(np.asarray([total]), p.dtype).reshape(p.shape))
+            else:
+                grads.append(cm.reduce_blocks(part, p.dtype))
+        return self.spec.grads(dx, *grads)
+
+
+def _serves(spec: OpSpec) -> bool:
+    from . import OPS
+
+    return OPS.get(spec.name) == __name__.rpartition(".")[2]
+
+
+#: op name -> its implementation (read by :func:`pynorm._registry.op_module`)
+OP_IMPLS: dict[str, ElementwiseOp] = {name: ElementwiseOp(spec) for name, spec in SPECS.items() if _serves(spec)}

@@ -405,6 +405,107 @@ def _compile_table(rows: list[dict[str, Any]]) -> str:
 
 
 # ---------------------------------------------------------------------------
+# every op of the specs against numpy.copyto
+
+
+def _op_arrays(spec: Any, shape: tuple[int, int], rng: np.random.Generator) -> tuple[list[Any], Any]:
+    """Extra inputs then parameters of ``spec`` for float32 ``x`` of ``shape`` (tables of 3 modalities), and dy."""
+    rows, h = shape
+    args: list[Any] = []
+    for i in spec.inputs:
+        if i.kind == "like_x":
+            args.append(rng.standard_normal(shape, dtype=np.float32))
+        else:
+            args.append(rng.permutation(np.arange(rows) % 3).astype(np.int64))
+    for p in spec.params:
+        pshape = {"feature": (h,), "scalar": (1,), "table": (3, h)}[p.kind]
+        args.append((p.init + 0.1 * rng.standard_normal(pshape)).astype(np.float32))
+    return args, rng.standard_normal(shape, dtype=np.float32)
+
+
+def op_bytes(spec: Any, shape: tuple[int, int]) -> dict[str, int]:
+    """Bytes a float32 call of ``spec`` moves through ``(R, H)`` arrays (parameters, ids, statistics negligible):
+    forward reads x and the ``like_x`` inputs and writes every output; backward reads dy and x (``h``) and writes
+    dx and one gradient per ``like_x`` input."""
+    n = shape[0] * shape[1] * 4
+    like_x = sum(1 for i in spec.inputs if i.kind == "like_x")
+    fwd = (1 + like_x + len(spec.outputs)) * n
+    bwd = (2 + 1 + like_x) * n
+    return {"fwd": fwd, "fwd+bwd": fwd + bwd}
+
+
+def op_table(shape: tuple[int, int] = (4096, 4096), repeat: int = 11) -> list[dict[str, Any]]:
+    """Forward and forward + backward of every op the numba backend serves on float32 ``x`` of ``shape``
+    (default options, every parameter, output buffers passed), as a fraction of ``numpy.copyto``'s bandwidth
+    (``2 * x.nbytes`` per copy) timed interleaved with them in the same run (:func:`op_bytes`)."""
+    import pynorm
+    from pynorm.ops import SPECS
+
+    rows = []
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(shape, dtype=np.float32) + 3).astype(np.float32)
+    buf = np.empty_like(x)
+    y = np.empty_like(x)
+    dx = np.empty_like(x)
+    for op in pynorm._registry.backend_ops("numba"):
+        spec = SPECS[op]
+        args, dy = _op_arrays(spec, shape, rng)
+        fwd_fn = getattr(pynorm, f"{op}_forward")
+        bwd_fn = getattr(pynorm, f"{op}_backward")
+
+        def fwd(fwd_fn: Any = fwd_fn, args: list[Any] = args) -> Any:
+            return fwd_fn(x, *args, backend="numba", out=y)
+
+        def fwdbwd(fwd_fn: Any = fwd_fn, bwd_fn: Any = bwd_fn, args: list[Any] = args, dy: Any = dy) -> None:
+            _, c = fwd_fn(x, *args, backend="numba", out=y)
+            bwd_fn(dy, c, dx_out=dx)
+
+        _log(f"{op}: compile and warm up")
+        fwdbwd()
+        fwd()
+        times: dict[str, list[float]] = {"copy": [], "fwd": [], "fwd+bwd": []}
+        for _ in range(repeat):
+            times["copy"].append(_time(lambda: np.copyto(buf, x)))
+            times["fwd"].append(_time(fwd))
+            times["fwd+bwd"].append(_time(fwdbwd))
+        copy_gbs = 2 * x.nbytes / statistics.median(times["copy"]) / 1e9
+        row: dict[str, Any] = {"op": op, "shape": list(shape), "copyto_gbs": copy_gbs, "copy_s": times["copy"]}
+        for phase, nb in op_bytes(spec, shape).items():
+            t = statistics.median(times[phase])
+            row[f"{phase}_s"] = t
+            row[f"{phase}_gbs"] = nb / t / 1e9
+            row[f"{phase}_frac_copy"] = nb / t / 1e9 / copy_gbs
+        rows.append(row)
+    # the run's copy bandwidth: the median of every interleaved copy (steadier than each op's own)
+    run_gbs = 2 * x.nbytes / statistics.median([t for r in rows for t in r.pop("copy_s")]) / 1e9
+    for r in rows:
+        r["run_copyto_gbs"] = run_gbs
+        for phase in ("fwd", "fwd+bwd"):
+            r[f"{phase}_frac_run_copy"] = r[f"{phase}_gbs"] / run_gbs
+    return rows
+
+
+def _op_table_text(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'op':20s} | {'copyto GB/s':>11s} | {'fwd ms':>7s} {'GB/s':>6s} {'%copy':>6s} {'%run':>5s} | "
+        f"{'f+b ms':>7s} {'GB/s':>6s} {'%copy':>6s} {'%run':>5s}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['op']:20s} | {r['copyto_gbs']:11.1f} | {r['fwd_s'] * 1e3:7.1f} {r['fwd_gbs']:6.1f} "
+            f"{100 * r['fwd_frac_copy']:5.0f}% {100 * r['fwd_frac_run_copy']:4.0f}% | {r['fwd+bwd_s'] * 1e3:7.1f} "
+            f"{r['fwd+bwd_gbs']:6.1f} {100 * r['fwd+bwd_frac_copy']:5.0f}% {100 * r['fwd+bwd_frac_run_copy']:4.0f}%"
+        )
+    if rows:
+        lines.append(
+            f"(%copy: against the copies interleaved with that op; %run: against the run's median copy, "
+            f"{rows[0]['run_copyto_gbs']:.1f} GB/s)"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
 # report
 
 
@@ -534,6 +635,12 @@ def main(argv: list[str] | None = None) -> int:
         help="only the compile times: the first forward+backward of every op and dtype in a fresh process, "
         "with an empty numba cache and then with the cache it filled (no throughput benchmark)",
     )
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="only the op table: forward and forward+backward of every op the numba backend serves on a 4096x4096 "
+        "float32 input, as a fraction of numpy.copyto's bandwidth in the same run",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -543,6 +650,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import pynorm
     from pynorm.backends.numba import _threads
+
+    if args.ops:
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _threads.set_num_threads(args.threads)
+        op_rows = op_table(repeat=args.repeat or 11)
+        (out_dir / "op_table.json").write_text(json.dumps({"meta": _meta(args.threads), "rows": op_rows}, indent=1))
+        print(f"4096x4096 float32, {args.threads} threads; fraction of numpy.copyto bandwidth (same run)")
+        print(_op_table_text(op_rows))
+        print(f"\nwrote {out_dir / 'op_table.json'}")
+        return 0
 
     if args.compile:
         out_dir = Path(args.out)

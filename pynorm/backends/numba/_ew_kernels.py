@@ -14,7 +14,8 @@ Functions:
 
 * ``"signed_power"``: :math:`f = \operatorname{sign}(v)\,|v|^p`, :math:`f' = p\,|v|^{p-1}` for :math:`v \ne 0`;
   at :math:`v = 0` it is 1 for :math:`p = 1` and 0 otherwise (the reference's documented subgradient);
-  ``p = 1/2, 1, 2`` are evaluated as a square root, the identity and a square. ``dx`` is clipped to
+  ``p = 1/2, 1, 2`` are evaluated as a square root, the identity and a square (the tag's ``exponent``
+  flag, so each loop is specialized at compile time and vectorizes). ``dx`` is clipped to
   ``+-big``; where ``p |v|^(p-1)`` itself overflows (float64 subnormals with small ``p``) ``|G| p |v|^(p-1)``
   is evaluated as an exponential of logarithms before clipping, and ``G = 0`` gives 0: no finite input
   gives NaN or an infinity.
@@ -40,9 +41,9 @@ from numba.extending import overload
 
 from ._cache import FM_SUM, jit
 from ._layout import EW_TILE, ROW_BLOCK
-from ._storage import JIT_ONLY, ld, seg2, st
+from ._storage import JIT_ONLY, ld, seg, seg2, st
 
-__all__ = ["PIECES", "ew_bwd", "ew_fwd", "f_grad", "f_value", "fcast"]
+__all__ = ["PIECES", "ew_bwd", "ew_fwd", "f_fix", "f_grad", "f_value", "fcast"]
 
 _PIECE: Any = {"fastmath": False, "error_model": "numpy"}
 
@@ -69,43 +70,75 @@ def f_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@jit()
-def _abs_power(t, p):  # type: ignore[no-untyped-def]
-    if p == 0.5:
-        return math.sqrt(t)
-    if p == 1.0:
-        return t
-    if p == 2.0:
-        return t * t
-    return t**p
+def f_fix(fn, v, g, a, big, dx):  # type: ignore[no-untyped-def]
+    """``dx`` of an element whose :func:`f_grad` value is NaN or infinite (rare: computed again, carefully)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def _exponent(fn):  # type: ignore[no-untyped-def]
+    return fn.flags.get("exponent", "any")
+
+
+def _abs_power(fn, t, p):  # type: ignore[no-untyped-def]
+    """``t^p`` for ``t >= 0``; the tag's ``exponent`` flag picks a square root, the identity, a square or ``pow``."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def _power_deriv(fn, t, p):  # type: ignore[no-untyped-def]
+    """``p t^(p-1)`` for ``t > 0`` (as :func:`_abs_power`)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def _power_at_zero(fn, p):  # type: ignore[no-untyped-def]
+    """The documented derivative at 0: 1 for ``p = 1``, else 0."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_power_at_zero, jit_options=_PIECE)
+def _power_at_zero_ol(fn, p):  # type: ignore[no-untyped-def]
+    if _exponent(fn) == "one":
+        return lambda fn, p: p - p + 1.0
+    return lambda fn, p: p - p
+
+
+@overload(_abs_power, jit_options=_PIECE)
+def _abs_power_ol(fn, t, p):  # type: ignore[no-untyped-def]
+    return {
+        "half": lambda fn, t, p: math.sqrt(t),
+        "one": lambda fn, t, p: t,
+        "two": lambda fn, t, p: t * t,
+    }.get(_exponent(fn), lambda fn, t, p: t**p)
+
+
+@overload(_power_deriv, jit_options=_PIECE)
+def _power_deriv_ol(fn, t, p):  # type: ignore[no-untyped-def]
+    return {
+        "half": lambda fn, t, p: 0.5 / math.sqrt(t),
+        "one": lambda fn, t, p: p - p + 1.0,
+        "two": lambda fn, t, p: t + t,
+    }.get(_exponent(fn), lambda fn, t, p: p * t ** (p - 1.0))
 
 
 def _spow_value(fn, v, p):  # type: ignore[no-untyped-def]
-    return math.copysign(_abs_power(abs(v), p), v)
+    return math.copysign(_abs_power(fn, abs(v), p), v)
 
 
 def _spow_grad(fn, v, g, p, big):  # type: ignore[no-untyped-def]
     t = abs(v)
-    one = p - p + 1.0
-    if t == 0:
-        deriv = one if p == 1.0 else one - one
-    elif p == 0.5:
-        deriv = 0.5 / math.sqrt(t)
-    elif p == 1.0:
-        deriv = one
-    elif p == 2.0:
-        deriv = t + t
-    else:
-        deriv = p * t ** (p - one)
+    deriv = _power_deriv(fn, t, p) if t != 0 else _power_at_zero(fn, p)
     dx = g * deriv
-    if not abs(dx) <= big:
-        if g == 0:
-            dx = g - g
-        elif math.isinf(deriv):  # p |v|^(p-1) overflows: |G| p |v|^(p-1) by logarithms
-            dx = math.copysign(min(math.exp(math.log(abs(g)) + math.log(p) + (p - one) * math.log(t)), big), g)
-        elif not math.isnan(dx):
-            dx = math.copysign(big, dx)
+    # saturate (selects only, so that the loop vectorizes); NaN stays NaN; an infinite p t^(p-1) (float64
+    # subnormals with small p) is flagged by the returned NaN / inf and redone by _spow_exact
+    dx = dx if abs(dx) <= big else (math.copysign(big, dx) if dx == dx and not math.isinf(deriv) else dx)
     return dx, f_value(fn, v, p), g - g
+
+
+@jit()
+def _spow_exact(g, t, p, big):  # type: ignore[no-untyped-def]
+    """``dx`` where ``p t^(p-1)`` overflows: 0 for ``g = 0``, else ``|g| p t^(p-1)`` by logarithms, clipped."""
+    if g == 0:
+        return g - g
+    return math.copysign(min(math.exp(math.log(abs(g)) + math.log(p) + (p - 1.0) * math.log(t)), big), g)
 
 
 def _tanh_value(fn, v, a):  # type: ignore[no-untyped-def]
@@ -121,8 +154,14 @@ def _tanh_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
 
 #: each function's implementation of each piece (a new function is one more entry)
 PIECES = {
-    "signed_power": {f_value: _spow_value, f_grad: _spow_grad},
-    "tanh": {f_value: _tanh_value, f_grad: _tanh_grad},
+    "signed_power": {
+        f_value: _spow_value,
+        f_grad: _spow_grad,
+        f_fix: lambda fn, v, g, a, big, dx: (
+            _spow_exact(g, abs(v), a, big) if math.isfinite(g) and math.isfinite(v) else dx
+        ),
+    },
+    "tanh": {f_value: _tanh_value, f_grad: _tanh_grad, f_fix: lambda fn, v, g, a, big, dx: dx},
 }
 
 
@@ -135,7 +174,7 @@ def _register(stub):  # type: ignore[no-untyped-def]
     overload(stub, jit_options=_PIECE, strict=False)(typer)
 
 
-for _stub in (f_value, f_grad):
+for _stub in (f_value, f_grad, f_fix):
     _register(_stub)
 
 
@@ -165,7 +204,8 @@ def ew_fwd(fn, x, a, w, b, y):  # type: ignore[no-untyped-def]
 def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa):  # type: ignore[no-untyped-def]
     """``dx = f'(x) * dy [* w]`` and the per-block partials of ``dy * f(x)`` (``pw``), ``dy`` (``pb``) and the
     scalar's terms (``pa``), each a ``(blocks, H)`` array in the function math type or None; parallel over
-    (row block, column tile) tasks, rows in order within a block."""
+    (row block, column tile) tasks, rows in order within a block. One loop per output (each writes one array,
+    so that the loops vectorize); the partials' loops evaluate what they need of the function again."""
     rows, h = x.shape
     nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
     nt = (h + EW_TILE - 1) // EW_TILE
@@ -173,9 +213,11 @@ def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa):  # type: ignore[no-untyped-def
         blk = t // nt
         j0 = (t - blk * nt) * EW_TILE
         j1 = min(j0 + EW_TILE, h)
+        n = j1 - j0
         pwr = seg2(pw, blk, j0, j1)
         pbr = seg2(pb, blk, j0, j1)
         par = seg2(pa, blk, j0, j1)
+        wr = seg(w, j0, j1)
         if pw is not None:
             pwr[:] = 0
         if pb is not None:
@@ -184,17 +226,25 @@ def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa):  # type: ignore[no-untyped-def
             par[:] = 0
         av = fcast(x, a)
         for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
-            xr = x[i]
-            dyr = dy[i]
-            dxr = dx[i]
-            for j in range(j0, j1):
+            xr = x[i, j0:j1]
+            dyr = dy[i, j0:j1]
+            dxr = dx[i, j0:j1]
+            for j in range(n):
                 d = fcast(x, ld(dyr[j]))
-                g = d * w[j] if w is not None else d
-                dxv, fv, da = f_grad(fn, fcast(x, ld(xr[j])), g, av, big)
+                g = d * wr[j] if w is not None else d
+                xv = fcast(x, ld(xr[j]))
+                dxv = f_grad(fn, xv, g, av, big)[0]
+                if not abs(dxv) <= big:
+                    dxv = f_fix(fn, xv, g, av, big, dxv)
                 st(dxr, j, dxv)
-                if pw is not None:
-                    pwr[j - j0] += d * fv
-                if pb is not None:
-                    pbr[j - j0] += d
-                if pa is not None:
-                    par[j - j0] += da
+            if pw is not None:
+                for j in range(n):
+                    pwr[j] += fcast(x, ld(dyr[j])) * f_value(fn, fcast(x, ld(xr[j])), av)
+            if pb is not None:
+                for j in range(n):
+                    pbr[j] += fcast(x, ld(dyr[j]))
+            if pa is not None:
+                for j in range(n):
+                    d = fcast(x, ld(dyr[j]))
+                    g = d * wr[j] if w is not None else d
+                    par[j] += f_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]

@@ -52,15 +52,16 @@ class Tag:
         return f"Tag({self._numba_type_.name})"
 
 
-_tags: dict[tuple[str, str], Tag] = {}
+_tags: dict[tuple[Any, ...], Tag] = {}
 
 
-def _tag(axis: str, kind: str, choices: tuple[str, ...]) -> Tag:
+def _tag(axis: str, kind: str, choices: tuple[str, ...], **flags: Any) -> Tag:
     if kind not in choices:
         raise ValueError(f"the numba backend has no {axis} {kind!r} (it has {', '.join(choices)})")
-    if (axis, kind) not in _tags:
-        _tags[axis, kind] = Tag(axis, kind)
-    return _tags[axis, kind]
+    key = (axis, kind, *sorted(flags.items()))
+    if key not in _tags:
+        _tags[key] = Tag(axis, kind, **flags)
+    return _tags[key]
 
 
 #: statistics of the stats family (``OpSpec.variant.statistic``) with kernels here
@@ -74,6 +75,7 @@ def statistic(kind: str) -> Tag:
     return _tag("statistic", kind, STATISTICS)
 
 
-def function(kind: str) -> Tag:
-    """The tag of an element-wise function: ``"signed_power"`` (``sign(x) |x|^p``) or ``"tanh"`` (``tanh(alpha x)``)."""
-    return _tag("function", kind, FUNCTIONS)
+def function(kind: str, **flags: Any) -> Tag:
+    """The tag of an element-wise function: ``"signed_power"`` (``sign(x) |x|^p``; flag ``exponent``: ``"half"``,
+    ``"one"``, ``"two"`` or ``"any"``, the loops specialized at compile time) or ``"tanh"`` (``tanh(alpha x)``)."""
+    return _tag("function", kind, FUNCTIONS, **flags)

@@ -50,12 +50,19 @@ class ElementwiseOp:
             raise ValueError(f"{spec.name}: the element-wise kernels have no parameter slot for {sorted(unknown)}")
         self.spec = spec
         self.name = spec.name
-        self.fn = function(spec.variant.function)  # type: ignore[union-attr]
+        self.kind = spec.variant.function  # type: ignore[union-attr]
+        self.fn = function(self.kind)
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
 
     def __repr__(self) -> str:
         return f"<numba element-wise op {self.name!r} (function {self.fn.choice!r})>"
+
+    def _tag(self, p: float) -> Any:
+        """The function's tag; a signed power's ``exponent`` flag specializes p = 1/2, 1, 2."""
+        if self.kind != "signed_power":
+            return self.fn
+        return function(self.kind, exponent={0.5: "half", 1.0: "one", 2.0: "two"}.get(p, "any"))
 
     def _scalar(self, named: dict[str, Any], options: dict[str, Any]) -> float:
         if "alpha" in self.spec.param_names:
@@ -76,7 +83,8 @@ class ElementwiseOp:
         y = cm.output(out, x.shape, x.dtype)
         if rows:
             w, b = cm.param(named.get("weight"), fdt), cm.param(named.get("bias"), fdt)
-            launch(k.ew_fwd, rows * h, self.fn, cm.storage(x), self._scalar(named, o), w, b, cm.storage(y))
+            a = self._scalar(named, o)
+            launch(k.ew_fwd, rows * h, self._tag(a), cm.storage(x), a, w, b, cm.storage(y))
         values = {**o, **named, "x": x}
         if "p" in values:
             values["p"] = float(values["p"])
@@ -92,8 +100,9 @@ class ElementwiseOp:
         parts = {n: (np.empty((nb, h), fdt) if named.get(n) is not None else None) for n in _SLOTS}
         dx = cm.output(dx_out, x.shape, x.dtype)
         if rows:
+            a = self._scalar(named, vars(ctx))
             launch(
-                k.ew_bwd, rows * h, self.fn, cm.storage(x), cm.storage(dy), self._scalar(named, vars(ctx)),
+                k.ew_bwd, rows * h, self._tag(a), cm.storage(x), cm.storage(dy), a,
                 cm.param(named.get("weight"), fdt), float(finfo(x.dtype).max), cm.storage(dx),
                 parts["weight"], parts["bias"], parts["alpha"],
             )  # fmt: skip

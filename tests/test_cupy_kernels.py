@@ -43,7 +43,14 @@ def compiled() -> dict[tuple[str, str], cc.CompileResult]:
         pytest.skip(f"NVRTC unavailable: {NVRTC_REASON}")
     results = cc.run_check(cc.ARCHS)
     print("\n" + cc.format_table(results))
-    return {(r.file, r.arch): r for r in results}
+    # a file is compiled in several groups (one per op variant): merge them per (file, arch)
+    merged: dict[tuple[str, str], cc.CompileResult] = {}
+    for r in results:
+        m = merged.setdefault((r.file, r.arch), cc.CompileResult(r.file, r.arch))
+        m.kernels.extend(r.kernels)
+        m.errors.extend(r.errors)
+        m.seconds += r.seconds
+    return merged
 
 
 @needs_nvrtc
@@ -52,13 +59,14 @@ def compiled() -> dict[tuple[str, str], cc.CompileResult]:
 def test_every_instantiation_compiles_without_spills(compiled, file, arch):
     res = compiled[(file, arch)]
     assert res.ok, "\n".join(res.errors)
-    assert [k.name for k in res.kernels] == _loader.instantiations(file)
+    assert sorted(k.name for k in res.kernels) == sorted(_loader.instantiations(file))
     for k in res.kernels:
         assert k.registers > 0 and k.clean, k
         assert k.occupancy is not None and k.occupancy.blocks_per_sm >= 1, (k.name, k.occupancy)
         # register budgets the launch bounds promise (min blocks per SM)
-        if "_fwd<" in k.name:
-            assert k.occupancy.blocks_per_sm >= _launch.DEFS["FWD_MIN_BLOCKS"], k
+        if k.name.startswith("pynorm::stats_fwd<"):  # the residual prologue asks for 1 block (<= 128 registers)
+            want = 1 if "Residual<" in k.name else _launch.DEFS["FWD_MIN_BLOCKS"]
+            assert k.occupancy.blocks_per_sm >= want, k
         if "_bwd<" in k.name:
             assert k.occupancy.blocks_per_sm >= _launch.DEFS["BWD_MIN_BLOCKS"], k
 

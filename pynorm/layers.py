@@ -606,6 +606,8 @@ def _positive(v: Any, name: str) -> int:
 class _Conditional(_Norm):
     """Shared parts of the conditional norms: ``W`` of ``(kH, C)`` zeros, ``c`` of ``(kH,)`` (adaLN-Zero)."""
 
+    options: dict[str, Any]
+
     def _init_projection(self, cond_dim: Any, k: int, zero_centered: bool) -> None:
         self.cond_dim = _positive(cond_dim, "cond_dim")
         h = self.num_features
@@ -715,6 +717,8 @@ class _NormLinear(_Norm):
     """A norm then a Linear(H, N), fused (:func:`pynorm.layer_norm_linear_forward`): the ctx holds no
     normalized activations. ``W`` starts as torch's ``Linear`` does, ``U(-1/sqrt(H), 1/sqrt(H))`` (``seed``
     picks the draw), ``c`` likewise; the norm's parameters as for the plain norm layer."""
+
+    options: dict[str, Any]
 
     def _init_linear(self, out_features: Any, bias: bool, seed: int | None) -> None:
         n = _positive(out_features, "out_features")

@@ -53,6 +53,8 @@ class Context:
     input_dtypes : dtype of each differentiable extra input (a residual's), in order.
     output_dtypes : dtype of each output after the first (the upstream gradients' dtypes).
     array_family : ``(module, class)`` of the arrays forward ran on (``("numpy", "ndarray")``).
+    y_shape : shape of the first output (None: ``x_shape``; a fused norm + Linear's ``(..., N)``).
+    input_shapes : shape of each differentiable extra input, in order (a ``cond``'s gradient has its shape).
     """
 
     op: str
@@ -65,6 +67,8 @@ class Context:
     input_dtypes: tuple[Any, ...] = ()
     output_dtypes: tuple[Any, ...] = ()
     array_family: tuple[str, str] = ("numpy", "ndarray")
+    y_shape: tuple[int, ...] | None = None
+    input_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def rows(self) -> int:
@@ -137,6 +141,10 @@ def _check_param(spec_param: Any, p: Any, x: Array, axis: int, inputs: dict[str,
     elif kind == "scalar":
         if tuple(p.shape) not in ((), (1,)):
             raise ShapeError(f"{name} must be a scalar (a 0-d or (1,) array), got shape {tuple(p.shape)}")
+    elif kind in ("matrix", "vector"):  # exact shapes: the spec's check_arrays
+        nd = 2 if kind == "matrix" else 1
+        if p.ndim != nd:
+            raise ShapeError(f"{name} must be a {nd}-D array, got shape {tuple(p.shape)}")
     else:  # table
         if p.ndim != 1 + len(norm_shape) or tuple(p.shape[1:]) != norm_shape or p.shape[0] < 1:
             raise ShapeError(
@@ -164,6 +172,9 @@ def _check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
         check_float_dtype(a, name)
         if tuple(a.shape) != tuple(x.shape):
             raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected the shape of x, {tuple(x.shape)}")
+    elif spec_input.kind == "cond":
+        check_float_dtype(a, name)
+        cond_groups(a, name, x, axis)
     else:  # row_index
         kind = getattr(a.dtype, "kind", "")
         if kind not in "iu" or not kind or a.dtype == bool:
@@ -171,6 +182,25 @@ def _check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
         if tuple(a.shape) != tuple(x.shape[:axis]):
             raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected x.shape[:axis] = {tuple(x.shape[:axis])}")
     return a
+
+
+def cond_groups(a: Array, name: str, x: Array, axis: int) -> int:
+    """The number ``G`` of conditioning rows of ``a`` for ``x`` normalized from ``axis`` (the ``"cond"`` rule:
+    ``a.shape[:-1]`` is ``x.shape[:axis]``, or a leading part ``x.shape[:k]``, optionally followed by
+    size-1 dims up to ``axis``); a :class:`ShapeError` naming ``name`` otherwise."""
+    lead = tuple(a.shape[:-1])
+    k = len(lead)
+    while k > 0 and lead[k - 1] == 1:
+        k -= 1
+    if a.ndim < 1 or len(lead) > axis or lead[:k] != tuple(x.shape[:k]):
+        want = tuple(x.shape[:axis])
+        raise ShapeError(
+            f"{name} has shape {tuple(a.shape)}, which broadcasts neither way over x of shape {tuple(x.shape)}: "
+            f"expected x.shape[:axis] + (C,) = {(*want, 'C')} (one row per row of x) or a leading part of it, "
+            f"x.shape[:k] + (C,) for k < axis (one row per sample, broadcast over the rest: "
+            f"{(*want[:1], 'C')} for x of shape {tuple(x.shape)})".replace("'C'", "C")
+        )
+    return math.prod(lead)
 
 
 def _flat_feature(p: Array | None, norm_shape: tuple[int, ...]) -> Array | None:
@@ -182,6 +212,15 @@ def _flat_feature(p: Array | None, norm_shape: tuple[int, ...]) -> Array | None:
     return xp_of(p).broadcast_to(p, norm_shape).reshape(h)
 
 
+def _flat_input(kind: str, a: Array, rows: int, h: int) -> Array:
+    """An extra input as backends see it: ``(rows, H)`` (like_x), ``(rows,)`` (row_index), ``(G, C)`` (cond)."""
+    if kind == "like_x":
+        return a.reshape(rows, h)
+    if kind == "cond":
+        return a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
+    return a.reshape(rows)
+
+
 def _flat_param(kind: str, p: Array | None, norm_shape: tuple[int, ...]) -> Array | None:
     """A parameter as backends see it: ``(H,)`` (feature), ``(1,)`` (scalar), ``(M, H)`` (table)."""
     if p is None:
@@ -190,6 +229,8 @@ def _flat_param(kind: str, p: Array | None, norm_shape: tuple[int, ...]) -> Arra
         return p.reshape(1)
     if kind == "table":
         return p.reshape(p.shape[0], math.prod(norm_shape))
+    if kind in ("matrix", "vector"):
+        return p
     return _flat_feature(p, norm_shape)
 
 
@@ -212,16 +253,18 @@ def _unflat_feature_grad(
     return summed.astype(g.dtype)
 
 
-def check_out(out: Any, name: str, like: Array, inputs: tuple[Array | None, ...]) -> Array | None:
-    """``out`` validated as a C-contiguous buffer of ``like``'s shape and dtype overlapping no input."""
+def check_out(
+    out: Any, name: str, like: Array, inputs: tuple[Array | None, ...], shape: tuple[int, ...] | None = None
+) -> Array | None:
+    """``out`` validated as a C-contiguous buffer of ``like``'s dtype and shape (or ``shape``) overlapping no input."""
     if out is None:
         return None
     if _registry.array_family(out) != _registry.array_family(like):
         _registry._family_of((like, out), ("x", name))
-    if tuple(out.shape) != tuple(like.shape) or out.dtype != like.dtype:
+    want = tuple(like.shape) if shape is None else tuple(shape)
+    if tuple(out.shape) != want or out.dtype != like.dtype:
         raise ShapeError(
-            f"{name} must have shape {tuple(like.shape)} and dtype {like.dtype}, "
-            f"got shape {tuple(out.shape)} and dtype {out.dtype}"
+            f"{name} must have shape {want} and dtype {like.dtype}, got shape {tuple(out.shape)} and dtype {out.dtype}"
         )
     if not out.flags.c_contiguous:
         raise ArgumentError(f"{name} must be C-contiguous")
@@ -263,16 +306,23 @@ def forward(
     by_name = dict(zip(spec.input_names, ins, strict=True))
     ps = tuple(_check_param(sp, p, x, ax, by_name) for sp, p in zip(spec.params, params, strict=True))
     names = (*spec.input_names, *spec.param_names)
+    arrays = dict(zip(names, (*ins, *ps), strict=True))
+    if spec.check_arrays is not None:
+        spec.check_arrays(tuple(x.shape), ax, arrays, opts)
+    y_shape = spec.output_shape(tuple(x.shape), ax, arrays)
     name, mod = _registry.resolve(spec.name, (x, *ins, *ps), ("x", *names), backend)
-    out = check_out(out, "out", x, (x, *ins, *ps))
+    out = check_out(out, "out", x, (x, *ins, *ps), y_shape)
     rows = math.prod(x.shape[:ax])
-    flat_in = tuple(a.reshape(rows, h) if si.kind == "like_x" else a.reshape(rows) for si, a in zip(spec.inputs, ins))
+    y_h = math.prod(y_shape[ax:])
+    flat_in = tuple(_flat_input(si.kind, a, rows, h) for si, a in zip(spec.inputs, ins))
     flat_p = tuple(_flat_param(sp.kind, p, norm_shape) for sp, p in zip(spec.params, ps, strict=True))
     res, inner = mod.forward(
-        x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, h), **opts
+        x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, y_h), **opts
     )
     outs = res if len(spec.outputs) > 1 else (res,)
-    shaped = tuple(out if (i == 0 and out is not None) else o.reshape(x.shape) for i, o in enumerate(outs))
+    shaped = tuple(
+        out if (i == 0 and out is not None) else o.reshape(y_shape if i == 0 else x.shape) for i, o in enumerate(outs)
+    )
     ctx = Context(
         spec.name,
         name,
@@ -284,6 +334,8 @@ def forward(
         tuple(a.dtype for si, a in zip(spec.inputs, ins) if si.differentiable),
         tuple(o.dtype for o in shaped[1:]),
         _registry.array_family(x),
+        None if y_shape == tuple(x.shape) else y_shape,
+        tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins) if si.differentiable),
     )
     return (shaped if len(spec.outputs) > 1 else shaped[0]), ctx
 
@@ -305,11 +357,15 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
             f"arrays of different types cannot be mixed: x is {ctx.array_family[0]}.{ctx.array_family[1]} "
             f"but dy is {fam[0]}.{fam[1]}"
         )
-    if tuple(dy.shape) != ctx.x_shape:
+    if ctx.y_shape is None and tuple(dy.shape) != ctx.x_shape:
         raise ShapeError(f"dy has shape {tuple(dy.shape)}, expected the shape of x, {ctx.x_shape}")
+    if ctx.y_shape is not None and tuple(dy.shape) != ctx.y_shape:
+        raise ShapeError(f"dy has shape {tuple(dy.shape)}, expected the shape of the output, {ctx.y_shape}")
     if dy.dtype != ctx.x_dtype:
         raise DTypeError(f"dy has dtype {dy.dtype}, expected the dtype of x, {ctx.x_dtype}")
     rows, h = ctx.rows, ctx.hidden
+    y_shape = ctx.x_shape if ctx.y_shape is None else ctx.y_shape
+    y_h = math.prod(y_shape[ctx.axis :])
     extra: dict[str, Any] = {}
     for oname, odt in zip(spec.outputs[1:], ctx.output_dtypes, strict=True):
         g = (upstream or {}).get(f"d{oname}")
@@ -324,14 +380,16 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
             g = g.reshape(rows, h)
         extra[f"d{oname}"] = g
     inner_arrays = tuple(v for v in vars(ctx.inner).values() if hasattr(v, "shape") and hasattr(v, "dtype"))
-    dx_out = check_out(dx_out, "dx_out", dy, (dy, *inner_arrays, *(g for g in extra.values() if g is not None)))
+    dx_out = check_out(
+        dx_out, "dx_out", dy, (dy, *inner_arrays, *(g for g in extra.values() if g is not None)), ctx.x_shape
+    )
     mod = _registry.op_module(ctx.backend, op)
     grads = mod.backward(
-        dy.reshape(rows, h), ctx.inner, dx_out=None if dx_out is None else dx_out.reshape(rows, h), **extra
+        dy.reshape(rows, y_h), ctx.inner, dx_out=None if dx_out is None else dx_out.reshape(rows, h), **extra
     )
     dx = dx_out if dx_out is not None else grads[0].reshape(ctx.x_shape)
     n_in = sum(1 for si in spec.inputs if si.differentiable)
-    d_inputs = tuple(g.reshape(ctx.x_shape) for g in grads[1 : 1 + n_in])
+    d_inputs = tuple(g.reshape(s) for g, s in zip(grads[1 : 1 + n_in], ctx.input_shapes, strict=True))
     norm_shape = ctx.x_shape[ctx.axis :]
     xp = xp_of(dy)
     d_params = tuple(

@@ -112,6 +112,8 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
         _backends[backend.name] = backend
         _availability.pop(backend.name, None)
         _modules.pop(backend.name, None)
+        for key in [k for k in _bound if k[0] == backend.name]:
+            _bound.pop(key)
 
 
 def _load_entry_points() -> None:
@@ -171,12 +173,33 @@ def backend_module(name: str) -> ModuleType:
         return _modules[name]
 
 
-def backend_ops(name: str) -> tuple[str, ...]:
-    """Names of the ops backend ``name`` implements (imports its light package only)."""
+def _composites(name: str) -> dict[str, Any]:
+    """The composite ops (:class:`pynorm.ops.Composite`) backend ``name`` offers without implementing them
+    itself: those whose ``builds_on`` ops it all implements."""
+    from .ops import SPECS
+
     try:
-        return tuple(backend_module(name).OPS)
+        own = set(backend_module(name).OPS)
+    except (ImportError, AttributeError):
+        return {}
+    return {
+        op: spec
+        for op, spec in SPECS.items()
+        if spec.family == "composite" and op not in own and set(getattr(spec.variant, "builds_on", ())) <= own
+    }
+
+
+def backend_ops(name: str) -> tuple[str, ...]:
+    """Names of the ops backend ``name`` implements (imports its light package only): those its package
+    lists in ``OPS``, then the composite ops built from them."""
+    try:
+        own = tuple(backend_module(name).OPS)
     except (ImportError, AttributeError):
         return ()
+    return own + tuple(_composites(name))
+
+
+_bound: dict[tuple[str, str], Any] = {}
 
 
 def op_module(name: str, op: str) -> Any:
@@ -184,11 +207,21 @@ def op_module(name: str, op: str) -> Any:
 
     ``OPS[op]`` names a submodule of the backend package. That module is the implementation
     itself (``forward``/``backward`` functions), or -- for a module serving several ops, such as
-    a kernel family -- it maps op names to implementations in ``OP_IMPLS``.
+    a kernel family -- it maps op names to implementations in ``OP_IMPLS``. A composite op the package
+    does not list is the composite's shared implementation bound to the backend
+    (``<Composite.impl>.bind(op, name)``: it runs the ops it builds on, on this backend).
     """
     pkg = backend_module(name)
     if op not in pkg.OPS:
-        raise UnknownOpError(f"backend {name!r} does not implement op {op!r} (it has: {', '.join(pkg.OPS)})")
+        comp = _composites(name).get(op)
+        if comp is None:
+            raise UnknownOpError(
+                f"backend {name!r} does not implement op {op!r} (it has: {', '.join(backend_ops(name))})"
+            )
+        with _lock:
+            if (name, op) not in _bound:
+                _bound[(name, op)] = importlib.import_module(comp.variant.impl).bind(op, name)
+            return _bound[(name, op)]
     mod = importlib.import_module(f"{pkg.__name__}.{pkg.OPS[op]}")
     impls = getattr(mod, "OP_IMPLS", None)
     return impls[op] if impls is not None else mod

@@ -22,20 +22,26 @@ from ._dispatch import FLOAT_DTYPES, Context, check_axis
 from .ops import (
     ADD_LAYER_NORM,
     ADD_RMS_NORM,
+    CONDITIONAL_LAYER_NORM,
+    CONDITIONAL_RMS_NORM,
     DYT,
     LAYER_NORM,
+    LAYER_NORM_LINEAR,
     MODALITY_LAYER_NORM,
     MODALITY_RMS_NORM,
     POWER_NORM,
     RMS_NORM,
+    RMS_NORM_LINEAR,
     SCALE_NORM,
     check_eps,
     check_real,
 )
 from .reference.add_norm import AddLayerNormGrads, AddRMSNormGrads
+from .reference.conditional_norm import ConditionalLayerNormGrads, ConditionalRMSNormGrads
 from .reference.dyt import DyTGrads
 from .reference.layer_norm import LayerNormGrads
 from .reference.modality_norm import ModalityLayerNormGrads, ModalityRMSNormGrads
+from .reference.norm_linear import LayerNormLinearGrads, RMSNormLinearGrads
 from .reference.power_norm import PowerNormGrads
 from .reference.rms_norm import RMSNormGrads
 from .reference.scale_norm import ScaleNormGrads
@@ -46,13 +52,17 @@ __all__ = [
     "RMS_NORM",
     "AddLayerNormGrads",
     "AddRMSNormGrads",
+    "ConditionalLayerNormGrads",
+    "ConditionalRMSNormGrads",
     "Context",
     "DyTGrads",
     "LayerNormGrads",
+    "LayerNormLinearGrads",
     "ModalityLayerNormGrads",
     "ModalityRMSNormGrads",
     "PowerNormGrads",
     "RMSNormGrads",
+    "RMSNormLinearGrads",
     "ScaleNormGrads",
     "add_layer_norm",
     "add_layer_norm_backward",
@@ -63,12 +73,21 @@ __all__ = [
     "check_axis",
     "check_eps",
     "check_real",
+    "conditional_layer_norm",
+    "conditional_layer_norm_backward",
+    "conditional_layer_norm_forward",
+    "conditional_rms_norm",
+    "conditional_rms_norm_backward",
+    "conditional_rms_norm_forward",
     "dyt",
     "dyt_backward",
     "dyt_forward",
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_forward",
+    "layer_norm_linear",
+    "layer_norm_linear_backward",
+    "layer_norm_linear_forward",
     "modality_layer_norm",
     "modality_layer_norm_backward",
     "modality_layer_norm_forward",
@@ -81,6 +100,9 @@ __all__ = [
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
+    "rms_norm_linear",
+    "rms_norm_linear_backward",
+    "rms_norm_linear_forward",
     "scale_norm",
     "scale_norm_backward",
     "scale_norm_forward",
@@ -649,3 +671,285 @@ def modality_rms_norm(
     return modality_rms_norm_forward(
         x, modality_ids, weight, axis=axis, eps=eps, backend=backend, weight_offset=weight_offset, out=out
     )[0]
+
+
+# ---------------------------------------------------------------------------
+# conditional LayerNorm / RMSNorm (adaLN)
+
+
+def conditional_layer_norm_forward(
+    x: Array,
+    cond: Array,
+    W: Array,
+    c: Array | None = None,
+    *,
+    zero_centered: bool = False,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    out: Array | None = None,
+) -> tuple[Array, Context]:
+    r"""Conditional LayerNorm forward (adaLN); returns ``(y, ctx)`` for :func:`conditional_layer_norm_backward`.
+
+    .. math::
+
+        [\gamma, \beta] = \mathrm{cond}\,W^T + c, \qquad
+        y = \hat x\,(\gamma + o) + \beta, \quad \hat x = \frac{x - \mu}{\sqrt{v + \epsilon}}
+
+    with ``o = 1`` for ``zero_centered=True`` (the ``(1 + scale)`` of diffusion transformers), else 0, and
+    :math:`\hat x` LayerNorm's (:func:`layer_norm_forward`, its ``correction`` and ``eps_mode``).
+
+    Parameters
+    ----------
+    x : float array, at least 1-D; ``H`` = the number of elements of ``x.shape[axis:]``.
+    cond : float array of conditioning vectors of ``C`` features. **Broadcast rule**: ``cond.shape[:-1]`` is
+        ``x.shape[:axis]`` (one vector per row of ``x``), or a leading part ``x.shape[:k]`` with ``k < axis``,
+        optionally followed by size-1 dims (one vector per sample, shared by the rows of ``x.shape[k:axis]``:
+        ``(B, C)`` or ``(B, 1, C)`` for ``x`` of ``(B, T, H)``). Anything else is a ``ShapeError``.
+    W : ``(2H, C)`` array (a torch ``Linear(C, 2H)`` weight): rows ``:H`` give ``gamma``, ``H:`` ``beta``.
+    c : optional ``(2H,)`` bias of the projection.
+    zero_centered, axis, eps, correction, eps_mode, backend, out : as above and for :func:`layer_norm_forward`.
+
+    Returns
+    -------
+    y : ``x``'s shape and dtype. ctx : :class:`Context` (``x``, ``cond``, ``W``, ``c``, per-row statistics;
+    on a composite backend the modality norm's ctx, whose tables hold ``gamma``/``beta`` per cond row).
+    """
+    options = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "zero_centered": zero_centered}
+    return _dispatch.forward(
+        CONDITIONAL_LAYER_NORM, x, (W, c), axis=axis, backend=backend, out=out, options=options, inputs=(cond,)
+    )
+
+
+def conditional_layer_norm_backward(
+    dy: Array, ctx: Context, *, dx_out: Array | None = None
+) -> ConditionalLayerNormGrads:
+    r"""Conditional LayerNorm backward: ``ConditionalLayerNormGrads(dx, dcond, dW, dc)``.
+
+    ``dx`` is LayerNorm's with the row's own scale :math:`\gamma + o`; with
+    :math:`d\gamma_g = \sum_{i \in g} dy_i \hat x_i`, :math:`d\beta_g = \sum_{i \in g} dy_i` over the rows
+    ``i`` that cond row ``g`` serves and :math:`dP = [d\gamma, d\beta]`:
+
+    .. math::
+
+        d\,\mathrm{cond} = dP\,W, \qquad dW = dP^T \mathrm{cond}, \qquad dc = \textstyle\sum_g dP_g
+
+    so ``dcond`` has ``cond``'s shape (summed over the broadcast rows); ``dc`` is None without ``c``.
+    """
+    return _dispatch.backward(CONDITIONAL_LAYER_NORM, dy, ctx, dx_out)  # type: ignore[no-any-return]
+
+
+def conditional_layer_norm(
+    x: Array,
+    cond: Array,
+    W: Array,
+    c: Array | None = None,
+    *,
+    zero_centered: bool = False,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    out: Array | None = None,
+) -> Array:
+    """Conditional LayerNorm of ``x``; see :func:`conditional_layer_norm_forward`."""
+    return conditional_layer_norm_forward(
+        x, cond, W, c, zero_centered=zero_centered, axis=axis, eps=eps, backend=backend, correction=correction,
+        eps_mode=eps_mode, out=out,
+    )[0]  # fmt: skip
+
+
+def conditional_rms_norm_forward(
+    x: Array,
+    cond: Array,
+    W: Array,
+    c: Array | None = None,
+    *,
+    shift: bool = True,
+    zero_centered: bool = False,
+    axis: int = -1,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    out: Array | None = None,
+) -> tuple[Array, Context]:
+    r"""Conditional RMSNorm forward; returns ``(y, ctx)`` for :func:`conditional_rms_norm_backward`.
+
+    .. math::
+
+        [\gamma, \beta] = \mathrm{cond}\,W^T + c, \qquad
+        y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}}\,(\gamma + o) + \beta
+
+    With ``shift=False`` ``W`` is ``(H, C)``, ``c`` ``(H,)`` and there is no :math:`\beta` (Liger's modulated
+    RMSNorm). ``o``, ``cond``'s broadcast rule and the other arguments as for
+    :func:`conditional_layer_norm_forward`.
+    """
+    options = {"eps": eps, "shift": shift, "zero_centered": zero_centered}
+    return _dispatch.forward(
+        CONDITIONAL_RMS_NORM, x, (W, c), axis=axis, backend=backend, out=out, options=options, inputs=(cond,)
+    )
+
+
+def conditional_rms_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> ConditionalRMSNormGrads:
+    r"""Conditional RMSNorm backward: ``ConditionalRMSNormGrads(dx, dcond, dW, dc)``.
+
+    ``dx`` is RMSNorm's with the row's scale :math:`\gamma + o`; ``dP = [d\gamma, d\beta]`` (``[d\gamma]`` with
+    ``shift=False``) summed per cond row, ``dcond = dP W``, ``dW = dP^T cond``, ``dc = sum_g dP_g``.
+    """
+    return _dispatch.backward(CONDITIONAL_RMS_NORM, dy, ctx, dx_out)  # type: ignore[no-any-return]
+
+
+def conditional_rms_norm(
+    x: Array,
+    cond: Array,
+    W: Array,
+    c: Array | None = None,
+    *,
+    shift: bool = True,
+    zero_centered: bool = False,
+    axis: int = -1,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    out: Array | None = None,
+) -> Array:
+    """Conditional RMSNorm of ``x``; see :func:`conditional_rms_norm_forward`."""
+    return conditional_rms_norm_forward(
+        x, cond, W, c, shift=shift, zero_centered=zero_centered, axis=axis, eps=eps, backend=backend, out=out
+    )[0]
+
+
+# ---------------------------------------------------------------------------
+# fused norm + Linear
+
+
+def layer_norm_linear_forward(
+    x: Array,
+    weight: Array | None,
+    bias: Array | None,
+    W: Array,
+    c: Array | None = None,
+    *,
+    return_norm: bool = False,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> tuple[Any, Context]:
+    r"""Fused LayerNorm + Linear forward: ``(out, ctx)``, or ``((out, n), ctx)`` with ``return_norm=True``.
+
+    .. math::
+
+        n = \mathrm{layer\_norm}(x; w, b), \qquad \mathrm{out} = n\,W^T + c
+
+    ``weight``, ``bias`` and the conventions are LayerNorm's (:func:`layer_norm_forward`); ``W`` is
+    ``(N, H)`` (a torch ``Linear(H, N)`` weight), ``c`` ``(N,)``; ``out`` has shape
+    ``x.shape[:axis] + (N,)`` and ``x``'s dtype (``out=`` may receive it). The ctx keeps ``x``, the
+    parameters and the per-row statistics -- never ``n``: backward recomputes it.
+    """
+    options = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+    (y, n), ctx = _dispatch.forward(
+        LAYER_NORM_LINEAR, x, (weight, bias, W, c), axis=axis, backend=backend, out=out, options=options
+    )
+    return ((y, n) if _flag(return_norm, "return_norm") else y), ctx
+
+
+def layer_norm_linear_backward(
+    dy: Array, ctx: Context, dn: Array | None = None, *, dx_out: Array | None = None
+) -> LayerNormLinearGrads:
+    r"""Fused LayerNorm + Linear backward: ``LayerNormLinearGrads(dx, dweight, dbias, dW, dc)``.
+
+    ``dy`` is the gradient at ``out`` (its shape); ``dn`` optionally the gradient arriving at a returned
+    ``n``. With :math:`n` recomputed from the ctx and :math:`dn_t = dy\,W + dn`: ``dx``, ``dweight``,
+    ``dbias`` are LayerNorm's backward of :math:`dn_t`; :math:`dW = dy^T n`, :math:`dc = \sum_{rows} dy`.
+    """
+    return _dispatch.backward(LAYER_NORM_LINEAR, dy, ctx, dx_out, {"dn": dn})  # type: ignore[no-any-return]
+
+
+def layer_norm_linear(
+    x: Array,
+    weight: Array | None,
+    bias: Array | None,
+    W: Array,
+    c: Array | None = None,
+    *,
+    return_norm: bool = False,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> Any:
+    """``layer_norm(x) @ W.T + c`` (and ``n`` with ``return_norm=True``); see :func:`layer_norm_linear_forward`."""
+    return layer_norm_linear_forward(
+        x, weight, bias, W, c, return_norm=return_norm, axis=axis, eps=eps, backend=backend, correction=correction,
+        eps_mode=eps_mode, weight_offset=weight_offset, out=out,
+    )[0]  # fmt: skip
+
+
+def rms_norm_linear_forward(
+    x: Array,
+    weight: Array | None,
+    W: Array,
+    c: Array | None = None,
+    *,
+    return_norm: bool = False,
+    axis: int = -1,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> tuple[Any, Context]:
+    r"""Fused RMSNorm + Linear forward: ``(out, ctx)``, or ``((out, n), ctx)`` with ``return_norm=True``.
+
+    .. math::
+
+        n = \mathrm{rms\_norm}(x; w), \qquad \mathrm{out} = n\,W^T + c
+
+    As :func:`layer_norm_linear_forward`, with RMSNorm's weight and conventions.
+    """
+    options = {"eps": eps, "weight_offset": weight_offset}
+    (y, n), ctx = _dispatch.forward(
+        RMS_NORM_LINEAR, x, (weight, W, c), axis=axis, backend=backend, out=out, options=options
+    )
+    return ((y, n) if _flag(return_norm, "return_norm") else y), ctx
+
+
+def rms_norm_linear_backward(
+    dy: Array, ctx: Context, dn: Array | None = None, *, dx_out: Array | None = None
+) -> RMSNormLinearGrads:
+    r"""Fused RMSNorm + Linear backward: ``RMSNormLinearGrads(dx, dweight, dW, dc)``; see
+    :func:`layer_norm_linear_backward`."""
+    return _dispatch.backward(RMS_NORM_LINEAR, dy, ctx, dx_out, {"dn": dn})  # type: ignore[no-any-return]
+
+
+def rms_norm_linear(
+    x: Array,
+    weight: Array | None,
+    W: Array,
+    c: Array | None = None,
+    *,
+    return_norm: bool = False,
+    axis: int = -1,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> Any:
+    """``rms_norm(x) @ W.T + c`` (and ``n`` with ``return_norm=True``); see :func:`rms_norm_linear_forward`."""
+    return rms_norm_linear_forward(
+        x, weight, W, c, return_norm=return_norm, axis=axis, eps=eps, backend=backend, weight_offset=weight_offset,
+        out=out,
+    )[0]  # fmt: skip
+
+
+def _flag(v: Any, name: str) -> bool:
+    from .ops.conditional_norm import check_bool
+
+    return check_bool(v, name)

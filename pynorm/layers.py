@@ -26,7 +26,19 @@ import numpy as np
 from . import functional as F
 from .errors import ArgumentError, DTypeError, ShapeError
 
-__all__ = ["AddNorm", "DyT", "LayerNorm", "ModalityNorm", "PowerNorm", "RMSNorm", "ScaleNorm"]
+__all__ = [
+    "AddNorm",
+    "ConditionalLayerNorm",
+    "ConditionalRMSNorm",
+    "DyT",
+    "LayerNorm",
+    "LayerNormLinear",
+    "ModalityNorm",
+    "PowerNorm",
+    "RMSNorm",
+    "RMSNormLinear",
+    "ScaleNorm",
+]
 
 
 def _shape(normalized_shape: Any) -> tuple[int, ...]:
@@ -582,6 +594,228 @@ class ModalityNorm(_Norm):
         names = ("weight", "bias") if self.kind == "layer" else ("weight",)
         g = pynorm_backward(ctx.op)(dy, ctx)
         self._accumulate(names, tuple(g[1:]))
+        return g.dx
+
+
+def _positive(v: Any, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ArgumentError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+class _Conditional(_Norm):
+    """Shared parts of the conditional norms: ``W`` of ``(kH, C)`` zeros, ``c`` of ``(kH,)`` (adaLN-Zero)."""
+
+    options: dict[str, Any]
+
+    def _init_projection(self, cond_dim: Any, k: int, zero_centered: bool) -> None:
+        self.cond_dim = _positive(cond_dim, "cond_dim")
+        h = self.num_features
+        self.params["W"] = self.xp.zeros((k * h, self.cond_dim), dtype=self.dtype)
+        self.grads["W"] = self.xp.zeros((k * h, self.cond_dim), dtype=self.dtype)
+        c = np.zeros(k * h)
+        if not zero_centered:
+            c[:h] = 1.0  # gamma = 1: the layer starts as the plain norm
+        self.params["c"] = self.xp.asarray(c.astype(self.dtype))
+        self.grads["c"] = self.xp.zeros((k * h,), dtype=self.dtype)
+
+    def _conventions(self) -> dict[str, Any]:
+        return {"cond_dim": self.cond_dim, **{k: v for k, v in self.options.items() if k != "eps"}}
+
+
+class ConditionalLayerNorm(_Conditional):
+    """Conditional LayerNorm / adaLN (see :func:`pynorm.conditional_layer_norm_forward`).
+
+    ``gamma, beta = split(cond @ W.T + c)``, ``y = layer_norm(x) * gamma + beta`` (``(1 + gamma)`` with
+    ``zero_centered=True``). **adaLN-Zero initialisation**: ``W`` starts at zeros and ``c`` at
+    ``(ones, zeros)`` -- all zeros with ``zero_centered`` -- so the layer starts as a plain LayerNorm
+    without affine, whatever ``cond`` is, and ``W`` still receives gradients.
+
+    Parameters
+    ----------
+    normalized_shape : int or tuple (``H`` features). cond_dim : ``C``, the conditioning features.
+    eps, zero_centered, correction, eps_mode : the op's options. dtype, backend, xp : as for :class:`LayerNorm`.
+
+    ``forward(x, cond) -> (y, ctx)`` (``cond``: ``(..., C)`` per row, or per sample as the op's broadcast
+    rule says); ``backward(dy, ctx) -> (dx, dcond)``, adding ``dW``/``dc`` into ``grads``.
+    """
+
+    op = "conditional_layer_norm"
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        cond_dim: int,
+        eps: float = 1e-5,
+        zero_centered: bool = False,
+        dtype: Any = np.float32,
+        *,
+        correction: int = 0,
+        eps_mode: str = "var",
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, dtype, xp, backend)
+        self.options = F.CONDITIONAL_LAYER_NORM.validate(
+            {"eps": eps, "zero_centered": zero_centered, "correction": correction, "eps_mode": eps_mode}
+        )
+        self._init_projection(cond_dim, 2, self.options["zero_centered"])
+
+    def forward(self, x: Any, cond: Any, *, out: Any = None) -> tuple[Any, F.Context]:
+        """``(y, ctx)`` for input ``x`` (trailing dims ``normalized_shape``) and its conditioning ``cond``."""
+        return F.conditional_layer_norm_forward(
+            x, cond, self.params["W"], self.params["c"], axis=self._axis(x), backend=self.backend, out=out,
+            **self.options,
+        )  # fmt: skip
+
+    def backward(self, dy: Any, ctx: F.Context) -> tuple[Any, Any]:
+        """Add ``dW``/``dc`` into ``grads``; return ``(dx, dcond)``."""
+        g = F.conditional_layer_norm_backward(dy, ctx)
+        self._accumulate(("W", "c"), (g.dW, g.dc))
+        return g.dx, g.dcond
+
+
+class ConditionalRMSNorm(_Conditional):
+    """Conditional RMSNorm (see :func:`pynorm.conditional_rms_norm_forward`); ``shift=False``: a scale only
+    (``W`` of ``(H, C)``). Initialised adaLN-Zero style as :class:`ConditionalLayerNorm` (``W`` zeros, ``c``
+    ones for the scale -- zeros with ``zero_centered`` -- and zeros for the shift): it starts as a plain
+    RMSNorm without weight. ``forward(x, cond)``; ``backward(dy, ctx) -> (dx, dcond)``."""
+
+    op = "conditional_rms_norm"
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        cond_dim: int,
+        eps: float = 1e-6,
+        shift: bool = True,
+        zero_centered: bool = False,
+        dtype: Any = np.float32,
+        *,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, dtype, xp, backend)
+        self.options = F.CONDITIONAL_RMS_NORM.validate({"eps": eps, "shift": shift, "zero_centered": zero_centered})
+        self._init_projection(cond_dim, 2 if self.options["shift"] else 1, self.options["zero_centered"])
+
+    def forward(self, x: Any, cond: Any, *, out: Any = None) -> tuple[Any, F.Context]:
+        """``(y, ctx)`` for input ``x`` and its conditioning ``cond``."""
+        return F.conditional_rms_norm_forward(
+            x, cond, self.params["W"], self.params["c"], axis=self._axis(x), backend=self.backend, out=out,
+            **self.options,
+        )  # fmt: skip
+
+    def backward(self, dy: Any, ctx: F.Context) -> tuple[Any, Any]:
+        """Add ``dW``/``dc`` into ``grads``; return ``(dx, dcond)``."""
+        g = F.conditional_rms_norm_backward(dy, ctx)
+        self._accumulate(("W", "c"), (g.dW, g.dc))
+        return g.dx, g.dcond
+
+
+class _NormLinear(_Norm):
+    """A norm then a Linear(H, N), fused (:func:`pynorm.layer_norm_linear_forward`): the ctx holds no
+    normalized activations. ``W`` starts as torch's ``Linear`` does, ``U(-1/sqrt(H), 1/sqrt(H))`` (``seed``
+    picks the draw), ``c`` likewise; the norm's parameters as for the plain norm layer."""
+
+    options: dict[str, Any]
+
+    def _init_linear(self, out_features: Any, bias: bool, seed: int | None) -> None:
+        n = _positive(out_features, "out_features")
+        h = self.num_features
+        bound = 1.0 / math.sqrt(h)
+        rng = np.random.default_rng(seed)
+        self.params["W"] = self.xp.asarray(rng.uniform(-bound, bound, (n, h)).astype(self.dtype))
+        self.grads["W"] = self.xp.zeros((n, h), dtype=self.dtype)
+        if bias:
+            self.params["c"] = self.xp.asarray(rng.uniform(-bound, bound, n).astype(self.dtype))
+            self.grads["c"] = self.xp.zeros((n,), dtype=self.dtype)
+        self.out_features = n
+
+    def _conventions(self) -> dict[str, Any]:
+        return {"out_features": self.out_features, **{k: v for k, v in self.options.items() if k != "eps"}}
+
+
+class LayerNormLinear(_NormLinear):
+    """LayerNorm over the trailing ``normalized_shape`` dims, then ``@ W.T + c`` (``W`` of
+    ``(out_features, H)``). ``forward(x, return_norm=False) -> (out, ctx)`` (``((out, n), ctx)``);
+    ``backward(dy, ctx, dn=None) -> dx``, adding the parameter gradients into ``grads``."""
+
+    op = "layer_norm_linear"
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        out_features: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        linear_bias: bool = True,
+        dtype: Any = np.float32,
+        *,
+        correction: int = 0,
+        eps_mode: str = "var",
+        weight_offset: float = 0.0,
+        seed: int | None = None,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, dtype, xp, backend)
+        self.options = F.LAYER_NORM_LINEAR.validate(
+            {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+        )
+        self._add_param("weight", 1.0 - self.options["weight_offset"])
+        if bias:
+            self._add_param("bias", 0.0)
+        self._init_linear(out_features, linear_bias, seed)
+
+    def forward(self, x: Any, *, return_norm: bool = False, out: Any = None) -> tuple[Any, F.Context]:
+        """``(out, ctx)``, or ``((out, n), ctx)`` with ``return_norm``."""
+        return F.layer_norm_linear_forward(
+            x, self.params["weight"], self.params.get("bias"), self.params["W"], self.params.get("c"),
+            return_norm=return_norm, axis=self._axis(x), backend=self.backend, out=out, **self.options,
+        )  # fmt: skip
+
+    def backward(self, dy: Any, ctx: F.Context, dn: Any = None) -> Any:
+        """Add the parameter gradients into ``grads``; return ``dx``."""
+        g = F.layer_norm_linear_backward(dy, ctx, dn)
+        self._accumulate(("weight", "bias", "W", "c"), (g.dweight, g.dbias, g.dW, g.dc))
+        return g.dx
+
+
+class RMSNormLinear(_NormLinear):
+    """RMSNorm, then ``@ W.T + c``; as :class:`LayerNormLinear`."""
+
+    op = "rms_norm_linear"
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        out_features: int,
+        eps: float = 1e-6,
+        linear_bias: bool = True,
+        dtype: Any = np.float32,
+        *,
+        weight_offset: float = 0.0,
+        seed: int | None = None,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, dtype, xp, backend)
+        self.options = F.RMS_NORM_LINEAR.validate({"eps": eps, "weight_offset": weight_offset})
+        self._add_param("weight", 1.0 - self.options["weight_offset"])
+        self._init_linear(out_features, linear_bias, seed)
+
+    def forward(self, x: Any, *, return_norm: bool = False, out: Any = None) -> tuple[Any, F.Context]:
+        """``(out, ctx)``, or ``((out, n), ctx)`` with ``return_norm``."""
+        return F.rms_norm_linear_forward(
+            x, self.params["weight"], self.params["W"], self.params.get("c"), return_norm=return_norm,
+            axis=self._axis(x), backend=self.backend, out=out, **self.options,
+        )  # fmt: skip
+
+    def backward(self, dy: Any, ctx: F.Context, dn: Any = None) -> Any:
+        """Add the parameter gradients into ``grads``; return ``dx``."""
+        g = F.rms_norm_linear_backward(dy, ctx, dn)
+        self._accumulate(("weight", "W", "c"), (g.dweight, g.dW, g.dc))
         return g.dx
 
 

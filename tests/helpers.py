@@ -51,7 +51,7 @@ class OpSpec:
 
         def first_output(*args: Any, **kw: Any) -> Any:
             outs, ctx = f(*args, **kw)
-            return outs[0], ctx
+            return (outs[0] if isinstance(outs, tuple) else outs), ctx
 
         return first_output
 
@@ -99,22 +99,41 @@ OPS = {name: OpSpec(s) for name, s in ops.SPECS.items()}
 N_MODALITIES = 3
 
 
-def make_params(spec: OpSpec, shape: tuple[int, ...], dt: Any, rng: np.random.Generator) -> list[np.ndarray]:
+def make_params(
+    spec: OpSpec, shape: tuple[int, ...], dt: Any, rng: np.random.Generator, options: Any = None
+) -> list[np.ndarray]:
     """Random parameters for normalized dims ``shape`` (:meth:`pynorm.ops.OpSpec.example_params`)."""
-    return spec.spec.example_params(shape, dt, rng, N_MODALITIES)
+    return spec.spec.example_params(shape, dt, rng, N_MODALITIES, options)
 
 
-def make_inputs(spec: OpSpec, x_shape: tuple[int, ...], axis: int, dt: Any, rng: np.random.Generator) -> list[Any]:
+def make_inputs(
+    spec: OpSpec, x_shape: tuple[int, ...], axis: int, dt: Any, rng: np.random.Generator, options: Any = None
+) -> list[Any]:
     """Random extra inputs of an op (:meth:`pynorm.ops.OpSpec.example_inputs`)."""
-    return spec.spec.example_inputs(x_shape, axis, dt, rng, N_MODALITIES)
+    return spec.spec.example_inputs(x_shape, axis, dt, rng, N_MODALITIES, options)
 
 
 def make_args(
-    spec: OpSpec, x_shape: tuple[int, ...], axis: int, dt: Any, rng: np.random.Generator, pdt: Any = None
+    spec: OpSpec,
+    x_shape: tuple[int, ...],
+    axis: int,
+    dt: Any,
+    rng: np.random.Generator,
+    pdt: Any = None,
+    options: Any = None,
 ) -> list[Any]:
-    """The extra inputs then the parameters of an op (parameters in ``pdt``, default ``dt``)."""
+    """The extra inputs then the parameters of an op (parameters in ``pdt``, default ``dt``); ``options``:
+    the op's options the arguments are for (the shapes of some depend on them: ``shift=False``)."""
     ax = axis % len(x_shape)
-    return [*make_inputs(spec, x_shape, ax, dt, rng), *make_params(spec, x_shape[ax:], dt if pdt is None else pdt, rng)]
+    return [
+        *make_inputs(spec, x_shape, ax, dt, rng, options),
+        *make_params(spec, x_shape[ax:], dt if pdt is None else pdt, rng, options),
+    ]
+
+
+def out_shape(spec: OpSpec, x_shape: tuple[int, ...], axis: int, args: list[Any]) -> tuple[int, ...]:
+    """Shape of the op's first output for ``x`` of ``x_shape`` and ``args`` (x's shape but for a fused Linear)."""
+    return spec.spec.output_shape(tuple(x_shape), axis, dict(zip(spec.arg_names, args, strict=True)))
 
 
 def flat_arrays(spec: OpSpec, x_shape: tuple[int, ...], axis: int, args: list[Any]) -> dict[str, Any]:
@@ -123,10 +142,15 @@ def flat_arrays(spec: OpSpec, x_shape: tuple[int, ...], axis: int, args: list[An
     rows, h = int(np.prod(x_shape[:ax])), int(np.prod(x_shape[ax:]))
     out: dict[str, Any] = {}
     for i, a in zip(spec.spec.inputs, args, strict=False):
-        out[i.name] = np.asarray(a).reshape(rows, h) if i.kind == "like_x" else np.asarray(a).reshape(rows)
+        if i.kind == "cond":
+            out[i.name] = np.asarray(a).reshape(-1, a.shape[-1])
+        else:
+            out[i.name] = np.asarray(a).reshape(rows, h) if i.kind == "like_x" else np.asarray(a).reshape(rows)
     for p, a in zip(spec.spec.params, args[len(spec.spec.inputs) :], strict=True):
         if a is None:
             out[p.name] = None
+        elif p.kind in ("matrix", "vector"):
+            out[p.name] = np.asarray(a)
         elif p.kind == "table":
             out[p.name] = np.asarray(a).reshape(a.shape[0], h)
         elif p.kind == "scalar":

@@ -18,6 +18,7 @@ from .helpers import (
     flat_arrays,
     make_args,
     make_rows,
+    out_shape,
     term_scales,
 )
 
@@ -30,19 +31,21 @@ def _compare(backend, op, x, args, conv, axis, dy_seed=0):
     ax = axis % x.ndim
     rows, h = int(np.prod(x.shape[:ax])), int(np.prod(x.shape[ax:]))
     rng = np.random.default_rng(dy_seed)
-    dy = rng.standard_normal(x.shape).astype(dt)
+    yshape = out_shape(spec, x.shape, ax, args)
+    dy = rng.standard_normal(yshape).astype(dt)
     y_ref, c_ref = spec.forward(x, *args, axis=axis, backend="numpy", **conv)
     g_ref = spec.backward(dy, c_ref)
     dev = [None if a is None else backend.asarray(a) for a in args]
     y, c = spec.forward(backend.asarray(x), *dev, axis=axis, backend=backend.name, **conv)
     assert c.backend == backend.name
     g = spec.backward(backend.asarray(dy), c)
-    assert y.dtype == dt and tuple(y.shape) == x.shape
+    assert y.dtype == dt and tuple(y.shape) == yshape
     arrays = flat_arrays(spec, x.shape, ax, args)
-    sc = term_scales(op, x.reshape(rows, h), arrays, dy.reshape(rows, h), conv)
+    yh = int(np.prod(yshape[ax:]))
+    sc = term_scales(op, x.reshape(rows, h), arrays, dy.reshape(rows, yh), conv)
     rtol = BACKEND_RTOL[dt.name]
-    y_h = backend.to_numpy(y).reshape(rows, h)
-    assert_close_scaled(y_h, y_ref.reshape(rows, h), sc["y"], rtol, f"{op} y")
+    y_h = backend.to_numpy(y).reshape(rows, yh)
+    assert_close_scaled(y_h, y_ref.reshape(rows, yh), sc["y"], rtol, f"{op} y")
     dx_h = backend.to_numpy(g[0]).reshape(rows, h)
     assert_close_scaled(dx_h, g_ref[0].reshape(rows, h), sc["dx"], rtol, "dx")
     originals = dict(zip(spec.arg_names, args, strict=True))
@@ -60,7 +63,7 @@ def _compare(backend, op, x, args, conv, axis, dy_seed=0):
     # wherever the exact result is within the dtype's range)
     if np.all(np.isfinite(x.astype(np.float64))) and conv.get("eps", 1e-5) > 0:
         for what, a, e in (("y", y_h, y_ref), ("dx", dx_h, g_ref[0])):
-            fin = np.isfinite(np.asarray(e, dtype=np.float64)).reshape(rows, h)
+            fin = np.isfinite(np.asarray(e, dtype=np.float64)).reshape(a.shape)
             assert np.all(np.isfinite(a.astype(np.float64))[fin]), f"finite input must give finite {what}"
 
 
@@ -99,7 +102,7 @@ def test_matches_reference_every_convention(backend, op):
     for conv in spec.conventions:
         for dt in DTYPES:
             x = make_rows("normal", (5, 2, 33), dt, rng)
-            args = make_args(spec, x.shape, 1, dtype(dt), rng)
+            args = make_args(spec, x.shape, 1, dtype(dt), rng, options=conv)
             _compare(backend, op, x, args, conv, 1)
             _compare(backend, op, x, spec.without_optional(args), conv, -2)
 
@@ -122,7 +125,7 @@ def test_matches_reference_random(backend, data, dt, kind, seed):
     rng = np.random.default_rng(seed)
     x = make_rows(kind, shape, dt, rng)
     pdt = dtype(data.draw(st.sampled_from(DTYPES)))  # parameters may have another dtype than x
-    args = make_args(spec, shape, -k, dtype(dt), rng, pdt)
+    args = make_args(spec, shape, -k, dtype(dt), rng, pdt, options=conv)
     if data.draw(st.booleans()):
         args = spec.without_optional(args)
     _compare(backend, op, x, args, conv, -k, dy_seed=seed)
@@ -144,7 +147,7 @@ def test_non_contiguous_inputs(backend, op, layout):
     xb = backend.asarray(x) if backend.xp is not np else x
     y, ctx = spec.forward(xb, *[backend.asarray(p) for p in params], backend=backend.name)
     np.testing.assert_allclose(backend.to_numpy(y), y_c, rtol=2e-6, atol=2e-6)
-    dy = np.asfortranarray(rng.standard_normal(x.shape).astype(np.float32))
+    dy = np.asfortranarray(rng.standard_normal(y_c.shape).astype(np.float32))
     g = spec.backward(backend.asarray(dy), ctx)
     _, c_ref = spec.forward(np.ascontiguousarray(x), *params, backend="numpy")
     np.testing.assert_allclose(backend.to_numpy(g[0]), spec.backward(dy, c_ref)[0], rtol=1e-5, atol=1e-5)
@@ -155,8 +158,9 @@ def test_inputs_unchanged_and_outputs_fresh(backend, op):
     rng = np.random.default_rng(2)
     spec = OPS[op]
     x = backend.asarray(rng.standard_normal((4, 16)).astype(np.float32))
-    params = [backend.asarray(p) for p in make_args(spec, (4, 16), -1, np.float32, rng)]
-    dy = backend.asarray(rng.standard_normal((4, 16)).astype(np.float32))
+    host = make_args(spec, (4, 16), -1, np.float32, rng)
+    params = [backend.asarray(p) for p in host]
+    dy = backend.asarray(rng.standard_normal(out_shape(spec, (4, 16), -1, host)).astype(np.float32))
     copies = [backend.to_numpy(a).copy() for a in (x, *params, dy)]
     y, ctx = spec.forward(x, *params, backend=backend.name)
     grads = spec.backward(dy, ctx)
@@ -173,13 +177,15 @@ def test_out_buffers(backend, op):
     rng = np.random.default_rng(4)
     spec = OPS[op]
     x = backend.asarray(rng.standard_normal((5, 7)).astype(np.float32))
-    params = [backend.asarray(p) for p in make_args(spec, (5, 7), -1, np.float32, rng)]
+    host = make_args(spec, (5, 7), -1, np.float32, rng)
+    params = [backend.asarray(p) for p in host]
+    yshape = out_shape(spec, (5, 7), -1, host)
     y0, ctx0 = spec.forward(x, *params, backend=backend.name)
-    out = backend.xp.full((5, 7), np.nan, dtype=np.float32)
+    out = backend.xp.full(yshape, np.nan, dtype=np.float32)
     y1, ctx1 = spec.forward(x, *params, backend=backend.name, out=out)
     assert y1 is out
     np.testing.assert_array_equal(backend.to_numpy(out), backend.to_numpy(y0))
-    dy = backend.asarray(rng.standard_normal((5, 7)).astype(np.float32))
+    dy = backend.asarray(rng.standard_normal(yshape).astype(np.float32))
     dx_out = backend.xp.full((5, 7), np.nan, dtype=np.float32)
     g = spec.backward(dy, ctx1, dx_out=dx_out)
     assert g[0] is dx_out
@@ -192,8 +198,8 @@ def test_zero_rows(backend, op):
     x = backend.asarray(np.zeros((0, 3, 4), np.float32))
     args = make_args(spec, (0, 3, 4), 1, np.float32, np.random.default_rng(0))
     y, ctx = spec.forward(x, *[backend.asarray(a) for a in args], axis=1, backend=backend.name)
-    assert y.shape == (0, 3, 4)
-    g = spec.backward(backend.asarray(np.zeros((0, 3, 4), np.float32)), ctx)
+    assert y.shape == out_shape(spec, (0, 3, 4), 1, args)
+    g = spec.backward(backend.asarray(np.zeros(y.shape, np.float32)), ctx)
     for gp, a in zip(g[1:], [a for a, d in zip(args, spec.differentiable, strict=True) if d], strict=True):
         assert tuple(gp.shape) == tuple(a.shape)
         np.testing.assert_array_equal(backend.to_numpy(gp), np.zeros(a.shape, np.float32))  # sums over no rows

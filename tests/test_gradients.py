@@ -26,7 +26,7 @@ CASES = [(spec, conv) for spec in OPS.values() for conv in spec.conventions if _
 def test_grads_match_finite_differences(backend, spec: OpSpec, conv, affine):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 2, 5))
-    args = make_args(spec, x.shape, 1, np.float64, rng)
+    args = make_args(spec, x.shape, 1, np.float64, rng, options=conv)
     if not affine:
         args = spec.without_optional(args)
     fwd, bwd, inputs, names = grad_check_setup(backend, spec, x, args, axis=1, **conv)
@@ -51,7 +51,7 @@ def test_grads_random_shapes(backend, data, ndim, seed):
     if conv.get("correction") == 1 and np.prod(shape[ndim - k :]) == 1:
         conv = {}
     x = rng.standard_normal(shape) * data.draw(st.sampled_from([1.0, 1e-3, 1e3]))
-    args = make_args(spec, shape, axis, np.float64, rng)
+    args = make_args(spec, shape, axis, np.float64, rng, options=conv)
     fwd, bwd, inputs, names = grad_check_setup(backend, spec, x, args, axis=axis, **conv)
     report = check_grads(fwd, bwd, inputs, names=names, n_directions=3, full_jacobian=False)
     assert report.passed, str(report)

@@ -7,11 +7,24 @@ kernel family and variant from them. Adding an op: ``docs/adding_an_op.md``.
 
 from __future__ import annotations
 
-from ._spec import ElementwiseVariant, Input, OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
+from ._spec import (
+    Composite,
+    ElementwiseVariant,
+    Input,
+    OpSpec,
+    Option,
+    Param,
+    StatsVariant,
+    check_eps,
+    check_real,
+    one_of,
+)
 from .add_norm import ADD_LAYER_NORM, ADD_RMS_NORM
+from .conditional_norm import CONDITIONAL_LAYER_NORM, CONDITIONAL_RMS_NORM
 from .dyt import SPEC as DYT
 from .layer_norm import SPEC as LAYER_NORM
 from .modality_norm import MODALITY_LAYER_NORM, MODALITY_RMS_NORM
+from .norm_linear import LAYER_NORM_LINEAR, RMS_NORM_LINEAR
 from .power_norm import SPEC as POWER_NORM
 from .rms_norm import SPEC as RMS_NORM
 from .scale_norm import SPEC as SCALE_NORM
@@ -19,14 +32,19 @@ from .scale_norm import SPEC as SCALE_NORM
 __all__ = [
     "ADD_LAYER_NORM",
     "ADD_RMS_NORM",
+    "CONDITIONAL_LAYER_NORM",
+    "CONDITIONAL_RMS_NORM",
     "DYT",
     "LAYER_NORM",
+    "LAYER_NORM_LINEAR",
     "MODALITY_LAYER_NORM",
     "MODALITY_RMS_NORM",
     "POWER_NORM",
     "RMS_NORM",
+    "RMS_NORM_LINEAR",
     "SCALE_NORM",
     "SPECS",
+    "Composite",
     "ElementwiseVariant",
     "Input",
     "OpSpec",
@@ -52,6 +70,10 @@ SPECS: dict[str, OpSpec] = {
         ADD_RMS_NORM,
         MODALITY_LAYER_NORM,
         MODALITY_RMS_NORM,
+        CONDITIONAL_LAYER_NORM,
+        CONDITIONAL_RMS_NORM,
+        LAYER_NORM_LINEAR,
+        RMS_NORM_LINEAR,
     )
 }
 

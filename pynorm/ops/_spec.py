@@ -19,6 +19,7 @@ from typing import Any, Literal
 from ..errors import ArgumentError
 
 __all__ = [
+    "Composite",
     "ElementwiseVariant",
     "Input",
     "OpSpec",
@@ -38,14 +39,22 @@ __all__ = [
 #:   ``(1,)`` array; its gradient is the sum over all elements, returned in the parameter's shape;
 #: * ``"table"``: ``M`` per-feature rows, shape ``(M, *x.shape[axis:])``, row ``ids[i]`` serving row
 #:   ``i`` of ``x`` (``Param.index`` names the ``"row_index"`` input holding ``ids``); backends see an
-#:   ``(M, H)`` array and return an ``(M, H)`` gradient.
-ParamKind = Literal["feature", "scalar", "table"]
-PARAM_KINDS: tuple[str, ...] = ("feature", "scalar", "table")
+#:   ``(M, H)`` array and return an ``(M, H)`` gradient;
+#: * ``"matrix"``: a 2-D weight of a matrix product (a torch ``Linear``'s ``(out, in)``), ``"vector"``: the
+#:   1-D bias of one; their exact shapes are the op's rule (``OpSpec.check_arrays``, ``OpSpec.example_shapes``);
+#:   backends see them as given and return gradients of their shapes.
+ParamKind = Literal["feature", "scalar", "table", "matrix", "vector"]
+PARAM_KINDS: tuple[str, ...] = ("feature", "scalar", "table", "matrix", "vector")
 
 #: kinds of extra array input (after ``x``): ``"like_x"``, a float array of ``x``'s shape (a residual
-#: stream), differentiable; ``"row_index"``, an integer array of ``x.shape[:axis]`` (one index per row).
-InputKind = Literal["like_x", "row_index"]
-INPUT_KINDS: tuple[str, ...] = ("like_x", "row_index")
+#: stream), differentiable; ``"row_index"``, an integer array of ``x.shape[:axis]`` (one index per row);
+#: ``"cond"``, a float array of per-row conditioning vectors, differentiable: shape ``x.shape[:axis] + (C,)``
+#: (one per row of ``x``) or ``x.shape[:k] + (C,)`` for ``k < axis`` (one per leading index, shared by the
+#: rows of ``x.shape[k:axis]``: ``(B, C)`` for ``x`` of ``(B, T, H)``; trailing size-1 dims before ``C``
+#: broadcast too); backends see it as a ``(G, C)`` array, cond row ``g`` serving the ``R / G`` consecutive
+#: rows ``g R/G ... (g+1) R/G - 1`` of ``x``, and return a ``(G, C)`` gradient (summed over those rows).
+InputKind = Literal["like_x", "row_index", "cond"]
+INPUT_KINDS: tuple[str, ...] = ("like_x", "row_index", "cond")
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class Input:
 
     @property
     def differentiable(self) -> bool:
-        return self.kind == "like_x"
+        return self.kind in ("like_x", "cond")
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,18 @@ class ElementwiseVariant:
 
 
 @dataclass(frozen=True)
+class Composite:
+    """A composite op: Python over other ops (``builds_on``) and matrix products in the backend's array
+    library, implemented once, in ``impl`` (a module with ``bind(op, backend) -> (forward, backward)``).
+
+    Every backend that implements all of ``builds_on`` offers the op (:func:`pynorm.list_ops`), running
+    those ops on itself; a backend may also implement the op directly (the ``numpy`` reference does)."""
+
+    builds_on: tuple[str, ...]
+    impl: str
+
+
+@dataclass(frozen=True)
 class OpSpec:
     """Everything about an op but its math (which lives in ``reference``).
 
@@ -140,7 +161,8 @@ class OpSpec:
     ctx : the dataclass every backend's forward returns as its ctx (the reference's; fields named
         after ``x``, the parameters, the per-row statistics and the options).
     reference : import path of the reference module (``forward``/``backward`` on ``(R, H)`` arrays).
-    family, variant : the kernel family of the fast backends and the variant implementing the op.
+    family, variant : the kernel family of the fast backends and the variant implementing the op;
+        ``"composite"`` with a :class:`Composite` for an op built from other ops.
     term_scales : ``term_scales(x2, arrays, dy2, options) -> {output: scale}``, float64 arrays of the
         magnitude of the terms each output and gradient is computed from
         (:func:`pynorm.testing.term_scales`); ``arrays`` maps the names of the extra inputs, the
@@ -154,6 +176,13 @@ class OpSpec:
         backward takes the upstream gradient of the first as ``dy`` and of the others as keywords
         ``d<name>`` (None: no gradient arrives there).
     output_dtypes : ``(x_dtype, options) -> dtype of each output`` (default: every output in x's dtype).
+    out_shape : ``(x_shape, axis, arrays) -> shape of the first output`` (default: x's shape; ``arrays``
+        maps the names of the inputs and parameters to the arrays as given); the others have x's shape.
+    check_arrays : ``check_arrays(x_shape, axis, arrays, options)``: the shape rules between arrays that
+        their kinds alone do not give (a ``"matrix"`` against the features and ``cond``), raising errors
+        from :mod:`pynorm.errors` that name the argument.
+    example_shapes : ``(norm_shape, options) -> {name: shape}`` for ``"matrix"``/``"vector"`` parameters
+        and ``{cond_name: (C,)}`` for a ``"cond"`` input (the trailing dim), for the example arguments.
     """
 
     name: str
@@ -162,8 +191,8 @@ class OpSpec:
     grads: type
     ctx: type
     reference: str
-    family: Literal["stats", "elementwise"]
-    variant: StatsVariant | ElementwiseVariant
+    family: Literal["stats", "elementwise", "composite"]
+    variant: StatsVariant | ElementwiseVariant | Composite
     term_scales: Callable[..., dict[str, Any]]
     check: Callable[[Mapping[str, Any], int], None] | None = None
     cases: tuple[dict[str, Any], ...] = field(default=({},))
@@ -171,6 +200,9 @@ class OpSpec:
     inputs: tuple[Input, ...] = ()
     outputs: tuple[str, ...] = ("y",)
     output_dtypes: Callable[[Any, Mapping[str, Any]], tuple[Any, ...]] | None = None
+    out_shape: Callable[[tuple[int, ...], int, Mapping[str, Any]], tuple[int, ...]] | None = None
+    check_arrays: Callable[[tuple[int, ...], int, Mapping[str, Any], Mapping[str, Any]], None] | None = None
+    example_shapes: Callable[[tuple[int, ...], Mapping[str, Any]], dict[str, tuple[int, ...]]] | None = None
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -185,38 +217,67 @@ class OpSpec:
         """``dx``, then one gradient per differentiable input, then one per parameter."""
         return ("dx", *(f"d{i.name}" for i in self.inputs if i.differentiable), *(f"d{p.name}" for p in self.params))
 
-    def example_inputs(self, x_shape: tuple[int, ...], axis: int, dtype: Any, rng: Any, modalities: int = 3) -> list:
+    def _shapes(self, norm_shape: tuple[int, ...], options: Mapping[str, Any] | None) -> dict[str, tuple[int, ...]]:
+        if self.example_shapes is None:
+            return {}
+        return self.example_shapes(tuple(norm_shape), {**self.defaults(), **(options or {})})
+
+    def example_inputs(
+        self, x_shape: tuple[int, ...], axis: int, dtype: Any, rng: Any, modalities: int = 3,
+        options: Mapping[str, Any] | None = None,
+    ) -> list:  # fmt: skip
         """Random extra inputs for ``x`` of ``x_shape`` normalized from ``axis`` (the demo, benchmarks and
         tests use them): a ``like_x`` input N(0, 1) of x's shape in ``dtype``; a ``row_index`` input of
-        ``x.shape[:axis]`` holding ids in ``[0, modalities)``, every id used where there are enough rows."""
+        ``x.shape[:axis]`` holding ids in ``[0, modalities)``, every id used where there are enough rows;
+        a ``cond`` input N(0, 1) of ``x.shape[:axis] + (C,)`` (one per row, ``C`` from ``example_shapes``)."""
         import numpy as np
 
         ax = axis % len(x_shape)
+        shapes = self._shapes(tuple(x_shape[ax:]), options)
         out: list[Any] = []
         for i in self.inputs:
             if i.kind == "like_x":
                 out.append(rng.standard_normal(x_shape).astype(dtype))
+            elif i.kind == "cond":
+                out.append(rng.standard_normal((*x_shape[:ax], *shapes[i.name])).astype(dtype))
             else:
                 n = int(np.prod(x_shape[:ax]))
                 out.append(rng.permutation(np.arange(n) % modalities).reshape(x_shape[:ax]).astype(np.int64))
         return out
 
-    def example_params(self, shape: tuple[int, ...], dtype: Any, rng: Any, modalities: int = 3) -> list:
+    def example_params(
+        self, shape: tuple[int, ...], dtype: Any, rng: Any, modalities: int = 3,
+        options: Mapping[str, Any] | None = None,
+    ) -> list:  # fmt: skip
         """Random parameters for normalized dims ``shape``: ``init + 0.5 * N(0, 1)`` (weights near 1, biases
-        near 0), feature parameters of ``shape``, scalars of ``(1,)``, tables of ``(modalities, *shape)``."""
+        near 0), feature parameters of ``shape``, scalars of ``(1,)``, tables of ``(modalities, *shape)``,
+        matrices and vectors of the shapes ``example_shapes`` gives for ``options``."""
+        shapes = self._shapes(tuple(shape), options)
         out = []
         for p in self.params:
-            pshape = {"feature": shape, "scalar": (1,), "table": (modalities, *shape)}[p.kind]
+            if p.kind in ("matrix", "vector"):
+                pshape = shapes[p.name]
+            else:
+                pshape = {"feature": shape, "scalar": (1,), "table": (modalities, *shape)}[p.kind]
             out.append((p.init + 0.5 * rng.standard_normal(pshape)).astype(dtype))
         return out
 
-    def example_args(self, x_shape: tuple[int, ...], axis: int, dtype: Any, rng: Any, modalities: int = 3) -> list:
+    def example_args(
+        self, x_shape: tuple[int, ...], axis: int, dtype: Any, rng: Any, modalities: int = 3,
+        options: Mapping[str, Any] | None = None,
+    ) -> list:  # fmt: skip
         """:meth:`example_inputs` then :meth:`example_params`: the arguments after ``x`` of ``<op>(x, ...)``."""
         ax = axis % len(x_shape)
         return [
-            *self.example_inputs(x_shape, ax, dtype, rng, modalities),
-            *self.example_params(tuple(x_shape[ax:]), dtype, rng, modalities),
+            *self.example_inputs(x_shape, ax, dtype, rng, modalities, options),
+            *self.example_params(tuple(x_shape[ax:]), dtype, rng, modalities, options),
         ]
+
+    def output_shape(self, x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any]) -> tuple[int, ...]:
+        """Shape of the first output for ``x`` of ``x_shape`` (``arrays``: the inputs and parameters by name)."""
+        if self.out_shape is None:
+            return tuple(x_shape)
+        return tuple(self.out_shape(tuple(x_shape), axis % len(x_shape), arrays))
 
     def dtypes_of_outputs(self, x_dtype: Any, options: Mapping[str, Any]) -> tuple[Any, ...]:
         if self.output_dtypes is None:

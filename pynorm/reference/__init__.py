@@ -18,4 +18,8 @@ OPS = {
     "add_rms_norm": "add_norm",
     "modality_layer_norm": "modality_norm",
     "modality_rms_norm": "modality_norm",
+    "conditional_layer_norm": "conditional_norm",
+    "conditional_rms_norm": "conditional_norm",
+    "layer_norm_linear": "norm_linear",
+    "rms_norm_linear": "norm_linear",
 }

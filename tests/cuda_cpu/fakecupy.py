@@ -420,6 +420,11 @@ def asnumpy(a: Any, stream: Any = None, order: str = "C", out: Any = None) -> np
     return np.asarray(a, order=order)
 
 
+def arange(*args: Any, dtype: Any = None) -> ndarray:
+    """``cupy.arange`` (the composite ops build row ids with it)."""
+    return ndarray(_to_device(np.arange(*args, dtype=dtype)))
+
+
 def isfinite(a: ndarray) -> ndarray:
     """``cupy.isfinite`` (the dispatcher checks parameters that must be finite with it)."""
     return ndarray(_to_device(np.isfinite(_unwrap(a))))
@@ -872,7 +877,7 @@ def module() -> types.ModuleType:
     m = types.ModuleType("cupy", "CuPy stand-in of pynorm's CPU execution harness (tests/cuda_cpu)")
     names = [
         "ndarray", "empty", "full", "zeros", "ones", "empty_like", "zeros_like", "ones_like", "full_like",
-        "array", "asarray", "ascontiguousarray", "asnumpy", "isfinite", "broadcast_to", "may_share_memory",
+        "array", "asarray", "ascontiguousarray", "asnumpy", "arange", "isfinite", "broadcast_to", "may_share_memory",
         "shares_memory",
         "is_available", "get_default_memory_pool", "get_default_pinned_memory_pool", "RawModule", "RawKernel",
         "HarnessError",

@@ -1,0 +1,151 @@
+"""The conditional LayerNorm / RMSNorm ops (adaLN): their specs (math in :mod:`pynorm.reference.conditional_norm`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError, ShapeError
+from ..reference.conditional_norm import (
+    ConditionalLayerNormCtx,
+    ConditionalLayerNormGrads,
+    ConditionalRMSNormCtx,
+    ConditionalRMSNormGrads,
+    expand,
+    reduce_rows,
+)
+from . import layer_norm as _ln
+from . import rms_norm as _rms
+from ._spec import Composite, Input, OpSpec, Option, Param
+
+#: the conditioning dim of the example arguments (tests, demo)
+EXAMPLE_COND_DIM = 5
+
+
+def check_bool(v: Any, name: str) -> bool:
+    """A Python or NumPy bool."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise ArgumentError(f"{name} must be True or False, got {v!r}")
+
+
+def _k(options: Mapping[str, Any]) -> int:
+    return 2 if options.get("shift", True) else 1
+
+
+def _check_arrays(x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    h = math.prod(x_shape[axis:])
+    k = _k(options)
+    cond, W, c = arrays["cond"], arrays["W"], arrays["c"]
+    cdim = cond.shape[-1]
+    what = "(2H, C)" if k == 2 else "(H, C) (shift=False: a scale only)"
+    if tuple(W.shape) != (k * h, cdim):
+        raise ShapeError(
+            f"W has shape {tuple(W.shape)}, expected {what} = {(k * h, cdim)} for H = {h} normalized features "
+            f"and cond's C = {cdim} (a torch Linear(C, {'2H' if k == 2 else 'H'}) weight)"
+        )
+    if c is not None and tuple(c.shape) != (k * h,):
+        raise ShapeError(f"c has shape {tuple(c.shape)}, expected ({'2H' if k == 2 else 'H'},) = {(k * h,)}")
+
+
+def _example_shapes(norm_shape: tuple[int, ...], options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    h = math.prod(norm_shape)
+    k = _k(options)
+    return {"cond": (EXAMPLE_COND_DIM,), "W": (k * h, EXAMPLE_COND_DIM), "c": (k * h,)}
+
+
+def _term_scales(norm_scales: Any) -> Any:
+    """The plain norm's term scales with each row's own ``gamma + o`` and ``beta``, where the magnitude of
+    ``gamma`` and ``beta`` is that of the terms of ``cond W^T + c``; gradients of the products likewise."""
+
+    def scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+        r, h = x2.shape
+        k = _k(options)
+        cond = np.asarray(arrays["cond"]).astype(np.float64)
+        W = np.asarray(arrays["W"]).astype(np.float64)
+        c = arrays.get("c")
+        cv = np.zeros(k * h) if c is None else np.asarray(c).astype(np.float64)
+        mag = expand(np.abs(cond) @ np.abs(W).T + np.abs(cv), r)  # (R, kH): the terms of gamma, beta
+        o = 1.0 if options.get("zero_centered", False) else 0.0
+        rows: dict[str, list[Any]] = {"y": [], "dx": [], "dweight": [], "dbias": []}
+        for i in range(r):  # each row as a plain norm with weight |gamma| + o (magnitudes) and bias |beta|
+            params = {"weight": mag[i, :h] + abs(o), "bias": mag[i, h:] if k == 2 else None}
+            opts = {**options, "weight_offset": 0.0}
+            s = norm_scales(x2[i : i + 1], params, dy2[i : i + 1], opts)
+            no_bias = "dbias" not in s  # RMSNorm's scales know no bias: beta's terms are added here
+            rows["y"].append(s["y"] + (mag[i : i + 1, h:] if k == 2 and no_bias else 0))
+            rows["dx"].append(s["dx"])
+            rows["dweight"].append(s["dweight"][None])
+            rows["dbias"].append(np.abs(dy2[i : i + 1]).astype(np.float64))
+        if r == 0:
+            return {"y": np.zeros((0, h)), "dx": np.zeros((0, h)), "dcond": np.zeros(cond.shape),
+                    "dW": np.zeros(W.shape), "dc": np.zeros(k * h)}  # fmt: skip
+        g = cond.shape[0]
+        dp = reduce_rows(np.concatenate(rows["dweight"]), g)
+        if k == 2:
+            dp = np.concatenate([dp, reduce_rows(np.concatenate(rows["dbias"]), g)], axis=1)
+        return {
+            "y": np.concatenate(rows["y"]),
+            "dx": np.concatenate(rows["dx"]),
+            "dcond": dp @ np.abs(W),
+            "dW": dp.T @ np.abs(cond),
+            "dc": dp.sum(axis=0),
+        }
+
+    return scales
+
+
+_COND = Input(
+    "cond",
+    "cond",
+    "(..., C) conditioning vectors: one per row of x (x.shape[:axis] + (C,)) or one per sample "
+    "(x.shape[:k] + (C,), broadcast over the remaining rows, e.g. (B, C) for x of (B, T, H))",
+)
+_W = Param("W", "matrix", 0.0, "(2H, C) projection of cond onto [gamma, beta] (a torch Linear(C, 2H) weight)", True)
+_C = Param("c", "vector", 0.0, "(2H,) bias of the projection")
+_ZERO = Option("zero_centered", False, check_bool, "y = (1 + gamma) xhat + beta (adaLN) instead of gamma xhat + beta")
+
+CONDITIONAL_LAYER_NORM = OpSpec(
+    name="conditional_layer_norm",
+    inputs=(_COND,),
+    params=(_W, _C),
+    options=(*(o for o in _ln.SPEC.options if o.name != "weight_offset"), _ZERO),
+    grads=ConditionalLayerNormGrads,
+    ctx=ConditionalLayerNormCtx,
+    reference="pynorm.reference.conditional_norm",
+    family="composite",
+    variant=Composite(("modality_layer_norm",), "pynorm.composite.conditional_norm"),
+    term_scales=_term_scales(_ln.term_scales),
+    check=_ln.SPEC.check,
+    cases=({}, {"zero_centered": True}, {"correction": 1, "eps_mode": "std"}),
+    summary="gamma, beta = split(cond @ W.T + c); y = layer_norm(x) * (gamma [+ 1]) + beta",
+    check_arrays=_check_arrays,
+    example_shapes=_example_shapes,
+)
+
+CONDITIONAL_RMS_NORM = OpSpec(
+    name="conditional_rms_norm",
+    inputs=(_COND,),
+    params=(
+        Param("W", "matrix", 0.0, "(2H, C) projection of cond onto [gamma, beta] ((H, C) with shift=False)", True),
+        Param("c", "vector", 0.0, "(2H,) bias of the projection ((H,) with shift=False)"),
+    ),
+    options=(
+        *(o for o in _rms.SPEC.options if o.name != "weight_offset"),
+        Option("shift", True, check_bool, "produce beta too (W of (2H, C)); False: a scale only, W of (H, C)"),
+        _ZERO,
+    ),
+    grads=ConditionalRMSNormGrads,
+    ctx=ConditionalRMSNormCtx,
+    reference="pynorm.reference.conditional_norm",
+    family="composite",
+    variant=Composite(("modality_rms_norm",), "pynorm.composite.conditional_norm"),
+    term_scales=_term_scales(_rms.term_scales),
+    cases=({}, {"zero_centered": True}, {"shift": False}, {"shift": False, "zero_centered": True}),
+    summary="gamma[, beta] = split(cond @ W.T + c); y = rms_norm(x) * (gamma [+ 1]) [+ beta]",
+    check_arrays=_check_arrays,
+    example_shapes=_example_shapes,
+)

@@ -1,0 +1,114 @@
+"""The fused LayerNorm / RMSNorm + Linear ops: their specs (math in :mod:`pynorm.reference.norm_linear`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShapeError
+from ..reference.norm_linear import LayerNormLinearCtx, LayerNormLinearGrads, RMSNormLinearCtx, RMSNormLinearGrads
+from . import layer_norm as _ln
+from . import rms_norm as _rms
+from ._spec import Composite, OpSpec, Param
+
+#: the output features of the example arguments (tests, demo): not H, so that a transposed W fails
+EXAMPLE_OUT_FEATURES = 6
+
+
+def _check_arrays(x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    h = math.prod(x_shape[axis:])
+    W, c = arrays["W"], arrays["c"]
+    if W.shape[1] != h:
+        raise ShapeError(
+            f"W has shape {tuple(W.shape)}, expected (N, H) = (N, {h}) for H = {h} normalized features "
+            f"(a torch Linear(H, N) weight)"
+        )
+    if c is not None and tuple(c.shape) != (W.shape[0],):
+        raise ShapeError(f"c has shape {tuple(c.shape)}, expected (N,) = ({W.shape[0]},), W's rows")
+
+
+def _out_shape(x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any]) -> tuple[int, ...]:
+    return (*x_shape[:axis], int(arrays["W"].shape[0]))
+
+
+def _example_shapes(norm_shape: tuple[int, ...], options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    n = EXAMPLE_OUT_FEATURES
+    return {"W": (n, math.prod(norm_shape)), "c": (n,)}
+
+
+def _term_scales(norm_scales: Any, norm_params: tuple[str, ...]) -> Any:
+    """``out``: the norm's ``y`` scale through ``|W|`` plus ``|c|`` (the norm's output carries its own error
+    into the product); the norm's gradients at the upstream magnitude ``|dout| |W| (+ |dn|)``;
+    ``dW``: ``|dout|^T`` times the norm's ``y`` scale; ``dc``: ``sum |dout|``."""
+
+    def scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+        W = np.abs(np.asarray(arrays["W"]).astype(np.float64))
+        c = arrays.get("c")
+        dyabs = np.abs(np.asarray(dy2).astype(np.float64))
+        dn_mag = dyabs @ W
+        if arrays.get("dn") is not None:
+            dn_mag = dn_mag + np.abs(np.asarray(arrays["dn"]).astype(np.float64))
+        params = {p: arrays.get(p) for p in norm_params}
+        sn = norm_scales(x2, params, dn_mag, options)
+        out = {
+            "y": sn["y"] @ W.T + (0 if c is None else np.abs(np.asarray(c).astype(np.float64))),
+            "n": sn["y"],
+            "dx": sn["dx"],
+            "dW": dyabs.T @ sn["y"],
+            "dc": dyabs.sum(axis=0),
+        }
+        for p in norm_params:
+            out[f"d{p}"] = sn[f"d{p}"]
+        return out
+
+    return scales
+
+
+def _dtypes(x_dtype: Any, options: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (x_dtype, x_dtype)
+
+
+_W = Param("W", "matrix", 0.0, "(N, H) weight of the Linear (a torch Linear(H, N) weight)", True)
+_C = Param("c", "vector", 0.0, "(N,) bias of the Linear")
+
+LAYER_NORM_LINEAR = OpSpec(
+    name="layer_norm_linear",
+    params=(*_ln.SPEC.params, _W, _C),
+    options=_ln.SPEC.options,
+    grads=LayerNormLinearGrads,
+    ctx=LayerNormLinearCtx,
+    reference="pynorm.reference.norm_linear",
+    family="composite",
+    variant=Composite(("layer_norm",), "pynorm.composite.norm_linear"),
+    term_scales=_term_scales(_ln.term_scales, ("weight", "bias")),
+    check=_ln.SPEC.check,
+    cases=({}, {"correction": 1, "eps_mode": "std"}, {"weight_offset": 1.0}),
+    summary="n = layer_norm(x); out = n @ W.T + c (n recomputed in backward)",
+    outputs=("y", "n"),
+    output_dtypes=_dtypes,
+    out_shape=_out_shape,
+    check_arrays=_check_arrays,
+    example_shapes=_example_shapes,
+)
+
+RMS_NORM_LINEAR = OpSpec(
+    name="rms_norm_linear",
+    params=(*_rms.SPEC.params, _W, _C),
+    options=_rms.SPEC.options,
+    grads=RMSNormLinearGrads,
+    ctx=RMSNormLinearCtx,
+    reference="pynorm.reference.norm_linear",
+    family="composite",
+    variant=Composite(("rms_norm",), "pynorm.composite.norm_linear"),
+    term_scales=_term_scales(_rms.term_scales, ("weight",)),
+    cases=({}, {"weight_offset": 1.0}),
+    summary="n = rms_norm(x); out = n @ W.T + c (n recomputed in backward)",
+    outputs=("y", "n"),
+    output_dtypes=_dtypes,
+    out_shape=_out_shape,
+    check_arrays=_check_arrays,
+    example_shapes=_example_shapes,
+)

@@ -879,10 +879,12 @@ def test_op_impls_follow_the_specs() -> None:
     from pynorm import _registry
     from pynorm.backends.numba import elementwise
 
-    assert set(nb.OPS) == set(SPECS)
+    # composite ops (Python over other ops, pynorm/composite) are offered by the registry, not listed here
+    kernel_ops = {n: s for n, s in SPECS.items() if s.family != "composite"}
+    assert set(nb.OPS) == set(kernel_ops)
     families = {"stats": stats.OP_IMPLS, "elementwise": elementwise.OP_IMPLS}
     rng = np.random.default_rng(0)
-    for n, spec in SPECS.items():
+    for n, spec in kernel_ops.items():
         assert nb.OPS[n] == spec.family
         impl = _registry.op_module("numba", n)
         assert impl is families[spec.family][n]

@@ -151,6 +151,11 @@ def layer_norm_forward(
     return write_result(y, x.dtype, out), ctx
 
 
+def _scale_of(ctx: Any, wp: np.dtype[Any], r: int, h: int) -> np.ndarray:
+    """The ``(R, H)`` per-row scale the forward applied: ``gamma`` (plus 1 with ``zero_centered``)."""
+    return expand(_modulation(ctx.cond, ctx.W, ctx.c, wp)[:, :h], r) + wp.type(1.0 if ctx.zero_centered else 0.0)
+
+
 @_ieee
 def layer_norm_backward(
     dy: np.ndarray, ctx: ConditionalLayerNormCtx, *, dx_out: np.ndarray | None = None
@@ -160,7 +165,7 @@ def layer_norm_backward(
     wp = _wp(x, ctx.cond, ctx.W, ctx.c)
     r, h = x.shape
     g = ctx.cond.shape[0]
-    gamma = expand(_modulation(ctx.cond, ctx.W, ctx.c, wp)[:, :h], r) + wp.type(1.0 if ctx.zero_centered else 0.0)
+    gamma = _scale_of(ctx, wp, r, h)
     dyw = dy.astype(wp)
     dx, xhat = _ln.input_grad(
         dyw, x.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), gamma, correction=ctx.correction,
@@ -204,7 +209,7 @@ def rms_norm_backward(
     wp = _wp(x, ctx.cond, ctx.W, ctx.c)
     r, h = x.shape
     g = ctx.cond.shape[0]
-    gamma = expand(_modulation(ctx.cond, ctx.W, ctx.c, wp)[:, :h], r) + wp.type(1.0 if ctx.zero_centered else 0.0)
+    gamma = _scale_of(ctx, wp, r, h)
     dyw = dy.astype(wp)
     dx, xhat = _rms.input_grad(dyw, x.astype(wp), ctx.rstd.astype(wp), gamma)
     parts = [reduce_rows(dyw * xhat, g)] + ([reduce_rows(dyw, g)] if ctx.shift else [])

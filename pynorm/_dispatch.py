@@ -92,10 +92,11 @@ def as_array(a: Any, name: str) -> Array:
     return a
 
 
-def check_float_dtype(a: Array, name: str) -> None:
+def check_float_dtype(a: Array, name: str, allowed: tuple[str, ...] = FLOAT_DTYPES) -> None:
     dt = a.dtype
-    if getattr(dt, "name", str(dt)) not in FLOAT_DTYPES:
-        raise DTypeError(f"{name} must have dtype float16, bfloat16, float32 or float64, got {dt}")
+    if getattr(dt, "name", str(dt)) not in allowed:
+        shown = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+        raise DTypeError(f"{name} must have dtype {shown}, got {dt}")
 
 
 def xp_of(a: Array) -> Any:
@@ -165,10 +166,22 @@ def _check_param(spec_param: Any, p: Any, x: Array, axis: int, inputs: dict[str,
 def _check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
     name = spec_input.name
     if a is None:
+        if not spec_input.required:
+            return None
         raise ArgumentError(f"{name} is required (got None)")
     a = as_array(a, name)
     _same_family(a, name, x)
-    if spec_input.kind == "like_x":
+    if spec_input.kind == "row_scale":
+        check_float_dtype(a, name)
+        if tuple(a.shape) not in ((), (1,), tuple(x.shape[:axis])):
+            raise ShapeError(
+                f"{name} must be a scalar (0-d or (1,)) or one scale per row, of x.shape[:axis] = "
+                f"{tuple(x.shape[:axis])}, got shape {tuple(a.shape)}"
+            )
+        xp = xp_of(a)
+        if a.size and not bool(((a.astype(xp.float64) > 0) & xp.isfinite(a.astype(xp.float64))).all()):
+            raise ArgumentError(f"{name} must hold positive finite scales")
+    elif spec_input.kind == "like_x":
         check_float_dtype(a, name)
         if tuple(a.shape) != tuple(x.shape):
             raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected the shape of x, {tuple(x.shape)}")
@@ -212,8 +225,14 @@ def _flat_feature(p: Array | None, norm_shape: tuple[int, ...]) -> Array | None:
     return xp_of(p).broadcast_to(p, norm_shape).reshape(h)
 
 
-def _flat_input(kind: str, a: Array, rows: int, h: int) -> Array:
-    """An extra input as backends see it: ``(rows, H)`` (like_x), ``(rows,)`` (row_index), ``(G, C)`` (cond)."""
+def _flat_input(kind: str, a: Array | None, rows: int, h: int) -> Array | None:
+    """An extra input as backends see it: ``(rows, H)`` (like_x), ``(rows,)`` (row_index), ``(G, C)`` (cond),
+    a contiguous ``(rows,)`` float64 array (row_scale); None stays None (an absent optional input)."""
+    if a is None:
+        return None
+    if kind == "row_scale":
+        xp = xp_of(a)
+        return xp.ascontiguousarray(xp.broadcast_to(a.astype(xp.float64).reshape(-1), (rows,)))
     if kind == "like_x":
         return a.reshape(rows, h)
     if kind == "cond":
@@ -254,17 +273,24 @@ def _unflat_feature_grad(
 
 
 def check_out(
-    out: Any, name: str, like: Array, inputs: tuple[Array | None, ...], shape: tuple[int, ...] | None = None
+    out: Any,
+    name: str,
+    like: Array,
+    inputs: tuple[Array | None, ...],
+    shape: tuple[int, ...] | None = None,
+    dtype: Any = None,
 ) -> Array | None:
-    """``out`` validated as a C-contiguous buffer of ``like``'s dtype and shape (or ``shape``) overlapping no input."""
+    """``out`` validated as a C-contiguous buffer of ``like``'s dtype and shape (or ``dtype``, ``shape``)
+    overlapping no input."""
     if out is None:
         return None
     if _registry.array_family(out) != _registry.array_family(like):
         _registry._family_of((like, out), ("x", name))
     want = tuple(like.shape) if shape is None else tuple(shape)
-    if tuple(out.shape) != want or out.dtype != like.dtype:
+    want_dt = like.dtype if dtype is None else np.dtype(dtype)
+    if tuple(out.shape) != want or out.dtype != want_dt:
         raise ShapeError(
-            f"{name} must have shape {want} and dtype {like.dtype}, got shape {tuple(out.shape)} and dtype {out.dtype}"
+            f"{name} must have shape {want} and dtype {want_dt}, got shape {tuple(out.shape)} and dtype {out.dtype}"
         )
     if not out.flags.c_contiguous:
         raise ArgumentError(f"{name} must be C-contiguous")
@@ -293,7 +319,7 @@ def forward(
     """Validate, dispatch and run ``spec``'s forward; ``(y, ctx)`` (``((y, h, ...), ctx)`` for an op of
     several outputs), in ``x``'s shape."""
     x = as_array(x, "x")
-    check_float_dtype(x, "x")
+    check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 1:
         raise ShapeError("x must have at least 1 dimension, got a 0-d array")
     ax = check_axis(axis, x.ndim)
@@ -308,10 +334,12 @@ def forward(
     names = (*spec.input_names, *spec.param_names)
     arrays = dict(zip(names, (*ins, *ps), strict=True))
     if spec.check_arrays is not None:
-        spec.check_arrays(tuple(x.shape), ax, arrays, opts)
+        spec.check_arrays(tuple(x.shape), ax, {"x": x, **arrays}, opts)
     y_shape = spec.output_shape(tuple(x.shape), ax, arrays)
-    name, mod = _registry.resolve(spec.name, (x, *ins, *ps), ("x", *names), backend)
-    out = check_out(out, "out", x, (x, *ins, *ps), y_shape)
+    present = tuple(a for a in (x, *ins, *ps) if a is not None)
+    present_names = tuple(n for n, a in zip(("x", *names), (x, *ins, *ps), strict=True) if a is not None)
+    name, mod = _registry.resolve(spec.name, present, present_names, backend)
+    out = check_out(out, "out", x, present, y_shape, spec.dtypes_of_outputs(x.dtype, opts)[0])
     rows = math.prod(x.shape[:ax])
     y_h = math.prod(y_shape[ax:])
     flat_in = tuple(_flat_input(si.kind, a, rows, h) for si, a in zip(spec.inputs, ins))
@@ -361,8 +389,11 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
         raise ShapeError(f"dy has shape {tuple(dy.shape)}, expected the shape of x, {ctx.x_shape}")
     if ctx.y_shape is not None and tuple(dy.shape) != ctx.y_shape:
         raise ShapeError(f"dy has shape {tuple(dy.shape)}, expected the shape of the output, {ctx.y_shape}")
-    if dy.dtype != ctx.x_dtype:
-        raise DTypeError(f"dy has dtype {dy.dtype}, expected the dtype of x, {ctx.x_dtype}")
+    want_dt = spec.grad_dtype(ctx.x_dtype)
+    if dy.dtype != want_dt:
+        what = "the dtype of x, " if want_dt == ctx.x_dtype else ""
+        more = "" if want_dt == ctx.x_dtype else f" (for x of dtype {ctx.x_dtype})"
+        raise DTypeError(f"dy has dtype {dy.dtype}, expected {what}{want_dt}{more}")
     rows, h = ctx.rows, ctx.hidden
     y_shape = ctx.x_shape if ctx.y_shape is None else ctx.y_shape
     y_h = math.prod(y_shape[ctx.axis :])

@@ -30,6 +30,7 @@ from .ops import (
     MODALITY_LAYER_NORM,
     MODALITY_RMS_NORM,
     POWER_NORM,
+    QUANT_LAYER_NORM,
     RMS_NORM,
     RMS_NORM_LINEAR,
     SCALE_NORM,
@@ -43,6 +44,7 @@ from .reference.layer_norm import LayerNormGrads
 from .reference.modality_norm import ModalityLayerNormGrads, ModalityRMSNormGrads
 from .reference.norm_linear import LayerNormLinearGrads, RMSNormLinearGrads
 from .reference.power_norm import PowerNormGrads
+from .reference.quant_norm import QuantLayerNormGrads
 from .reference.rms_norm import RMSNormGrads
 from .reference.scale_norm import ScaleNormGrads
 
@@ -61,6 +63,7 @@ __all__ = [
     "ModalityLayerNormGrads",
     "ModalityRMSNormGrads",
     "PowerNormGrads",
+    "QuantLayerNormGrads",
     "RMSNormGrads",
     "RMSNormLinearGrads",
     "ScaleNormGrads",
@@ -97,6 +100,9 @@ __all__ = [
     "power_norm",
     "power_norm_backward",
     "power_norm_forward",
+    "quant_layer_norm",
+    "quant_layer_norm_backward",
+    "quant_layer_norm_forward",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
@@ -818,6 +824,111 @@ def conditional_rms_norm(
     return conditional_rms_norm_forward(
         x, cond, W, c, shift=shift, zero_centered=zero_centered, axis=axis, eps=eps, backend=backend, out=out
     )[0]
+
+
+# ---------------------------------------------------------------------------
+# quantization-friendly LayerNorm
+
+
+def quant_layer_norm_forward(
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    x_scale: Array | float | None = None,
+    quantize: str | None = None,
+    out_scale: float | None = None,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> tuple[Any, Context]:
+    r"""Quantization-friendly LayerNorm forward (the second source document's ``QuantLayerNorm``).
+
+    .. math::
+
+        \tilde x = x \cdot s_x, \quad y = \mathrm{LayerNorm}(\tilde x)\,(w + o) + b, \quad
+        q = \mathrm{clip}(\mathrm{round\_half\_even}(y / s), -127, 127)
+
+    Parameters
+    ----------
+    x : int8 array with ``x_scale`` (the real input is ``x * x_scale``), or a float array (float16,
+        bfloat16, float32, float64) without it.
+    weight, bias : optional arrays of shape ``x.shape[axis:]`` (or broadcastable to it), as LayerNorm's.
+    x_scale : for an int8 ``x``: a positive scalar (Python float, 0-d or ``(1,)`` array) or one positive
+        scale per row (an array of ``x.shape[:axis]``).
+    quantize : None (default: float output), ``"tensor"`` (int8 output, one scale ``s = amax / 127`` for
+        the tensor) or ``"row"`` (one per row).
+    out_scale : a given positive output scale (rounded to float32): int8 output ``clip(rint(y / s))``,
+        values beyond ``127.5 s`` clip. With ``quantize=None`` or ``"tensor"``.
+    axis, eps, backend, correction, eps_mode, weight_offset : as :func:`layer_norm_forward`.
+    out : optional C-contiguous array for the first output (its shape and dtype).
+
+    Returns
+    -------
+    result : float ``y`` (``x``'s dtype for a float ``x``, float32 for an int8 ``x``), or when quantizing
+        the pair ``(q, s)``: ``q`` int8 of ``x``'s shape, ``s`` float32 of shape ``x.shape[:axis]``
+        (``"row"``) or ``()`` (per tensor).
+    ctx : :class:`Context` for :func:`quant_layer_norm_backward`.
+
+    Notes
+    -----
+    A float ``x`` is normalized exactly as :func:`layer_norm` (bitwise its output), then quantized. An
+    int8 ``x`` has exact integer row sums and a fixed float64 sequence after them, so its outputs (float
+    or int8) are bitwise identical on every backend. ``s = 1`` where ``amax`` is 0 or not finite.
+    Formulas: :mod:`pynorm.reference.quant_norm`, ``docs/norms.md``.
+    """
+    options = {
+        "eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset,
+        "quantize": quantize, "out_scale": out_scale,
+    }  # fmt: skip
+    if x_scale is not None and not hasattr(x_scale, "shape"):
+        x_scale = _dispatch.as_array(x_scale, "x_scale").astype("float64")
+    res, ctx = _dispatch.forward(
+        QUANT_LAYER_NORM, x, (weight, bias), axis=axis, backend=backend, out=out, options=options, inputs=(x_scale,)
+    )
+    scale = ctx.inner.scale
+    if scale is None:
+        return res, ctx
+    shape = tuple(ctx.x_shape[: ctx.axis]) if quantize == "row" and out_scale is None else ()
+    return (res, scale.reshape(shape)), ctx
+
+
+def quant_layer_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> QuantLayerNormGrads:
+    r"""Backward of :func:`quant_layer_norm_forward`: ``QuantLayerNormGrads(dx, dweight, dbias)``.
+
+    ``dy`` is the gradient w.r.t. the dequantized output ``q * s`` (or ``y``): float32 for an int8 ``x``,
+    ``x``'s dtype otherwise. Straight-through through the rounding (``s`` held constant): ``dy`` passes
+    unchanged, but is 0 where a given ``out_scale`` clipped. Then LayerNorm's exact backward
+    (:func:`layer_norm_backward`) at the real input: ``dx`` is w.r.t. ``x * x_scale`` (float32 for int8).
+    """
+    return _dispatch.backward(QUANT_LAYER_NORM, dy, ctx, dx_out)  # type: ignore[no-any-return]
+
+
+def quant_layer_norm(
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    x_scale: Array | float | None = None,
+    quantize: str | None = None,
+    out_scale: float | None = None,
+    axis: int = -1,
+    eps: float = 1e-5,
+    backend: str | None = None,
+    correction: int = 0,
+    eps_mode: str = "var",
+    weight_offset: float = 0.0,
+    out: Array | None = None,
+) -> Any:
+    """Quantization-friendly LayerNorm: ``y``, or ``(q, s)`` when quantizing; see :func:`quant_layer_norm_forward`."""
+    return quant_layer_norm_forward(
+        x, weight, bias, x_scale=x_scale, quantize=quantize, out_scale=out_scale, axis=axis, eps=eps,
+        backend=backend, correction=correction, eps_mode=eps_mode, weight_offset=weight_offset, out=out,
+    )[0]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from ._spec import (
     OpSpec,
     Option,
     Param,
+    QuantizeVariant,
     StatsVariant,
     check_eps,
     check_real,
@@ -26,6 +27,7 @@ from .layer_norm import SPEC as LAYER_NORM
 from .modality_norm import MODALITY_LAYER_NORM, MODALITY_RMS_NORM
 from .norm_linear import LAYER_NORM_LINEAR, RMS_NORM_LINEAR
 from .power_norm import SPEC as POWER_NORM
+from .quant_norm import SPEC as QUANT_LAYER_NORM
 from .rms_norm import SPEC as RMS_NORM
 from .scale_norm import SPEC as SCALE_NORM
 
@@ -40,6 +42,7 @@ __all__ = [
     "MODALITY_LAYER_NORM",
     "MODALITY_RMS_NORM",
     "POWER_NORM",
+    "QUANT_LAYER_NORM",
     "RMS_NORM",
     "RMS_NORM_LINEAR",
     "SCALE_NORM",
@@ -50,6 +53,7 @@ __all__ = [
     "OpSpec",
     "Option",
     "Param",
+    "QuantizeVariant",
     "StatsVariant",
     "check_eps",
     "check_real",
@@ -72,6 +76,7 @@ SPECS: dict[str, OpSpec] = {
         MODALITY_RMS_NORM,
         CONDITIONAL_LAYER_NORM,
         CONDITIONAL_RMS_NORM,
+        QUANT_LAYER_NORM,
         LAYER_NORM_LINEAR,
         RMS_NORM_LINEAR,
     )

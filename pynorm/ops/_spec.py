@@ -25,6 +25,7 @@ __all__ = [
     "OpSpec",
     "Option",
     "Param",
+    "QuantizeVariant",
     "StatsVariant",
     "check_eps",
     "check_real",
@@ -53,8 +54,11 @@ PARAM_KINDS: tuple[str, ...] = ("feature", "scalar", "table", "matrix", "vector"
 #: rows of ``x.shape[k:axis]``: ``(B, C)`` for ``x`` of ``(B, T, H)``; trailing size-1 dims before ``C``
 #: broadcast too); backends see it as a ``(G, C)`` array, cond row ``g`` serving the ``R / G`` consecutive
 #: rows ``g R/G ... (g+1) R/G - 1`` of ``x``, and return a ``(G, C)`` gradient (summed over those rows).
-InputKind = Literal["like_x", "row_index", "cond"]
-INPUT_KINDS: tuple[str, ...] = ("like_x", "row_index", "cond")
+#: ``"row_scale"``, a positive finite float scale per row: a scalar (0-d or ``(1,)``) or an array of
+#: ``x.shape[:axis]``, not differentiable; backends see it as a ``(rows,)`` float64 array (or None when it is
+#: optional and absent).
+InputKind = Literal["like_x", "row_index", "cond", "row_scale"]
+INPUT_KINDS: tuple[str, ...] = ("like_x", "row_index", "cond", "row_scale")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class Input:
     name: str
     kind: InputKind
     doc: str = ""
+    required: bool = True  # False: None means "absent" (an int8 input's scale)
 
     def __post_init__(self) -> None:
         if self.kind not in INPUT_KINDS:
@@ -137,6 +142,16 @@ class ElementwiseVariant:
 
 
 @dataclass(frozen=True)
+class QuantizeVariant:
+    """A variant of the quantize kernel family: a row norm (``statistic``: ``"centered"``, LayerNorm) whose input
+    may be int8 (exact integer row sums, then a fixed float64 sequence) and whose output may be int8 (the
+    quantize epilogue: per-row or per-tensor ``amax``, then ``clip(rint(y / s))``). A float input is normalized
+    by the statistics family's op of the same statistic, and every backward is that op's."""
+
+    statistic: Literal["centered"]
+
+
+@dataclass(frozen=True)
 class Composite:
     """A composite op: Python over other ops (``builds_on``) and matrix products in the backend's array
     library, implemented once, in ``impl`` (a module with ``bind(op, backend) -> (forward, backward)``).
@@ -183,6 +198,9 @@ class OpSpec:
         from :mod:`pynorm.errors` that name the argument.
     example_shapes : ``(norm_shape, options) -> {name: shape}`` for ``"matrix"``/``"vector"`` parameters
         and ``{cond_name: (C,)}`` for a ``"cond"`` input (the trailing dim), for the example arguments.
+    x_dtypes : the dtypes ``x`` may have (default the four float dtypes; ``"int8"`` too for an op with
+        a quantized input).
+    dy_dtype : ``x_dtype -> dtype`` of ``dy`` and ``dx`` (default: ``x``'s dtype).
     """
 
     name: str
@@ -191,8 +209,8 @@ class OpSpec:
     grads: type
     ctx: type
     reference: str
-    family: Literal["stats", "elementwise", "composite"]
-    variant: StatsVariant | ElementwiseVariant | Composite
+    family: Literal["stats", "elementwise", "quantize", "composite"]
+    variant: StatsVariant | ElementwiseVariant | QuantizeVariant | Composite
     term_scales: Callable[..., dict[str, Any]]
     check: Callable[[Mapping[str, Any], int], None] | None = None
     cases: tuple[dict[str, Any], ...] = field(default=({},))
@@ -203,6 +221,8 @@ class OpSpec:
     out_shape: Callable[[tuple[int, ...], int, Mapping[str, Any]], tuple[int, ...]] | None = None
     check_arrays: Callable[[tuple[int, ...], int, Mapping[str, Any], Mapping[str, Any]], None] | None = None
     example_shapes: Callable[[tuple[int, ...], Mapping[str, Any]], dict[str, tuple[int, ...]]] | None = None
+    x_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+    dy_dtype: Callable[[Any], Any] | None = None
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -240,6 +260,8 @@ class OpSpec:
                 out.append(rng.standard_normal(x_shape).astype(dtype))
             elif i.kind == "cond":
                 out.append(rng.standard_normal((*x_shape[:ax], *shapes[i.name])).astype(dtype))
+            elif i.kind == "row_scale":
+                out.append(None)  # only an int8 x has one; the example x is float
             else:
                 n = int(np.prod(x_shape[:ax]))
                 out.append(rng.permutation(np.arange(n) % modalities).reshape(x_shape[:ax]).astype(np.int64))
@@ -278,6 +300,10 @@ class OpSpec:
         if self.out_shape is None:
             return tuple(x_shape)
         return tuple(self.out_shape(tuple(x_shape), axis % len(x_shape), arrays))
+
+    def grad_dtype(self, x_dtype: Any) -> Any:
+        """The dtype of ``dy`` and ``dx`` for ``x`` of ``x_dtype``."""
+        return x_dtype if self.dy_dtype is None else self.dy_dtype(x_dtype)
 
     def dtypes_of_outputs(self, x_dtype: Any, options: Mapping[str, Any]) -> tuple[Any, ...]:
         if self.output_dtypes is None:
@@ -325,6 +351,8 @@ def one_of(*choices: Any, doc: str = "") -> Callable[[Any, str], Any]:
     integers too, bools never); returns the matching choice itself."""
 
     def check(v: Any, name: str) -> Any:
+        if v is None and None in choices:
+            return None
         if not isinstance(v, (bool, float)):
             for c in choices:
                 if isinstance(c, str) and isinstance(v, str) and v == c:

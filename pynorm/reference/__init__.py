@@ -20,6 +20,7 @@ OPS = {
     "modality_rms_norm": "modality_norm",
     "conditional_layer_norm": "conditional_norm",
     "conditional_rms_norm": "conditional_norm",
+    "quant_layer_norm": "quant_norm",
     "layer_norm_linear": "norm_linear",
     "rms_norm_linear": "norm_linear",
 }

@@ -1,0 +1,102 @@
+"""The quantization-friendly LayerNorm op: its spec (math in :mod:`pynorm.reference.quant_norm`)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError, ShapeError
+from ..reference.quant_norm import (
+    MAX_INT8_HIDDEN,
+    QuantLayerNormCtx,
+    QuantLayerNormGrads,
+    grad_dtype,
+    output_dtype,
+)
+from . import layer_norm as _ln
+from ._spec import Input, OpSpec, Option, QuantizeVariant, one_of
+
+
+def check_out_scale(v: Any, name: str) -> float | None:
+    """None, or a positive finite real whose float32 rounding is a positive finite float32 (returned as that)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ArgumentError(f"{name} must be None or a positive finite real number, got {v!r}")
+    with np.errstate(all="ignore"):
+        s = float(np.float32(v))
+    if not (math.isfinite(float(v)) and s > 0 and math.isfinite(s)):
+        raise ArgumentError(f"{name} must be a positive finite number (as a float32), got {v!r}")
+    return s
+
+
+def _check(options: Mapping[str, Any], hidden: int) -> None:
+    _ln._check(options, hidden)
+    if options["out_scale"] is not None and options["quantize"] == "row":
+        raise ArgumentError("out_scale is one scale for the whole tensor: use it with quantize=None or 'tensor'")
+
+
+def _check_arrays(x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    x, xs = arrays["x"], arrays["x_scale"]
+    if np.dtype(x.dtype) == np.int8:
+        if xs is None:
+            raise ArgumentError("x_scale is required for an int8 x (the real input is x * x_scale)")
+        h = math.prod(x_shape[axis:])
+        if h >= MAX_INT8_HIDDEN:
+            raise ShapeError(f"an int8 x must have fewer than 2**24 normalized elements per row, got {h}")
+    elif xs is not None:
+        raise ArgumentError(f"x_scale is only for an int8 x, got x of dtype {x.dtype}: pass x_scale=None")
+
+
+def _output_dtypes(x_dtype: Any, options: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (output_dtype(x_dtype, options.get("quantize"), options.get("out_scale")),)
+
+
+def _check_dy(x_dtype: Any) -> Any:
+    return grad_dtype(x_dtype)
+
+
+def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
+    """LayerNorm's term scales (:func:`pynorm.ops.layer_norm.term_scales`) at the real input ``x * x_scale``."""
+    xs = arrays.get("x_scale")
+    xr = np.asarray(x2).astype(np.float64)
+    if xs is not None:
+        xr = xr * np.asarray(xs, dtype=np.float64).reshape(-1, 1)
+    return _ln.term_scales(xr, arrays, dy2, options)
+
+
+SPEC = OpSpec(
+    name="quant_layer_norm",
+    inputs=(
+        Input(
+            "x_scale", "row_scale", "scale of an int8 x (a scalar or one per row): the real input is x * x_scale",
+            required=False,
+        ),
+    ),
+    params=_ln.SPEC.params,
+    options=(
+        *_ln.SPEC.options,
+        Option(
+            "quantize", None, one_of(None, "tensor", "row", doc="None: float output; int8 with one scale per "
+            "tensor or per row"), "symmetric int8 output q = clip(rint(y / s), -127, 127), s = amax / 127",
+        ),
+        Option("out_scale", None, check_out_scale, "a given output scale s (a calibrated static scale)"),
+    ),
+    grads=QuantLayerNormGrads,
+    ctx=QuantLayerNormCtx,
+    reference="pynorm.reference.quant_norm",
+    family="quantize",
+    variant=QuantizeVariant("centered"),
+    term_scales=term_scales,
+    check=_check,
+    cases=({}, {"correction": 1}, {"eps_mode": "std", "weight_offset": 1.0}),
+    output_dtypes=_output_dtypes,
+    check_arrays=_check_arrays,
+    x_dtypes=("int8", "float16", "bfloat16", "float32", "float64"),
+    dy_dtype=_check_dy,
+    summary="y = layer_norm(x * x_scale); int8 q = clip(rint(y / s), -127, 127)",
+)

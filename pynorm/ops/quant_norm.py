@@ -73,7 +73,9 @@ SPEC = OpSpec(
     name="quant_layer_norm",
     inputs=(
         Input(
-            "x_scale", "row_scale", "scale of an int8 x (a scalar or one per row): the real input is x * x_scale",
+            "x_scale",
+            "row_scale",
+            "scale of an int8 x (a scalar or one per row): the real input is x * x_scale",
             required=False,
         ),
     ),
@@ -81,8 +83,10 @@ SPEC = OpSpec(
     options=(
         *_ln.SPEC.options,
         Option(
-            "quantize", None, one_of(None, "tensor", "row", doc="None: float output; int8 with one scale per "
-            "tensor or per row"), "symmetric int8 output q = clip(rint(y / s), -127, 127), s = amax / 127",
+            "quantize",
+            None,
+            one_of(None, "tensor", "row", doc="None: float output; int8 with one scale per tensor or per row"),
+            "symmetric int8 output q = clip(rint(y / s), -127, 127), s = amax / 127",
         ),
         Option("out_scale", None, check_out_scale, "a given output scale s (a calibrated static scale)"),
     ),

@@ -160,7 +160,7 @@ def int8_layer_norm(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """``(y, mean, rstd)`` in float64 of the int8 ``(R, H)`` array ``x`` with per-row scales ``x_scale``: the
     exact-integer statistics and the fixed float64 sequence of the module docstring (every backend's)."""
-    rows, h = x.shape
+    h = x.shape[1]
     xi = x.astype(np.int64)
     s1 = xi.sum(axis=1)
     s2 = (xi * xi).sum(axis=1)

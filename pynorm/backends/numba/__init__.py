@@ -21,6 +21,7 @@ consistent across the files):
 * :mod:`._io` -- the statistics family's prologue, affine-source and epilogue pieces;
 * :mod:`.stats` -- the statistics family's host code and ``OP_IMPLS``;
 * :mod:`._ew_kernels`, :mod:`.elementwise` -- the element-wise family (kernels; host code and ``OP_IMPLS``);
+* :mod:`._quant_kernels`, :mod:`.quantize` -- the quantize family (int8 input and output: quant_layer_norm);
 * :mod:`._common`, :mod:`._threads` -- host glue (storage views, output pool), thread control.
 
 Importing this package does not import numba: the kernels compile lazily on first use and are
@@ -40,6 +41,7 @@ VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "epilogue": ("plain", "prenorm"),
     },
     "elementwise": {"function": ("signed_power", "tanh")},
+    "quantize": {"statistic": ("centered",)},
 }
 
 

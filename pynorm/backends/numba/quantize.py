@@ -1,0 +1,121 @@
+"""The quantize family on the ``numba`` backend: the quantization-friendly LayerNorm (``quant_layer_norm``).
+
+* int8 input: :func:`._quant_kernels.quant_rows` on the int8 source -- exact integer row sums, the fixed
+  float64 sequence of :mod:`pynorm.reference.quant_norm`, and the epilogue (float32 ``y``, or int8 ``q``
+  with per-row / per-tensor / given scales) in one parallel pass per row (two for a per-tensor scale:
+  the rows' ``amax``, then ``q``);
+* float input: the statistics family's LayerNorm (:mod:`.stats`, so ``y`` is bitwise ``layer_norm``'s),
+  then, when quantizing, :func:`._quant_kernels.quant_rows` on its ``y``;
+* backward: straight-through (:func:`._quant_kernels.masked` where a given ``out_scale`` clipped), then the
+  statistics family's LayerNorm backward at the real input (:func:`._quant_kernels.dequantize` for int8:
+  ``float32(x * x_scale)``) with the forward's per-row statistics.
+
+The per-tensor ``amax`` is the maximum of the rows' (exact and order-free), so every result here is
+bitwise independent of the thread count, and for an int8 input bitwise equal to the reference's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ...ops import SPECS
+from ...reference.layer_norm import LayerNormCtx
+from ...reference.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, output_scale, quantizing
+from . import _common as cm
+from . import _quant_kernels as k
+from ._threads import launch
+
+__all__ = ["OP_IMPLS", "QuantOp"]
+
+# the outputs an epilogue does not write (empty: one kernel signature per source type)
+_Y0 = np.empty((0, 0), np.float32)
+_Q0 = np.empty((0, 0), np.int8)
+_S0 = np.empty(0, np.float32)
+_A0 = np.empty(0)
+_K0 = np.empty((0, 0), np.bool_)
+
+
+class QuantOp:
+    """``quant_layer_norm`` on this backend (see the module doc); the norm of a float input and every backward
+    are the statistics family's op of the spec's statistic."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.spec = SPECS[name]
+
+    @property
+    def norm(self) -> Any:
+        from .stats import OP_IMPLS as STATS
+
+        return STATS["layer_norm"]
+
+    def forward(
+        self, x: np.ndarray, x_scale: Any, weight: Any, bias: Any, *, out: Any = None, eps: float,
+        correction: int = 0, eps_mode: str = "var", weight_offset: float = 0.0, quantize: str | None = None,
+        out_scale: float | None = None,
+    ) -> tuple[Any, QuantLayerNormCtx]:  # fmt: skip
+        rows, h = x.shape
+        conv = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+        quant = quantizing(quantize, out_scale)
+        xs = None
+        if x_scale is None:
+            y, lctx = self.norm.forward(x, weight, bias, out=None if quant else out, **conv)
+            mean, rstd = lctx.mean, lctx.rstd
+            src: Any = cm.storage(y)
+        else:
+            xs = np.ascontiguousarray(x_scale, dtype=np.float64)
+            mean, rstd = np.empty(rows), np.empty(rows)
+            weff = None if weight is None else weight.astype(np.float64) + np.float64(weight_offset)
+            b64 = None if bias is None else bias.astype(np.float64)
+            src = (np.ascontiguousarray(x), xs, weff, b64, float(eps), int(correction), eps_mode == "std")
+        st = (mean, rstd) if x_scale is not None else (_A0, _A0)
+        scale = keep = None
+        result: Any
+        work = rows * h
+        if not quant and x_scale is None:
+            result = y
+        elif not quant:
+            result = cm.output(out, (rows, h), np.float32)
+            launch(k.quant_rows, work, src, k.FLOAT, 0.0, result, _Q0, _S0, _A0, _K0, *st)
+        else:
+            result = cm.output(out, (rows, h), np.int8)
+            if out_scale is not None or quantize == "tensor":
+                if out_scale is not None:
+                    scale = np.asarray([out_scale], np.float32)
+                    keep = np.empty((rows, h), np.bool_)
+                else:
+                    amax = np.zeros(rows)
+                    launch(k.quant_rows, work, src, k.AMAX, 0.0, _Y0, result, _S0, amax, _K0, *st)
+                    scale = output_scale(np.asarray([amax.max() if rows else 0.0]))
+                kp = _K0 if keep is None else keep
+                launch(k.quant_rows, work, src, k.GIVEN, float(scale[0]), _Y0, result, _S0, _A0, kp, *st)
+            else:
+                scale = np.empty(rows, np.float32)
+                launch(k.quant_rows, work, src, k.ROW, 0.0, _Y0, result, scale, _A0, _K0, *st)
+        ctx = QuantLayerNormCtx(
+            x, xs, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), quantize,
+            out_scale, scale, keep,
+        )  # fmt: skip
+        return result, ctx
+
+    def backward(self, dy: np.ndarray, ctx: QuantLayerNormCtx, dx_out: Any = None) -> QuantLayerNormGrads:
+        rows, h = dy.shape
+        g = dy
+        if ctx.keep is not None:
+            g = cm.output(None, dy.shape, dy.dtype)
+            launch(k.masked, rows * h, cm.storage(dy), ctx.keep, cm.storage(g))
+        xr = ctx.x
+        if ctx.x_scale is not None:
+            xr = cm.output(None, (rows, h), np.float32)
+            launch(k.dequantize, rows * h, np.ascontiguousarray(ctx.x), ctx.x_scale, xr)
+        lctx = LayerNormCtx(
+            xr, ctx.weight, ctx.bias, ctx.mean, ctx.rstd, ctx.eps, ctx.correction, ctx.eps_mode, ctx.weight_offset
+        )
+        grads = self.norm.backward(g, lctx, dx_out=dx_out)
+        return QuantLayerNormGrads(grads.dx, grads.dweight, grads.dbias)
+
+
+#: op name -> its implementation (read by :func:`pynorm._registry.op_module`)
+OP_IMPLS = {name: QuantOp(name) for name, spec in SPECS.items() if spec.family == "quantize"}

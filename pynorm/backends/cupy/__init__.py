@@ -7,6 +7,7 @@ contract, the same ctx dataclasses and gradient tuples, holding CuPy arrays):
 * :mod:`.stats` -- host launchers of the statistics family (LayerNorm, RMSNorm, ScaleNorm, the fused
   residual add + norm, the modality norms), ``OP_IMPLS``;
 * :mod:`.elementwise` -- host launchers of the element-wise family (PowerNorm, DyT), ``OP_IMPLS``;
+* :mod:`.quantize` -- host launchers of the quantize family (the quantization-friendly LayerNorm), ``OP_IMPLS``;
 * :mod:`._loader` -- reads the ``.cu`` files (``#line`` directives keep compiler messages
   pointing at them) and instantiates templates through NVRTC name expressions, one
   :class:`cupy.RawModule` per file, dtypes and variant, cached per device;

@@ -20,7 +20,20 @@ from typing import Annotated, Any, get_type_hints
 
 import numpy as np
 
-__all__ = ["KERNEL_ARGS", "BwdApplyArgs", "BwdArgs", "BwdStatsArgs", "EwBwdArgs", "EwFwdArgs", "FwdArgs", "c_types"]
+__all__ = [
+    "KERNEL_ARGS",
+    "BwdApplyArgs",
+    "BwdArgs",
+    "BwdStatsArgs",
+    "EwBwdArgs",
+    "EwFwdArgs",
+    "FwdArgs",
+    "QuantDequantArgs",
+    "QuantFloatArgs",
+    "QuantInt8Args",
+    "QuantMaskArgs",
+    "c_types",
+]
 
 # a field's C type is carried by its annotation (``Annotated[..., "<C type>"]``)
 ConstT = Annotated[Any, "const T*"]
@@ -193,6 +206,74 @@ class EwBwdArgs(_Args):
 
 
 #: kernel name -> its argument dataclass
+ConstI8 = Annotated[Any, "const signed char*"]
+OutI8 = Annotated[Any, "signed char*"]
+ConstF64 = Annotated[Any, "const double*"]
+OutF64 = Annotated[Any, "double*"]
+OutF32 = Annotated[Any, "float*"]
+
+
+@dataclass(frozen=True)
+class QuantInt8Args(_Args):
+    """``quant_int8``'s parameters (the quantize family: an int8 input's exact statistics and the epilogue)."""
+
+    x: ConstI8
+    x_scale: ConstF64
+    weight: ConstW
+    bias: ConstW
+    q: OutI8
+    y: OutF32
+    scale_out: OutF32
+    amax_out: OutF64
+    keep: OutBool
+    mean_out: OutF64
+    rstd_out: OutF64
+    rows: LongLong
+    hidden: Int
+    eps: Double
+    correction: Int
+    eps_mode: Int
+    offset: Double
+    mode: Int
+    scale: Double
+
+
+@dataclass(frozen=True)
+class QuantFloatArgs(_Args):
+    """``quant_float``'s parameters (the quantize epilogue on a normalized float ``y``)."""
+
+    y_in: ConstT
+    q: OutI8
+    scale_out: OutF32
+    amax_out: OutF64
+    keep: OutBool
+    rows: LongLong
+    hidden: Int
+    mode: Int
+    scale: Double
+
+
+@dataclass(frozen=True)
+class QuantDequantArgs(_Args):
+    """``quant_dequant``'s parameters (the real input ``x * x_scale`` of an int8 ``x``)."""
+
+    x: ConstI8
+    x_scale: ConstF64
+    out: OutT
+    rows: LongLong
+    hidden: Int
+
+
+@dataclass(frozen=True)
+class QuantMaskArgs(_Args):
+    """``quant_mask``'s parameters (the straight-through gradient: ``dy`` where ``keep``, else 0)."""
+
+    dy: ConstT
+    keep: ConstBool
+    out: OutT
+    n: LongLong
+
+
 KERNEL_ARGS = {
     "stats_fwd": FwdArgs,
     "stats_bwd": BwdArgs,
@@ -200,4 +281,8 @@ KERNEL_ARGS = {
     "stats_bwd_apply": BwdApplyArgs,
     "ew_fwd": EwFwdArgs,
     "ew_bwd": EwBwdArgs,
+    "quant_int8": QuantInt8Args,
+    "quant_float": QuantFloatArgs,
+    "quant_dequant": QuantDequantArgs,
+    "quant_mask": QuantMaskArgs,
 }

@@ -143,6 +143,8 @@ def launch_bound(kernel: str) -> int:
         return DEFS["REDUCE_THREADS"]
     if base == "cast_values":
         return DEFS["CAST_THREADS"]
+    if base.startswith("quant_"):
+        return DEFS["QUANT_THREADS"]
     raise KeyError(f"unknown kernel {kernel!r}")
 
 

@@ -49,15 +49,17 @@ ACC_TYPES = ("float", "double")
 
 #: kernel templates of each source file. The family kernels take <T, W, variant policies...>
 #: (stats.cu: the statistic, affine and prologue policies of each op of the family; elementwise.cu:
-#: the function policy), reduce.cu's <O, A>, cast.cu's <S, D>.
+#: the function policy); quantize.cu's take one type (quant_int8<W>: the parameters', quant_float<T>:
+#: the normalized input's), reduce.cu's <O, A>, cast.cu's <S, D>.
 KERNELS: dict[str, tuple[str, ...]] = {
     "stats.cu": ("stats_fwd", "stats_bwd", "stats_bwd_stats", "stats_bwd_apply"),
     "elementwise.cu": ("ew_fwd", "ew_bwd"),
+    "quantize.cu": ("quant_int8", "quant_float", "quant_dequant", "quant_mask"),
     "reduce.cu": ("reduce_partials",),
     "cast.cu": ("cast_values",),
 }
 #: kernel family -> the source file implementing it
-FAMILY_FILES = {"stats": "stats.cu", "elementwise": "elementwise.cu"}
+FAMILY_FILES = {"stats": "stats.cu", "elementwise": "elementwise.cu", "quantize": "quantize.cu"}
 
 #: C++ policy of each variant axis value (pynorm.ops.StatsVariant / ElementwiseVariant)
 STAT_POLICIES = {"centered": "pynorm::Centered", "mean_square": "pynorm::MeanSquare", "l2": "pynorm::SumSquare"}
@@ -76,6 +78,8 @@ def supports(spec: Any) -> bool:
         )
     if spec.family == "elementwise":
         return v.function in FUNCTION_POLICIES
+    if spec.family == "quantize":
+        return v.statistic == "centered"
     return False
 
 
@@ -122,6 +126,8 @@ def variant_args(spec: Any, h: str | None = None, r: str | None = None) -> tuple
 def spec_instantiations(spec: Any) -> list[tuple[str, ...]]:
     """Every template-argument tuple (dtypes, then policies) the runtime may request for ``spec``."""
     out: list[tuple[str, ...]] = []
+    if spec.family == "quantize":  # one type per module: quant_int8<W> and quant_float<T> for each float type
+        return [(t,) for t in CUDA_TYPES] if supports(spec) else []
     for t in CUDA_TYPES:
         for w in param_types(t):
             if spec.family == "stats" and spec.variant.prologue == "residual":

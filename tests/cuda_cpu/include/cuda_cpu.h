@@ -90,6 +90,9 @@ inline float __frcp_rn(float f) { return 1.0f / f; }
 inline double __dsqrt_rn(double d) { return std::sqrt(d); }
 inline float __fsqrt_rn(float f) { return std::sqrt(f); }
 inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __ll2double_rn(long long i) { return static_cast<double>(i); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }

@@ -38,6 +38,7 @@
 #define PYNORM_REDUCE_Y 8         // ... times 8 slices of the partial rows
 #define PYNORM_REDUCE_THREADS 256 // = PYNORM_REDUCE_X * PYNORM_REDUCE_Y (__launch_bounds__)
 #define PYNORM_CAST_THREADS 256   // __launch_bounds__ of cast_values
+#define PYNORM_QUANT_THREADS 256  // __launch_bounds__ of the quantize family (one block per row)
 #define PYNORM_ITEM_BYTES 16      // bytes per item (one 16-byte vector)
 
 namespace pynorm {

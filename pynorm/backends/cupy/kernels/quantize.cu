@@ -1,0 +1,173 @@
+// The quantize kernel family of pynorm's CuPy backend: the quantization-friendly LayerNorm
+// (quant_layer_norm; math in pynorm/reference/quant_norm.py). One row skeleton with two sources
+// and one epilogue:
+//
+//   quant_int8<W>   int8 x with a per-row scale: the row's exact integer sums S1 = sum x,
+//                   S2 = sum x^2 (long long), then the reference's fixed float64 sequence, every
+//                   operation written as its correctly rounded intrinsic (__dmul_rn, __dadd_rn,
+//                   __ddiv_rn, __dsqrt_rn) so that no multiply-add is contracted: the outputs are
+//                   bitwise those of the reference and of the numba backend. Also stores the
+//                   row's mean and rstd (float64) for the backward.
+//   quant_float<T>  an already normalized float y (the stats family's LayerNorm output).
+//
+// Epilogue (`mode`, uniform): kQuantFloat stores y rounded once to float32 (int8 source only);
+// kQuantAmax stores the row's max |y| (NaN ignored; the first pass of a per-tensor scale);
+// kQuantRow quantizes with the row's own scale s = float32(amax / 127) (1 where not positive
+// finite), stored per row; kQuantGiven quantizes with the given scale and stores `keep` (false
+// where the clip changed the value) when it is not null. q = clip(rint(y / s), -127, 127), 0 for
+// NaN; rint rounds half to even.
+//
+// Backward pieces: quant_dequant<T> (the real input x * x_scale of an int8 x, for the stats family's
+// LayerNorm backward) and quant_mask<T> (the straight-through gradient, 0 where a given scale clipped).
+//
+// One block per row (grid-stride over rows), block sizes a power of two <= PYNORM_QUANT_THREADS;
+// the reductions are common.cuh's fixed-order group reductions: results do not depend on the
+// launch configuration. The parameter lists are mirrored by pynorm/backends/cupy/_args.py.
+#include "common.cuh"
+
+namespace pynorm {
+
+enum QuantMode : int { kQuantFloat = 0, kQuantAmax = 1, kQuantRow = 2, kQuantGiven = 3 };
+
+// y_j of an int8 row: double(H x_j - S1) * k, then * (w_j + offset), + b_j (each when present)
+template <typename W> struct Int8Row {
+  const signed char* x;
+  const W* w;
+  const W* b;
+  long long s1;
+  double k, offset;
+  int H;
+  __device__ __forceinline__ double operator()(int j) const {
+    const long long u = static_cast<long long>(x[j]) * static_cast<long long>(H) - s1;  // exact
+    double v = __dmul_rn(__ll2double_rn(u), k);
+    if (w != nullptr) v = __dmul_rn(v, __dadd_rn(static_cast<double>(Conv<W>::to_float(w[j])), offset));
+    if (b != nullptr) v = __dadd_rn(v, static_cast<double>(Conv<W>::to_float(b[j])));
+    return v;
+  }
+};
+
+// y_j of a float row, exactly
+template <typename T> struct FloatRow {
+  const T* y;
+  __device__ __forceinline__ double operator()(int j) const { return static_cast<double>(Conv<T>::to_float(y[j])); }
+};
+
+template <class Row>
+__device__ __forceinline__ void quant_epilogue(const Row& row, long long i, int H, int mode, double scale,
+                                               signed char* __restrict__ q, float* __restrict__ y,
+                                               float* __restrict__ scale_out, double* __restrict__ amax_out,
+                                               bool* __restrict__ keep, double* red) {
+  const long long off = i * static_cast<long long>(H);
+  const int G = static_cast<int>(blockDim.x);
+  if (mode == kQuantFloat) {
+    for (int j = threadIdx.x; j < H; j += G) y[off + j] = __double2float_rn(row(j));
+    return;
+  }
+  double sd = scale;
+  if (mode != kQuantGiven) {
+    double a = 0.0;
+    for (int j = threadIdx.x; j < H; j += G) {
+      const double v = fabs(row(j));
+      if (v > a) a = v;  // NaN never compares greater
+    }
+    a = group_max(a, G, red);
+    if (mode == kQuantAmax) {
+      if (threadIdx.x == 0) amax_out[i] = a;
+      return;
+    }
+    float s = __double2float_rn(__ddiv_rn(a, 127.0));
+    if (!(s > 0.0f) || isinf(s)) s = 1.0f;
+    if (threadIdx.x == 0) scale_out[i] = s;
+    sd = static_cast<double>(s);
+  }
+  for (int j = threadIdx.x; j < H; j += G) {
+    const double t = rint(__ddiv_rn(row(j), sd));
+    signed char c = 0;
+    bool kept = true;
+    if (isnan(t)) {
+      c = 0;
+    } else if (t > 127.0) {
+      c = 127;
+      kept = false;
+    } else if (t < -127.0) {
+      c = -127;
+      kept = false;
+    } else {
+      c = static_cast<signed char>(static_cast<int>(t));
+    }
+    q[off + j] = c;
+    if (keep != nullptr) keep[off + j] = kept;
+  }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(PYNORM_QUANT_THREADS)
+    quant_int8(const signed char* __restrict__ x, const double* __restrict__ x_scale, const W* __restrict__ weight,
+               const W* __restrict__ bias, signed char* __restrict__ q, float* __restrict__ y,
+               float* __restrict__ scale_out, double* __restrict__ amax_out, bool* __restrict__ keep,
+               double* __restrict__ mean_out, double* __restrict__ rstd_out, long long rows, int hidden, double eps,
+               int correction, int eps_mode, double offset, int mode, double scale) {
+  __shared__ long long red[2 * 32];
+  __shared__ double redd[32];
+  const int G = static_cast<int>(blockDim.x);
+  const double hd = static_cast<double>(hidden);
+  const double nn = __dmul_rn(hd, static_cast<double>(hidden - correction));
+  for (long long i = blockIdx.x; i < rows; i += gridDim.x) {
+    const signed char* xr = x + i * static_cast<long long>(hidden);
+    long long v[2] = {0, 0};
+    for (int j = threadIdx.x; j < hidden; j += G) {
+      const long long a = xr[j];
+      v[0] += a;
+      v[1] += a * a;
+    }
+    group_sum(v, G, red);
+    const long long s1 = v[0];
+    const long long d = static_cast<long long>(hidden) * v[1] - s1 * s1;  // exact: hidden < 2^24
+    const double xs = x_scale[i];
+    const double var = __dmul_rn(__ddiv_rn(__ll2double_rn(d), nn), __dmul_rn(xs, xs));
+    const double r = eps_mode == kEpsStd ? __ddiv_rn(1.0, __dadd_rn(__dsqrt_rn(var), eps))
+                                         : __ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(var, eps)));
+    if (threadIdx.x == 0) {
+      mean_out[i] = __dmul_rn(__ddiv_rn(__ll2double_rn(s1), hd), xs);
+      rstd_out[i] = r;
+    }
+    const Int8Row<W> row{xr, weight, bias, s1, __ddiv_rn(__dmul_rn(xs, r), hd), offset, hidden};
+    quant_epilogue(row, i, hidden, mode, scale, q, y, scale_out, amax_out, keep, redd);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(PYNORM_QUANT_THREADS)
+    quant_float(const T* __restrict__ y_in, signed char* __restrict__ q, float* __restrict__ scale_out,
+                double* __restrict__ amax_out, bool* __restrict__ keep, long long rows, int hidden, int mode,
+                double scale) {
+  __shared__ double red[32];
+  for (long long i = blockIdx.x; i < rows; i += gridDim.x) {
+    const FloatRow<T> row{y_in + i * static_cast<long long>(hidden)};
+    quant_epilogue(row, i, hidden, mode, scale, q, nullptr, scale_out, amax_out, keep, red);
+  }
+}
+
+// The backward's element-wise pieces: the real input of an int8 x, out = T(x * x_scale) rounded once
+// from double (exact product), and the straight-through gradient, out = keep ? dy : 0.
+template <typename T>
+__global__ void __launch_bounds__(PYNORM_QUANT_THREADS)
+    quant_dequant(const signed char* __restrict__ x, const double* __restrict__ x_scale, T* __restrict__ out,
+                  long long rows, int hidden) {
+  const long long n = rows * static_cast<long long>(hidden);
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    out[e] = Conv<T>::from(__dmul_rn(static_cast<double>(x[e]), x_scale[e / hidden]));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(PYNORM_QUANT_THREADS)
+    quant_mask(const T* __restrict__ dy, const bool* __restrict__ keep, T* __restrict__ out, long long n) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    out[e] = keep[e] ? dy[e] : zero_of<T>();
+  }
+}
+
+}  // namespace pynorm

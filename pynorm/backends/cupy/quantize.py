@@ -1,0 +1,164 @@
+"""The quantize family on the GPU: host launchers of ``kernels/quantize.cu`` (``quant_layer_norm``).
+
+* int8 input: ``quant_int8`` -- exact integer row sums, the reference's fixed float64 sequence and the
+  epilogue (float32 ``y``, or int8 ``q`` with per-row / per-tensor / given scales) in one launch (two for a
+  per-tensor scale: the rows' ``amax``, whose maximum the host takes, then ``q``); bitwise the reference's;
+* float input: the statistics family's LayerNorm (:mod:`.stats`; ``y`` is bitwise ``layer_norm``'s), then,
+  when quantizing, ``quant_float`` on its ``y``;
+* backward: ``quant_mask`` (straight-through, 0 where a given ``out_scale`` clipped), ``quant_dequant``
+  (``float32(x * x_scale)`` of an int8 input), then the statistics family's LayerNorm backward with the
+  forward's per-row statistics (in its accumulation dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy
+import numpy as np
+
+from ...ops import SPECS
+from ...reference.layer_norm import LayerNormCtx
+from ...reference.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, output_scale, quantizing
+from . import _host, _launch
+from ._args import QuantDequantArgs, QuantFloatArgs, QuantInt8Args, QuantMaskArgs
+from ._loader import FAMILY_FILES, get_kernel, supports
+
+__all__ = ["OP_IMPLS", "QuantOp"]
+
+_FILE = FAMILY_FILES["quantize"]
+#: epilogue modes of quantize.cu
+FLOAT, AMAX, ROW, GIVEN = 0, 1, 2, 3
+_EPS_MODES = {"var": 0, "std": 1}
+#: rows in flight per launch (one block per row, grid-stride beyond)
+_MAX_GRID = 1 << 16
+
+
+def _block(hidden: int) -> int:
+    """Threads per row: a power of two from 32 to ``PYNORM_QUANT_THREADS``, about one per 4 elements."""
+    t = 32
+    while t < _launch.DEFS["QUANT_THREADS"] and t * 4 < hidden:
+        t *= 2
+    return t
+
+
+def _param_type(weight: Any, bias: Any) -> tuple[str, Any, Any]:
+    """The ``W`` of ``quant_int8`` and the parameters for it: their common dtype, or both cast to float64."""
+    dts = {p.dtype for p in (weight, bias) if p is not None}
+    if not dts:
+        return "float", None, None
+    if len(dts) == 1:
+        (dt,) = dts
+        return _launch.cuda_type(dt), _host.prepare_param(weight, None), _host.prepare_param(bias, None)
+    return "double", _host.prepare_param(weight, "double"), _host.prepare_param(bias, "double")
+
+
+class QuantOp:
+    """``quant_layer_norm`` on this backend (see the module doc)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.spec = SPECS[name]
+
+    @property
+    def norm(self) -> Any:
+        from .stats import OP_IMPLS as STATS
+
+        return STATS["layer_norm"]
+
+    def _quant(self, kernel: str, t: str, rows: int, hidden: int, args: Any) -> None:
+        k = get_kernel(_FILE, kernel, (t,))
+        _host.launch(k, min(rows, _MAX_GRID), _block(hidden), args.pack())
+
+    def forward(
+        self, x: cupy.ndarray, x_scale: Any, weight: Any, bias: Any, *, out: Any = None, eps: float,
+        correction: int = 0, eps_mode: str = "var", weight_offset: float = 0.0, quantize: str | None = None,
+        out_scale: float | None = None,
+    ) -> tuple[Any, QuantLayerNormCtx]:  # fmt: skip
+        rows, hidden = _launch.check_input(x)
+        conv = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+        quant = quantizing(quantize, out_scale)
+        x = _host.contiguous(x)
+        xs = None
+        if x_scale is None:
+            y, lctx = self.norm.forward(x, weight, bias, out=None if quant else out, **conv)
+            mean, rstd = lctx.mean, lctx.rstd
+        else:
+            xs = cupy.ascontiguousarray(x_scale, dtype=cupy.float64)
+            mean, rstd = cupy.empty(rows, dtype=cupy.float64), cupy.empty(rows, dtype=cupy.float64)
+            wt, w, b = _param_type(weight, bias)
+        scale = keep = None
+        result: Any
+
+        def run(mode: int, s: float, q: Any, yf: Any, srow: Any, amax: Any, kp: Any) -> None:
+            if not rows:
+                return
+            if x_scale is None:
+                args = QuantFloatArgs(y, q, srow, amax, kp, rows, hidden, mode, s)
+                self._quant("quant_float", _launch.cuda_type(y.dtype), rows, hidden, args)
+            else:
+                args8 = QuantInt8Args(
+                    x, xs, w, b, q, yf, srow, amax, kp, mean, rstd, rows, hidden, float(eps), int(correction),
+                    _EPS_MODES[eps_mode], float(weight_offset), mode, s,
+                )  # fmt: skip
+                self._quant("quant_int8", wt, rows, hidden, args8)
+
+        if not quant and x_scale is None:
+            result = y
+        elif not quant:
+            result = out if out is not None else cupy.empty((rows, hidden), dtype=cupy.float32)
+            run(FLOAT, 0.0, None, result, None, None, None)
+        else:
+            result = out if out is not None else cupy.empty((rows, hidden), dtype=cupy.int8)
+            if out_scale is not None or quantize == "tensor":
+                if out_scale is not None:
+                    scale = cupy.asarray(np.asarray([out_scale], np.float32))
+                    keep = cupy.empty((rows, hidden), dtype=bool)
+                else:
+                    amax = cupy.zeros(rows, dtype=cupy.float64)
+                    run(AMAX, 0.0, None, None, None, amax, None)
+                    top = float(amax.max()) if rows else 0.0
+                    scale = cupy.asarray(output_scale(np.asarray([top])))
+                run(GIVEN, float(np.float32(scale.get()[0]) if out_scale is None else out_scale), result, None, None,
+                    None, keep)  # fmt: skip
+            else:
+                scale = cupy.empty(rows, dtype=cupy.float32)
+                run(ROW, 0.0, result, None, scale, None, None)
+        ctx = QuantLayerNormCtx(
+            x, xs, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), quantize,
+            out_scale, scale, keep,
+        )  # fmt: skip
+        return result, ctx
+
+    def backward(self, dy: cupy.ndarray, ctx: QuantLayerNormCtx, *, dx_out: Any = None) -> QuantLayerNormGrads:
+        rows, hidden = (int(d) for d in dy.shape)
+        dy = _host.contiguous(dy)
+        t = _launch.cuda_type(dy.dtype)
+        g = dy
+        if ctx.keep is not None and rows:
+            g = _host.empty((rows, hidden), dy.dtype)
+            k = get_kernel(_FILE, "quant_mask", (t,))
+            n = rows * hidden
+            _host.launch(k, min(-(-n // 256), _MAX_GRID), 256, QuantMaskArgs(dy, ctx.keep, g, n).pack())
+        xr, mean, rstd = ctx.x, ctx.mean, ctx.rstd
+        if ctx.x_scale is not None:
+            xr = cupy.empty((rows, hidden), dtype=cupy.float32)
+            if rows:
+                k = get_kernel(_FILE, "quant_dequant", ("float",))
+                n = rows * hidden
+                args = QuantDequantArgs(ctx.x, ctx.x_scale, xr, rows, hidden)
+                _host.launch(k, min(-(-n // 256), _MAX_GRID), 256, args.pack())
+            acc = _launch.type_plan(
+                np.dtype(np.float32), *(None if p is None else p.dtype for p in (ctx.weight, ctx.bias))
+            )
+            mean, rstd = mean.astype(acc.acc_dtype), rstd.astype(acc.acc_dtype)
+        lctx = LayerNormCtx(xr, ctx.weight, ctx.bias, mean, rstd, ctx.eps, ctx.correction, ctx.eps_mode,
+                            ctx.weight_offset)  # fmt: skip
+        grads = self.norm.backward(g, lctx, dx_out=dx_out)
+        return QuantLayerNormGrads(grads.dx, grads.dweight, grads.dbias)
+
+
+#: op name -> its implementation, for every op of the quantize family
+OP_IMPLS: dict[str, QuantOp] = {
+    name: QuantOp(name) for name, spec in SPECS.items() if spec.family == "quantize" and supports(spec)
+}

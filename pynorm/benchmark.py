@@ -415,6 +415,8 @@ def _op_arrays(spec: Any, shape: tuple[int, int], rng: np.random.Generator) -> t
     for i in spec.inputs:
         if i.kind == "like_x":
             args.append(rng.standard_normal(shape, dtype=np.float32))
+        elif i.kind == "row_scale":
+            args.append(None)  # float x: no input scale
         else:
             args.append(rng.permutation(np.arange(rows) % 3).astype(np.int64))
     for p in spec.params:
@@ -450,7 +452,7 @@ def op_table(shape: tuple[int, int] = (4096, 4096), repeat: int = 11) -> list[di
     for op in pynorm._registry.backend_ops("numba"):
         spec = SPECS[op]
         args, dy = _op_arrays(spec, shape, rng)
-        fwd_fn = getattr(pynorm, f"{op}_forward")
+        fwd_fn = spec.generic_forward()
         bwd_fn = getattr(pynorm, f"{op}_backward")
 
         def fwd(fwd_fn: Any = fwd_fn, args: list[Any] = args) -> Any:

@@ -35,6 +35,7 @@ __all__ = [
     "LayerNormLinear",
     "ModalityNorm",
     "PowerNorm",
+    "QuantLayerNorm",
     "RMSNorm",
     "RMSNormLinear",
     "ScaleNorm",
@@ -229,6 +230,70 @@ class LayerNorm(_Norm):
     def backward(self, dy: Any, ctx: F.Context) -> Any:
         """Add ``dweight``/``dbias`` into ``grads`` and return ``dx``."""
         g = F.layer_norm_backward(dy, ctx)
+        self._accumulate(("weight", "bias"), (g.dweight, g.dbias))
+        return g.dx
+
+
+class QuantLayerNorm(LayerNorm):
+    """The quantization-friendly LayerNorm (:func:`pynorm.quant_layer_norm_forward`) as a layer: int8 or float
+    input, float or int8 output, the LayerNorm parameters and conventions.
+
+    Parameters
+    ----------
+    normalized_shape, eps, elementwise_affine, bias, dtype, correction, eps_mode, weight_offset, backend, xp :
+        as :class:`LayerNorm`.
+    quantize : None (float output), ``"tensor"`` or ``"row"`` (int8 output, ``(q, s)``).
+    out_scale : a given output scale (a calibrated static scale) instead of ``amax / 127``.
+
+    ``forward(x, x_scale=None)`` takes the scale of an int8 ``x`` per call (activations' scales change from
+    batch to batch); ``backward(dy, ctx)`` takes the gradient w.r.t. the dequantized output
+    (straight-through) and returns ``dx`` w.r.t. the real input.
+    """
+
+    op = "quant_layer_norm"
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        dtype: Any = np.float32,
+        *,
+        quantize: str | None = None,
+        out_scale: float | None = None,
+        correction: int = 0,
+        eps_mode: str = "var",
+        weight_offset: float = 0.0,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(
+            normalized_shape, eps, elementwise_affine, bias, dtype, correction=correction, eps_mode=eps_mode,
+            weight_offset=weight_offset, backend=backend, xp=xp,
+        )  # fmt: skip
+        conv = F.QUANT_LAYER_NORM.validate({"eps": eps, "quantize": quantize, "out_scale": out_scale}, 2)
+        self.quantize, self.out_scale = conv["quantize"], conv["out_scale"]
+
+    def _conventions(self) -> dict[str, Any]:
+        c = super()._conventions()
+        if self.quantize is not None:
+            c["quantize"] = self.quantize
+        if self.out_scale is not None:
+            c["out_scale"] = self.out_scale
+        return c
+
+    def forward(self, x: Any, *, x_scale: Any = None, out: Any = None) -> tuple[Any, F.Context]:  # type: ignore[override]
+        """``(y, ctx)``, or ``((q, s), ctx)`` when quantizing, for ``x`` (int8 with ``x_scale``, or float)."""
+        return F.quant_layer_norm_forward(  # type: ignore[no-any-return]
+            x, self.params.get("weight"), self.params.get("bias"), x_scale=x_scale, quantize=self.quantize,
+            out_scale=self.out_scale, axis=self._axis(x), eps=self.eps, backend=self.backend,
+            correction=self.correction, eps_mode=self.eps_mode, weight_offset=self.weight_offset, out=out,
+        )  # fmt: skip
+
+    def backward(self, dy: Any, ctx: F.Context) -> Any:
+        """Add ``dweight``/``dbias`` into ``grads`` and return ``dx`` (w.r.t. the real input)."""
+        g = F.quant_layer_norm_backward(dy, ctx)
         self._accumulate(("weight", "bias"), (g.dweight, g.dbias))
         return g.dx
 

@@ -78,14 +78,19 @@ class BackendUnderTest:
         return b
 
 
+def _or_none(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``convert``, passing None (an absent optional argument) through."""
+    return lambda a: None if a is None else convert(a)
+
+
 def _make(name: str) -> BackendUnderTest:
     b = _registry.get_backend(name)
     if b.array_module == "numpy":
-        return BackendUnderTest(name, lambda a: np.asarray(a), lambda a: np.asarray(a), np)
+        return BackendUnderTest(name, _or_none(np.asarray), _or_none(np.asarray), np)
     if b.array_module == "cupy":
         import cupy
 
-        return BackendUnderTest(name, cupy.asarray, cupy.asnumpy, cupy)
+        return BackendUnderTest(name, _or_none(cupy.asarray), _or_none(cupy.asnumpy), cupy)
     raise RuntimeError(f"no test adapter for backend {name!r} serving {b.array_type_name}")
 
 

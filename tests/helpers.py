@@ -45,7 +45,7 @@ class OpSpec:
 
     @property
     def forward(self) -> Callable[..., Any]:
-        f = getattr(pynorm, f"{self.name}_forward")
+        f = self.spec.generic_forward()
         if len(self.spec.outputs) == 1:
             return f  # type: ignore[no-any-return]
 
@@ -142,7 +142,9 @@ def flat_arrays(spec: OpSpec, x_shape: tuple[int, ...], axis: int, args: list[An
     rows, h = int(np.prod(x_shape[:ax])), int(np.prod(x_shape[ax:]))
     out: dict[str, Any] = {}
     for i, a in zip(spec.spec.inputs, args, strict=False):
-        if i.kind == "cond":
+        if a is None:
+            out[i.name] = None
+        elif i.kind == "cond":
             out[i.name] = np.asarray(a).reshape(-1, a.shape[-1])
         else:
             out[i.name] = np.asarray(a).reshape(rows, h) if i.kind == "like_x" else np.asarray(a).reshape(rows)

@@ -216,6 +216,11 @@ def test_instantiations_are_what_the_specs_declare():
     assert sorted(n for g in groups for n in g) == sorted(stats)
     ew = _loader.instantiations("elementwise.cu")
     assert len(ew) == 2 * 2 * 9 and "pynorm::ew_bwd<__half, float, pynorm::SignedPower>" in ew
+    quant = _loader.instantiations("quantize.cu")
+    # quant_int8 reads its parameters in an accumulation type; the other three take every float type
+    assert len(quant) == 2 + 3 * 4 and "pynorm::quant_int8<double>" in quant
+    assert "pynorm::quant_int8<__half>" not in quant and "pynorm::quant_float<__nv_bfloat16>" in quant
+    assert _loader.spec_instantiations(ops.QUANT_LAYER_NORM) == [(t,) for t in _loader.CUDA_TYPES]
     red = _loader.instantiations("reduce.cu")
     assert "pynorm::reduce_partials<__nv_bfloat16, float>" in red and len(red) == 8
     cast = _loader.instantiations("cast.cu")
@@ -252,15 +257,16 @@ def _signature(src: str, kernel: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize(
-    ("file", "kernel"), [(f, k) for f in ("stats.cu", "elementwise.cu") for k in _loader.KERNELS[f]]
-)
+_FAMILY_FILES = ("stats.cu", "elementwise.cu", "quantize.cu")
+
+
+@pytest.mark.parametrize(("file", "kernel"), [(f, k) for f in _FAMILY_FILES for k in _loader.KERNELS[f]])
 def test_argument_dataclasses_mirror_the_kernel_signatures(file, kernel):
     """The host passes each kernel's arguments from one dataclass; its fields must be the kernel's
     parameters in order, with the same names and C types."""
     from pynorm.backends.cupy import _args
 
-    assert set(_args.KERNEL_ARGS) == {k for f in ("stats.cu", "elementwise.cu") for k in _loader.KERNELS[f]}
+    assert set(_args.KERNEL_ARGS) == {k for f in _FAMILY_FILES for k in _loader.KERNELS[f]}
     src = (Path(str(_loader.kernel_dir())) / file).read_text()
     assert list(_args.c_types(_args.KERNEL_ARGS[kernel]).items()) == _signature(src, kernel)
 

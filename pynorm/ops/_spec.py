@@ -69,6 +69,7 @@ class Input:
     kind: InputKind
     doc: str = ""
     required: bool = True  # False: None means "absent" (an int8 input's scale)
+    keyword: bool = False  # the public functions take it by keyword, after the parameters
 
     def __post_init__(self) -> None:
         if self.kind not in INPUT_KINDS:
@@ -300,6 +301,24 @@ class OpSpec:
         if self.out_shape is None:
             return tuple(x_shape)
         return tuple(self.out_shape(tuple(x_shape), axis % len(x_shape), arrays))
+
+    def generic_forward(self) -> Callable[..., Any]:
+        """``pynorm.<name>_forward`` called as the generic tools (demo, benchmarks, tests) call every op:
+        ``f(x, *inputs, *params, **kw)``; inputs the public signature takes by keyword (``Input.keyword``)
+        are passed by keyword."""
+        import pynorm
+
+        f = getattr(pynorm, f"{self.name}_forward")
+        by_kw = [i for i, inp in enumerate(self.inputs) if inp.keyword]
+        if not by_kw:
+            return f  # type: ignore[no-any-return]
+        n = len(self.inputs)
+
+        def call(x: Any, *args: Any, **kw: Any) -> Any:
+            pos = [a for i, a in enumerate(args[:n]) if i not in by_kw]
+            return f(x, *pos, *args[n:], **{self.inputs[i].name: args[i] for i in by_kw}, **kw)
+
+        return call
 
     def grad_dtype(self, x_dtype: Any) -> Any:
         """The dtype of ``dy`` and ``dx`` for ``x`` of ``x_dtype``."""

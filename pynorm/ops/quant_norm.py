@@ -77,6 +77,7 @@ SPEC = OpSpec(
             "row_scale",
             "scale of an int8 x (a scalar or one per row): the real input is x * x_scale",
             required=False,
+            keyword=True,
         ),
     ),
     params=_ln.SPEC.params,

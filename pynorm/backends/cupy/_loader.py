@@ -226,10 +226,15 @@ def name_expression(kernel: str, *types: str) -> str:
     return f"pynorm::{kernel}<{', '.join(types)}>"
 
 
+#: kernels instantiated only for some first template arguments: ``quant_int8<W>`` reads its parameters in an
+#: accumulation type (the host casts 16-bit ones to float32, exactly)
+KERNEL_TYPES: dict[str, tuple[str, ...]] = {"quant_int8": ACC_TYPES}
+
+
 def module_names(file: str, types: tuple[str, ...]) -> tuple[str, ...]:
     """Name expressions compiled together in one runtime module: every kernel of ``file`` for ``types``
-    (the dtypes and, for a family file, the variant's policies)."""
-    return tuple(name_expression(k, *types) for k in KERNELS[file])
+    (the dtypes and, for a family file, the variant's policies; :data:`KERNEL_TYPES` restricts some)."""
+    return tuple(name_expression(k, *types) for k in KERNELS[file] if types[0] in KERNEL_TYPES.get(k, (types[0],)))
 
 
 def type_pairs(file: str) -> list[tuple[str, ...]]:

@@ -43,14 +43,11 @@ def _block(hidden: int) -> int:
 
 
 def _param_type(weight: Any, bias: Any) -> tuple[str, Any, Any]:
-    """The ``W`` of ``quant_int8`` and the parameters for it: their common dtype, or both cast to float64."""
-    dts = {p.dtype for p in (weight, bias) if p is not None}
-    if not dts:
-        return "float", None, None
-    if len(dts) == 1:
-        (dt,) = dts
-        return _launch.cuda_type(dt), _host.prepare_param(weight, None), _host.prepare_param(bias, None)
-    return "double", _host.prepare_param(weight, "double"), _host.prepare_param(bias, "double")
+    """The ``W`` of ``quant_int8`` (an accumulation type: float, or double when a parameter is float64) and the
+    parameters cast to it (exact: every parameter is converted to double in the kernel anyway)."""
+    present = [p for p in (weight, bias) if p is not None]
+    wt = "double" if any(p.dtype == np.float64 for p in present) else "float"
+    return wt, _host.prepare_param(weight, wt), _host.prepare_param(bias, wt)
 
 
 class QuantOp:

@@ -2,7 +2,7 @@
 // (quant_layer_norm; math in pynorm/reference/quant_norm.py). One row skeleton with two sources
 // and one epilogue:
 //
-//   quant_int8<W>   int8 x with a per-row scale: the row's exact integer sums S1 = sum x,
+//   quant_int8<W>   int8 x with a per-row scale (parameters W = float or double, cast on the host): the row's exact integer sums S1 = sum x,
 //                   S2 = sum x^2 (long long), then the reference's fixed float64 sequence, every
 //                   operation written as its correctly rounded intrinsic (__dmul_rn, __dadd_rn,
 //                   __ddiv_rn, __dsqrt_rn) so that no multiply-add is contracted: the outputs are

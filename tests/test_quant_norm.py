@@ -1,0 +1,309 @@
+"""The quantization-friendly LayerNorm (``quant_layer_norm``): its own properties, on every backend.
+
+Its float path (a float ``x``, no quantization) is LayerNorm and is covered by the generic tests of
+the op table (gradients against finite differences, every backend against the reference). Here: the
+int8 input (exact integer statistics), the int8 output (per-tensor, per-row and given scales), the
+straight-through backward, bitwise agreement of the int8 path across backends, and bad input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pynorm
+from pynorm.errors import ArgumentError, DTypeError, ShapeError
+from tests.helpers import dtype
+
+F32_ULP_REL = 2.0**-23
+
+
+def _int8(rng, shape):
+    return rng.integers(-128, 128, shape).astype(np.int8)
+
+
+def _params(rng, h, dt=np.float32):
+    return (1 + 0.5 * rng.standard_normal(h)).astype(dt), (0.5 * rng.standard_normal(h)).astype(dt)
+
+
+def _real(x, xs, axis=-1):
+    """The real input x * x_scale in float64 (exact), per-row scales broadcast over the normalized dims."""
+    xs = np.asarray(xs, dtype=np.float64)
+    return x.astype(np.float64) * xs.reshape(xs.shape + (1,) * (x.ndim - xs.ndim))
+
+
+def _exact_ln(x, w, b, **conv):
+    """The reference LayerNorm (float64 input: extended-precision math) of the real input, in float64."""
+    return pynorm.layer_norm(x, None if w is None else w.astype(np.float64),
+                             None if b is None else b.astype(np.float64), backend="numpy", **conv)  # fmt: skip
+
+
+def _on(backend, *arrays):
+    return [None if a is None else backend.asarray(a) for a in arrays]
+
+
+def _call(backend, x, w, b, xs=None, **kw):
+    xd, wd, bd = _on(backend, x, w, b)
+    xsd = xs if xs is None or np.ndim(xs) == 0 else backend.asarray(np.asarray(xs))
+    return pynorm.quant_layer_norm_forward(xd, wd, bd, x_scale=xsd, backend=backend.name, **kw)
+
+
+def _np(backend, res):
+    if isinstance(res, tuple):
+        return tuple(backend.to_numpy(r) for r in res)
+    return backend.to_numpy(res)
+
+
+CONVENTIONS = ({}, {"correction": 1}, {"eps_mode": "std"}, {"weight_offset": 1.0, "eps": 0.1})
+
+
+@pytest.mark.parametrize("conv", CONVENTIONS, ids=str)
+@pytest.mark.parametrize("h", [1, 3, 64, 1000])
+def test_int8_input_float_output_is_layer_norm_of_the_real_input(backend, conv, h):
+    if conv.get("correction") == 1 and h == 1:
+        pytest.skip("correction=1 needs H > 1")
+    rng = np.random.default_rng(h)
+    x = _int8(rng, (5, h))
+    xs = rng.uniform(0.005, 0.2, 5).astype(np.float32)
+    w, b = _params(rng, h)
+    y, _ = _call(backend, x, w, b, xs, **conv)
+    y = backend.to_numpy(y)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    exact = _exact_ln(_real(x, xs), w, b, **conv)
+    scale = np.abs(exact) + np.abs(b) + 1.0  # the terms' magnitude: |xhat w| + |b| (xhat of order 1)
+    assert np.all(np.abs(y - exact) <= F32_ULP_REL * scale), np.max(np.abs(y - exact) / scale)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "row", "given"])
+@pytest.mark.parametrize("source", ["int8", "float32", "bfloat16"])
+def test_dequantized_output_within_half_a_step(backend, mode, source):
+    rng = np.random.default_rng(7)
+    shape, h = (4, 3, 96), 96
+    w, b = _params(rng, h)
+    if source == "int8":
+        x, xs = _int8(rng, shape), rng.uniform(0.01, 0.1, (4, 3)).astype(np.float32)
+        exact = _exact_ln(_real(x, xs).reshape(-1, h), w, b).reshape(shape)
+        slack = 2.0**-40  # the int8 path's float64 y: a few float64 ulps
+    else:
+        x, xs = (3 * rng.standard_normal(shape) + 1).astype(dtype(source)), None
+        exact = _exact_ln(x.astype(np.float64).reshape(-1, h), w, b).reshape(shape)
+        slack = 4 * float(np.finfo(np.float32).eps if source == "float32" else 2.0**-8)  # y rounded to x's dtype
+    kw = {"out_scale": 0.02} if mode == "given" else {"quantize": mode}
+    (q, s), ctx = _call(backend, x, w, b, xs, **kw)
+    q, s = backend.to_numpy(q), backend.to_numpy(s)
+    assert q.dtype == np.int8 and q.shape == shape and s.dtype == np.float32
+    assert s.shape == ((4, 3) if mode == "row" else ())
+    sb = s[..., None] if mode == "row" else s
+    amax = np.abs(exact).max(axis=-1, keepdims=True) if mode == "row" else np.abs(exact).max()
+    if mode != "given":  # amax of the y the output is quantized from (x's dtype for a float x)
+        np.testing.assert_allclose(sb, amax / 127, rtol=slack + 1e-7)
+    inside = np.abs(exact) <= 127 * sb  # where nothing clipped
+    if mode == "given":
+        assert (~inside).any() and inside.any(), "the test data should clip somewhere with out_scale=0.02"
+        assert np.all(q[~inside] == np.sign(exact[~inside]) * 127)
+    err = np.abs(q.astype(np.float64) * sb - exact)
+    bound = sb / 2 + slack * (np.abs(exact) + 1)
+    assert np.all((err <= bound)[np.broadcast_to(inside, q.shape)])
+    assert np.all(np.abs(q.astype(np.int64)) <= 127)
+
+
+@pytest.mark.parametrize("kw", [{}, {"quantize": "tensor"}, {"quantize": "row"}, {"out_scale": 0.02}], ids=str)
+@pytest.mark.parametrize("params", ["wb", "none", "w16"])
+def test_int8_path_is_bitwise_the_reference_on_every_backend(backend, kw, params):
+    rng = np.random.default_rng(11)
+    x = _int8(rng, (9, 257))
+    x[3] = 17  # a constant row
+    x[4] = 0  # a zero row
+    xs = rng.uniform(0.001, 0.3, 9).astype(np.float32)
+    w, b = _params(rng, 257)
+    w, b = {"wb": (w, b), "none": (None, None), "w16": (w.astype(np.float16), None)}[params]
+    conv = {"weight_offset": 0.5} if params == "w16" else {}
+    ref, cref = pynorm.quant_layer_norm_forward(x, w, b, x_scale=xs, backend="numpy", **kw, **conv)
+    got, ctx = _call(backend, x, w, b, xs, **kw, **conv)
+    got = _np(backend, got)
+    for a, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,), strict=True):
+        assert a.dtype == r.dtype and a.shape == r.shape
+        assert a.tobytes() == r.tobytes(), f"{int(np.sum(a != r))} elements differ from the reference"
+    np.testing.assert_array_equal(backend.to_numpy(ctx.inner.mean), cref.inner.mean)
+    np.testing.assert_array_equal(backend.to_numpy(ctx.inner.rstd), cref.inner.rstd)
+
+
+def test_int8_quantize_matches_an_independent_restatement():
+    """The reference's int8 outputs against a restatement of the documented sequence with Python integers and
+    math (exact integer sums, then the float64 steps one by one)."""
+    import math
+
+    rng = np.random.default_rng(5)
+    x = _int8(rng, (3, 50))
+    xs = np.array([0.02, 0.5, 0.0625])
+    w, b = _params(rng, 50, np.float64)
+    (q, s), _ = pynorm.quant_layer_norm_forward(x, w, b, x_scale=xs, quantize="row", backend="numpy", eps=1e-3)
+    for i in range(3):
+        row = [int(v) for v in x[i]]
+        h = len(row)
+        s1, s2 = sum(row), sum(v * v for v in row)
+        v = (float(h * s2 - s1 * s1) / float(h * h)) * (xs[i] * xs[i])
+        r = 1.0 / math.sqrt(v + 1e-3)
+        k = (xs[i] * r) / h
+        ys = [float(h * xv - s1) * k * float(w[j]) + float(b[j]) for j, xv in enumerate(row)]
+        si = float(np.float32(max(abs(t) for t in ys) / 127))
+        assert s[i] == np.float32(si)
+        want = [max(-127, min(127, round(t / si))) for t in ys]  # Python's round: half to even
+        assert q[i].tolist() == want
+
+
+@pytest.mark.parametrize("kw", [{}, {"quantize": "row"}, {"quantize": "tensor"}], ids=str)
+def test_float_input_is_layer_norm_then_quantized(backend, kw):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((6, 40)) * 2).astype(np.float32)
+    w, b = _params(rng, 40)
+    y_ln = backend.to_numpy(pynorm.layer_norm(*_on(backend, x, w, b), backend=backend.name))
+    res, _ = _call(backend, x, w, b, **kw)
+    if not kw:
+        assert backend.to_numpy(res).tobytes() == y_ln.tobytes()  # bitwise this backend's layer_norm
+        return
+    q, s = _np(backend, res)
+    # independent restatement of the quantizer on this backend's LayerNorm output
+    y64 = y_ln.astype(np.float64)
+    amax = np.abs(y64).max(axis=-1) if kw["quantize"] == "row" else np.abs(y64).max()
+    s_want = (amax / 127).astype(np.float32)
+    np.testing.assert_array_equal(s, s_want)
+    sb = s_want[:, None] if kw["quantize"] == "row" else s_want
+    np.testing.assert_array_equal(q, np.clip(np.rint(y64 / sb.astype(np.float64)), -127, 127).astype(np.int8))
+
+
+def test_zero_and_nonfinite_scales_are_one_and_nan_codes_zero(backend):
+    x = np.zeros((3, 8), np.int8)
+    x[1, :4] = 5  # a half-constant row
+    (q, s), _ = _call(backend, x, None, None, 1.0, quantize="row")
+    q, s = backend.to_numpy(q), backend.to_numpy(s)
+    assert s[0] == 1.0 and s[2] == 1.0 and q[0].tolist() == [0] * 8  # all-zero row: amax 0 -> s = 1
+    assert np.all(np.abs(q[1]) == 127)
+    # eps = 0 on a constant row is 0 * inf = NaN in y: its codes are 0, its scale 1
+    xc = np.full((2, 4), 3, np.int8)
+    (q, s), _ = _call(backend, xc, None, None, 1.0, quantize="row", eps=0.0)
+    assert backend.to_numpy(q).tolist() == [[0] * 4] * 2 and backend.to_numpy(s).tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("source", ["int8", "float32"])
+def test_backward_is_straight_through_then_layer_norm(backend, source):
+    rng = np.random.default_rng(9)
+    h = 24
+    w, b = _params(rng, h)
+    if source == "int8":
+        x, xs = _int8(rng, (5, h)), rng.uniform(0.01, 0.1, 5).astype(np.float32)
+        xr = _real(x, xs)
+    else:
+        x, xs = rng.standard_normal((5, h)).astype(np.float32), None
+        xr = x.astype(np.float64)
+    dy = rng.standard_normal((5, h)).astype(np.float32)
+    exact = _exact_ln(xr, w, b)
+    for kw in ({"quantize": "row"}, {"out_scale": 0.01}):
+        _, ctx = _call(backend, x, w, b, xs, **kw)
+        g = pynorm.quant_layer_norm_backward(backend.asarray(dy), ctx)
+        keep = np.ones_like(dy, bool) if "quantize" in kw else ~(np.abs(np.rint(exact / 0.01)) > 127)
+        if "out_scale" in kw:
+            assert 0 < keep.sum() < keep.size
+        # LayerNorm's backward at the real input (float64) for the masked upstream gradient
+        _, c64 = pynorm.layer_norm_forward(xr, w.astype(np.float64), b.astype(np.float64), backend="numpy")
+        want = pynorm.layer_norm_backward(np.where(keep, dy, 0).astype(np.float64), c64)
+        dx = backend.to_numpy(g.dx)
+        assert dx.dtype == np.float32 and dx.shape == x.shape
+        tol = 2e-5 * (np.abs(want.dx).max() + 1)
+        np.testing.assert_allclose(dx, want.dx, atol=tol, rtol=0)
+        assert np.all(np.abs(backend.to_numpy(g.dweight) - want.dweight) <= 2e-5 * (np.abs(dy).sum(0) + 1))
+        np.testing.assert_allclose(backend.to_numpy(g.dbias), np.where(keep, dy, 0).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_gradient_against_finite_differences_of_the_real_input():
+    """dx is w.r.t. the real input: central differences of sum(dy * y) in float64 where the int8 forward is
+    the exact LayerNorm of x * x_scale (its float path run on the perturbed real input)."""
+    rng = np.random.default_rng(4)
+    x = _int8(rng, (3, 10))
+    xs = np.array([0.05, 0.1, 0.02])
+    w, b = _params(rng, 10, np.float64)
+    dy = rng.standard_normal((3, 10)).astype(np.float32)
+    _, ctx = pynorm.quant_layer_norm_forward(x, w, b, x_scale=xs, backend="numpy")
+    dx = pynorm.quant_layer_norm_backward(dy, ctx).dx
+    xr = _real(x, xs)
+    num = np.zeros_like(xr)
+    step = 1e-6
+    for idx in np.ndindex(xr.shape):
+        p, m = xr.copy(), xr.copy()
+        p[idx] += step
+        m[idx] -= step
+        fp = np.sum(dy * pynorm.quant_layer_norm(p, w, b, backend="numpy"))
+        fm = np.sum(dy * pynorm.quant_layer_norm(m, w, b, backend="numpy"))
+        num[idx] = (fp - fm) / (2 * step)
+    np.testing.assert_allclose(dx, num, rtol=1e-4, atol=1e-4)
+
+
+def test_shapes_axis_and_no_mutation(backend):
+    rng = np.random.default_rng(2)
+    x = _int8(rng, (2, 3, 4, 5))
+    xs = rng.uniform(0.01, 0.1, (2, 3)).astype(np.float32)
+    w, b = _params(rng, 20)
+    w, b = w.reshape(4, 5), b.reshape(4, 5)
+    x0, xs0 = x.copy(), xs.copy()
+    (q, s), ctx = _call(backend, x, w, b, xs, axis=2, quantize="row")
+    assert tuple(q.shape) == (2, 3, 4, 5) and tuple(s.shape) == (2, 3)
+    ref = pynorm.quant_layer_norm(x.reshape(6, 20), w.reshape(20), b.reshape(20), x_scale=xs.reshape(6),
+                                  quantize="row", backend="numpy")  # fmt: skip
+    assert backend.to_numpy(q).reshape(6, 20).tobytes() == ref[0].tobytes()
+    g = pynorm.quant_layer_norm_backward(backend.asarray(np.ones((2, 3, 4, 5), np.float32)), ctx)
+    assert tuple(g.dx.shape) == (2, 3, 4, 5) and tuple(g.dweight.shape) == (4, 5)
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(xs, xs0)
+    out = backend.asarray(np.zeros((2, 3, 4, 5), np.int8))
+    (q2, _), _ = _call(backend, x, w, b, xs, axis=2, quantize="row", out=out)
+    assert q2 is out and backend.to_numpy(out).tobytes() == backend.to_numpy(q).tobytes()
+
+
+def test_bad_input_gets_clear_errors(backend):
+    rng = np.random.default_rng(0)
+    x = _int8(rng, (3, 8))
+    xf = rng.standard_normal((3, 8)).astype(np.float32)
+    w, _ = _params(rng, 8)
+    on = backend.asarray
+    cases = [
+        (ArgumentError, "x_scale is required", lambda: _call(backend, x, w, None)),
+        (ArgumentError, "only for an int8 x", lambda: _call(backend, xf, w, None, 0.5)),
+        (ShapeError, "x_scale must be a scalar", lambda: _call(backend, x, w, None, np.ones(4, np.float32))),
+        (ArgumentError, "positive finite", lambda: _call(backend, x, w, None, np.array([1, 0, 1], np.float32))),
+        (ArgumentError, "positive finite", lambda: _call(backend, x, w, None, float("nan"))),
+        (DTypeError, "x_scale must have dtype", lambda: _call(backend, x, w, None, np.ones(3, np.int32))),
+        (DTypeError, "x must have dtype int8, float16", lambda: _call(backend, x.astype(np.int16), w, None, 1.0)),
+        (ArgumentError, "quantize must be", lambda: _call(backend, xf, w, None, quantize="channel")),
+        (ArgumentError, "out_scale must be", lambda: _call(backend, xf, w, None, out_scale=0.0)),
+        (ArgumentError, "out_scale must be", lambda: _call(backend, xf, w, None, out_scale=float("inf"))),
+        (ArgumentError, "out_scale must be", lambda: _call(backend, xf, w, None, out_scale=1e-60)),
+        (ArgumentError, "out_scale must be", lambda: _call(backend, xf, w, None, out_scale=True)),
+        (ArgumentError, "whole tensor", lambda: _call(backend, xf, w, None, quantize="row", out_scale=0.1)),
+    ]
+    for err, msg, fn in cases:
+        with pytest.raises(err, match=msg):
+            fn()
+    _, ctx = _call(backend, x, w, None, 0.5, quantize="row")
+    with pytest.raises(DTypeError, match="expected float32 .for x of dtype int8"):
+        pynorm.quant_layer_norm_backward(on(np.ones((3, 8), np.float16)), ctx)
+
+
+def test_hidden_size_limit_of_int8_input():
+    x = np.zeros((1, 1 << 24), np.int8)
+    with pytest.raises(ShapeError, match="fewer than 2\\*\\*24"):
+        pynorm.quant_layer_norm(x, x_scale=1.0, backend="numpy")
+
+
+def test_layer(backend):
+    from pynorm.layers import QuantLayerNorm
+
+    rng = np.random.default_rng(1)
+    layer = QuantLayerNorm(16, quantize="row", backend=backend.name, xp=backend.xp)
+    x = backend.asarray(_int8(rng, (4, 16)))
+    (q, s), ctx = layer.forward(x, x_scale=0.05)
+    assert q.dtype == np.int8 and tuple(s.shape) == (4,)
+    dx = layer.backward(backend.asarray(np.ones((4, 16), np.float32)), ctx)
+    assert tuple(dx.shape) == (4, 16) and sorted(layer.grads) == ["bias", "weight"]
+    ref = pynorm.quant_layer_norm(_int8(np.random.default_rng(1), (4, 16)), np.ones(16, np.float32),
+                                  np.zeros(16, np.float32), x_scale=0.05, quantize="row", backend="numpy")  # fmt: skip
+    assert backend.to_numpy(q).tobytes() == ref[0].tobytes()

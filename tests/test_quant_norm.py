@@ -89,7 +89,7 @@ def test_dequantized_output_within_half_a_step(backend, mode, source):
         exact = _exact_ln(x.astype(np.float64).reshape(-1, h), w, b).reshape(shape)
         slack = 4 * float(np.finfo(np.float32).eps if source == "float32" else 2.0**-8)  # y rounded to x's dtype
     kw = {"out_scale": 0.02} if mode == "given" else {"quantize": mode}
-    (q, s), ctx = _call(backend, x, w, b, xs, **kw)
+    (q, s), _ = _call(backend, x, w, b, xs, **kw)
     q, s = backend.to_numpy(q), backend.to_numpy(s)
     assert q.dtype == np.int8 and q.shape == shape and s.dtype == np.float32
     assert s.shape == ((4, 3) if mode == "row" else ())

@@ -4,11 +4,11 @@ r"""The quantize family's kernels: one row skeleton, its source and its epilogue
 
 Source (``src``, chosen by type at compile time, :func:`row_state` / :func:`value`):
 
-* an int8 source, the tuple ``(x, x_scale, weff, bias, eps, correction, std)``: each row's exact integer
-  sums ``S1 = sum x``, ``S2 = sum x^2`` (int64), then the fixed float64 sequence of
+* an int8 source, the tuple ``(x, x_scale, weff, bias, has_weight, has_bias, eps, correction, std)``: each
+  row's exact integer sums ``S1 = sum x``, ``S2 = sum x^2`` (int64), then the fixed float64 sequence of
   :mod:`pynorm.reference.quant_norm` (the same operations in the same order, each rounded once, no
   contraction: every function here is compiled with ``fastmath=False``), and the row's ``mean`` and
-  ``rstd``; ``weff``/``bias`` float64 or None;
+  ``rstd``; ``weff``/``bias`` float64 arrays (empty when absent: run-time flags, one signature);
 * a float source, the ``(R, H)`` storage array of an already normalized ``y`` (the statistics family's
   LayerNorm output): its values, exactly, in float64.
 
@@ -27,7 +27,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from ._cache import jit
-from ._storage import JIT_ONLY, ld, opt_add, opt_mul
+from ._storage import JIT_ONLY, ld
 
 __all__ = ["AMAX", "FLOAT", "GIVEN", "ROW", "dequantize", "masked", "quant_rows"]
 
@@ -45,7 +45,7 @@ def _row_state_ol(src, i):  # type: ignore[no-untyped-def]
         return lambda src, i: (np.int64(0), 0.0, 0.0, 0.0)
 
     def impl(src, i):  # type: ignore[no-untyped-def]
-        x, xs, eps, corr, std = src[0], src[1], src[4], src[5], src[6]
+        x, xs, eps, corr, std = src[0], src[1], src[6], src[7], src[8]
         h = x.shape[1]
         s1 = np.int64(0)
         s2 = np.int64(0)
@@ -74,10 +74,14 @@ def _value_ol(src, st, i, j):  # type: ignore[no-untyped-def]
         return lambda src, st, i, j: np.float64(ld(src[i, j]))
 
     def impl(src, st, i, j):  # type: ignore[no-untyped-def]
-        x, weff, b = src[0], src[2], src[3]
+        x, weff, b, has_w, has_b = src[0], src[2], src[3], src[4], src[5]
         s1, k = st[0], st[1]
-        u = np.float64(np.int64(x[i, j]) * np.int64(x.shape[1]) - s1)  # exact
-        return opt_add(opt_mul(u * k, weff, j), b, j)
+        v = np.float64(np.int64(x[i, j]) * np.int64(x.shape[1]) - s1) * k  # the difference is exact
+        if has_w:
+            v = v * weff[j]
+        if has_b:
+            v = v + b[j]
+        return v
 
     return impl
 

@@ -67,9 +67,12 @@ class QuantOp:
         else:
             xs = np.ascontiguousarray(x_scale, dtype=np.float64)
             mean, rstd = np.empty(rows), np.empty(rows)
-            weff = None if weight is None else weight.astype(np.float64) + np.float64(weight_offset)
-            b64 = None if bias is None else bias.astype(np.float64)
-            src = (np.ascontiguousarray(x), xs, weff, b64, float(eps), int(correction), eps_mode == "std")
+            weff = _A0 if weight is None else weight.astype(np.float64) + np.float64(weight_offset)
+            b64 = _A0 if bias is None else bias.astype(np.float64)
+            src = (
+                np.ascontiguousarray(x), xs, weff, b64, weight is not None, bias is not None, float(eps),
+                int(correction), eps_mode == "std",
+            )  # fmt: skip
         st = (mean, rstd) if x_scale is not None else (_A0, _A0)
         scale = keep = None
         result: Any

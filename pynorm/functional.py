@@ -15,7 +15,10 @@ in each parameter's own shape and dtype.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
+
+import numpy as np
 
 from . import _dispatch
 from ._dispatch import FLOAT_DTYPES, Context, check_axis
@@ -885,8 +888,9 @@ def quant_layer_norm_forward(
         "eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset,
         "quantize": quantize, "out_scale": out_scale,
     }  # fmt: skip
-    if x_scale is not None and not hasattr(x_scale, "shape"):
-        x_scale = _dispatch.as_array(x_scale, "x_scale").astype("float64")
+    if isinstance(x_scale, numbers.Real) and not isinstance(x_scale, bool):  # a Python scalar: in x's array module
+        xp = _dispatch.xp_of(x) if hasattr(x, "shape") and hasattr(x, "dtype") else np
+        x_scale = xp.asarray(float(x_scale), dtype=np.float64)
     res, ctx = _dispatch.forward(
         QUANT_LAYER_NORM, x, (weight, bias), axis=axis, backend=backend, out=out, options=options, inputs=(x_scale,)
     )

@@ -63,25 +63,34 @@ def _row_state_ol(src, i):  # type: ignore[no-untyped-def]
     return impl
 
 
-def value(src, st, i, j):  # type: ignore[no-untyped-def]
-    """Element ``(i, j)`` of ``y`` in float64 (``st``: the row's :func:`row_state`)."""
+def load_row(src, st, i, buf):  # type: ignore[no-untyped-def]
+    """Row ``i`` of ``y`` in float64 into ``buf`` (``st``: the row's :func:`row_state`)."""
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(value, inline="always")
-def _value_ol(src, st, i, j):  # type: ignore[no-untyped-def]
+@overload(load_row, inline="always")
+def _load_row_ol(src, st, i, buf):  # type: ignore[no-untyped-def]
     if isinstance(src, types.Array):
-        return lambda src, st, i, j: np.float64(ld(src[i, j]))
 
-    def impl(src, st, i, j):  # type: ignore[no-untyped-def]
+        def load(src, st, i, buf):  # type: ignore[no-untyped-def]
+            for j in range(buf.shape[0]):
+                buf[j] = np.float64(ld(src[i, j]))
+
+        return load
+
+    def impl(src, st, i, buf):  # type: ignore[no-untyped-def]
         x, weff, b, has_w, has_b = src[0], src[2], src[3], src[4], src[5]
         s1, k = st[0], st[1]
-        v = np.float64(np.int64(x[i, j]) * np.int64(x.shape[1]) - s1) * k  # the difference is exact
+        hh = np.int64(x.shape[1])
+        xr = x[i]
+        for j in range(buf.shape[0]):  # the difference is exact; then one rounding per operation
+            buf[j] = np.float64(np.int64(xr[j]) * hh - s1) * k
         if has_w:
-            v = v * weff[j]
+            for j in range(buf.shape[0]):
+                buf[j] = buf[j] * weff[j]
         if has_b:
-            v = v + b[j]
-        return v
+            for j in range(buf.shape[0]):
+                buf[j] = buf[j] + b[j]
 
     return impl
 
@@ -96,20 +105,46 @@ def _scale(amax):  # type: ignore[no-untyped-def]
 
 
 @jit(inline="always")
-def _code(v, sd):  # type: ignore[no-untyped-def]
-    """``(q, keep)`` of one value: ``clip(rint(v / sd), -127, 127)``, 0 for NaN; keep False where it clipped."""
-    t = np.rint(v / sd)
-    if t != t:
-        return np.int8(0), True
-    if t > _QMAX:
-        return np.int8(127), False
-    if t < -_QMAX:
-        return np.int8(-127), False
-    return np.int8(t), True
+def _codes(buf, sd, qr, kr, with_keep):  # type: ignore[no-untyped-def]
+    """``qr = clip(rint(buf / sd), -127, 127)`` (0 for NaN), branch-free; ``kr`` False where it clipped."""
+    for j in range(buf.shape[0]):
+        t = np.rint(buf[j] / sd)
+        c = t if t == t else 0.0
+        c = _QMAX if c > _QMAX else c
+        c = -_QMAX if c < -_QMAX else c
+        qr[j] = np.int8(c)
+    if with_keep:
+        for j in range(buf.shape[0]):
+            kr[j] = not (abs(np.rint(buf[j] / sd)) > _QMAX)
+
+
+@jit(inline="always")
+def _amax(buf):  # type: ignore[no-untyped-def]
+    """``max |buf|`` ignoring NaN (which never compares greater), 0 for an empty or all-NaN row; four
+    independent maxima (exact and order-free, so the result is the same) to break the dependency chain."""
+    a0 = a1 = a2 = a3 = 0.0
+    n = buf.shape[0]
+    j = 0
+    while j + 4 <= n:
+        v0, v1, v2, v3 = abs(buf[j]), abs(buf[j + 1]), abs(buf[j + 2]), abs(buf[j + 3])
+        a0 = v0 if v0 > a0 else a0
+        a1 = v1 if v1 > a1 else a1
+        a2 = v2 if v2 > a2 else a2
+        a3 = v3 if v3 > a3 else a3
+        j += 4
+    while j < n:
+        v = abs(buf[j])
+        a0 = v if v > a0 else a0
+        j += 1
+    a0 = a1 if a1 > a0 else a0
+    a2 = a3 if a3 > a2 else a2
+    return a2 if a2 > a0 else a0
 
 
 #: epilogues of :func:`quant_rows`
 FLOAT, AMAX, ROW, GIVEN = 0, 1, 2, 3
+#: rows per parallel task (one float64 row buffer each)
+_GROUP = 8
 
 
 @jit(parallel=True)
@@ -118,39 +153,33 @@ def quant_rows(src, mode, s_given, y, q, srow, amax, keep, mean, rstd):  # type:
     :data:`AMAX` ``amax``, :data:`ROW` ``q`` and ``srow``, :data:`GIVEN` ``q`` with ``s_given`` and ``keep`` when
     it has rows; an int8 source's ``mean``/``rstd`` when they have rows. The outputs a call does not write
     may be empty arrays (one signature per source type; arrays inside the source tuple are read only:
-    numba's parallel loops do not write through them)."""
+    numba's parallel loops do not write through them). Each row is computed once into a float64 buffer,
+    then stored or quantized from it."""
     rows, h = _shape(src)
     with_stats = mean.shape[0] > 0
-    for i in prange(rows):
-        st = row_state(src, i)
-        if with_stats:
-            mean[i] = st[2]
-            rstd[i] = st[3]
-        if mode == FLOAT:
-            for j in range(h):
-                y[i, j] = np.float32(value(src, st, i, j))
-        elif mode == GIVEN:
-            with_keep = keep.shape[0] > 0
-            for j in range(h):
-                c, kp = _code(value(src, st, i, j), s_given)
-                q[i, j] = c
-                if with_keep:
-                    keep[i, j] = kp
-        else:
-            a = 0.0
-            for j in range(h):
-                v = abs(value(src, st, i, j))
-                if v > a:
-                    a = v
-            if mode == AMAX:
-                amax[i] = a
-            else:
-                s = _scale(a)
-                srow[i] = s
-                sd = np.float64(s)
+    with_keep = keep.shape[0] > 0
+    for g in prange((rows + _GROUP - 1) // _GROUP):
+        buf = np.empty(h)
+        for i in range(g * _GROUP, min(rows, g * _GROUP + _GROUP)):
+            st = row_state(src, i)
+            if with_stats:
+                mean[i] = st[2]
+                rstd[i] = st[3]
+            load_row(src, st, i, buf)
+            if mode == FLOAT:
+                yr = y[i]
                 for j in range(h):
-                    c, _ = _code(value(src, st, i, j), sd)
-                    q[i, j] = c
+                    yr[j] = np.float32(buf[j])
+            elif mode == GIVEN:
+                _codes(buf, s_given, q[i], keep[i] if with_keep else keep[0:0].reshape(-1), with_keep)
+            else:
+                a = _amax(buf)
+                if mode == AMAX:
+                    amax[i] = a
+                else:
+                    s = _scale(a)
+                    srow[i] = s
+                    _codes(buf, np.float64(s), q[i], keep[0:0].reshape(-1), False)
 
 
 def _shape(src):  # type: ignore[no-untyped-def]

@@ -216,7 +216,7 @@ def forward(
 ) -> tuple[np.ndarray, QuantLayerNormCtx]:
     """Forward of the ``(R, H)`` array ``x`` (int8 with ``x_scale`` of shape ``(R,)``, or float); returns
     ``(y_or_q, ctx)`` with the scale of a quantized output in ``ctx.scale`` (see the module docstring)."""
-    conv = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+    conv: dict[str, Any] = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
     odt = output_dtype(x.dtype, quantize, out_scale)
     if x_scale is not None:
         xs = np.asarray(x_scale, dtype=np.float64).reshape(x.shape[0])

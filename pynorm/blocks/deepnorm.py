@@ -65,12 +65,12 @@ def deepnorm_constants(arch: str, N: int | None = None, M: int | None = None) ->
     uses = {"encoder": ("N",), "decoder": ("M",), "encoder-decoder": ("N", "M")}[arch]
     given = {"N": N, "M": M}
     for name, v in given.items():
-        if name in uses and v is None:
-            raise ArgumentError(
-                f"arch={arch!r} needs {name} (the number of {'encoder' if name == 'N' else 'decoder'} layers)"
-            )
         if name not in uses and v is not None:
             raise ArgumentError(f"arch={arch!r} does not use {name}; got {name}={v!r}")
+    for name, v in given.items():
+        if name in uses and v is None:
+            what = "encoder" if name == "N" else "decoder"
+            raise ArgumentError(f"arch={arch!r} needs {name} (the number of {what} layers)")
     if arch == "encoder":
         n = positive_int(N, "N")
         return (2.0 * n) ** 0.25, (8.0 * n) ** -0.25

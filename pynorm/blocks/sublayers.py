@@ -38,6 +38,8 @@ NORM_KINDS = ("layer", "rms", "scale", "dyt", "modality")
 
 
 def _cast(a: Any, dtype: Any) -> Any:
+    if a.dtype == dtype:
+        return a
     # rounding to a 16-bit dtype may overflow to inf on purpose (loss scaling detects it): no warning
     with np.errstate(over="ignore", invalid="ignore"):
         return a.astype(dtype, copy=False)
@@ -124,14 +126,15 @@ _K = 0.044715
 def gelu_tanh(u: Any, xp: Any = np) -> Any:
     r"""The tanh GELU (GPT-2, BERT; ``torch.nn.GELU(approximate="tanh")``):
     :math:`\tfrac12 u\,(1 + \tanh(c(u + k u^3)))`, :math:`c = \sqrt{2/\pi}`, :math:`k = 0.044715`."""
-    return 0.5 * u * (1.0 + xp.tanh(_C * (u + _K * u**3)))
+    return 0.5 * u * (1.0 + xp.tanh(_C * u * (1.0 + _K * u * u)))  # u*u, not u**3: float32 power is slow
 
 
 def gelu_tanh_grad(u: Any, xp: Any = np) -> Any:
     r"""The exact derivative of :func:`gelu_tanh`:
     :math:`\tfrac12(1 + t) + \tfrac12 u\,(1 - t^2)\,c\,(1 + 3k u^2)`, :math:`t = \tanh(c(u + k u^3))`."""
-    t = xp.tanh(_C * (u + _K * u**3))
-    return 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * _C * (1.0 + 3.0 * _K * u * u)
+    u2 = u * u
+    t = xp.tanh(_C * u * (1.0 + _K * u2))
+    return 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * _C * (1.0 + 3.0 * _K * u2)
 
 
 class FeedForward(Module):
@@ -507,4 +510,6 @@ class Embedding(Module):
         d2 = dy.reshape(-1, self.d_model).astype(cdt, copy=False)
         onehot = (tokens.reshape(-1)[:, None] == self.xp.arange(self.vocab)[None, :]).astype(cdt)
         self.accumulate("E", onehot.T @ d2)
-        self.accumulate("P", dy.astype(cdt, copy=False).sum(axis=0))
+        dp = self.xp.zeros((self.max_len, self.d_model), dtype=cdt)
+        dp[: tokens.shape[1]] = dy.astype(cdt, copy=False).sum(axis=0)
+        self.accumulate("P", dp)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 import pynorm
-from pynorm.blocks import Adam, SequenceModel, sort_task, train_step
+from pynorm.blocks import Adam, SequenceModel, cross_entropy, sort_task, train_step
 
 PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
 LABELS = {"post": "Post-LN", "pre": "Pre-LN", "sandwich": "Sandwich", "deepnorm": "DeepNorm"}
@@ -58,7 +58,9 @@ def pick_backend(requested: str, quick: bool) -> tuple[str, str]:
     avail = {b.name: b.available for b in pynorm.list_backends()}
     if requested != "auto":
         if not avail.get(requested, False):
-            raise SystemExit(f"backend {requested!r} is not available here: {pynorm._registry.unavailable_reason(requested)}")
+            raise SystemExit(
+                f"backend {requested!r} is not available here: {pynorm._registry.unavailable_reason(requested)}"
+            )
         return requested, "requested"
     if avail.get("cupy"):
         try:
@@ -94,8 +96,6 @@ def run(cfg: Config, backend: str, progress: Any = None) -> dict[str, Any]:
             m = _model(cfg, pl, depth, backend)
             t0 = time.perf_counter()
             logits, ctx = m.forward(m.xp.asarray(init_tokens))
-            from pynorm.blocks import cross_entropy
-
             loss, dl = cross_entropy(logits, m.xp.asarray(init_targets), m.xp)
             m.backward(dl, ctx)
             g = m.stack.layer_grad_norms()
@@ -127,7 +127,7 @@ def run(cfg: Config, backend: str, progress: Any = None) -> dict[str, Any]:
             seconds = time.perf_counter() - t0
             # held-out accuracy: the share of positions whose argmax is the sorted token
             tok, tgt = sort_task(np.random.default_rng(cfg.seed + 3), 256, cfg.seq_len, cfg.vocab)
-            logits, _ = m.forward(m.xp.asarray(tok))
+            logits, _ = m.forward(m.xp.asarray(tok), checkpoint=True)  # keeps only the blocks' inputs
             pred = _to_host(logits.argmax(axis=-1))
             acc = float(np.mean(pred == tgt)) if diverged_at is None else float("nan")
             tail = losses[-min(20, len(losses)) :]
@@ -138,6 +138,17 @@ def run(cfg: Config, backend: str, progress: Any = None) -> dict[str, Any]:
                 "update_norm_last_step": m.stack.history["update_norm"][-1] if m.stack.history["update_norm"] else [],
             }  # fmt: skip
     return out
+
+
+def _clean(o: Any) -> Any:
+    """``o`` with NaN and infinities replaced by None (strict JSON)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
 
 
 def _ratio(g: list[float]) -> float:
@@ -201,21 +212,32 @@ def claims(cfg: Config, res: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def status(t: dict[str, Any], chance: float) -> str:
+    """``ok``, ``stuck near chance`` (final loss above 90% of chance level) or ``DIVERGED at step k``."""
+    if t["diverged_at"] is not None:
+        return f"DIVERGED at step {t['diverged_at']}"
+    return "stuck near chance" if t["final_loss"] > 0.9 * chance else "ok"
+
+
 def table(cfg: Config, res: dict[str, Any]) -> str:
-    lines = []
-    head = f"{'depth':>5s}  {'placement':9s} {'grad top/bot':>12s} {'grad max/min':>12s}  {'steps':>5s} {'loss start':>10s} {'loss end':>9s} {'acc':>6s}  status"
-    lines.append(head)
-    lines.append("-" * len(head))
+    """The console table: one row per (depth, placement)."""
+    cols = ("depth", "placement", "grad top/bot", "grad max/min", "steps", "loss start", "loss end", "acc")
+    widths = (5, 9, 12, 12, 5, 10, 9, 6)
+    head = "  ".join(f"{c:>{w}s}" if i != 1 else f"{c:{w}s}" for i, (c, w) in enumerate(zip(cols, widths)))
+    lines = [head + "  status", "-" * (len(head) + 20)]
+    chance = math.log(cfg.vocab)
     for depth in cfg.init_depths:
         for pl in PLACEMENTS:
             g = res["init"][f"{pl}/{depth}"]["grad_norm"]
+            cells = [f"{depth:5d}", f"{LABELS[pl]:9s}", f"{_ratio(g):12.2f}", f"{_spread(g):12.2f}"]
             t = res["train"].get(f"{pl}/{depth}")
             if t is None:
-                tr = f"{'-':>5s} {'-':>10s} {'-':>9s} {'-':>6s}  gradients at init only"
+                cells += [f"{'-':>5s}", f"{'-':>10s}", f"{'-':>9s}", f"{'-':>6s}", "gradients at init only"]
             else:
-                status = "ok" if t["diverged_at"] is None else f"DIVERGED at step {t['diverged_at']}"
-                tr = f"{t['steps']:5d} {np.mean(t['losses'][:10]):10.3f} {t['final_loss']:9.3f} {t['accuracy']:6.1%}  {status}"
-            lines.append(f"{depth:5d}  {LABELS[pl]:9s} {_ratio(g):12.2f} {_spread(g):12.2f}  {tr}")
+                acc = f"{t['accuracy']:6.1%}" if math.isfinite(t["accuracy"]) else f"{'-':>6s}"
+                start = float(np.mean(t["losses"][:10]))
+                cells += [f"{t['steps']:5d}", f"{start:10.3f}", f"{t['final_loss']:9.3f}", acc, status(t, chance)]
+            lines.append("  ".join(cells))
     return "\n".join(lines)
 
 
@@ -339,9 +361,16 @@ def main(argv: list[str] | None = None) -> int:
     # warm-up: the backend's first call compiles (numba) or loads its kernels
     t0 = time.perf_counter()
     warm = _model(cfg, "post", 1, backend)
-    train_step(warm, warm.xp.asarray(np.zeros((2, cfg.seq_len), dtype=np.int64)), np.zeros((2, cfg.seq_len), int), Adam())
+    train_step(
+        warm, warm.xp.asarray(np.zeros((2, cfg.seq_len), dtype=np.int64)), np.zeros((2, cfg.seq_len), int), Adam()
+    )
     warm_pre = _model(cfg, "pre", 1, backend)
-    train_step(warm_pre, warm_pre.xp.asarray(np.zeros((2, cfg.seq_len), dtype=np.int64)), np.zeros((2, cfg.seq_len), int), Adam())
+    train_step(
+        warm_pre,
+        warm_pre.xp.asarray(np.zeros((2, cfg.seq_len), dtype=np.int64)),
+        np.zeros((2, cfg.seq_len), int),
+        Adam(),
+    )
     t_warm = time.perf_counter() - t0
     print(f"backend warm-up (kernel compilation or cache load): {t_warm:.1f} s")
     total = len(PLACEMENTS) * (sum(cfg.init_depths) + sum(d * s for d, s in cfg.train_steps.items()))
@@ -354,26 +383,31 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t_start
     os.makedirs(args.out, exist_ok=True)
     jpath, ppath = os.path.join(args.out, "demo.json"), os.path.join(args.out, "demo.png")
+    conf: dict[str, Any] = asdict(cfg)
+    conf["train_steps"] = {str(k): v for k, v in cfg.train_steps.items()}
     doc = {
-        "pynorm": pynorm.__version__, "backend": backend, "backend_reason": why, "config": asdict(cfg),
+        "pynorm": pynorm.__version__, "backend": backend, "backend_reason": why, "config": conf,
         "seconds": {"total": elapsed, "warmup": t_warm}, "results": res, "claims": cl,
     }  # fmt: skip
-    doc["config"]["train_steps"] = {str(k): v for k, v in cfg.train_steps.items()}
     with open(jpath, "w") as f:
-        json.dump(doc, f, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o)
+        json.dump(_clean(doc), f, indent=1, allow_nan=False)
     print()
     print("grad top/bot: mean gradient norm of the top quarter of the blocks / the bottom quarter, at init;")
     print("grad max/min: largest / smallest block gradient norm; loss start: mean of the first 10 steps,")
-    print(f"loss end: mean of the last 20 (chance: log {cfg.vocab} = {math.log(cfg.vocab):.3f}); acc: held-out positions sorted right")
+    print(f"loss end: mean of the last 20 (chance: log {cfg.vocab} = {math.log(cfg.vocab):.3f});")
+    print("acc: share of held-out positions sorted right (chance about 1/16)")
     print(table(cfg, res))
     print("\nThe source documents' claims, as this run shows them:")
     for c in cl:
         print(f"  [{'SHOWN' if c['shown'] else 'NOT SHOWN'}] {c['claim']}: {c['evidence']}")
     not_shown = [c for c in cl if not c["shown"]]
     if not_shown:
-        print(f"  {len(not_shown)} claim(s) NOT shown by this run (small width, few steps, synthetic task; see docs/blocks.md)")
+        print(f"  {len(not_shown)} claim(s) NOT shown by this run; see docs/blocks.md for how to read them")
     wrote = plot(cfg, res, ppath)
-    print(f"\nwrote {jpath}" + (f" and {ppath}" if wrote else " (no figure: pip install matplotlib, or pip install 'pynorm[demo]')"))
+    print(
+        f"\nwrote {jpath}"
+        + (f" and {ppath}" if wrote else " (no figure: pip install matplotlib, or pip install 'pynorm[demo]')")
+    )
     print(f"total {elapsed:.1f} s on backend {backend}")
     return 0
 

@@ -189,7 +189,9 @@ def test_attention_grads(backend, qk_norm, io_norms, causal):
     x = _x(rng)
     grad_check(backend, mha, x, lambda a: mha.forward(a, pm))
     if io_norms:
-        assert {"ln_q.norm.weight", "ln_kv.norm.weight", "ln_out.norm.weight"} <= {n for n, _, _ in mha.named_parameters()}
+        assert {"ln_q.norm.weight", "ln_kv.norm.weight", "ln_out.norm.weight"} <= {
+            n for n, _, _ in mha.named_parameters()
+        }
 
 
 def test_fully_masked_rows_give_zeros_and_zero_gradients(backend):
@@ -465,7 +467,9 @@ def test_checkpointing_is_bitwise_equal(backend, placement):
         if ck:  # only the blocks' inputs are kept
             assert all(isinstance(s, type(x)) for s in ctx.saved)
         dx = st.backward(dy, ctx)
-        results.append((_np(backend, y), _np(backend, dx), {n: _np(backend, o.grads[k]) for n, o, k in st.named_parameters()}))
+        results.append(
+            (_np(backend, y), _np(backend, dx), {n: _np(backend, o.grads[k]) for n, o, k in st.named_parameters()})
+        )
     (y0, dx0, g0), (y1, dx1, g1) = results
     np.testing.assert_array_equal(y0, y1)
     np.testing.assert_array_equal(dx0, dx1)

@@ -164,8 +164,9 @@ def sort_task(rng: np.random.Generator, batch: int, seq_len: int, vocab: int) ->
 class SequenceModel(Module):
     """Token + position :class:`Embedding`, a :class:`Stack`, and a :class:`Linear` head to ``vocab`` logits.
 
-    ``forward(tokens, act_dtype=None, padding_mask=None, modality_ids=None) -> (logits, ctx)`` runs the
-    stack in ``act_dtype`` (default: the parameters' dtype); ``backward(dlogits, ctx)``.
+    ``forward(tokens, act_dtype=None, padding_mask=None, modality_ids=None, checkpoint=None) -> (logits, ctx)``
+    runs the stack in ``act_dtype`` (default: the parameters' dtype; ``checkpoint=True`` keeps only the
+    blocks' inputs, also the cheap way to run inference); ``backward(dlogits, ctx)``.
     ``stack_kw`` are :class:`Stack`'s options (``placement``, ``norm``, ``checkpoint``...).
     """
 
@@ -193,11 +194,16 @@ class SequenceModel(Module):
         self.children = {"embed": self.embed, "stack": self.stack, "head": self.head}
 
     def forward(
-        self, tokens: Any, act_dtype: Any = None, padding_mask: Any = None, modality_ids: Any = None
+        self,
+        tokens: Any,
+        act_dtype: Any = None,
+        padding_mask: Any = None,
+        modality_ids: Any = None,
+        checkpoint: bool | None = None,
     ) -> tuple[Any, Any]:
         adt = self.dtype if act_dtype is None else to_dtype(act_dtype, "act_dtype")
         e, ce = self.embed.forward(tokens, adt)
-        h, cs = self.stack.forward(e, padding_mask, modality_ids)
+        h, cs = self.stack.forward(e, padding_mask, modality_ids, checkpoint)
         logits, ch = self.head.forward(h)
         return logits, (ce, cs, ch)
 

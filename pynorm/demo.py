@@ -128,7 +128,7 @@ def run(cfg: Config, backend: str, progress: Any = None) -> dict[str, Any]:
             # held-out accuracy: the share of positions whose argmax is the sorted token
             tok, tgt = sort_task(np.random.default_rng(cfg.seed + 3), 256, cfg.seq_len, cfg.vocab)
             logits, _ = m.forward(m.xp.asarray(tok), checkpoint=True)  # keeps only the blocks' inputs
-            pred = _to_host(logits.argmax(axis=-1))
+            pred = np.asarray(_to_host(logits)).argmax(axis=-1)
             acc = float(np.mean(pred == tgt)) if diverged_at is None else float("nan")
             tail = losses[-min(20, len(losses)) :]
             out["train"][f"{pl}/{depth}"] = {

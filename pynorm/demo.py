@@ -38,7 +38,7 @@ LABELS = {"post": "Post-LN", "pre": "Pre-LN", "sandwich": "Sandwich", "deepnorm"
 @dataclass
 class Config:
     init_depths: tuple[int, ...] = (6, 24, 96, 384)
-    train_steps: dict[int, int] = field(default_factory=lambda: {6: 300, 24: 150, 96: 100})
+    train_steps: dict[int, int] = field(default_factory=lambda: {6: 300, 24: 120, 96: 80})
     d_model: int = 32
     n_heads: int = 4
     d_ff: int = 64
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", type=lambda s: tuple(int(v) for v in s.split(",")), help="depths measured at init")
     ap.add_argument(
         "--train", type=lambda s: {int(a): int(b) for a, b in (p.split(":") for p in s.split(","))},
-        help="depth:steps pairs to train, e.g. 6:300,24:150,96:100",
+        help="depth:steps pairs to train, e.g. 6:300,24:120,96:80",
     )  # fmt: skip
     ap.add_argument("--lr", type=float)
     ap.add_argument("--width", type=int, help="d_model (d_ff = 2 * width, 4 heads)")

@@ -88,20 +88,36 @@ class Module:
         self.params: dict[str, Any] = {}
         self.grads: dict[str, Any] = {}
         self.children: dict[str, Any] = {}
+        self._named: list[tuple[str, Any, str]] | None = None
 
     # -- parameters ---------------------------------------------------------------
     def add_param(self, name: str, value: Any) -> None:
         """Register parameter ``name`` (converted to this module's dtype and array module)."""
         self.params[name] = self.xp.asarray(np.asarray(value).astype(self.dtype))
         self.grads[name] = self.xp.zeros_like(self.params[name])
+        self._named = None
 
     def accumulate(self, name: str, g: Any) -> None:
         """Add ``g`` into ``grads[name]`` (in the parameter's dtype)."""
         self.grads[name] += g.astype(self.grads[name].dtype, copy=False).reshape(self.grads[name].shape)
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
-        """``(dotted name, owner, key)`` of every parameter: ``owner.params[key]`` / ``owner.grads[key]``."""
-        yield from _named(self, prefix)
+        """``(dotted name, owner, key)`` of every parameter: ``owner.params[key]`` / ``owner.grads[key]``.
+
+        The list is built once (the optimizer walks it every step); call :meth:`refresh` after adding
+        children or parameters to a module some other way than :meth:`add_param`.
+        """
+        if self._named is None:
+            self._named = list(_named(self, ""))
+        for name, owner, key in self._named:
+            yield f"{prefix}{name}", owner, key
+
+    def refresh(self) -> None:
+        """Forget the cached parameter list (after changing ``children`` or ``params`` by hand)."""
+        self._named = None
+        for child in self.children.values():
+            if isinstance(child, Module):
+                child.refresh()
 
     def zero_grad(self) -> None:
         """Reset every accumulated gradient (this module's and its children's) to zero."""

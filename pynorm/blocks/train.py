@@ -82,16 +82,20 @@ class Adam:
             if total > self.clip:
                 inv *= self.clip / total
         c1, c2 = 1.0 - b1**self.t, 1.0 - b2**self.t
+        step, rc2 = -lr / c1, 1.0 / math.sqrt(c2)
         out = {}
         for name, owner, key in named:
             p, g = owner.params[key], owner.grads[key] * inv
             if name not in self.m:
                 self.m[name], self.v[name] = owner.xp.zeros_like(p), owner.xp.zeros_like(p)
-            m = self.m[name] = b1 * self.m[name] + (1 - b1) * g
-            v = self.v[name] = b2 * self.v[name] + (1 - b2) * g * g
-            delta = (-lr * (m / c1) / (owner.xp.sqrt(v / c2) + self.eps)).astype(p.dtype)
+            m, v = self.m[name], self.v[name]
+            m *= b1
+            m += (1 - b1) * g
+            v *= b2
+            v += (1 - b2) * (g * g)
+            delta = (step * m / (owner.xp.sqrt(v) * rc2 + self.eps)).astype(p.dtype, copy=False)
             owner.params[key] = p + delta
-            out[name] = float(owner.xp.sqrt((delta.astype(np.float64) ** 2).sum()))
+            out[name] = math.sqrt(float((delta * delta).sum()))
         return out
 
 

@@ -134,8 +134,8 @@ def run(cfg: Config, backend: str, progress: Any = None) -> dict[str, Any]:
             out["train"][f"{pl}/{depth}"] = {
                 "placement": pl, "depth": depth, "steps": len(losses), "losses": losses,
                 "final_loss": float(np.mean(tail)), "accuracy": acc, "diverged_at": diverged_at,
-                "seconds": seconds, "grad_norm_first_step": m.stack.history["grad_norm"][0],
-                "update_norm_last_step": m.stack.history["update_norm"][-1] if m.stack.history["update_norm"] else [],
+                "seconds": seconds, "grad_norm_per_step": m.stack.history["grad_norm"],
+                "update_norm_per_step": m.stack.history["update_norm"],
             }  # fmt: skip
     return out
 
@@ -302,7 +302,8 @@ class _Progress:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, unit="block-step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+                self.bar = tqdm(total=total, unit="block-step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                                disable=None)  # fmt: skip  # None: off when stderr is not a terminal
             except ImportError:
                 self.bar = None
 
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {"total": elapsed, "warmup": t_warm}, "results": res, "claims": cl,
     }  # fmt: skip
     with open(jpath, "w") as f:
-        json.dump(_clean(doc), f, indent=1, allow_nan=False)
+        json.dump(_clean(doc), f, allow_nan=False)
     print()
     print("grad top/bot: mean gradient norm of the top quarter of the blocks / the bottom quarter, at init;")
     print("grad max/min: largest / smallest block gradient norm; loss start: mean of the first 10 steps,")

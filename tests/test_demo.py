@@ -24,7 +24,9 @@ def test_tiny_demo_run(backend, tmp_path, capsys):
         assert len(res["init"][f"{pl}/3"]["grad_norm"]) == 3
         assert all(g > 0 for g in res["init"][f"{pl}/2"]["grad_norm"])
         t = res["train"][f"{pl}/2"]
-        assert t["steps"] == 4 and len(t["losses"]) == 4 and len(t["update_norm_last_step"]) == 2
+        assert t["steps"] == 4 and len(t["losses"]) == 4
+        assert len(t["update_norm_per_step"]) == 4 and len(t["update_norm_per_step"][-1]) == 2
+        assert len(t["grad_norm_per_step"]) == 4 and all(len(g) == 2 for g in t["grad_norm_per_step"])
     assert {"claim", "evidence", "shown"} <= set(doc["claims"][0])
     try:
         import matplotlib  # noqa: F401

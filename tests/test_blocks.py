@@ -329,6 +329,8 @@ def test_placement_formulas(backend, placement):
         ("post", "rms", {}),
         ("sandwich", "scale", {}),
         ("deepnorm", "layer", {"learnable_alpha": True}),
+        ("deepnorm", "rms", {}),
+        ("deepnorm", "dyt", {"learnable_alpha": True}),
         ("pre", "dyt", {"qk_norm": "rms"}),
         ("post", "modality", {"io_norms": True}),
     ],

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._registry import Backend, BackendInfo, list_backends, list_ops, register_backend, use_backend
+from .blocks.deepnorm import deepnorm_constants
 from .errors import (
     ArgumentError,
     ArrayTypeError,
@@ -116,6 +117,7 @@ __all__ = [
     "conditional_rms_norm",
     "conditional_rms_norm_backward",
     "conditional_rms_norm_forward",
+    "deepnorm_constants",
     "dyt",
     "dyt_backward",
     "dyt_forward",
@@ -171,7 +173,7 @@ def get_num_threads() -> int:
 
 def __getattr__(name: str) -> Any:
     # lazy submodules: keep ``import pynorm`` cheap
-    if name in ("layers", "testing"):
+    if name in ("layers", "testing", "blocks"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -1,8 +1,11 @@
-"""``python -m pynorm``: run every op on every available backend against the reference.
+"""``python -m pynorm``: the depth demo, the per-op self-test, the registry, the CPU benchmark.
 
 Subcommands:
 
-* (none) or ``demo`` -- for each op, backend and dtype: forward and backward on a
+* (none) or ``demo`` -- the depth demo (:mod:`pynorm.demo`): Post-LN, Pre-LN, Sandwich and
+  DeepNorm stacks of depths 6 to 384, gradient norms per layer at initialisation, a few hundred
+  Adam steps on a synthetic sort task, a figure, a JSON and a table (``demo --help``);
+* ``selftest`` -- for each op, backend and dtype: forward and backward on a
   random input, the largest error against the ``numpy`` reference (relative to
   the largest reference value of that tensor), and a float64 gradient check of
   the backend's backward against finite differences;
@@ -49,7 +52,7 @@ def _rel(a: Any, b: Any) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
 
 
-def demo(rows: int = 64, hidden: int = 384) -> int:
+def selftest(rows: int = 64, hidden: int = 384) -> int:
     print(f"pynorm {pynorm.__version__}: every op on every available backend vs the numpy reference")
     for info in pynorm.list_backends():
         state = "available" if info.available else f"unavailable: {info.reason}"
@@ -125,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         from . import benchmark
 
         return int(benchmark.main(argv[1:]) or 0)
+    if not argv or argv[0] == "demo" or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        from . import demo
+
+        return int(demo.main(argv[1:] if argv and argv[0] == "demo" else argv) or 0)
     parser = argparse.ArgumentParser(prog="python -m pynorm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", nargs="?", default="demo", choices=["demo", "backends", "bench"])
+    parser.add_argument("command", choices=["demo", "selftest", "backends", "bench"])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=384)
     args = parser.parse_args(argv)
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{info.name}: {info.array_type}, priority {info.priority}, available={info.available}", end="")
             print(f" ({info.reason})" if info.reason else "", f"ops: {', '.join(info.ops) or '-'}")
         return 0
-    return demo(args.rows, args.hidden)
+    return selftest(args.rows, args.hidden)
 
 
 if __name__ == "__main__":

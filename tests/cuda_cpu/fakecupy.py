@@ -434,6 +434,16 @@ def broadcast_to(a: ndarray, shape: Any) -> ndarray:
     return ndarray(np.broadcast_to(a._a, shape))
 
 
+def where(condition: Any, x: Any, y: Any) -> ndarray:
+    """``cupy.where`` (pynorm.blocks' masked softmax)."""
+    return ndarray(_to_device(np.where(_unwrap(condition), _unwrap(x), _unwrap(y))))
+
+
+def tril(a: Any, k: int = 0) -> ndarray:
+    """``cupy.tril`` (pynorm.blocks' causal mask)."""
+    return ndarray(_to_device(np.tril(_unwrap(a), k)))
+
+
 def may_share_memory(a: Any, b: Any, max_work: Any = None) -> bool:
     return bool(np.may_share_memory(_unwrap(a), _unwrap(b)))
 
@@ -878,7 +888,7 @@ def module() -> types.ModuleType:
     names = [
         "ndarray", "empty", "full", "zeros", "ones", "empty_like", "zeros_like", "ones_like", "full_like",
         "array", "asarray", "ascontiguousarray", "asnumpy", "arange", "isfinite", "broadcast_to", "may_share_memory",
-        "shares_memory",
+        "shares_memory", "where", "tril",
         "is_available", "get_default_memory_pool", "get_default_pinned_memory_pool", "RawModule", "RawKernel",
         "HarnessError",
     ]  # fmt: skip
@@ -886,6 +896,8 @@ def module() -> types.ModuleType:
         setattr(m, n, globals()[n])
     for n in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
               "uint64", "bool_", "dtype", "nan", "inf"):  # fmt: skip
+        setattr(m, n, getattr(np, n))
+    for n in ("exp", "log", "sqrt", "tanh"):  # NumPy's ufuncs act on the stand-in through __array_ufunc__
         setattr(m, n, getattr(np, n))
     m.cuda = cuda  # type: ignore[attr-defined]
     m.__version__ = "14.0.0+cuda-cpu-harness"  # type: ignore[attr-defined]

@@ -1,0 +1,59 @@
+"""Transformer blocks over pynorm's ops, each with a hand-written backward.
+
+* sublayers: :class:`Linear`, :class:`FeedForward` (tanh GELU), :class:`MultiHeadAttention` (QK-norm,
+  the ``ln_q``/``ln_kv``/``ln_out`` variant, causal and padding masks), :class:`Norm`, :class:`Embedding`;
+* :class:`Block` in the ``pre``, ``post``, ``sandwich`` and ``deepnorm`` placements,
+  :func:`deepnorm_constants`;
+* :class:`Stack` (per-layer gradient norms and update sizes, the multimodal hybrid, gradient
+  checkpointing);
+* training: :class:`Adam`, :class:`LossScaler` (dynamic loss scaling), :class:`SequenceModel`,
+  :func:`cross_entropy`, :func:`train_step` (fp32 or float16/bfloat16 activations).
+
+Formulas, gradients and the depth demo: ``docs/blocks.md``.
+"""
+
+from __future__ import annotations
+
+from ._base import Module
+from .block import PLACEMENTS, Block
+from .deepnorm import deepnorm_constants
+from .stack import Stack, StackCtx
+from .sublayers import (
+    NORM_KINDS,
+    Embedding,
+    FeedForward,
+    Linear,
+    MultiHeadAttention,
+    Norm,
+    gelu_tanh,
+    gelu_tanh_grad,
+    masked_softmax,
+    masked_softmax_backward,
+)
+from .train import Adam, LossScaler, SequenceModel, StepResult, cross_entropy, sort_task, train_step
+
+__all__ = [
+    "NORM_KINDS",
+    "PLACEMENTS",
+    "Adam",
+    "Block",
+    "Embedding",
+    "FeedForward",
+    "Linear",
+    "LossScaler",
+    "Module",
+    "MultiHeadAttention",
+    "Norm",
+    "SequenceModel",
+    "Stack",
+    "StackCtx",
+    "StepResult",
+    "cross_entropy",
+    "deepnorm_constants",
+    "gelu_tanh",
+    "gelu_tanh_grad",
+    "masked_softmax",
+    "masked_softmax_backward",
+    "sort_task",
+    "train_step",
+]

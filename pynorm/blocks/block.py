@@ -1,0 +1,175 @@
+r"""A Transformer block (attention + feed-forward sublayers) in one of four residual placements.
+
+With :math:`f` a sublayer (attention, then feed-forward) and :math:`n` a norm:
+
+==============  =================================================  ==================================
+placement       sublayer output                                     source
+==============  =================================================  ==================================
+``"pre"``       :math:`x + f(n(x))`                                 Pre-LN (GPT-2, Llama)
+``"post"``      :math:`n(x + f(x))`                                 Post-LN (the original Transformer)
+``"sandwich"``  :math:`x + n_{out}(f(n_{in}(x)))`                   Sandwich-LN (CogView), NormFormer-like
+``"deepnorm"``  :math:`n(\alpha x + f(x))`, Xavier gain β on        DeepNet (Wang et al. 2022)
+                ``fc1``, ``fc2``, ``v``, ``o`` (1 on ``q``, ``k``)
+==============  =================================================  ==================================
+
+Backward, per sublayer (``dy`` the gradient of its output):
+
+* pre: :math:`dx = dy + n'^T\!\big(f'^T dy\big)`;
+* post / deepnorm: :math:`dh = n'^T dy`, :math:`dx = \alpha\, dh + f'^T dh` (:math:`\alpha = 1` for post);
+  with a learnable α, :math:`d\alpha = \sum dh \odot x`;
+* sandwich: :math:`dx = dy + n_{in}'^T\big(f'^T (n_{out}'^T dy)\big)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import functional as F
+from ..errors import ArgumentError
+from ._base import Module, choice, compute_dtype, positive_int
+from .deepnorm import deepnorm_constants
+from .sublayers import FeedForward, MultiHeadAttention, Norm, _cast
+
+__all__ = ["PLACEMENTS", "Block"]
+
+PLACEMENTS = ("pre", "post", "sandwich", "deepnorm")
+
+
+def _add(x: Any, f: Any) -> Any:
+    cdt = compute_dtype(x.dtype)
+    return _cast(x.astype(cdt, copy=False) + f.astype(cdt, copy=False), x.dtype)
+
+
+class Block(Module):
+    r"""Attention then feed-forward, each wrapped in the residual ``placement`` (see the module docs).
+
+    Parameters
+    ----------
+    d_model, n_heads : width and heads. d_ff : feed-forward width (default ``4 * d_model``).
+    placement : ``"pre"``, ``"post"``, ``"sandwich"`` or ``"deepnorm"``.
+    norm : the norms' kind: ``"layer"``, ``"rms"``, ``"scale"``, ``"dyt"`` or ``"modality"``
+        (per-modality parameter tables of kind ``modality_kind``, ``n_modalities`` of them; the
+        forward then needs ``modality_ids``).
+    qk_norm, io_norms, causal : the attention's options (:class:`~pynorm.blocks.MultiHeadAttention`).
+    alpha, beta : DeepNorm's constants; default :func:`pynorm.deepnorm_constants` for ``n_layers``
+        blocks (``"decoder"`` when ``causal``, else ``"encoder"``). Only for ``placement="deepnorm"``.
+    learnable_alpha : make DeepNorm's ``alpha`` a trainable scalar (``params["alpha"]``) starting at the
+        paper's value -- the first source document's reading; the paper keeps it fixed (default).
+    eps : the norms' eps (default: each norm's own). rng : Generator or seed. dtype, backend, xp.
+
+    ``forward(x, padding_mask=None, modality_ids=None) -> (y, ctx)`` with ``x`` of shape
+    ``(B, T, d_model)``; ``backward(dy, ctx) -> dx``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int | None = None,
+        *,
+        placement: str = "pre",
+        norm: str = "layer",
+        modality_kind: str = "layer",
+        n_modalities: int | None = None,
+        qk_norm: str | None = None,
+        io_norms: bool = False,
+        causal: bool = False,
+        alpha: float | None = None,
+        beta: float | None = None,
+        n_layers: int | None = None,
+        learnable_alpha: bool = False,
+        eps: float | None = None,
+        rng: Any = None,
+        dtype: Any = np.float32,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(dtype, xp, backend)
+        self.placement = choice(placement, "placement", PLACEMENTS)
+        self.norm_kind = choice(norm, "norm", ("layer", "rms", "scale", "dyt", "modality"))
+        d_model = positive_int(d_model, "d_model")
+        if placement == "deepnorm":
+            if alpha is None or beta is None:
+                if n_layers is None:
+                    raise ArgumentError("placement='deepnorm' needs n_layers (or both alpha and beta)")
+                arch = "decoder" if causal else "encoder"
+                a0, b0 = deepnorm_constants(arch, **{"M" if causal else "N": positive_int(n_layers, "n_layers")})
+                alpha = a0 if alpha is None else alpha
+                beta = b0 if beta is None else beta
+            self.alpha, self.beta = F.check_real(alpha, "alpha"), F.check_real(beta, "beta")
+        else:
+            if learnable_alpha or alpha is not None or beta is not None:
+                raise ArgumentError(f"alpha, beta and learnable_alpha are DeepNorm's; placement is {placement!r}")
+            self.alpha, self.beta = 1.0, 1.0
+        self.learnable_alpha = bool(learnable_alpha)
+        if self.learnable_alpha:
+            self.add_param("alpha", np.full((1,), self.alpha))
+        rng = np.random.default_rng(rng)
+        g = self.beta
+        self.attn = MultiHeadAttention(
+            d_model, n_heads, qk_norm=qk_norm, io_norms=io_norms, causal=causal, v_gain=g, o_gain=g, eps=eps,
+            rng=rng, dtype=dtype, backend=backend, xp=self.xp,
+        )  # fmt: skip
+        self.ffn = FeedForward(d_model, d_ff, gain=g, rng=rng, dtype=dtype, backend=backend, xp=self.xp)
+        nkw = {"eps": eps, "modality_kind": modality_kind, "n_modalities": n_modalities, "dtype": dtype}
+        nkw |= {"backend": backend, "xp": self.xp}
+        names = ("norm1_in", "norm1_out", "norm2_in", "norm2_out") if placement == "sandwich" else ("norm1", "norm2")
+        self.norms = {n: Norm(d_model, norm, **nkw) for n in names}
+        self.children = {"attn": self.attn, "ffn": self.ffn, **self.norms}
+
+    @property
+    def needs_ids(self) -> bool:
+        return self.norm_kind == "modality"
+
+    def _alpha(self) -> float:
+        return float(self.params["alpha"][0]) if self.learnable_alpha else self.alpha
+
+    def _sub(self, i: int, x: Any, pm: Any, ids: Any) -> tuple[Any, Any]:
+        def f(z: Any) -> tuple[Any, Any]:
+            return self.attn.forward(z, pm) if i == 0 else self.ffn.forward(z)
+
+        k = str(i + 1)
+        pl = self.placement
+        if pl == "pre":
+            z, cn = self.norms[f"norm{k}"].forward(x, ids)
+            fz, cf = f(z)
+            return _add(x, fz), (cn, cf)
+        if pl == "sandwich":
+            z, cin = self.norms[f"norm{k}_in"].forward(x, ids)
+            fz, cf = f(z)
+            o, cout = self.norms[f"norm{k}_out"].forward(fz, ids)
+            return _add(x, o), (cin, cf, cout)
+        fx, cf = f(x)
+        y, cn = self.norms[f"norm{k}"].forward_add(fx, x, self._alpha() if pl == "deepnorm" else 1.0, ids)
+        return y, (cf, cn, x)  # alpha is in cn
+
+    def _sub_back(self, i: int, dy: Any, ctx: Any) -> Any:
+        fb = self.attn.backward if i == 0 else self.ffn.backward
+        k = str(i + 1)
+        pl = self.placement
+        if pl == "pre":
+            cn, cf = ctx
+            return _add(dy, self.norms[f"norm{k}"].backward(fb(dy, cf), cn))
+        if pl == "sandwich":
+            cin, cf, cout = ctx
+            do = self.norms[f"norm{k}_out"].backward(dy, cout)
+            return _add(dy, self.norms[f"norm{k}_in"].backward(fb(do, cf), cin))
+        cf, cn, x = ctx
+        dh, dres = self.norms[f"norm{k}"].backward_add(dy, cn)
+        if self.learnable_alpha:
+            cdt = compute_dtype(dh.dtype, self.dtype)
+            self.accumulate("alpha", (dh.astype(cdt) * x.astype(cdt)).sum().reshape(1))
+        return _add(dres, fb(dh, cf))
+
+    def forward(self, x: Any, padding_mask: Any = None, modality_ids: Any = None) -> tuple[Any, Any]:
+        if self.needs_ids and modality_ids is None:
+            raise ArgumentError("norm='modality' needs modality_ids of shape (B, T)")
+        h, c1 = self._sub(0, x, padding_mask, modality_ids)
+        y, c2 = self._sub(1, h, padding_mask, modality_ids)
+        return y, (c1, c2)
+
+    def backward(self, dy: Any, ctx: Any) -> Any:
+        c1, c2 = ctx
+        return self._sub_back(0, self._sub_back(1, dy, c2), c1)

@@ -1,0 +1,199 @@
+r"""A stack of :class:`~pynorm.blocks.Block` s: one forward and one backward through all of it,
+per-layer gradient norms and update sizes, the multimodal hybrid configuration, and gradient
+checkpointing.
+
+**Checkpointing** (``checkpoint=True``): forward keeps only each block's *input* (one
+``(B, T, d_model)`` array per block) and drops the block's ``ctx``; backward recomputes each block's
+forward from its saved input, just before that block's backward. The recomputation runs the same
+operations on the same inputs, so the gradients are bitwise equal to those without checkpointing;
+the peak activation memory drops from all blocks' contexts to the inputs plus one block's context,
+at the price of a second forward (``bench/bench_checkpoint.py`` measures it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError, ShapeError
+from ._base import Module, choice, positive_int
+from .block import PLACEMENTS, Block
+from .sublayers import Norm
+
+__all__ = ["Stack", "StackCtx"]
+
+
+@dataclass
+class StackCtx:
+    """What :meth:`Stack.backward` needs: each block's ctx, or (checkpointed) each block's input."""
+
+    checkpointed: bool
+    saved: list[Any]
+    final: Any
+    padding_mask: Any
+    modality_ids: Any
+
+
+class Stack(Module):
+    r"""``n_layers`` blocks, then an optional final norm.
+
+    Parameters
+    ----------
+    n_layers, d_model, n_heads, d_ff : sizes (``d_ff`` default ``4 * d_model``).
+    placement : ``"pre"``, ``"post"``, ``"sandwich"`` or ``"deepnorm"`` (every block). DeepNorm's
+        ``alpha``/``beta`` default to :func:`pynorm.deepnorm_constants` with ``N = n_layers``
+        (``"decoder"`` with ``M = n_layers`` when ``causal``).
+    norm : the norm kind of every block (``"layer"``, ``"rms"``, ``"scale"``, ``"dyt"``, ``"modality"``).
+    hybrid_layers : ``k`` -- the multimodal *hybrid* configuration: the lowest ``k`` blocks use
+        modality-specific norms (parameter tables of kind ``norm``, ``n_modalities`` rows; needs
+        ``norm`` in ``"layer"``, ``"rms"``), the blocks above share one norm across modalities.
+    n_modalities : number of modalities (for ``norm="modality"`` or ``hybrid_layers``).
+    final_norm : a norm after the last block (default: True for ``pre`` and ``sandwich``, whose output
+        is not normalized, False for ``post`` and ``deepnorm``).
+    checkpoint : gradient checkpointing by default (``forward(checkpoint=...)`` overrides it).
+    record : append per-layer gradient norms to ``history["grad_norm"]`` after each backward.
+    qk_norm, io_norms, causal, learnable_alpha, eps, seed, dtype, backend, xp : passed to each block.
+
+    ``forward(x, padding_mask=None, modality_ids=None, checkpoint=None) -> (y, StackCtx)``;
+    ``backward(dy, ctx) -> dx``. Parameter names are ``layers.<i>.<...>`` and ``final_norm.<...>``.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int | None = None,
+        *,
+        placement: str = "pre",
+        norm: str = "layer",
+        hybrid_layers: int = 0,
+        n_modalities: int | None = None,
+        final_norm: bool | None = None,
+        qk_norm: str | None = None,
+        io_norms: bool = False,
+        causal: bool = False,
+        learnable_alpha: bool = False,
+        eps: float | None = None,
+        checkpoint: bool = False,
+        record: bool = True,
+        seed: int | None = 0,
+        dtype: Any = np.float32,
+        backend: str | None = None,
+        xp: Any = None,
+    ) -> None:
+        super().__init__(dtype, xp, backend)
+        self.n_layers = positive_int(n_layers, "n_layers")
+        self.placement = choice(placement, "placement", PLACEMENTS)
+        if isinstance(hybrid_layers, bool) or not isinstance(hybrid_layers, (int, np.integer)):
+            raise ArgumentError(f"hybrid_layers must be an int in [0, n_layers], got {hybrid_layers!r}")
+        if not 0 <= hybrid_layers <= self.n_layers:
+            raise ArgumentError(f"hybrid_layers must be in [0, {self.n_layers}], got {hybrid_layers}")
+        if hybrid_layers and norm not in ("layer", "rms"):
+            raise ArgumentError(f"hybrid_layers needs norm='layer' or 'rms' (the modality tables' kind), got {norm!r}")
+        self.hybrid_layers = int(hybrid_layers)
+        self.checkpoint = bool(checkpoint)
+        self.record = bool(record)
+        rng = np.random.default_rng(seed)
+        self.blocks: list[Block] = []
+        for i in range(self.n_layers):
+            kind = "modality" if i < self.hybrid_layers else norm
+            self.blocks.append(
+                Block(
+                    d_model,
+                    n_heads,
+                    d_ff,
+                    placement=placement,
+                    norm=kind,
+                    modality_kind=norm if kind == "modality" else "layer",
+                    n_modalities=n_modalities,
+                    qk_norm=qk_norm,
+                    io_norms=io_norms,
+                    causal=causal,
+                    n_layers=self.n_layers if placement == "deepnorm" else None,
+                    learnable_alpha=learnable_alpha,
+                    eps=eps,
+                    rng=rng,
+                    dtype=dtype,
+                    backend=backend,
+                    xp=self.xp,
+                )
+            )
+        self.children = {f"layers.{i}": b for i, b in enumerate(self.blocks)}
+        if final_norm is None:
+            final_norm = placement in ("pre", "sandwich")
+        self.final_norm = None
+        if final_norm:
+            self.final_norm = Norm(
+                d_model, norm, eps=eps, n_modalities=n_modalities, dtype=dtype, backend=backend, xp=self.xp
+            )
+            self.children["final_norm"] = self.final_norm
+        self.history: dict[str, list[list[float]]] = {"grad_norm": [], "update_norm": []}
+
+    @property
+    def needs_ids(self) -> bool:
+        return any(b.needs_ids for b in self.blocks) or (self.final_norm is not None and self.final_norm.needs_ids)
+
+    def forward(
+        self, x: Any, padding_mask: Any = None, modality_ids: Any = None, checkpoint: bool | None = None
+    ) -> tuple[Any, StackCtx]:
+        if x.ndim != 3:
+            raise ShapeError(f"x must have shape (B, T, d_model), got {tuple(x.shape)}")
+        if self.needs_ids and modality_ids is None:
+            raise ArgumentError("this stack has modality-specific norms: pass modality_ids of shape (B, T)")
+        ck = self.checkpoint if checkpoint is None else bool(checkpoint)
+        saved: list[Any] = []
+        h = x
+        for blk in self.blocks:
+            if ck:
+                saved.append(h)
+                h, _ = blk.forward(h, padding_mask, modality_ids)
+            else:
+                h, c = blk.forward(h, padding_mask, modality_ids)
+                saved.append(c)
+        cf = None
+        if self.final_norm is not None:
+            h, cf = self.final_norm.forward(h, modality_ids)
+        return h, StackCtx(ck, saved, cf, padding_mask, modality_ids)
+
+    def backward(self, dy: Any, ctx: StackCtx) -> Any:
+        if self.final_norm is not None:
+            dy = self.final_norm.backward(dy, ctx.final)
+        for i in reversed(range(self.n_layers)):
+            blk = self.blocks[i]
+            if ctx.checkpointed:
+                _, c = blk.forward(ctx.saved[i], ctx.padding_mask, ctx.modality_ids)  # recompute
+            else:
+                c = ctx.saved[i]
+            dy = blk.backward(dy, c)
+            del c
+        if self.record:
+            self.history["grad_norm"].append(self.layer_grad_norms())
+        return dy
+
+    # -- per-layer measurements -----------------------------------------------------------------
+    def _per_layer(self, values: dict[str, float]) -> list[float]:
+        sq = [0.0] * self.n_layers
+        for name, v in values.items():
+            if name.startswith("layers."):
+                sq[int(name.split(".")[1])] += float(v) ** 2
+        return [float(np.sqrt(s)) for s in sq]
+
+    def layer_grad_norms(self) -> list[float]:
+        """The L2 norm of each block's accumulated parameter gradients (all its parameters together)."""
+        vals = {}
+        for name, owner, key in self.named_parameters():
+            g = owner.grads[key]
+            vals[name] = float(owner.xp.sqrt((g.astype(np.float64) ** 2).sum()))
+        return self._per_layer(vals)
+
+    def record_updates(self, update_norms: dict[str, float]) -> list[float]:
+        """Aggregate an optimizer's per-parameter update norms (``{name: ||delta||}``, names as
+        :meth:`named_parameters` gives them, with or without a prefix ending in ``layers.``) per block;
+        appended to ``history["update_norm"]`` and returned."""
+        strip = {n[n.index("layers.") :]: v for n, v in update_norms.items() if "layers." in n}
+        out = self._per_layer(strip)
+        self.history["update_norm"].append(out)
+        return out

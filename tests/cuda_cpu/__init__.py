@@ -55,7 +55,7 @@ def install() -> None:
         raise RuntimeError("a real cupy module is already imported; the harness will not replace it")
     from . import fakecupy
 
-    fakecupy.ALL_NAMES_HOOK = _pynorm_kernel_names
+    fakecupy.ALL_GROUPS_HOOK = _pynorm_kernel_groups
     sys.modules["cupy"] = fakecupy.module()
     sys.modules["cupy.cuda"] = fakecupy.cuda
     sys.modules["cupy.cuda.runtime"] = fakecupy.runtime_mod
@@ -63,15 +63,16 @@ def install() -> None:
     sys.modules["cupy.cuda.compiler"] = fakecupy.compiler_mod
 
 
-_names_by_source: dict[str, list[str]] = {}
+_groups_by_source: dict[str, list[list[str]]] = {}
 
 
-def _pynorm_kernel_names(code: str) -> list[str] | None:
-    """Every instantiation of one of pynorm's kernel files, given its assembled source (else None):
-    one NVRTC compilation then yields the register figures of all its modules."""
-    if not _names_by_source:
+def _pynorm_kernel_groups(code: str) -> list[list[str]] | None:
+    """Every instantiation of one of pynorm's kernel files, given its assembled source (else None), in the
+    groups that compile independently (one per op variant, :func:`pynorm.backends.cupy._loader.instantiation_groups`):
+    their NVRTC compilations then yield the register figures of all the file's modules."""
+    if not _groups_by_source:
         from pynorm.backends.cupy import _loader
 
         for f in _loader.KERNELS:
-            _names_by_source[_loader.assemble(f)] = _loader.instantiations(f)
-    return _names_by_source.get(code)
+            _groups_by_source[_loader.assemble(f)] = _loader.instantiation_groups(f)
+    return _groups_by_source.get(code)

@@ -13,6 +13,7 @@ the system's temporary directory), so a test session compiles each module once.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,7 +335,7 @@ def build_module(code: str, names: tuple[str, ...], options: tuple[str, ...] = (
     out = cache_dir() / f"module-{key}.so"
     with _build_locks_lock:
         lock = _build_locks.setdefault(key, threading.Lock())
-    with lock:
+    with lock, _across_processes(out):
         if not out.exists():
             rt_path = Path(rt._name)
             _compile(
@@ -342,3 +344,18 @@ def build_module(code: str, names: tuple[str, ...], options: tuple[str, ...] = (
                 (*defs, *SANITIZE, str(rt_path), f"-Wl,-rpath,{rt_path.parent}", "-Wl,--no-undefined", "-ldl"),
             )
     return Built(out, src)
+
+
+@contextlib.contextmanager
+def _across_processes(out: Path) -> Iterator[None]:
+    """Hold the lock file of ``out`` (``fcntl.flock``): a module two pytest-xdist workers need at once is
+    compiled by one while the other waits, instead of by both (released when its holder exits, too)."""
+    import fcntl
+
+    fd = os.open(f"{out}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

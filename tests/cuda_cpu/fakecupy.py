@@ -36,6 +36,7 @@ import sys
 import threading
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -533,18 +534,89 @@ _C_TYPES = {
 }
 
 
-#: ``hook(code) -> every name expression of that source, or None``: lets one NVRTC compilation of a
-#: source serve all its modules (tests/cuda_cpu/__init__.py installs one for pynorm's kernel files)
-ALL_NAMES_HOOK: Any = None
+#: ``hook(code) -> the name expressions of that source in groups that compile independently, or None``: lets
+#: the NVRTC compilations of a source serve all its modules, spread over threads and over processes
+#: (tests/cuda_cpu/__init__.py installs one for pynorm's kernel files)
+ALL_GROUPS_HOOK: Any = None
 _stats_lock = threading.Lock()
 _code_locks: dict[str, threading.Lock] = {}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _compile_stats(code: str, names: list[str], extra: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    from pynorm.backends.cupy import compile_check as cc
+
+    res = cc.compile_source(code, names, ARCH, filename="module.cu", options=extra)
+    if any("compilation failed" in e for e in res.errors) or not res.kernels:
+        raise CompileException("\n".join(res.errors))
+    return {k.name: {"regs": k.registers, "smem": k.smem, "local": k.stack} for k in res.kernels}
+
+
+def _group_path(key: str, group: list[str]) -> Path:
+    """The cache file of one group's stats (its lock file: the same name with ``.lock``)."""
+    return build.cache_dir() / f"nvrtc-{key}-{hashlib.sha256(chr(0).join(group).encode()).hexdigest()[:16]}.json"
+
+
+def _shared_group_stats(code: str, groups: list[list[str]], extra: tuple[str, ...], key: str) -> dict[str, Any]:
+    """The stats of every group, each compiled once across threads *and* processes (pytest-xdist workers):
+    a group's result is a cache file; a process compiles the groups whose lock it gets without waiting, in a
+    thread pool, loads those others finished and waits only when every remaining group is another's."""
+    import fcntl
+    from concurrent.futures import ThreadPoolExecutor
+
+    out: dict[str, Any] = {}
+    pending = [g for g in groups if g]
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as ex:
+        while pending:
+            theirs, mine = [], []
+            for g in pending:
+                gpath = _group_path(key, g)
+                if gpath.exists():
+                    out.update(json.loads(gpath.read_text()))
+                    continue
+                fd = os.open(gpath.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    theirs.append(g)
+                    continue
+                if gpath.exists():  # finished by another process between the check and the lock
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+                    out.update(json.loads(gpath.read_text()))
+                    continue
+                mine.append((gpath, fd, ex.submit(_compile_stats, code, g, extra)))
+            for gpath, fd, fut in mine:
+                try:
+                    stats = fut.result()
+                    _write_json(gpath, stats)
+                    out.update(stats)
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+            if theirs and not mine:  # all that is left is being compiled elsewhere: wait for one of them
+                g = theirs[0]
+                gp = _group_path(key, g)
+                fd = os.open(gp.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)  # released when its holder finishes (or dies)
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+            pending = theirs
+    return out
 
 
 def _nvrtc_stats(code: str, names: tuple[str, ...], options: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """Registers, static shared memory and stack of each kernel, from NVRTC/ptxas for the modelled arch
     (what CuPy reads with cuFuncGetAttribute), cached on disk per source."""
     from pynorm.backends.cupy import _loader
-    from pynorm.backends.cupy import compile_check as cc
 
     base = set(_loader.compile_options())
     extra = tuple(o for o in options if o not in base and not o.startswith("-I"))
@@ -556,16 +628,12 @@ def _nvrtc_stats(code: str, names: tuple[str, ...], options: tuple[str, ...]) ->
         known: dict[str, dict[str, int]] = json.loads(path.read_text()) if path.exists() else {}
         missing = [n for n in names if n not in known]
         if missing:
-            everything = ALL_NAMES_HOOK(code) if ALL_NAMES_HOOK is not None else None
-            whole = everything is not None and set(missing) <= set(everything)
-            todo = [n for n in everything if n not in known] if whole else missing
-            res = cc.compile_source(code, todo, ARCH, filename="module.cu", options=extra)
-            if any("compilation failed" in e for e in res.errors) or not res.kernels:
-                raise CompileException("\n".join(res.errors))
-            known.update({k.name: {"regs": k.registers, "smem": k.smem, "local": k.stack} for k in res.kernels})
-            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(known))
-            os.replace(tmp, path)
+            groups = ALL_GROUPS_HOOK(code) if ALL_GROUPS_HOOK is not None else None
+            if groups is not None and set(missing) <= {n for g in groups for n in g}:
+                known.update(_shared_group_stats(code, [[n for n in g if n not in known] for g in groups], extra, key))
+            else:
+                known.update(_compile_stats(code, missing, extra))
+            _write_json(path, known)
     return {n: known[n] for n in names}
 
 

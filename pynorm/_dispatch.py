@@ -83,10 +83,68 @@ class Context:
 # validation
 
 
+#: DLPack device types (``DLDeviceType``) pynorm reads: CPU memory as NumPy arrays, CUDA memory as CuPy arrays
+_DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost (pinned host memory)
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+_DLPACK_NAMES = {4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host", 12: "ExtDev",
+                 14: "oneAPI", 15: "WebGPU", 16: "Hexagon", 17: "MAIA"}  # fmt: skip
+
+
+def _served(a: Any) -> bool:
+    """Whether ``a``'s type is the array type of a registered backend (``numpy.ndarray``, ``cupy.ndarray``)."""
+    fam = _registry.array_family(a)
+    return any((b.array_module, b.array_type) == fam for b in _registry._backends.values())
+
+
+def from_dlpack(a: Any, name: str) -> Array:
+    """A zero-copy NumPy (CPU memory) or CuPy (CUDA memory) view of an object implementing ``__dlpack__`` and
+    ``__dlpack_device__`` (a PyTorch tensor, a JAX array...), without importing its library. bfloat16, which
+    NumPy's DLPack import does not take, is imported as its 16-bit pattern (a view through the exporter's own
+    ``view(int16)``) and viewed as ``ml_dtypes.bfloat16``."""
+    try:
+        dev_type, _ = (int(v) for v in a.__dlpack_device__())
+    except Exception as exc:
+        raise ArrayTypeError(f"{name} has __dlpack__ but no usable __dlpack_device__(): {exc}") from exc
+    if dev_type in _DLPACK_CPU:
+        mod: Any = np
+    elif dev_type in _DLPACK_CUDA:
+        try:
+            import cupy as mod
+        except ImportError as exc:
+            raise ArrayTypeError(
+                f"{name} is a CUDA array (DLPack device type {dev_type}); reading it needs CuPy: "
+                f"pip install 'pynorm[cupy]'"
+            ) from exc
+    else:
+        where = _DLPACK_NAMES.get(dev_type, "unknown")
+        raise ArrayTypeError(
+            f"{name} lives on DLPack device type {dev_type} ({where}); pynorm reads CPU memory (as NumPy arrays) "
+            f"and CUDA memory (as CuPy arrays) only"
+        )
+    if str(getattr(a, "dtype", "")).rpartition(".")[2] == "bfloat16":
+        lib = sys.modules.get(type(a).__module__.partition(".")[0])
+        int16 = getattr(lib, "int16", None)
+        if int16 is None or not hasattr(a, "view"):
+            raise DTypeError(f"{name} is bfloat16, which DLPack importers cannot read, and offers no view(int16)")
+        try:
+            import ml_dtypes
+        except ImportError as exc:
+            raise DTypeError(f"{name} is bfloat16: reading it needs ml_dtypes (pip install ml_dtypes)") from exc
+        return mod.from_dlpack(a.view(int16)).view(ml_dtypes.bfloat16)
+    try:
+        return mod.from_dlpack(a)
+    except (BufferError, TypeError, ValueError, RuntimeError) as exc:
+        raise ArrayTypeError(f"{name} ({type(a).__module__}.{type(a).__name__}) could not be imported "
+                             f"through DLPack: {exc}") from exc  # fmt: skip
+
+
 def as_array(a: Any, name: str) -> Array:
-    """``a`` if it is an array (of any backend's library), NumPy's array of it if it is a list/scalar."""
+    """``a`` if it is an array (of any backend's library), NumPy's array of it if it is a list/scalar, a zero-copy
+    view of any other DLPack exporter (:func:`from_dlpack`)."""
     if isinstance(a, (list, tuple, numbers.Number, np.generic)) and not isinstance(a, bool):
         return np.asarray(a)
+    if hasattr(a, "__dlpack__") and not _served(a):
+        return from_dlpack(a, name)
     if not (hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")):
         raise ArrayTypeError(f"{name} must be an array (numpy.ndarray, cupy.ndarray...), got {type(a).__name__}")
     return a
@@ -284,6 +342,8 @@ def check_out(
     overlapping no input."""
     if out is None:
         return None
+    if hasattr(out, "__dlpack__") and not _served(out):
+        out = from_dlpack(out, name)
     if _registry.array_family(out) != _registry.array_family(like):
         _registry._family_of((like, out), ("x", name))
     want = tuple(like.shape) if shape is None else tuple(shape)
@@ -294,6 +354,8 @@ def check_out(
         )
     if not out.flags.c_contiguous:
         raise ArgumentError(f"{name} must be C-contiguous")
+    if not getattr(out.flags, "writeable", True):  # (CuPy arrays are always writable and have no such flag)
+        raise ArgumentError(f"{name} must be writable (a read-only array was given)")
     xp = xp_of(out)
     for a in inputs:
         if a is not None and xp.may_share_memory(out, a):

@@ -889,7 +889,8 @@ def quant_layer_norm_forward(
         "quantize": quantize, "out_scale": out_scale,
     }  # fmt: skip
     if isinstance(x_scale, numbers.Real) and not isinstance(x_scale, bool):  # a Python scalar: in x's array module
-        xp = _dispatch.xp_of(x) if hasattr(x, "shape") and hasattr(x, "dtype") else np
+        x = _dispatch.as_array(x, "x")  # (a DLPack exporter's view first)
+        xp = _dispatch.xp_of(x)
         x_scale = xp.asarray(float(x_scale), dtype=np.float64)
     res, ctx = _dispatch.forward(
         QUANT_LAYER_NORM, x, (weight, bias), axis=axis, backend=backend, out=out, options=options, inputs=(x_scale,)

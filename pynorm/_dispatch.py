@@ -109,7 +109,9 @@ def from_dlpack(a: Any, name: str) -> Array:
         mod: Any = np
     elif dev_type in _DLPACK_CUDA:
         try:
-            import cupy as mod
+            import cupy
+
+            mod = cupy
         except ImportError as exc:
             raise ArrayTypeError(
                 f"{name} is a CUDA array (DLPack device type {dev_type}); reading it needs CuPy: "

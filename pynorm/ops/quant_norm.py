@@ -56,10 +56,6 @@ def _output_dtypes(x_dtype: Any, options: Mapping[str, Any]) -> tuple[Any, ...]:
     return (output_dtype(x_dtype, options.get("quantize"), options.get("out_scale")),)
 
 
-def _check_dy(x_dtype: Any) -> Any:
-    return grad_dtype(x_dtype)
-
-
 def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
     """LayerNorm's term scales (:func:`pynorm.ops.layer_norm.term_scales`) at the real input ``x * x_scale``."""
     xs = arrays.get("x_scale")
@@ -102,6 +98,6 @@ SPEC = OpSpec(
     output_dtypes=_output_dtypes,
     check_arrays=_check_arrays,
     x_dtypes=("int8", "float16", "bfloat16", "float32", "float64"),
-    dy_dtype=_check_dy,
+    dy_dtype=grad_dtype,
     summary="y = layer_norm(x * x_scale); int8 q = clip(rint(y / s), -127, 127)",
 )

@@ -238,14 +238,7 @@ def forward(
         x, xs, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), quantize,
         None if out_scale is None else float(out_scale), scale, keep,
     )  # fmt: skip
-    return write_result(result, odt, out) if result.dtype != np.int8 else _copy_out(result, out), ctx
-
-
-def _copy_out(q: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    if out is None:
-        return q
-    np.copyto(out, q, casting="no")
-    return out
+    return write_result(result, odt, out), ctx
 
 
 @_ieee

@@ -221,6 +221,8 @@ def test_instantiations_are_what_the_specs_declare():
     assert len(quant) == 2 + 3 * 4 and "pynorm::quant_int8<double>" in quant
     assert "pynorm::quant_int8<__half>" not in quant and "pynorm::quant_float<__nv_bfloat16>" in quant
     assert _loader.spec_instantiations(ops.QUANT_LAYER_NORM) == [(t,) for t in _loader.CUDA_TYPES]
+    intype = _loader.instantiations("intype.cu")
+    assert len(intype) == 3 * 4 and "pynorm::intype_bwd<__nv_bfloat16>" in intype
     red = _loader.instantiations("reduce.cu")
     assert "pynorm::reduce_partials<__nv_bfloat16, float>" in red and len(red) == 8
     cast = _loader.instantiations("cast.cu")
@@ -257,7 +259,7 @@ def _signature(src: str, kernel: str) -> list[tuple[str, str]]:
     return out
 
 
-_FAMILY_FILES = ("stats.cu", "elementwise.cu", "quantize.cu")
+_FAMILY_FILES = ("stats.cu", "elementwise.cu", "quantize.cu", "intype.cu")
 
 
 @pytest.mark.parametrize(("file", "kernel"), [(f, k) for f in _FAMILY_FILES for k in _loader.KERNELS[f]])

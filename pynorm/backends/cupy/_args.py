@@ -1,5 +1,5 @@
-"""The parameter lists of the kernel families' kernels (``kernels/stats.cu``, ``kernels/elementwise.cu``), one
-dataclass each.
+"""The parameter lists of the kernel families' kernels (``kernels/stats.cu``, ``elementwise.cu``, ``quantize.cu``,
+``intype.cu``), one dataclass each.
 
 Each dataclass has one field per kernel parameter, in order, named as in the ``.cu`` source and
 annotated with its C type (``Annotated[..., "const T*"]``); ``tests/test_cupy_kernels.py`` checks
@@ -28,6 +28,9 @@ __all__ = [
     "EwBwdArgs",
     "EwFwdArgs",
     "FwdArgs",
+    "InTypeBwdArgs",
+    "InTypeFwdArgs",
+    "InTypeParamsArgs",
     "QuantDequantArgs",
     "QuantFloatArgs",
     "QuantInt8Args",
@@ -274,6 +277,55 @@ class QuantMaskArgs(_Args):
     n: LongLong
 
 
+@dataclass(frozen=True)
+class InTypeFwdArgs(_Args):
+    """``intype_fwd``'s parameters (``casting="none"``: every operation in x's type)."""
+
+    x: ConstT
+    we: ConstF64
+    bt: ConstF64
+    y: OutT
+    mean_out: OutF64
+    rstd_out: OutF64
+    rows: LongLong
+    hidden: Int
+    eps: Double
+    centered: Int
+    correction: Int
+    eps_mode: Int
+
+
+@dataclass(frozen=True)
+class InTypeBwdArgs(_Args):
+    """``intype_bwd``'s parameters."""
+
+    dy: ConstT
+    x: ConstT
+    we: ConstF64
+    dx: OutT
+    rows: LongLong
+    hidden: Int
+    eps: Double
+    centered: Int
+    correction: Int
+    eps_mode: Int
+
+
+@dataclass(frozen=True)
+class InTypeParamsArgs(_Args):
+    """``intype_params``'s parameters."""
+
+    dy: ConstT
+    x: ConstT
+    mean: ConstF64
+    rstd: ConstF64
+    dweight: OutF64
+    dbias: OutF64
+    rows: LongLong
+    hidden: Int
+    centered: Int
+
+
 KERNEL_ARGS = {
     "stats_fwd": FwdArgs,
     "stats_bwd": BwdArgs,
@@ -285,4 +337,7 @@ KERNEL_ARGS = {
     "quant_float": QuantFloatArgs,
     "quant_dequant": QuantDequantArgs,
     "quant_mask": QuantMaskArgs,
+    "intype_fwd": InTypeFwdArgs,
+    "intype_bwd": InTypeBwdArgs,
+    "intype_params": InTypeParamsArgs,
 }

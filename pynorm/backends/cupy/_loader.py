@@ -50,11 +50,13 @@ ACC_TYPES = ("float", "double")
 #: kernel templates of each source file. The family kernels take <T, W, variant policies...>
 #: (stats.cu: the statistic, affine and prologue policies of each op of the family; elementwise.cu:
 #: the function policy); quantize.cu's take one type (quant_int8<W>: the parameters', quant_float<T>:
-#: the normalized input's), reduce.cu's <O, A>, cast.cu's <S, D>.
+#: the normalized input's), intype.cu's <T> (casting="none" of LayerNorm/RMSNorm), reduce.cu's <O, A>,
+#: cast.cu's <S, D>.
 KERNELS: dict[str, tuple[str, ...]] = {
     "stats.cu": ("stats_fwd", "stats_bwd", "stats_bwd_stats", "stats_bwd_apply"),
     "elementwise.cu": ("ew_fwd", "ew_bwd"),
     "quantize.cu": ("quant_int8", "quant_float", "quant_dequant", "quant_mask"),
+    "intype.cu": ("intype_fwd", "intype_bwd", "intype_params"),
     "reduce.cu": ("reduce_partials",),
     "cast.cu": ("cast_values",),
 }
@@ -245,13 +247,15 @@ def type_pairs(file: str) -> list[tuple[str, ...]]:
         return [(o, a) for o in CUDA_TYPES for a in ACC_TYPES]
     if file == "cast.cu":
         return [(a, b) for a in CUDA_TYPES for b in CUDA_TYPES if a != b]
+    if file == "intype.cu":
+        return [(t,) for t in CUDA_TYPES]
     return [tt for group in _family_groups(file) for tt in group]
 
 
 def instantiation_groups(file: str) -> list[list[str]]:
     """The name expressions of ``file`` in groups that compile independently (one per op variant), so the
     compile check can spread them over cores."""
-    if file in ("reduce.cu", "cast.cu"):
+    if file in ("reduce.cu", "cast.cu", "intype.cu"):
         return [instantiations(file)]
     return [[n for tt in group for n in module_names(file, tt)] for group in _family_groups(file)]
 

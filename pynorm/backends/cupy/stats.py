@@ -114,6 +114,7 @@ class StatsOp:
         if self._cast is None:
             from ...composite.casting import Casting
             from .elementwise import OP_IMPLS as EW
+            from .intype import InType
 
             def cast(a: Any, dtype: Any) -> Any:
                 return _host.cast(a, np.dtype(dtype))
@@ -121,7 +122,7 @@ class StatsOp:
             def copy_into(dst: Any, src: Any) -> None:
                 dst[...] = src
 
-            self._cast = Casting(self, EW["power_norm"], cast, copy_into)
+            self._cast = Casting(self, EW["power_norm"], cast, copy_into, InType(self.centered))
         return self._cast
 
     def _split(self, args: tuple[Any, ...]) -> tuple[dict[str, Any], Any, Any]:

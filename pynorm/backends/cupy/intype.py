@@ -1,0 +1,96 @@
+"""``casting="none"`` of LayerNorm and RMSNorm on the ``cupy`` backend: every operation in ``x``'s dtype.
+
+:class:`InType` launches ``kernels/intype.cu`` for :class:`pynorm.composite.casting.Casting` (which builds the
+op's ctx): ``forward(...) -> (y, mean, rstd)`` and ``backward(...) -> (dx, dweight, dbias)`` on ``(R, H)``
+arrays, the sequences of :mod:`pynorm.reference.casting`. The weight ``rnd(w + o)`` and bias ``rnd(b)``
+are prepared on the device (``cast.cu``); the parameter gradients are summed in double and rounded once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy
+import numpy as np
+
+from . import _host, _launch
+from ._args import InTypeBwdArgs, InTypeFwdArgs, InTypeParamsArgs
+from ._loader import get_kernel
+
+__all__ = ["InType"]
+
+_FILE = "intype.cu"
+_MAX_GRID = 1 << 16
+
+
+def _block(hidden: int) -> int:
+    """Threads per row: a power of two from 32 to ``PYNORM_QUANT_THREADS``, about one per 4 elements."""
+    t = 32
+    while t < _launch.DEFS["QUANT_THREADS"] and t * 4 < hidden:
+        t *= 2
+    return t
+
+
+def _in_dtype(p: Any, dtype: Any, offset: float = 0.0) -> Any:
+    """``rnd(p + offset)`` in ``dtype``, as float64 values on the device (None stays None)."""
+    if p is None:
+        return None
+    wide = _host.cast(p, np.dtype(np.float64))
+    if offset != 0.0:
+        wide = wide + offset
+    return _host.cast(_host.cast(wide, np.dtype(dtype)), np.dtype(np.float64))
+
+
+class InType:
+    """The in-dtype kernels of LayerNorm (``centered``) or RMSNorm."""
+
+    def __init__(self, centered: bool) -> None:
+        self.centered = centered
+
+    def _t(self, x: Any) -> str:
+        return _launch.cuda_type(x.dtype)
+
+    def forward(
+        self, x: cupy.ndarray, weight: Any, bias: Any, *, eps: float, correction: int = 0, eps_mode: str = "var",
+        weight_offset: float = 0.0, out: Any = None,
+    ) -> tuple[Any, Any, Any]:  # fmt: skip
+        rows, hidden = _launch.check_input(x)
+        x = _host.contiguous(x)
+        y = out if out is not None else _host.empty((rows, hidden), x.dtype)
+        mean = cupy.zeros(rows, dtype=np.float64)
+        rstd = cupy.empty(rows, dtype=np.float64)
+        if rows:
+            args = InTypeFwdArgs(
+                x, _in_dtype(weight, x.dtype, weight_offset), _in_dtype(bias, x.dtype), y, mean, rstd, rows, hidden,
+                eps, int(self.centered), correction, int(eps_mode == "std"),
+            )  # fmt: skip
+            _host.launch(get_kernel(_FILE, "intype_fwd", (self._t(x),)), min(rows, _MAX_GRID), _block(hidden),
+                         args.pack())  # fmt: skip
+        return y, mean, rstd
+
+    def backward(
+        self, dy: cupy.ndarray, x: cupy.ndarray, weight: Any, bias: Any, mean: Any, rstd: Any, *, eps: float,
+        correction: int = 0, eps_mode: str = "var", weight_offset: float = 0.0, dx_out: Any = None,
+    ) -> tuple[Any, Any, Any]:  # fmt: skip
+        rows, hidden = (int(d) for d in x.shape)
+        x = _host.contiguous(x)
+        dy = _host.contiguous(dy)
+        t = self._t(x)
+        dx = dx_out if dx_out is not None else _host.empty((rows, hidden), x.dtype)
+        pw = cupy.zeros(hidden, dtype=np.float64) if weight is not None else None
+        pb = cupy.zeros(hidden, dtype=np.float64) if bias is not None else None
+        if rows:
+            args = InTypeBwdArgs(
+                dy, x, _in_dtype(weight, x.dtype, weight_offset), dx, rows, hidden, eps, int(self.centered),
+                correction, int(eps_mode == "std"),
+            )  # fmt: skip
+            _host.launch(get_kernel(_FILE, "intype_bwd", (t,)), min(rows, _MAX_GRID), _block(hidden), args.pack())
+            if pw is not None or pb is not None:
+                m = _host.cast(mean, np.dtype(np.float64)) if mean is not None else cupy.zeros(rows, dtype=np.float64)
+                pargs = InTypeParamsArgs(dy, x, m, _host.cast(rstd, np.dtype(np.float64)), pw, pb, rows, hidden,
+                                         int(self.centered))  # fmt: skip
+                block = 128
+                _host.launch(get_kernel(_FILE, "intype_params", (t,)), -(-hidden // block), block, pargs.pack())
+        dweight = None if pw is None else _host.cast(pw, np.dtype(weight.dtype))
+        dbias = None if pb is None else _host.cast(pb, np.dtype(bias.dtype))
+        return dx, dweight, dbias

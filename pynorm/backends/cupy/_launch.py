@@ -128,6 +128,8 @@ def occupancy(regs: int, static_smem: int, block: int, limits: Limits, dynamic_s
 def launch_bound(kernel: str) -> int:
     """``__launch_bounds__`` (max threads per block) of a kernel, by its template name."""
     base = kernel.split("<", 1)[0].rsplit("::", 1)[-1]
+    if base.startswith(("quant_", "intype_")):  # one block per row
+        return DEFS["QUANT_THREADS"]
     if base.startswith("ew_"):
         return DEFS["APPLY_THREADS"]
     if base.endswith("_fwd"):
@@ -143,8 +145,6 @@ def launch_bound(kernel: str) -> int:
         return DEFS["REDUCE_THREADS"]
     if base == "cast_values":
         return DEFS["CAST_THREADS"]
-    if base.startswith("quant_"):
-        return DEFS["QUANT_THREADS"]
     raise KeyError(f"unknown kernel {kernel!r}")
 
 

@@ -173,7 +173,9 @@ def flat_arrays(spec: Any, x_shape: tuple[int, ...], axis: int, args: Sequence[A
         elif i.kind == "like_x":
             out[i.name] = np.asarray(a).reshape(rows, h)
         else:
-            out[i.name] = np.broadcast_to(np.asarray(a).reshape(-1), (rows,)) if np.size(a) == 1 else np.asarray(a).reshape(rows)
+            out[i.name] = (
+                np.broadcast_to(np.asarray(a).reshape(-1), (rows,)) if np.size(a) == 1 else np.asarray(a).reshape(rows)
+            )
     for p, a in zip(spec.params, args[len(spec.inputs) :], strict=True):
         if a is None:
             out[p.name] = None

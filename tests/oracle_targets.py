@@ -96,9 +96,10 @@ def layer_norm_backward(dy, x, weight, bias, eps=1e-5, *, _drop=""):
         s = _pow2_scale(x2, 1)
         d = x2 / s - (x2 / s).mean(axis=1, keepdims=True)
         d = d - d.mean(axis=1, keepdims=True)
-        r = 1 / np.sqrt((d * d).sum(axis=1, keepdims=True) / h + eps / s / s)  # rstd of x / s
-        xh = np.where(d == 0, 0.0, d * r)
-        r = r / s
+        # rstd of x / s in long double (eps / s^2 underflows in float64 for s near float64's max)
+        r = 1 / np.sqrt((d * d).sum(axis=1, keepdims=True).astype(np.longdouble) / h + eps / np.longdouble(s) ** 2)
+        xh = np.where(d == 0, 0.0, (d * r).astype(np.float64))
+        r = (r / s).astype(np.float64)
     g = dy2 * weight.reshape(-1)
     mean_term = 0.0 if _drop == "mean" else g.mean(axis=1, keepdims=True)
     var_term = 0.0 if _drop == "var" else xh * (g * xh).mean(axis=1, keepdims=True)
@@ -108,6 +109,11 @@ def layer_norm_backward(dy, x, weight, bias, eps=1e-5, *, _drop=""):
     dw = (dy2 * xh).sum(axis=0).reshape(weight.shape)
     db = dy2.sum(axis=0).reshape(bias.shape)
     return dx.reshape(x.shape).astype(x.dtype), dw.astype(weight.dtype), db.astype(bias.dtype)
+
+
+def layer_norm_conventions(x, weight, bias, eps=1e-5, eps_mode="var", correction=0):
+    """A correct LayerNorm that honours the ``eps_mode`` and ``correction`` conventions."""
+    return layer_norm(x, weight, bias, eps, _eps_std=eps_mode == "std", _ddof=correction)
 
 
 def eps_on_std(x, weight, bias, eps=1e-5):

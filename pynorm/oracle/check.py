@@ -20,7 +20,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,9 +87,9 @@ def parse_budget(text: str | Mapping[str, float] | None) -> Budgets:
     out: dict[tuple[str | None, str], float] = {}
     if text is None:
         return Budgets(out)
-    items: Iterable[tuple[str, Any]]
+    items: list[tuple[str, Any]]
     if isinstance(text, Mapping):
-        items = text.items()
+        items = list(text.items())
     else:
         items = []
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -104,12 +104,12 @@ def parse_budget(text: str | Mapping[str, float] | None) -> Budgets:
         if not name.isidentifier():
             raise ArgumentError(f"budget: {k!r} is not an output name (y, dx, dweight, dparam...)")
         try:
-            val = float(v)
+            ulps = float(v)
         except (TypeError, ValueError):
             raise ArgumentError(f"budget: {k}={v!r} is not a number of ulps") from None
-        if not val >= 0:
+        if not ulps >= 0:
             raise ArgumentError(f"budget: {k}={v!r} must be >= 0 ulps")
-        out[(dt or None, name)] = val
+        out[(dt or None, name)] = ulps
     return Budgets(out)
 
 
@@ -249,7 +249,8 @@ class CheckReport:
             worst = f"; worst {k} {_fmt(v)} ulps (budget {r.budgets[k]:g}) at {r.cell.label}"
         verdict = "PASSED" if self.passed else "FAILED"
         grads = "forward + backward" if self.backward_checked else "forward only"
-        return f"{verdict}: {self.op} ({self.target}, {grads}): {n} cells, {', '.join(parts)}{worst} [{self.seconds:.1f} s]"
+        counts = ", ".join(parts)
+        return f"{verdict}: {self.op} ({self.target}, {grads}): {n} cells, {counts}{worst} [{self.seconds:.1f} s]"
 
     def __str__(self) -> str:
         out = [self.table()]

@@ -78,7 +78,9 @@ def _check_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("target", help="your forward, MODULE:FUNCTION: f(x, *inputs, *params, **conventions) -> y")
     p.add_argument("--op", required=True, help="the op it implements (python -m pynorm backends lists them)")
-    p.add_argument("--backward", metavar="MODULE:FUNCTION", help="your backward: b(dy, x, *inputs, *params, **conventions)")
+    p.add_argument(
+        "--backward", metavar="MODULE:FUNCTION", help="your backward: b(dy, x, *inputs, *params, **conventions)"
+    )
     p.add_argument(
         "--convention", action="append", metavar="KEY=VALUE", help="an option of the op (repeatable): eps=1e-6"
     )

@@ -265,7 +265,9 @@ def _model_errors(model: dict[str, np.ndarray], ev: Evaluated) -> dict[str, floa
         mm = np.asarray(m)
         if mm.size != ev.user[name].size:
             continue
-        errs[name] = max_ulp_error(ev.user[name], mm.astype(np.float64).reshape(ev.user[name].shape), ev.dtypes[name], scale=s)
+        errs[name] = max_ulp_error(
+            ev.user[name], mm.astype(np.float64).reshape(ev.user[name].shape), ev.dtypes[name], scale=s
+        )
     return errs
 
 

@@ -102,7 +102,9 @@ def _multi_dim_ok(spec: OpSpec) -> bool:
 
 def _degenerate(cell: Cell) -> bool:
     # eps = 0 on a row without spread is 0/0: the exact result is undefined, nothing to compare
-    return cell.eps == 0.0 and (cell.kind == "constant" or cell.hidden == 1 or cell.kind == "half_constant" and cell.hidden < 2)
+    return cell.eps == 0.0 and (
+        cell.kind == "constant" or cell.hidden == 1 or (cell.kind == "half_constant" and cell.hidden < 2)
+    )
 
 
 def default_grid(
@@ -142,7 +144,9 @@ def default_grid(
     return [c for c in cells if not _degenerate(c)]
 
 
-def quick_grid(spec: OpSpec, conventions: dict[str, Any] | None = None, *, dtypes: Sequence[str] = DTYPES) -> list[Cell]:
+def quick_grid(
+    spec: OpSpec, conventions: dict[str, Any] | None = None, *, dtypes: Sequence[str] = DTYPES
+) -> list[Cell]:
     """A small grid (a second or two for a NumPy function): hidden sizes 1, 7 and 64, every kind,
     eps default and 0, one multi-dim shape, no H = 65536."""
     cells = default_grid(spec, conventions, dtypes=dtypes, hidden_sizes=(1, 7, 64), large=False, multi_dim=False)

@@ -205,7 +205,12 @@ def write_vectors(
         else:
             np.savez_compressed(path, __meta__=np.asarray(json.dumps(doc)), **npz)  # type: ignore[arg-type]
         written.append(path)
-    index = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "format": fmt, "files": [os.path.basename(p) for p in written]}
+    index = {
+        "schema": SCHEMA_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "format": fmt,
+        "files": [os.path.basename(p) for p in written],
+    }
     with open(os.path.join(out_dir, "index.json"), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=1)
         f.write("\n")
@@ -273,7 +278,9 @@ def verify_vectors(docs: Iterable[dict[str, Any]] | str | os.PathLike[str], *, e
         for rec in doc["vectors"]:
             x = rec["inputs"]["x"]
             args = [rec["inputs"].get(n) for n in spec.input_names] + [rec["params"].get(n) for n in spec.param_names]
-            case = Case(x=x, args=args, dy=rec["upstream"]["dy"], axis=int(rec["axis"]), options=dict(rec["conventions"]))
+            case = Case(
+                x=x, args=args, dy=rec["upstream"]["dy"], axis=int(rec["axis"]), options=dict(rec["conventions"])
+            )
             with np.errstate(all="ignore"):
                 outs, grads = reference(spec, case)
             for group, got in (("outputs", outs), ("grads", grads)):
@@ -285,7 +292,9 @@ def verify_vectors(docs: Iterable[dict[str, Any]] | str | os.PathLike[str], *, e
                         continue
                     a = np.asarray(got[name])
                     if a.shape != want.shape or _dtype(a.dtype) != _dtype(want.dtype):
-                        problems.append(f"{rec['id']}: {name} is {a.dtype}{a.shape}, the vector {want.dtype}{want.shape}")
+                        problems.append(
+                            f"{rec['id']}: {name} is {a.dtype}{a.shape}, the vector {want.dtype}{want.shape}"
+                        )
                         continue
                     scale = rec["scales"].get(name)
                     if exact and _dtype(want.dtype).itemsize < 8:
@@ -297,7 +306,9 @@ def verify_vectors(docs: Iterable[dict[str, Any]] | str | os.PathLike[str], *, e
                         limit = 4.0 if exact else float(rec["tolerance"]["ulps"].get(name, 0.0))
                         err = max_ulp_error(a, want, want.dtype, scale=scale)
                     if not err <= limit:
-                        problems.append(f"{rec['id']}: {name} differs from the vector by {err:.3g} ulps (limit {limit:g})")
+                        problems.append(
+                            f"{rec['id']}: {name} differs from the vector by {err:.3g} ulps (limit {limit:g})"
+                        )
     return problems
 
 

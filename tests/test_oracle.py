@@ -129,6 +129,22 @@ def test_every_op_can_be_checked(op):
     assert all("y" in r.failed_outputs for r in bad.results if r.cell.dtype == "float32" and r.cell.kind == "normal")
 
 
+def test_quantized_output_is_compared_in_levels():
+    fwd, _ = _pynorm_as_user("quant_layer_norm")
+    cells = [Cell(c.dtype, c.norm_shape, c.lead, c.kind, 1e-5) for c in SMALL]
+    report = check("quant_layer_norm", fwd, grid=cells, conventions={"quantize": "row"})
+    assert report.passed and report.output_names() == ["y", "out1"], str(report)  # (q, s)
+
+    def one_level_off(x, *args, **kw):
+        q, scale = fwd(x, *args, **kw)
+        q = q.copy()
+        q.flat[0] = 126 if q.flat[0] == 127 else q.flat[0] + 1
+        return q, scale
+
+    bad = check("quant_layer_norm", one_level_off, grid=cells, conventions={"quantize": "row"}, budget="y=0")
+    assert not bad.passed and all(r.errors["y"] == 1.0 for r in bad.results)
+
+
 # --- each classic mistake is caught and named ---------------------------------------------------------
 
 

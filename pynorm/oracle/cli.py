@@ -130,7 +130,7 @@ def check_main(argv: list[str]) -> int:
         dtypes=dtypes,
         seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
-        target=args.target,
+        target=args.target + (f", backward {args.backward}" if args.backward else ""),
     )
     print(report.table(only_failures=args.failures_only))
     for d in report.diagnoses:

@@ -23,8 +23,8 @@ import numpy as np
 
 from ..errors import PynormError
 from ..ops import OpSpec
-from ..testing import _dtype, max_ulp_error
-from .check import Budgets, CellResult, CheckReport, Evaluated, reference
+from ..testing import _dtype
+from .check import Budgets, CellResult, CheckReport, Evaluated, error_ulps, reference
 
 __all__ = ["CASTING_POLICIES", "Diagnosis", "Hypothesis", "hypotheses", "run_diagnoses"]
 
@@ -265,7 +265,7 @@ def _model_errors(model: dict[str, np.ndarray], ev: Evaluated) -> dict[str, floa
         mm = np.asarray(m)
         if mm.size != ev.user[name].size:
             continue
-        errs[name] = max_ulp_error(
+        errs[name] = error_ulps(
             ev.user[name], mm.astype(np.float64).reshape(ev.user[name].shape), ev.dtypes[name], scale=s
         )
     return errs

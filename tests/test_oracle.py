@@ -283,6 +283,15 @@ def test_conventions_reach_both_sides():
     assert raised.count("error") == len(raised.results) - raised.count("skip")
 
 
+def test_without_ml_dtypes_bfloat16_is_left_out(monkeypatch):
+    import pynorm.oracle.runner as oc
+
+    monkeypatch.setattr(oc, "have_bfloat16", lambda: False)
+    report = check("rms_norm", T.rms_norm, grid="quick")
+    assert report.results and "bfloat16" not in {r.cell.dtype for r in report.results}
+    assert "bfloat16 cells left out: pip install ml_dtypes" in report.summary()
+
+
 def test_progress_without_tqdm(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     cells = quick_grid(SPECS["rms_norm"])[:5]

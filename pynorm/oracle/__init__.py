@@ -13,9 +13,9 @@ Documented in ``docs/oracle.md``.
 
 from __future__ import annotations
 
-from .check import DEFAULT_BUDGETS, Budgets, CellResult, CheckReport, check, parse_budget
 from .diagnose import Diagnosis
 from .grid import KINDS, Cell, default_grid, make_case, quick_grid
+from .runner import DEFAULT_BUDGETS, Budgets, CellResult, CheckReport, check, parse_budget
 from .vectors import SCHEMA_VERSION, read_vectors, schema, verify_vectors, write_vectors
 
 __all__ = [

@@ -97,7 +97,7 @@ def _check_parser() -> argparse.ArgumentParser:
 def check_main(argv: list[str]) -> int:
     """``python -m pynorm check ...``; returns the exit status."""
     from ..ops import SPECS
-    from .check import check, parse_budget
+    from .runner import check, parse_budget
 
     parser = _check_parser()
     try:

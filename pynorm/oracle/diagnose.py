@@ -1,4 +1,4 @@
-"""Diagnoses: name the bug behind the failing cells of a :class:`~pynorm.oracle.check.CheckReport`.
+"""Diagnoses: name the bug behind the failing cells of a :class:`~pynorm.oracle.runner.CheckReport`.
 
 Two kinds of evidence:
 
@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import PynormError
 from ..ops import OpSpec
 from ..testing import _dtype
-from .check import Budgets, CellResult, CheckReport, Evaluated, error_ulps, reference
+from .runner import Budgets, CellResult, CheckReport, Evaluated, error_ulps, reference
 
 __all__ = ["CASTING_POLICIES", "Diagnosis", "Hypothesis", "hypotheses", "run_diagnoses"]
 

@@ -181,6 +181,7 @@ class CheckReport:
     diagnoses: list[Any] = field(default_factory=list)
     seconds: float = 0.0
     backward_checked: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -250,7 +251,10 @@ class CheckReport:
         verdict = "PASSED" if self.passed else "FAILED"
         grads = "forward + backward" if self.backward_checked else "forward only"
         counts = ", ".join(parts)
-        return f"{verdict}: {self.op} ({self.target}, {grads}): {n} cells, {counts}{worst} [{self.seconds:.1f} s]"
+        notes = "".join(f" ({note})" for note in self.notes)
+        return (
+            f"{verdict}: {self.op} ({self.target}, {grads}): {n} cells, {counts}{worst} [{self.seconds:.1f} s]{notes}"
+        )
 
     def __str__(self) -> str:
         out = [self.table()]
@@ -304,17 +308,34 @@ def _split_args(spec: OpSpec, args: Sequence[Any]) -> tuple[list[Any], dict[str,
     return [*pos, *args[n:]], kw
 
 
+def _fresh_x(x: np.ndarray) -> np.ndarray:
+    """A copy of ``x`` with the same layout: C-contiguous, or every other element of a wider buffer."""
+    if x.flags.c_contiguous:
+        return x.copy()
+    wide = np.zeros((*x.shape[:-1], 2 * x.shape[-1]), dtype=x.dtype)
+    wide[..., ::2] = x
+    return wide[..., ::2]
+
+
 def call_forward(spec: OpSpec, forward: Callable[..., Any], case: Case, conventions: Mapping[str, Any]) -> Any:
     """Call a user's ``forward`` on ``case`` by the documented convention (copies of every array)."""
     pos, kw = _split_args(spec, [None if a is None else a.copy() for a in case.args])
-    return forward(case.x.copy() if case.x.flags.c_contiguous else case.x, *pos, **kw, **conventions)
+    return forward(_fresh_x(case.x), *pos, **kw, **conventions)
 
 
 def call_backward(spec: OpSpec, backward: Callable[..., Any], case: Case, conventions: Mapping[str, Any]) -> Any:
     """Call a user's ``backward`` on ``case``: ``backward(dy, x, *inputs, *params, **kw, **conventions)``."""
     pos, kw = _split_args(spec, [None if a is None else a.copy() for a in case.args])
-    x = case.x.copy() if case.x.flags.c_contiguous else case.x
-    return backward(case.dy.copy(), x, *pos, **kw, **conventions)
+    return backward(case.dy.copy(), _fresh_x(case.x), *pos, **kw, **conventions)
+
+
+def have_bfloat16() -> bool:
+    """Whether ``ml_dtypes`` (bfloat16) is installed; without it the bfloat16 cells are left out."""
+    try:
+        import ml_dtypes  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def reference(spec: OpSpec, case: Case) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -470,11 +491,16 @@ def check(
         cells = (default_grid if grid == "default" else quick_grid)(spec, user_conv)
     else:
         cells = list(grid)
+    notes: list[str] = []
+    if not have_bfloat16() and any(c.dtype == "bfloat16" for c in cells):
+        cells = [c for c in cells if c.dtype != "bfloat16"]
+        notes.append("bfloat16 cells left out: pip install ml_dtypes")
     if dtypes is not None:
-        names = {_dtype(d).name for d in dtypes}
+        names = {str(d) if str(d) == "bfloat16" else np.dtype(d).name for d in dtypes}
         cells = [c for c in cells if c.dtype in names]
     report = CheckReport(op, target or getattr(forward, "__name__", "forward"), user_conv, budgets)
     report.backward_checked = backward is not None
+    report.notes = notes
     kept: list[tuple[CellResult, Evaluated]] = []
     half: list[tuple[CellResult, Evaluated]] = []
     bar = _Progress(len(cells), progress, f"check {op}")

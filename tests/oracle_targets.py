@@ -170,6 +170,16 @@ def strided(x, weight, bias, eps=1e-5):
     return layer_norm(np.array(base), weight, bias, eps)
 
 
+def last_axis_only(x, weight, bias, eps=1e-5):
+    """Mistake: normalizes only the last axis, whatever ``weight.ndim`` says."""
+    k = weight.ndim
+    lead = x.shape[: x.ndim - k]
+    x2 = x.reshape(-1, x.shape[-1])
+    ones = np.ones(x.shape[-1], dtype=weight.dtype)
+    y = layer_norm(x2, ones, np.zeros_like(ones), eps).astype(np.float64).reshape(*lead, *weight.shape)
+    return (y * weight + bias).astype(x.dtype)
+
+
 def _c_strides(x: np.ndarray) -> tuple[int, ...]:
     st, acc = [], x.itemsize
     for n in reversed(x.shape):

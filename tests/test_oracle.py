@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,7 @@ def test_quantized_output_is_compared_in_levels():
         ("layer_norm", T.layer_norm, T.no_mean_term_backward, "dx_missing_mean_term"),
         ("layer_norm", T.strided, None, "strides"),
         ("rms_norm", T.llama_rms_norm, None, "rounding_order"),
+        ("layer_norm", T.last_axis_only, None, "normalized_dims"),
     ],
 )
 def test_mistake_is_named(op, forward, backward, code):
@@ -206,6 +208,24 @@ def test_llama_diagnosis_points_at_the_casting_policy():
     assert not strict.passed and "rounding_order" in codes(strict)
     # a one-rounding implementation is not taken for Llama's
     assert "rounding_order" not in codes(check("rms_norm", T.rms_norm, grid="quick", budget="y=0"))
+
+
+def test_casting_option_replaces_the_llama_fallback():
+    """Once layer_norm / rms_norm take ``casting=``, the rounding-order models are the reference's own policies
+    (the restated fallback is used only while the option does not exist)."""
+    from pynorm.ops import Option, one_of
+    from pynorm.oracle.diagnose import CASTING_POLICIES, _llama_fallback, hypotheses
+
+    spec = SPECS["rms_norm"]
+    plain = [h for h in hypotheses(spec, {}) if h.code == "rounding_order"]
+    assert [h.model for h in plain] == [_llama_fallback] and "casting='llama'" in plain[0].message
+    casting = Option("casting", "fp32", one_of(*CASTING_POLICIES), "rounding order")
+    with_casting = replace(spec, options=(*spec.options, casting))
+    hyps = [h for h in hypotheses(with_casting, {}) if h.agreement]
+    assert _llama_fallback not in [h.model for h in hyps]
+    named = {p for p in CASTING_POLICIES if any(f"casting='{p}'" in h.message for h in hyps)}
+    assert named == set(CASTING_POLICIES) - {"fp32"}  # every policy but the one in use
+    assert all(h.agreement for h in hyps)
 
 
 def test_user_exceptions_are_recorded():

@@ -331,6 +331,8 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert main(["check", "tests.oracle_targets:eps_on_std", "--op", "layer_norm", "--quick", "--json", str(js)]) == 1
     out = capsys.readouterr().out
     assert "diagnosis: eps is added to the std" in out and js.exists()
+    by_path = f"{ROOT / 'tests' / 'oracle_targets.py'}:rms_norm"
+    assert main(["check", by_path, "--op", "rms_norm", "--quick", "--dtypes", "float16,float64"]) == 0
     conv = ["check", "tests.oracle_targets:layer_norm_conventions", "--op", "layer_norm", "--quick"]
     assert main([*conv, "--convention", "eps_mode=std", "--convention", "correction=1"]) == 0
     capsys.readouterr()

@@ -10,7 +10,10 @@ Subcommands:
   the largest reference value of that tensor), and a float64 gradient check of
   the backend's backward against finite differences;
 * ``backends`` -- the registry: every backend, its availability and its ops;
-* ``bench`` -- the CPU benchmark (:mod:`pynorm.benchmark`; ``bench --help``).
+* ``bench`` -- the CPU benchmark (:mod:`pynorm.benchmark`; ``bench --help``);
+* ``check MODULE:FUNCTION --op OP`` -- check your implementation of an op against the reference over the
+  conformance grid, with diagnoses (:mod:`pynorm.oracle`; ``check --help``, ``docs/oracle.md``);
+* ``vectors --out DIR`` -- write golden vectors (``vectors --help``).
 """
 
 from __future__ import annotations
@@ -124,6 +127,10 @@ def selftest(rows: int = 64, hidden: int = 384) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("check", "vectors"):
+        from .oracle import cli
+
+        return cli.check_main(argv[1:]) if argv[0] == "check" else cli.vectors_main(argv[1:])
     if argv and argv[0] == "bench":
         from . import benchmark
 
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(demo.main(argv[1:] if argv and argv[0] == "demo" else argv) or 0)
     parser = argparse.ArgumentParser(prog="python -m pynorm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["demo", "selftest", "backends", "bench"])
+    parser.add_argument("command", choices=["demo", "selftest", "backends", "bench", "check", "vectors"])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=384)
     args = parser.parse_args(argv)

@@ -26,6 +26,7 @@ __all__ = [
     "check_conformance",
     "check_grads",
     "finfo",
+    "flat_arrays",
     "make_input",
     "max_ulp_error",
     "term_scales",
@@ -151,6 +152,42 @@ def term_scales(
 
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # scales beyond float64 are inf
         return get(op).term_scales(x2, params, dy2, conv)
+
+
+def flat_arrays(spec: Any, x_shape: tuple[int, ...], axis: int, args: Sequence[Any]) -> dict[str, Any]:
+    """The extra inputs and parameters of an op by name, flattened as backends see them (for :func:`term_scales`).
+
+    ``spec`` is the op's :class:`pynorm.ops.OpSpec`; ``args`` the arguments after ``x`` (extra inputs, then
+    parameters, None where absent) for ``x`` of ``x_shape`` normalized from ``axis``: ``like_x`` inputs become
+    ``(R, H)``, row indices and row scales ``(R,)``, ``cond`` ``(G, C)``; feature parameters ``(H,)``, scalars
+    ``(1,)``, tables ``(M, H)``, matrices and vectors as given.
+    """
+    ax = axis % len(x_shape)
+    rows, h = int(np.prod(x_shape[:ax])), int(np.prod(x_shape[ax:]))
+    out: dict[str, Any] = {}
+    for i, a in zip(spec.inputs, args, strict=False):
+        if a is None:
+            out[i.name] = None
+        elif i.kind == "cond":
+            out[i.name] = np.asarray(a).reshape(-1, np.shape(a)[-1])
+        elif i.kind == "like_x":
+            out[i.name] = np.asarray(a).reshape(rows, h)
+        else:
+            out[i.name] = (
+                np.broadcast_to(np.asarray(a).reshape(-1), (rows,)) if np.size(a) == 1 else np.asarray(a).reshape(rows)
+            )
+    for p, a in zip(spec.params, args[len(spec.inputs) :], strict=True):
+        if a is None:
+            out[p.name] = None
+        elif p.kind in ("matrix", "vector"):
+            out[p.name] = np.asarray(a)
+        elif p.kind == "table":
+            out[p.name] = np.asarray(a).reshape(np.shape(a)[0], h)
+        elif p.kind == "scalar":
+            out[p.name] = np.asarray(a).reshape(1)
+        else:
+            out[p.name] = np.broadcast_to(np.asarray(a), tuple(x_shape[ax:])).reshape(h)
+    return out
 
 
 @dataclass

@@ -1,0 +1,320 @@
+"""Golden vectors: inputs, outputs and gradients of pynorm's reference, for implementations in any language.
+
+:func:`write_vectors` writes one file per op (``<op>.json`` or ``<op>.npz``), an ``index.json`` and a copy
+of the JSON Schema (``vectors.schema.json``, also :func:`schema`) into a directory; :func:`read_vectors`
+reads them back; :func:`verify_vectors` recomputes every vector with the reference and reports differences.
+
+Each vector holds the input ``x``, the op's extra inputs and parameters, a fixed upstream gradient ``dy``,
+the op's conventions (every option, resolved), the outputs and gradients, the term scales of each output
+and the tolerance in ulps that applies: an implementation passes a vector when, for every output,
+``|actual - expected| <= ulps * ulp(max(|expected|, scale))`` elementwise (``docs/oracle.md``).
+
+Arrays (JSON): ``{"dtype": ..., "shape": [...], "data": [...]}``, data in C order; floats as the exact
+decimal value of the element (every float16/bfloat16/float32 value is a float64, and the shortest
+round-trip float64 repr parses back exactly), ``"inf"``, ``"-inf"`` and ``"nan"`` as strings; integer
+arrays as integers. NPZ: the same record as a JSON string under ``__meta__``, each array under the key its
+``npz_key`` names, bfloat16 as its uint16 bit patterns (``"encoding": "bits"``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError
+from ..ops import SPECS, OpSpec, get
+from ..testing import _dtype, max_ulp_error
+from .grid import Case, Cell, make_case
+from .runner import DEFAULT_BUDGETS, Budgets, reference, scales_of
+
+__all__ = ["SCHEMA_VERSION", "default_cells", "read_vectors", "schema", "verify_vectors", "write_vectors"]
+
+#: version of the vector format; bumped when a field changes meaning (readers check it)
+SCHEMA_VERSION = 1
+SCHEMA_NAME = "pynorm-golden-vectors"
+CALLING_CONVENTION = (
+    "y = op(x, *inputs, *params, **conventions) normalizing the trailing len(normalized_shape) axes of x; "
+    "grads = d(sum(y * dy)) / d(x, differentiable inputs, params); tolerance: |actual - expected| <= "
+    "ulps * ulp(max(|expected|, scale)) in the output's dtype"
+)
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of a vector file (``pynorm/oracle/vectors.schema.json``)."""
+    text = resources.files("pynorm.oracle").joinpath("vectors.schema.json").read_text(encoding="utf-8")
+    return json.loads(text)  # type: ignore[no-any-return]
+
+
+def default_cells(spec: OpSpec) -> list[tuple[Cell, dict[str, Any]]]:
+    """The vectors of an op: every dtype on normal rows and, in float32, the hard kinds (offset, huge, tiny,
+    constant) with the default conventions; each of the op's convention sets (``spec.cases``) in float32;
+    two normalized dims where the op has a per-feature parameter."""
+    eps = spec.defaults().get("eps") if "eps" in {o.name for o in spec.options} else None
+    out: list[tuple[Cell, dict[str, Any]]] = []
+    from .runner import have_bfloat16
+
+    for dt in ("float16", "bfloat16", "float32", "float64"):
+        if dt != "bfloat16" or have_bfloat16():
+            out.append((Cell(dt, (8,), (3,), "normal", eps), {}))
+    for kind in ("offset", "huge", "tiny", "constant"):
+        out.append((Cell("float32", (8,), (2,), kind, eps), {}))
+    for conv in spec.cases:
+        if conv:
+            e = conv.get("eps", eps)
+            out.append((Cell("float32", (5,), (3,), "normal", e), dict(conv)))
+    if any(p.kind in ("feature", "table") for p in spec.params):
+        out.append((Cell("float32", (2, 3), (2,), "normal", eps), {}))
+    return out
+
+
+def _encode_json(a: np.ndarray | None) -> dict[str, Any] | None:
+    if a is None:
+        return None
+    a = np.asarray(a)
+    dt = _dtype(a.dtype).name
+    if a.dtype.kind in "iub":
+        data: list[Any] = [int(v) for v in a.ravel()]
+    else:
+        data = [
+            float(v) if math.isfinite(v) else ("nan" if math.isnan(v) else "inf" if v > 0 else "-inf")
+            for v in a.astype(np.float64).ravel()
+        ]
+    return {"dtype": dt, "shape": list(a.shape), "data": data}
+
+
+def _decode_json(d: dict[str, Any] | None) -> np.ndarray | None:
+    if d is None:
+        return None
+    dt = _dtype(d["dtype"])
+    vals = [float(v) if isinstance(v, str) else v for v in d["data"]]
+    if dt.kind in "iub":
+        return np.asarray(vals, dtype=dt).reshape(d["shape"])
+    return np.asarray(vals, dtype=np.float64).astype(dt).reshape(d["shape"])
+
+
+def _vector(spec: OpSpec, cell: Cell, conv: dict[str, Any], seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One vector: (metadata, arrays by group and name)."""
+    case = make_case(spec, cell, conv, seed)
+    case.x = np.ascontiguousarray(case.x)
+    options = spec.validate({**conv, **case.options}, cell.hidden)
+    case.options = options
+    with np.errstate(all="ignore"):
+        outs, grads = reference(spec, case)
+        scales = scales_of(spec, case, outs)
+    budgets = Budgets()
+    n_in = len(spec.inputs)
+    arrays: dict[str, dict[str, Any]] = {
+        "inputs": {"x": case.x, **dict(zip(spec.input_names, case.args[:n_in], strict=True))},
+        "params": dict(zip(spec.param_names, case.args[n_in:], strict=True)),
+        "upstream": {"dy": case.dy},
+        "outputs": dict(outs),
+        "grads": dict(grads),
+        "scales": {},
+    }
+    for name, ref in {**outs, **grads}.items():
+        sc = scales.get(name)
+        if sc is not None and np.size(sc) == np.size(ref):
+            arrays["scales"][name] = np.asarray(sc, dtype=np.float64).reshape(np.shape(ref))
+    conv_id = ",".join(f"{k}={v}" for k, v in sorted(conv.items())) or "default"
+    meta = {
+        "id": f"{spec.name}/{cell.dtype}/{cell.kind}/{'x'.join(map(str, cell.shape))}/{conv_id}",
+        "dtype": cell.dtype,
+        "kind": cell.kind,
+        "normalized_shape": list(cell.norm_shape),
+        "axis": case.axis,
+        "conventions": options,
+        "tolerance": {
+            "unit": "ulp",
+            "measured_at": "max(|expected|, scale)",
+            "ulps": {name: budgets.get(cell.dtype, name) for name in (*outs, *grads)},
+        },
+    }
+    return meta, arrays
+
+
+def write_vectors(
+    out_dir: str | os.PathLike[str],
+    ops: Sequence[str] | None = None,
+    *,
+    fmt: str = "json",
+    seed: int = 0,
+    cells: dict[str, list[tuple[Cell, dict[str, Any]]]] | None = None,
+) -> list[str]:
+    """Write golden vectors of ``ops`` (default: every op) to ``out_dir``; returns the files written.
+
+    Parameters
+    ----------
+    out_dir : the directory (created if needed).
+    ops : op names (:class:`pynorm.errors.UnknownOpError` for an unknown one).
+    fmt : ``"json"`` or ``"npz"``.
+    seed : seed of the inputs.
+    cells : per op, the ``(cell, conventions)`` pairs to write (default :func:`default_cells`).
+    """
+    if fmt not in ("json", "npz"):
+        raise ArgumentError(f"fmt must be 'json' or 'npz', got {fmt!r}")
+    from .. import __version__
+
+    names = list(SPECS) if not ops else list(ops)
+    specs = [get(n) for n in names]
+    os.makedirs(out_dir, exist_ok=True)
+    written: list[str] = []
+    for spec in specs:
+        records: list[dict[str, Any]] = []
+        npz: dict[str, np.ndarray] = {}
+        for i, (cell, conv) in enumerate((cells or {}).get(spec.name) or default_cells(spec)):
+            meta, arrays = _vector(spec, cell, conv, seed)
+            for group, items in arrays.items():
+                enc: dict[str, Any] = {}
+                for name, a in items.items():
+                    if a is None:
+                        enc[name] = None
+                    elif fmt == "json":
+                        enc[name] = _encode_json(a)
+                    else:
+                        key = f"{i}/{group}/{name}"
+                        a = np.asarray(a)
+                        bits = _dtype(a.dtype).name == "bfloat16"
+                        npz[key] = a.view(np.uint16) if bits else a
+                        enc[name] = {
+                            "dtype": _dtype(a.dtype).name,
+                            "shape": list(a.shape),
+                            "npz_key": key,
+                            "encoding": "bits" if bits else "native",
+                        }
+                meta[group] = enc
+            records.append(meta)
+        doc = {
+            "schema": SCHEMA_NAME,
+            "schema_version": SCHEMA_VERSION,
+            "pynorm_version": __version__,
+            "op": spec.name,
+            "summary": spec.summary,
+            "outputs": list(spec.outputs),
+            "grad_names": list(spec.grad_names),
+            "calling_convention": CALLING_CONVENTION,
+            "vectors": records,
+        }
+        path = os.path.join(out_dir, f"{spec.name}.{fmt}")
+        if fmt == "json":
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(doc, f, separators=(",", ":"))
+                f.write("\n")
+        else:
+            np.savez_compressed(path, __meta__=np.asarray(json.dumps(doc)), **npz)  # type: ignore[arg-type]
+        written.append(path)
+    index = {
+        "schema": SCHEMA_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "format": fmt,
+        "files": [os.path.basename(p) for p in written],
+    }
+    with open(os.path.join(out_dir, "index.json"), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=1)
+        f.write("\n")
+    with open(os.path.join(out_dir, "vectors.schema.json"), "w", encoding="utf-8") as f:
+        json.dump(schema(), f, indent=1)
+        f.write("\n")
+    return written
+
+
+def _read_one(path: str) -> dict[str, Any]:
+    if path.endswith(".npz"):
+        with np.load(path, allow_pickle=False) as z:
+            doc = json.loads(str(z["__meta__"]))
+            for rec in doc["vectors"]:
+                for group in ("inputs", "params", "upstream", "outputs", "grads", "scales"):
+                    for name, d in rec[group].items():
+                        if d is None:
+                            continue
+                        a = z[d["npz_key"]]
+                        rec[group][name] = a.view(_dtype("bfloat16")) if d.get("encoding") == "bits" else a
+        return doc  # type: ignore[no-any-return]
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    for rec in doc["vectors"]:
+        for group in ("inputs", "params", "upstream", "outputs", "grads", "scales"):
+            rec[group] = {k: _decode_json(v) for k, v in rec[group].items()}
+    return doc  # type: ignore[no-any-return]
+
+
+def read_vectors(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read a vector file, or every file of a directory's ``index.json``: a list of documents (one per op),
+    arrays decoded to NumPy arrays of their dtypes. Raises :class:`pynorm.errors.ArgumentError` for a file of
+    another schema or a newer schema version."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        with open(os.path.join(p, "index.json"), encoding="utf-8") as f:
+            index = json.load(f)
+        files = [os.path.join(p, n) for n in index["files"]]
+    else:
+        files = [p]
+    docs = []
+    for fp in files:
+        doc = _read_one(fp)
+        if doc.get("schema") != SCHEMA_NAME or int(doc.get("schema_version", 0)) > SCHEMA_VERSION:
+            raise ArgumentError(
+                f"path: {fp} is not a pynorm golden vector file of schema version <= {SCHEMA_VERSION} "
+                f"(schema {doc.get('schema')!r}, version {doc.get('schema_version')!r})"
+            )
+        docs.append(doc)
+    return docs
+
+
+def verify_vectors(docs: Iterable[dict[str, Any]] | str | os.PathLike[str], *, exact: bool = False) -> list[str]:
+    """Recompute every vector with the reference; the differences found (an empty list: all agree).
+
+    ``exact=False``: each output within the vector's own tolerance. ``exact=True`` (a change to the reference
+    that alters a vector): 16- and 32-bit results bit for bit (each is one rounding of a wider computation),
+    float64 results within 4 ulps at the scale (a float64 sum may differ in its last bits between platforms).
+    """
+    if isinstance(docs, (str, os.PathLike)):
+        docs = read_vectors(docs)
+    problems: list[str] = []
+    for doc in docs:
+        spec = get(doc["op"])
+        for rec in doc["vectors"]:
+            x = rec["inputs"]["x"]
+            args = [rec["inputs"].get(n) for n in spec.input_names] + [rec["params"].get(n) for n in spec.param_names]
+            case = Case(
+                x=x, args=args, dy=rec["upstream"]["dy"], axis=int(rec["axis"]), options=dict(rec["conventions"])
+            )
+            with np.errstate(all="ignore"):
+                outs, grads = reference(spec, case)
+            for group, got in (("outputs", outs), ("grads", grads)):
+                for name, want in rec[group].items():
+                    if want is None:
+                        continue
+                    if name not in got:
+                        problems.append(f"{rec['id']}: the reference no longer returns {name}")
+                        continue
+                    a = np.asarray(got[name])
+                    if a.shape != want.shape or _dtype(a.dtype) != _dtype(want.dtype):
+                        problems.append(
+                            f"{rec['id']}: {name} is {a.dtype}{a.shape}, the vector {want.dtype}{want.shape}"
+                        )
+                        continue
+                    scale = rec["scales"].get(name)
+                    if exact and _dtype(want.dtype).itemsize < 8:
+                        a64, w64 = a.astype(np.float64), want.astype(np.float64)
+                        same = (a64 == w64) | (np.isnan(a64) & np.isnan(w64))
+                        err = 0.0 if same.all() else math.inf
+                        limit = 0.0
+                    else:
+                        limit = 4.0 if exact else float(rec["tolerance"]["ulps"].get(name, 0.0))
+                        err = max_ulp_error(a, want, want.dtype, scale=scale)
+                    if not err <= limit:
+                        problems.append(
+                            f"{rec['id']}: {name} differs from the vector by {err:.3g} ulps (limit {limit:g})"
+                        )
+    return problems
+
+
+def budgets_table() -> dict[str, dict[str, float]]:
+    """The default budgets the vectors' tolerances come from (:data:`pynorm.oracle.runner.DEFAULT_BUDGETS`)."""
+    return {k: dict(v) for k, v in DEFAULT_BUDGETS.items()}

@@ -19,9 +19,13 @@ How it works (driven by the op's spec, no per-op code):
   whole array, block by block, bitwise on the same backend.
 * **Parameters** (weights, biases, scalars, tables, matrices) are small in-memory arrays of ``x``'s array
   library: each becomes one graph key that every block reads (shipped once per worker).
-* **Backward recomputes the forward per block** (``pynorm.<op>_forward`` then ``pynorm.<op>_backward`` in the same
-  task): a ctx of per-row statistics is not a chunk value Dask can ship or spill, and recomputing costs one
-  forward per block, the pattern of the fused norm + Linear's backward. The parameter gradients of every block
+* **Backward reads the forward blocks' ctx.** Each forward task returns its block's outputs and its in-memory
+  :class:`pynorm.Context` (the block's input, parameters and per-row statistics; a picklable dataclass, so the
+  distributed scheduler can move or spill it like any chunk); each backward task runs ``pynorm.<op>_backward``
+  on it. Computing the outputs and the gradients together (``dask.compute(y, *grads)``) runs every block's
+  forward once. ``backward(..., recompute=True)`` recomputes the forward inside each backward task instead (the
+  fused norm + Linear's pattern): no forward result is held for the backward, one more forward per block.
+  The parameter gradients of every block
   (each rounded to its parameter's dtype by the backend) are packed into one float64 vector per block and summed
   by **one** Dask tree reduction (``sum(split_every=...)``), then rounded once to each parameter's dtype: they
   equal the in-memory gradients up to the rounding of the per-block partial sums and the order of the sum.
@@ -41,7 +45,9 @@ tensor's ``amax``: not row-wise; compute ``amax`` first and pass ``out_scale``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -106,6 +112,9 @@ class DaskContext:
     cond_shapes : the shape of each ``cond`` input as given (its gradient gets it back).
     split_every : fan-in of the tree reduction of the parameter gradients.
     flags : the ``return_<output>`` flags of ``pynorm.<op>_forward`` given (``return_norm``).
+    results : the forward blocks (a Dask array over the row blocks whose chunks are tuples: the block's outputs,
+        then its in-memory ctx), which the backward blocks read unless ``recompute=True``.
+    rechunk_warn_bytes : the threshold of the :class:`~pynorm.errors.RechunkWarning` forward was given.
     """
 
     op: str
@@ -119,6 +128,8 @@ class DaskContext:
     cond_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     split_every: int = SPLIT_EVERY
     flags: dict[str, bool] = field(default_factory=dict)
+    results: Any = None
+    rechunk_warn_bytes: int | None = None
 
     @property
     def spec(self) -> OpSpec:
@@ -141,24 +152,21 @@ def _call_forward(spec: OpSpec, backend: str, axis: int, options: Mapping[str, A
 
 
 def _forward_block(*arrays: Any, op: str, backend: str, axis: int, options: Mapping[str, Any]) -> tuple[Any, ...]:
-    """One row block's forward: the tuple of the op's outputs (``(q, s)`` for a quantizing ``quant_layer_norm``)."""
-    outs, _ctx = _call_forward(SPECS[op], backend, axis, options, arrays)
-    return outs if isinstance(outs, tuple) else (outs,)
+    """One row block's forward: the op's outputs as ``pynorm.<op>_forward`` returns them (``(q, s)`` for a
+    quantizing ``quant_layer_norm``), then its ctx (a picklable :class:`pynorm.Context`: the block's input,
+    parameters and per-row statistics) for the backward blocks."""
+    outs, ctx = _call_forward(SPECS[op], backend, axis, options, arrays)
+    return (*(outs if isinstance(outs, tuple) else (outs,)), ctx)
 
 
-def _backward_block(
-    dy: Any, *arrays: Any, op: str, backend: str, axis: int, options: Mapping[str, Any], upstream: tuple[str, ...]
-) -> tuple[Any, ...]:
-    """One row block's forward (recomputed) then backward: ``(dx, d<input>..., packed parameter gradients)``.
+def _block_grads(op: str, dy: Any, ctx: Any, ups: Mapping[str, Any], axis: int) -> tuple[Any, ...]:
+    """``pynorm.<op>_backward`` on one block: ``(dx, d<input>..., packed parameter gradients)``.
 
     The parameter gradients are packed into one float64 vector, shaped ``(1,) * L + (P,)`` (one entry per
     leading dim of ``x``) for the tree reduction."""
     import pynorm
 
     spec = SPECS[op]
-    ups = dict(zip(upstream, arrays[: len(upstream)], strict=True))
-    arrays = arrays[len(upstream) :]
-    _outs, ctx = _call_forward(spec, backend, axis, options, arrays)
     grads = getattr(pynorm, f"{op}_backward")(dy, ctx, **{k: v for k, v in ups.items() if v is not None})
     n_in = sum(1 for i in spec.inputs if i.differentiable)
     xp = _dispatch.xp_of(grads[0])
@@ -166,6 +174,20 @@ def _backward_block(
     lead = (1,) * axis
     packed = xp.concatenate(pieces).reshape(*lead, -1) if pieces else xp.zeros((*lead, 0), dtype=xp.float64)
     return (grads[0], *grads[1 : 1 + n_in], packed)
+
+
+def _backward_block(dy: Any, fwd: tuple[Any, ...], *ups: Any, op: str, axis: int, upstream: tuple[str, ...]) -> Any:
+    """One row block's backward from the forward block's results (its ctx is their last item)."""
+    return _block_grads(op, dy, fwd[-1], dict(zip(upstream, ups, strict=True)), axis)
+
+
+def _recompute_backward_block(
+    dy: Any, *arrays: Any, op: str, backend: str, axis: int, options: Mapping[str, Any], upstream: tuple[str, ...]
+) -> tuple[Any, ...]:
+    """One row block's forward, recomputed from the inputs, then its backward (``recompute=True``)."""
+    ups = dict(zip(upstream, arrays[: len(upstream)], strict=True))
+    _outs, ctx = _call_forward(SPECS[op], backend, axis, options, arrays[len(upstream) :])
+    return _block_grads(op, dy, ctx, ups, axis)
 
 
 def _take(t: tuple[Any, ...], i: int) -> Any:
@@ -283,7 +305,9 @@ def _split_args(spec: OpSpec, args: tuple[Any, ...], kw: dict[str, Any]) -> tupl
     (any of them by name); what remains in ``kw`` are the options."""
     positional = [i.name for i in spec.inputs if not i.keyword] + list(spec.param_names)
     if len(args) > len(positional):
-        raise TypeError(f"{spec.name}() takes at most {len(positional) + 1} positional arguments ({len(args) + 1} given)")
+        raise TypeError(
+            f"{spec.name}() takes at most {len(positional) + 1} positional arguments ({len(args) + 1} given)"
+        )
     values: dict[str, Any] = dict(zip(positional, args))
     for name in (*spec.input_names, *spec.param_names):
         if name in kw:
@@ -376,8 +400,9 @@ def forward(
         if a is None:
             ins.append(_dispatch._check_input(si, None, xs, ax))
         elif si.kind == "row_scale" and not _is_dask(a):
-            ins.append(a)
-            _dispatch._check_input(si, a, xs, ax)  # a scalar: its value checked here
+            ins.append(a)  # a scalar, checked here (a Python number as the in-memory op reads it: in x's library)
+            real = isinstance(a, numbers.Real) and not isinstance(a, bool)
+            _dispatch._check_input(si, xp.asarray(float(a), dtype=xp.float64) if real else a, xs, ax)
         else:
             ins.append(_check_row_input(si, a, x, ax))
     ids_standins = {si.name: xp.zeros((1,), dtype=xp.int64) for si in spec.inputs if si.kind == "row_index"}
@@ -411,9 +436,11 @@ def forward(
     rechunk.warn()
     ctx = DaskContext(
         spec.name, bname, xr, tuple(ins), tuple(ps), opts, ax, y_shape, cond_shapes,
-        SPLIT_EVERY if split_every is None else int(split_every), flags,
+        SPLIT_EVERY if split_every is None else int(split_every), flags, None, rechunk_warn_bytes,
     )  # fmt: skip
-    return _forward_graph(ctx), ctx
+    results = _forward_results(ctx)
+    ctx = dataclasses.replace(ctx, results=results)
+    return _forward_outputs(ctx), ctx
 
 
 def _block_args(ctx: DaskContext) -> list[Any]:
@@ -436,7 +463,7 @@ def _block_args(ctx: DaskContext) -> list[Any]:
         if p is None:
             out += [None, None]
         else:
-            out += [da.from_array(p, chunks=p.shape, name=False), tuple(f"{sp.name}_{j}" for j in range(p.ndim))]
+            out += [da.from_array(p, chunks=p.shape), tuple(f"{sp.name}_{j}" for j in range(p.ndim))]
     return out
 
 
@@ -468,20 +495,28 @@ def _check_flags(spec: OpSpec, kw: dict[str, Any]) -> dict[str, bool]:
     return out
 
 
-def _forward_graph(ctx: DaskContext) -> Any:
-    """The lazy outputs, in the structure ``pynorm.<op>_forward`` returns them: the spec's outputs (those behind a
-    ``return_<output>`` flag only when it is set), then a quantizing op's scale ``s``."""
+def _forward_results(ctx: DaskContext) -> Any:
+    """The forward blocks: a Dask array over the row blocks whose chunks are ``(*outputs, ctx)`` tuples."""
+    spec = ctx.spec
+    ax = ctx.axis
+    kwargs = {"op": spec.name, "backend": ctx.backend, "axis": ax, "options": {**ctx.options, **ctx.flags}}
+    return da.blockwise(
+        _forward_block, _lead_index(ax), *_block_args(ctx), concatenate=True, meta=np.empty((0,) * ax, dtype=object),
+        token=f"pynorm-{spec.name}-forward", **kwargs,
+    )  # fmt: skip
+
+
+def _forward_outputs(ctx: DaskContext) -> Any:
+    """The lazy outputs, in the structure ``pynorm.<op>_forward`` returns them: the spec's outputs (those after
+    the first only when a ``return_*`` flag of the public function, if it has one, is set), then a quantizing
+    op's scale ``s``."""
     spec = ctx.spec
     ax = ctx.axis
     lead = _lead_index(ax)
-    kwargs = {"op": spec.name, "backend": ctx.backend, "axis": ax, "options": {**ctx.options, **ctx.flags}}
-    results = da.blockwise(
-        _forward_block, lead, *_block_args(ctx), concatenate=True, meta=np.empty((0,) * ax, dtype=object),
-        token=f"pynorm-{spec.name}-forward", **kwargs,
-    )  # fmt: skip
+    results = ctx.results
     dtypes = spec.dtypes_of_outputs(ctx.x.dtype, ctx.options)
     gated = bool(_flags(spec)) and not any(ctx.flags.values())
-    outs = []
+    outs: list[Any] = []
     for i, (oname, dt) in enumerate(zip(spec.outputs, dtypes, strict=True)):
         if i > 0 and gated:
             continue
@@ -514,7 +549,7 @@ def _output(ctx: DaskContext, results: Any, i: int, dtype: Any, shape: tuple[int
 # backward
 
 
-def backward(dy: Any, ctx: DaskContext, **upstream: Any) -> Any:
+def backward(dy: Any, ctx: DaskContext, *, recompute: bool = False, **upstream: Any) -> Any:
     """Backward of :func:`forward`: the op's Grads named tuple, every entry a lazy Dask array (or None).
 
     ``dx`` and the gradients of the row inputs come per block (equal to the in-memory ones on the same backend);
@@ -522,10 +557,17 @@ def backward(dy: Any, ctx: DaskContext, **upstream: Any) -> Any:
     the parameter's dtype), rounded once to the parameter's dtype, in the parameter's shape. Compute them
     together (``dask.compute(*grads)``): computed one by one, each would recompute the blocks.
 
+    Each backward block reads the forward block's in-memory ctx (the block's input, parameters and per-row
+    statistics: a picklable :class:`pynorm.Context`), so computing the outputs and the gradients together runs
+    each block's forward once. ``recompute=True`` recomputes the forward inside each backward block instead,
+    from the inputs: nothing of the forward is kept between the two, at the cost of one more forward per block
+    when the outputs are computed too.
+
     Parameters
     ----------
     dy : Dask array of the first output's shape, of the op's gradient dtype (``x``'s; float32 for an int8 ``x``).
     ctx : the :class:`DaskContext` from :func:`forward`.
+    recompute : recompute the forward in the backward blocks (default: read the forward blocks' ctx).
     **upstream : gradients arriving at the other outputs (``dh=`` of the residual ops, ``dn=`` of the fused
         norm + Linear), Dask arrays of ``x``'s shape, or None.
 
@@ -542,7 +584,7 @@ def backward(dy: Any, ctx: DaskContext, **upstream: Any) -> Any:
     unknown = set(upstream) - set(allowed)
     if unknown:
         raise TypeError(f"{spec.name} backward got unexpected keyword argument(s) {sorted(unknown)} (takes {allowed})")
-    rechunk = _Rechunker(None)
+    rechunk = _Rechunker(ctx.rechunk_warn_bytes)
     dy = _check_grad_array(dy, "dy", ctx, ctx.y_shape, spec.grad_dtype(xr.dtype))
     y_chunks = (*xr.chunks[:ax], *((d,) for d in ctx.y_shape[ax:]))
     dy = rechunk(dy, y_chunks, "dy")
@@ -559,14 +601,19 @@ def backward(dy: Any, ctx: DaskContext, **upstream: Any) -> Any:
     up_args: list[Any] = []
     for g in ups:
         up_args += [g, None] if g is None else [g, _x_index(xr, ax)]
-    kwargs = {
-        "op": spec.name, "backend": ctx.backend, "axis": ax, "options": ctx.options,
-        "upstream": tuple(f"d{o}" for o in spec.outputs[1:]),
-    }  # fmt: skip
-    results = da.blockwise(
-        _backward_block, lead, dy, y_index, *up_args, *_block_args(ctx), concatenate=True,
-        meta=np.empty((0,) * ax, dtype=object), token=f"pynorm-{spec.name}-backward", **kwargs,
-    )  # fmt: skip
+    names = tuple(f"d{o}" for o in spec.outputs[1:])
+    token = f"pynorm-{spec.name}-backward"
+    meta = np.empty((0,) * ax, dtype=object)
+    if recompute:
+        results = da.blockwise(
+            _recompute_backward_block, lead, dy, y_index, *up_args, *_block_args(ctx), concatenate=True, meta=meta,
+            token=token, op=spec.name, backend=ctx.backend, axis=ax, options=ctx.options, upstream=names,
+        )  # fmt: skip
+    else:
+        results = da.blockwise(
+            _backward_block, lead, dy, y_index, ctx.results, lead, *up_args, concatenate=True, meta=meta,
+            token=token, op=spec.name, axis=ax, upstream=names,
+        )  # fmt: skip
 
     dx = _output(ctx, results, 0, spec.grad_dtype(xr.dtype), tuple(xr.shape), "dx")
     d_inputs = []
@@ -658,7 +705,9 @@ def _param_grads(ctx: DaskContext, results: Any, j: int) -> list[Any]:
 def _make_functions(name: str) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     spec = SPECS[name]
     sig = ", ".join(
-        [i.name for i in spec.inputs if not i.keyword] + list(spec.param_names) + [i.name for i in spec.inputs if i.keyword]
+        [i.name for i in spec.inputs if not i.keyword]
+        + list(spec.param_names)
+        + [i.name for i in spec.inputs if i.keyword]
     )
 
     def op_forward(x: Any, *args: Any, **kw: Any) -> tuple[Any, DaskContext]:
@@ -667,10 +716,10 @@ def _make_functions(name: str) -> tuple[Callable[..., Any], Callable[..., Any], 
     def op(x: Any, *args: Any, **kw: Any) -> Any:
         return forward(name, x, *args, **kw)[0]
 
-    def op_backward(dy: Any, ctx: DaskContext, **upstream: Any) -> Any:
+    def op_backward(dy: Any, ctx: DaskContext, *, recompute: bool = False, **upstream: Any) -> Any:
         if isinstance(ctx, DaskContext) and ctx.op != name:
             raise ContextError(f"ctx was produced by {ctx.op} and cannot be used by {name}_backward")
-        return backward(dy, ctx, **upstream)
+        return backward(dy, ctx, recompute=recompute, **upstream)
 
     ups = ", ".join(f"d{o}=None" for o in spec.outputs[1:])
     op_forward.__doc__ = (
@@ -701,4 +750,3 @@ _install()
 
 def __getattr__(name: str) -> Any:  # for mypy: the generated functions are module attributes
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

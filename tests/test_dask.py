@@ -14,6 +14,7 @@ Expectations, and why:
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Any
@@ -180,11 +181,14 @@ def test_conditional_shared_cond(backend: Any, cond_shape: tuple[int, ...]) -> N
 # backward
 
 
-@pytest.mark.parametrize(("dt", "axis"), [("float32", -1), ("float64", -1), ("float32", 1)])
+@pytest.mark.parametrize(
+    ("dt", "axis", "recompute"), [("float32", -1, False), ("float64", -1, False), ("float32", 1, False),
+                                  ("float32", -1, True)]
+)  # fmt: skip
 @pytest.mark.parametrize("op", list(OPS))
-def test_backward_matches_in_memory(backend: Any, op: str, dt: str, axis: int) -> None:
+def test_backward_matches_in_memory(backend: Any, op: str, dt: str, axis: int, recompute: bool) -> None:
     """dx (and a residual's gradient) bitwise; parameter (and cond) gradients to PARAM_RTOL of their term scales;
-    upstream gradients at the other outputs (dh, dn) included."""
+    upstream gradients at the other outputs (dh, dn) included; from the forward blocks' ctx or recomputed."""
     _numpy_only(backend)
     spec = OPS[op]
     rng = np.random.default_rng(100 + list(OPS).index(op))
@@ -199,7 +203,9 @@ def test_backward_matches_in_memory(backend: Any, op: str, dt: str, axis: int) -
     odts = spec.spec.dtypes_of_outputs(np.dtype(dt), {**spec.spec.defaults(), **case})
     ups = {f"d{o}": rng.standard_normal(X_SHAPE).astype(odt) for o, odt in zip(spec.spec.outputs[1:], odts[1:])}
     want = getattr(pynorm, f"{op}_backward")(dy, wctx, **ups)
-    grads = getattr(pdask, f"{op}_backward")(_dask(dy), ctx, **{k: _dask(v) for k, v in ups.items()})
+    grads = getattr(pdask, f"{op}_backward")(
+        _dask(dy), ctx, recompute=recompute, **{k: _dask(v) for k, v in ups.items()}
+    )
     assert type(grads) is type(want)
     assert all(g is None or isinstance(g, da.Array) for g in grads)
     got = dask.compute(*grads)
@@ -244,9 +250,11 @@ def test_backward_param_grads_are_tree_reduced(backend: Any) -> None:
 # laziness
 
 
-def test_nothing_runs_until_compute(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Building the forward and backward graphs runs no task and no pynorm op; computing runs one forward per row
-    block for y, and one forward + one backward per block for the gradients."""
+@pytest.mark.parametrize("recompute", [False, True])
+def test_nothing_runs_until_compute(backend: Any, monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:
+    """Building the forward and backward graphs runs no task and no pynorm op; computing y runs one forward per
+    row block; computing the gradients with y and h runs one forward and one backward per block (the backward
+    reads the forward blocks' ctx), or two forwards with recompute=True."""
     _numpy_only(backend)
     calls = {"forward": 0, "backward": 0}
     real_f, real_b = pynorm.add_rms_norm_forward, pynorm.add_rms_norm_backward
@@ -273,14 +281,20 @@ def test_nothing_runs_until_compute(backend: Any, monkeypatch: pytest.MonkeyPatc
     w = rng.standard_normal(16)
     with Count():
         (y, hsum), ctx = pdask.add_rms_norm_forward(x, res, w, backend=backend.name)
-        grads = pdask.add_rms_norm_backward(y * 0 + 1.0, ctx, dh=hsum)
+        grads = pdask.add_rms_norm_backward(y * 0 + 1.0, ctx, dh=hsum, recompute=recompute)
         assert tasks == [] and calls == {"forward": 0, "backward": 0}
         y.compute(scheduler="sync")
         assert calls == {"forward": 9, "backward": 0}
         assert tasks
-        dask.compute(*grads, scheduler="sync")
-    # the gradients need y (for dy) and h (for dh): 9 forwards for them, and 9 forward + backward blocks
-    assert calls == {"forward": 9 + 9 + 9, "backward": 9}
+        got = dask.compute(y, *grads, scheduler="sync")
+    assert calls == {"forward": 9 + (18 if recompute else 9), "backward": 9}
+    xs, rs = dask.compute(x, res)
+    (wy, wh), wctx = real_f(xs, rs, w, backend=backend.name)
+    want = real_b(np.ones_like(wy), wctx, dh=wh)
+    np.testing.assert_array_equal(got[0], wy)
+    np.testing.assert_array_equal(got[1], want.dx)
+    np.testing.assert_array_equal(got[2], want.dresidual)
+    np.testing.assert_allclose(got[3], want.dweight, rtol=1e-12)
 
 
 # ---------------------------------------------------------------------------
@@ -300,7 +314,7 @@ def test_rechunk_warning(backend: Any) -> None:
         # under the threshold (the default, 256 MiB): silent
         pdask.add_layer_norm(da.from_array(x, chunks=X_CHUNKS), _dask(res))
         # already chunked right: nothing is rechunked, whatever the threshold
-        y, h = pdask.add_layer_norm(da.from_array(x, chunks=(5, 2, 16)), da.from_array(res, chunks=(5, 2, 16)),
+        y, _h = pdask.add_layer_norm(da.from_array(x, chunks=(5, 2, 16)), da.from_array(res, chunks=(5, 2, 16)),
                                     rechunk_warn_bytes=0)  # fmt: skip
     assert y.chunks == ((5, 5, 2), (2, 2, 1), (16,))
 
@@ -387,7 +401,12 @@ def client() -> Any:
     distributed = pytest.importorskip("distributed", reason="the LocalCluster tests need dask[distributed]")
     with (
         distributed.LocalCluster(
-            processes=True, n_workers=2, threads_per_worker=1, memory_limit="1GiB", dashboard_address=None
+            processes=True,
+            n_workers=2,
+            threads_per_worker=1,
+            memory_limit="1GiB",
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
         ) as cluster,
         distributed.Client(cluster) as c,
     ):
@@ -410,8 +429,12 @@ def test_distributed_forward_backward(backend: Any, client: Any, op: str) -> Non
     ups = {f"d{o}": rng.standard_normal(shape).astype(np.float32) for o in spec.spec.outputs[1:]}
     want_y, wctx = _in_memory(op, x, args, -1, backend.name)
     want = getattr(pynorm, f"{op}_backward")(dy, wctx, **ups)
-    y, ctx = _on_dask(op, da.from_array(x, chunks=chunks), args, -1, backend.name)
-    grads = getattr(pdask, f"{op}_backward")(_dask(dy, 5), ctx, **{k: _dask(v, 5) for k, v in ups.items()})
+    pos, kwi = _split(
+        op, [_dask(a, (16, 3, -1)[: a.ndim]) if j < len(spec.spec.inputs) else a for j, a in enumerate(args)]
+    )
+    y, ctx = getattr(pdask, f"{op}_forward")(da.from_array(x, chunks=chunks), *pos, backend=backend.name, **kwi)
+    other = (16, 3, 32)  # row inputs and gradients: rechunked to x's rows
+    grads = getattr(pdask, f"{op}_backward")(_dask(dy, other), ctx, **{k: _dask(v, other) for k, v in ups.items()})
     with get_task_stream(client) as ts:
         got_y, *got = client.gather(client.compute([_tuple(y)[0], *grads]))
     assert len({t["worker"] for t in ts.data}) == 2

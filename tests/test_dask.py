@@ -4,7 +4,10 @@ forward + backward through a ``dask.distributed`` LocalCluster (two worker proce
 Expectations, and why:
 
 * outputs, ``dx`` and a residual's gradient are **bitwise** the in-memory ones on the same backend: each row is
-  computed by the same kernel whatever block it is in (rows are independent);
+  computed by the same kernel whatever block it is in (rows are independent) -- except for the ops with a matrix
+  product (conditional norms, fused norm + Linear): the BLAS behind ``@`` may round a row's dot products
+  differently for a different number of rows (the numba backend's float32 ``n @ W.T`` does), so those are
+  compared like the parameter gradients below;
 * parameter gradients (and a ``cond`` shared by several row blocks) are sums over blocks: each block's sum is
   rounded to the parameter's dtype, the blocks are added in float64 and rounded once, while the in-memory path
   sums all rows in its own order. They agree to ``PARAM_RTOL`` of the magnitude of the terms summed
@@ -84,6 +87,21 @@ def _on_dask(op: str, X: Any, args: list[Any], axis: int, backend: str, **kw: An
     return getattr(pdask, f"{op}_forward")(X, *pos, axis=axis, backend=backend, **kwi, **kw)  # type: ignore[no-any-return]
 
 
+def _bitwise(op: str) -> bool:
+    """Whether the op's outputs and dx are bitwise the in-memory ones on every backend: not for an op with a matrix
+    product (conditional norms, fused norm + Linear), whose BLAS rounding may depend on the rows in the call."""
+    return not any(p.kind == "matrix" for p in OPS[op].spec.params)
+
+
+def _scales(op: str, x: np.ndarray, args: list[Any], axis: int, case: dict[str, Any], dy: np.ndarray) -> dict:
+    """The op's term scales (:func:`pynorm.testing.term_scales`) at these arguments."""
+    spec = OPS[op]
+    ax = axis % x.ndim
+    rows = math.prod(x.shape[:ax])
+    flat = flat_arrays(spec, x.shape, ax, args)
+    return term_scales(op, x.reshape(rows, -1), flat, dy.reshape(rows, -1), {**spec.spec.defaults(), **case})  # type: ignore[no-any-return]
+
+
 def _shaped(scale: Any, like: np.ndarray) -> np.ndarray:
     """A term scale (flattened as backends see the parameter) in the gradient's shape."""
     s = np.asarray(scale)
@@ -114,10 +132,14 @@ def test_forward_matches_in_memory(backend: Any, op: str, axis: int) -> None:
         assert ctx.backend == backend.name
         got_t, want_t = _tuple(got), _tuple(want)
         assert len(got_t) == len(want_t)
-        for g, w in zip(got_t, want_t, strict=True):
+        scales = None if _bitwise(op) else _scales(op, x, args, axis, case, np.ones(want_t[0].shape))
+        for oname, g, w in zip(spec.spec.outputs, got_t, want_t, strict=False):
             assert isinstance(g, da.Array)
             assert g.shape == w.shape and g.dtype == w.dtype, (op, case)
-            np.testing.assert_array_equal(g.compute(), w, err_msg=f"{op} {case}")
+            if scales is None:
+                np.testing.assert_array_equal(g.compute(), w, err_msg=f"{op} {case}")
+            else:
+                assert_close_scaled(g.compute(), w, _shaped(scales[oname], w), PARAM_RTOL["float32"], f"{op} {oname}")
         assert got_t[0].numblocks[: axis % 3] == X.numblocks[: axis % 3]  # the row blocks were kept
 
 
@@ -219,7 +241,7 @@ def test_backward_matches_in_memory(backend: Any, op: str, dt: str, axis: int, r
             assert g is None, name
             continue
         assert g.shape == e.shape and g.dtype == e.dtype, name
-        if name == "dx" or name == "dresidual":
+        if name in ("dx", "dresidual") and _bitwise(op):
             np.testing.assert_array_equal(g, e, err_msg=name)
         else:
             assert_close_scaled(g, e, _shaped(scales[name], e), PARAM_RTOL[dt], f"{op} {name}")
@@ -443,7 +465,7 @@ def test_distributed_forward_backward(backend: Any, client: Any, op: str) -> Non
     flat.update({k: v.reshape(-1, 32) for k, v in ups.items()})
     scales = term_scales(op, x.reshape(-1, 32), flat, dy.reshape(-1, 32), spec.spec.defaults())
     for name, g, e in zip(want._fields, got, want, strict=True):
-        if name in ("dx", "dresidual"):
+        if name in ("dx", "dresidual") and _bitwise(op):
             np.testing.assert_array_equal(g, e, err_msg=name)
         elif e is not None:
             assert_close_scaled(g, e, _shaped(scales[name], e), PARAM_RTOL["float32"], f"{op} {name}")

@@ -59,11 +59,13 @@ import numpy as np
 try:
     import dask
     import dask.array as da
+    from dask.sizeof import sizeof
     from dask.utils import format_bytes, parse_bytes
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("pynorm.dask needs dask[array]: pip install 'pynorm[dask]'") from exc
 
 from . import _dispatch, _registry
+from ._dispatch import Context
 from .errors import ArgumentError, ArrayTypeError, ContextError, DTypeError, RechunkWarning, ShapeError
 from .ops import SPECS, OpSpec
 from .ops import get as _get_spec
@@ -188,6 +190,19 @@ def _recompute_backward_block(
     ups = dict(zip(upstream, arrays[: len(upstream)], strict=True))
     _outs, ctx = _call_forward(SPECS[op], backend, axis, options, arrays[len(upstream) :])
     return _block_grads(op, dy, ctx, ups, axis)
+
+
+@sizeof.register(Context)
+def _sizeof_context(ctx: Context) -> int:
+    """Bytes a block's ctx holds (its input, parameters and statistics), so that the distributed scheduler's
+    memory accounting and spilling see it (the default ``sys.getsizeof`` of a dataclass counts none of them)."""
+    return 64 + _sizeof_fields(ctx.inner)
+
+
+def _sizeof_fields(obj: Any) -> int:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(_sizeof_fields(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return int(sizeof(obj)) if hasattr(obj, "nbytes") else 8
 
 
 def _take(t: tuple[Any, ...], i: int) -> Any:

@@ -515,3 +515,12 @@ def test_norm_linear_return_norm(backend: Any, op: str) -> None:
         np.testing.assert_array_equal(g.compute(), e)
     with pytest.raises(ArgumentError, match="return_norm must be True or False"):
         _on_dask(op, da.from_array(x, chunks=X_CHUNKS), args, -1, backend.name, return_norm="yes")
+
+
+def test_block_ctx_sizeof_counts_its_arrays() -> None:
+    """The forward blocks' ctx reports the bytes of its arrays to Dask (memory accounting, spilling)."""
+    from dask.sizeof import sizeof
+
+    x = np.zeros((1000, 64), np.float32)
+    _, ctx = pynorm.layer_norm_forward(x, np.ones(64, np.float32), backend="numpy")
+    assert sizeof(ctx) >= x.nbytes + 2 * 1000 * 4

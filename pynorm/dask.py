@@ -16,7 +16,9 @@ How it works (driven by the op's spec, no per-op code):
   ``x``'s row chunks.
 * **Blocks.** Each block of rows runs the in-memory ``pynorm.<op>_forward`` on the chosen backend. Rows are
   independent, so every output (and ``dx``, and the gradient of a residual) equals the in-memory result on the
-  whole array, block by block, bitwise on the same backend.
+  whole array, block by block, bitwise on the same backend -- but for the ops with a matrix product (conditional
+  norms, fused norm + Linear), whose BLAS may round a row's dot products differently for another number of
+  rows per call (a few roundings of the terms).
 * **Parameters** (weights, biases, scalars, tables, matrices) are small in-memory arrays of ``x``'s array
   library: each becomes one graph key that every block reads (shipped once per worker).
 * **Backward reads the forward blocks' ctx.** Each forward task returns its block's outputs and its in-memory
@@ -142,8 +144,18 @@ class DaskContext:
 # block functions (module level: workers import them by name)
 
 
+def _one(a: Any) -> Any:
+    """The block ``blockwise`` passes as nested one-element lists for the dims a task contracts (``x``'s normalized
+    dims, a parameter's): those dims have one chunk, so this is the whole array, taken without a copy."""
+    while isinstance(a, list):
+        assert len(a) == 1, "a contracted dim must have one chunk"
+        a = a[0]
+    return a
+
+
 def _unpack(spec: OpSpec, arrays: tuple[Any, ...]) -> tuple[Any, list[Any], list[Any]]:
     n_in = len(spec.inputs)
+    arrays = tuple(_one(a) for a in arrays)
     x, ins, ps = arrays[0], list(arrays[1 : 1 + n_in]), list(arrays[1 + n_in :])
     return x, ins, ps
 
@@ -180,16 +192,16 @@ def _block_grads(op: str, dy: Any, ctx: Any, ups: Mapping[str, Any], axis: int) 
 
 def _backward_block(dy: Any, fwd: tuple[Any, ...], *ups: Any, op: str, axis: int, upstream: tuple[str, ...]) -> Any:
     """One row block's backward from the forward block's results (its ctx is their last item)."""
-    return _block_grads(op, dy, fwd[-1], dict(zip(upstream, ups, strict=True)), axis)
+    return _block_grads(op, _one(dy), fwd[-1], dict(zip(upstream, (_one(u) for u in ups), strict=True)), axis)
 
 
 def _recompute_backward_block(
     dy: Any, *arrays: Any, op: str, backend: str, axis: int, options: Mapping[str, Any], upstream: tuple[str, ...]
 ) -> tuple[Any, ...]:
     """One row block's forward, recomputed from the inputs, then its backward (``recompute=True``)."""
-    ups = dict(zip(upstream, arrays[: len(upstream)], strict=True))
+    ups = dict(zip(upstream, (_one(u) for u in arrays[: len(upstream)]), strict=True))
     _outs, ctx = _call_forward(SPECS[op], backend, axis, options, arrays[len(upstream) :])
-    return _block_grads(op, dy, ctx, ups, axis)
+    return _block_grads(op, _one(dy), ctx, ups, axis)
 
 
 @sizeof.register(Context)
@@ -516,7 +528,7 @@ def _forward_results(ctx: DaskContext) -> Any:
     ax = ctx.axis
     kwargs = {"op": spec.name, "backend": ctx.backend, "axis": ax, "options": {**ctx.options, **ctx.flags}}
     return da.blockwise(
-        _forward_block, _lead_index(ax), *_block_args(ctx), concatenate=True, meta=np.empty((0,) * ax, dtype=object),
+        _forward_block, _lead_index(ax), *_block_args(ctx), concatenate=False, meta=np.empty((0,) * ax, dtype=object),
         token=f"pynorm-{spec.name}-forward", **kwargs,
     )  # fmt: skip
 
@@ -621,12 +633,12 @@ def backward(dy: Any, ctx: DaskContext, *, recompute: bool = False, **upstream: 
     meta = np.empty((0,) * ax, dtype=object)
     if recompute:
         results = da.blockwise(
-            _recompute_backward_block, lead, dy, y_index, *up_args, *_block_args(ctx), concatenate=True, meta=meta,
+            _recompute_backward_block, lead, dy, y_index, *up_args, *_block_args(ctx), concatenate=False, meta=meta,
             token=token, op=spec.name, backend=ctx.backend, axis=ax, options=ctx.options, upstream=names,
         )  # fmt: skip
     else:
         results = da.blockwise(
-            _backward_block, lead, dy, y_index, ctx.results, lead, *up_args, concatenate=True, meta=meta,
+            _backward_block, lead, dy, y_index, ctx.results, lead, *up_args, concatenate=False, meta=meta,
             token=token, op=spec.name, axis=ax, upstream=names,
         )  # fmt: skip
 

@@ -524,3 +524,24 @@ def test_block_ctx_sizeof_counts_its_arrays() -> None:
     x = np.zeros((1000, 64), np.float32)
     _, ctx = pynorm.layer_norm_forward(x, np.ones(64, np.float32), backend="numpy")
     assert sizeof(ctx) >= x.nbytes + 2 * 1000 * 4
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_low_precision_and_one_dimensional_x(backend: Any, dt: str) -> None:
+    """float16/bfloat16 outputs and dx bitwise as in memory (x of one row too: a 1-D x is one block)."""
+    _numpy_only(backend)
+    from .helpers import dtype
+
+    rng = np.random.default_rng(4)
+    for shape, chunks in (((10, 32), (3, 8)), ((64,), (16,))):
+        x = rng.standard_normal(shape).astype(dtype(dt))
+        w = rng.standard_normal(shape[-1:]).astype(dtype(dt))
+        y, ctx = pdask.rms_norm_forward(da.from_array(x, chunks=chunks), w, backend=backend.name)
+        want, wctx = pynorm.rms_norm_forward(x, w, backend=backend.name)
+        got = y.compute()
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        g = dask.compute(*pdask.rms_norm_backward(da.from_array(x, chunks=chunks), ctx))
+        e = pynorm.rms_norm_backward(x, wctx)
+        np.testing.assert_array_equal(g[0].view(np.uint16), e[0].view(np.uint16))
+        assert g[1].dtype == e[1].dtype and g[1].shape == e[1].shape

@@ -545,3 +545,17 @@ def test_low_precision_and_one_dimensional_x(backend: Any, dt: str) -> None:
         e = pynorm.rms_norm_backward(x, wctx)
         np.testing.assert_array_equal(g[0].view(np.uint16), e[0].view(np.uint16))
         assert g[1].dtype == e[1].dtype and g[1].shape == e[1].shape
+
+
+def test_backend_resolved_on_the_client_as_in_memory() -> None:
+    """No backend=: the in-memory choice for x's block type; use_backend and backend= are honoured; a backend that
+    does not serve NumPy blocks is refused when the graph is built."""
+    x = np.zeros((4, 8), np.float32)
+    X = da.from_array(x, chunks=(2, 8))
+    _, ctx = pdask.layer_norm_forward(X)
+    assert ctx.backend == pynorm.layer_norm_forward(x)[1].backend
+    with pynorm.use_backend("numpy"):
+        assert pdask.layer_norm_forward(X)[1].backend == "numpy"
+    assert pdask.layer_norm_forward(X, backend="numpy")[1].backend == "numpy"
+    with pytest.raises(pynorm.errors.PynormError, match="cupy"):
+        pdask.layer_norm_forward(X, backend="cupy")

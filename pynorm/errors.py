@@ -15,6 +15,8 @@ __all__ = [
     "ContextError",
     "DTypeError",
     "PynormError",
+    "PynormWarning",
+    "RechunkWarning",
     "ShapeError",
     "UnknownBackendError",
     "UnknownOpError",
@@ -55,3 +57,11 @@ class UnknownOpError(PynormError, ValueError):
 
 class BackendUnavailableError(PynormError, RuntimeError):
     """An explicitly requested backend cannot run here; the message says why."""
+
+
+class PynormWarning(UserWarning):
+    """Base class of every warning pynorm issues on purpose."""
+
+
+class RechunkWarning(PynormWarning):
+    """:mod:`pynorm.dask` had to rechunk a large array (the normalized dims must form one chunk)."""

@@ -37,7 +37,8 @@ def _hist_pair(plt: Any, rows: list[tuple[str, np.ndarray]], outs: list[np.ndarr
     bins = np.linspace(-6, 10, 120)
     for (label, x), y in zip(rows, outs):
         a.hist(x, bins=bins, histtype="step", label=label)
-        b.hist(y, bins=np.linspace(-4, 6, 120), histtype="step", label=f"{label}: mean {y.mean():.2f}, std {y.std():.2f}")
+        stats = f"{label}: mean {y.mean():.2f}, std {y.std():.2f}"
+        b.hist(y, bins=np.linspace(-4, 6, 120), histtype="step", label=stats)
     a.set_title("input rows (H = 4096)")
     b.set_title(title)
     a.legend(fontsize=7)
@@ -146,7 +147,8 @@ def fig_modality_norm(plt: Any, rng: np.random.Generator) -> Any:
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
     h, names = 64, ("text", "image", "audio")
     ids = np.repeat(np.arange(3), 200)
-    x = rng.standard_normal((ids.size, h)) * np.array([1.0, 3.0, 0.3])[ids, None] + np.array([0.0, 2.0, -1.0])[ids, None]
+    scale, shift = np.array([1.0, 3.0, 0.3])[ids, None], np.array([0.0, 2.0, -1.0])[ids, None]
+    x = rng.standard_normal((ids.size, h)) * scale + shift
     weight = np.array([[1.0], [0.5], [2.0]]) * np.ones((3, h))
     bias = np.array([[0.0], [1.0], [-1.0]]) * np.ones((3, h))
     y = pynorm.modality_layer_norm(x, ids, weight, bias, backend=BACKEND)
@@ -169,7 +171,8 @@ def fig_conditional_norm(plt: Any, rng: np.random.Generator) -> Any:
     w = 0.3 * rng.standard_normal((2 * h, c))
     y = pynorm.conditional_layer_norm(x, cond, w, zero_centered=True, backend=BACKEND)
     for i in range(b_):
-        ax.hist(y[i].ravel(), bins=100, histtype="step", label=f"sample {i}: mean {y[i].mean():.2f}, std {y[i].std():.2f}")
+        stats = f"sample {i}: mean {y[i].mean():.2f}, std {y[i].std():.2f}"
+        ax.hist(y[i].ravel(), bins=100, histtype="step", label=stats)
     ax.set_title("conditional_layer_norm: each sample's scale and shift from its cond")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -4,7 +4,7 @@ pynorm's docstrings are NumPy style with a few reStructuredText constructs (``..
 ``:math:`` / ``:func:`` / ``:class:`` ... roles, ``.. code-block::``, bare ``>>>`` examples). mkdocstrings
 renders docstrings as Markdown, so this extension rewrites those constructs when griffe loads an object:
 
-* ``.. math::`` + indented block -> a ``$$ ... $$`` block (pymdownx.arithmatex renders it);
+* ``.. math::`` + indented block -> ``$$ ... $$`` blocks, one per equation (pymdownx.arithmatex renders them);
 * ``:math:`e``` -> ``$e$``;
 * ``:func:`~a.b```, ``:class:``, ``:mod:``, ``:meth:``, ``:attr:``, ``:data:``, ``:exc:``, ``:obj:`` -> ```b``` (code);
 * ``.. code-block:: lang`` + indented block, and runs of ``>>>`` lines -> fenced code blocks.
@@ -72,7 +72,15 @@ def convert(text: str) -> str:
             continue
         if stripped == ".. math::":
             body, i = _directive_block(lines, i)
-            out += [pad + "$$", *(pad + b for b in body), pad + "$$"]
+            # reST separates equations by blank lines; a Markdown $$ block must not contain one
+            groups: list[list[str]] = [[]]
+            for b in body:
+                if b.strip():
+                    groups[-1].append(b)
+                elif groups[-1]:
+                    groups.append([])
+            for k, eq in enumerate(g for g in groups if g):
+                out += ([""] if k else []) + [pad + "$$", *(pad + e for e in eq), pad + "$$"]
             continue
         if stripped.startswith(".. code-block::"):
             lang = stripped[len(".. code-block::") :].strip()

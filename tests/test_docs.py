@@ -230,6 +230,30 @@ def test_the_readme_command_is_what_ci_runs() -> None:
         assert f"[testenv:{env}]" in tox, env
 
 
+def test_the_griffe_extension_converts_rest() -> None:
+    """docs/griffe_rst.py turns the docstrings' reST into Markdown the site renders (math, roles, examples)."""
+    pytest.importorskip("griffe")
+    ext = _load(DOCS / "griffe_rst.py", "pynorm_docs_griffe_rst")
+    text = "A :func:`~pynorm.layer_norm` and :math:`x^2`.\n\n.. math::\n\n    a = 1\n\n    b = 2\n\n>>> 1 + 1\n2\n"
+    assert ext.convert(text).split("\n") == [  # type: ignore[attr-defined]
+        "A `layer_norm` and $x^2$.",
+        "",
+        "$$",
+        "a = 1",
+        "$$",
+        "",
+        "$$",
+        "b = 2",
+        "$$",
+        "",
+        "```pycon",
+        ">>> 1 + 1",
+        "2",
+        "```",
+        "",
+    ]
+
+
 if __name__ == "__main__":  # python tests/test_docs.py PAGE: run one page's examples (what the test does)
     for message in run_page(Path(sys.argv[1]).resolve()):
         print("SKIPPED " + message)

@@ -1,6 +1,6 @@
 """The benchmark page's chart and table, from a committed ``python -m pynorm bench`` result.
 
-``python bench/chart.py`` reads ``bench/results/cpu_quick.json`` (written by
+``python bench/chart.py`` reads ``bench/published/cpu_quick.json`` (written by
 ``python -m pynorm bench --quick --out DIR``; copy DIR/bench_results.json there to refresh it),
 writes ``docs/figures/bench.png`` (the benchmark's own two-panel chart) and prints the Markdown table
 that ``docs/benchmarks.md`` shows. ``--json``, ``--png`` choose other files; ``--table-only`` skips the
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_JSON = ROOT / "bench" / "results" / "cpu_quick.json"
+DEFAULT_JSON = ROOT / "bench" / "published" / "cpu_quick.json"
 DEFAULT_PNG = ROOT / "docs" / "figures" / "bench.png"
 OPS = ("layer_norm", "rms_norm")
 

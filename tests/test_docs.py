@@ -206,7 +206,7 @@ def test_benchmark_table_is_the_chart_scripts_output() -> None:
     import json
 
     chart = _load(ROOT / "bench" / "chart.py", "pynorm_bench_chart")
-    report = json.loads((ROOT / "bench" / "results" / "cpu_quick.json").read_text())
+    report = json.loads((ROOT / "bench" / "published" / "cpu_quick.json").read_text())
     page = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
     assert chart.markdown_table(report) in page  # type: ignore[attr-defined]
     assert chart.machine_line(report) in page  # type: ignore[attr-defined]

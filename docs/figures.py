@@ -50,13 +50,13 @@ def _hist_pair(plt: Any, rows: list[tuple[str, np.ndarray]], outs: list[np.ndarr
 def fig_layer_norm(plt: Any, rng: np.random.Generator) -> Any:
     rows = _rows(rng)
     outs = [pynorm.layer_norm(x[None], backend=BACKEND)[0] for _, x in rows]
-    return _hist_pair(plt, rows, outs, "layer_norm: every row to mean 0, std 1 (shape kept)")
+    return _hist_pair(plt, rows, outs, "layer_norm: each row to mean 0, std 1")
 
 
 def fig_rms_norm(plt: Any, rng: np.random.Generator) -> Any:
     rows = _rows(rng)
     outs = [pynorm.rms_norm(x[None], backend=BACKEND)[0] for _, x in rows]
-    return _hist_pair(plt, rows, outs, "rms_norm: mean square 1, the mean is not removed")
+    return _hist_pair(plt, rows, outs, "rms_norm: mean square 1, not centred")
 
 
 def fig_scale_norm(plt: Any, rng: np.random.Generator) -> Any:
@@ -94,7 +94,7 @@ def fig_power_norm(plt: Any, rng: np.random.Generator) -> Any:
     b.set_title("dx for dy = 1 (0 at x = 0 for p < 1)")
     b.set_ylim(-0.2, 6.5)
     a.legend(fontsize=7)
-    b.legend(fontsize=7)
+    b.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -173,7 +173,7 @@ def fig_conditional_norm(plt: Any, rng: np.random.Generator) -> Any:
     for i in range(b_):
         stats = f"sample {i}: mean {y[i].mean():.2f}, std {y[i].std():.2f}"
         ax.hist(y[i].ravel(), bins=100, histtype="step", label=stats)
-    ax.set_title("conditional_layer_norm: each sample's scale and shift from its cond")
+    ax.set_title("conditional_layer_norm: scale, shift from each cond")
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

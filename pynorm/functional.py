@@ -135,6 +135,7 @@ def layer_norm_forward(
     correction: int = 0,
     eps_mode: str = "var",
     weight_offset: float = 0.0,
+    casting: str = "fp32",
     out: Array | None = None,
 ) -> tuple[Array, Context]:
     r"""LayerNorm forward; returns ``(y, ctx)`` for :func:`layer_norm_backward`.
@@ -160,6 +161,14 @@ def layer_norm_forward(
         as in both source documents' code.
     weight_offset : ``o`` above; 1.0 gives the zero-centred ``(1 + w)`` of Gemma
         and TransformerEngine's ``zero_centered_gamma``.
+    casting : where intermediate values are rounded (:mod:`pynorm.reference.casting`):
+        ``"fp32"`` (default: all math in float32 or wider, one rounding -- PyTorch,
+        TransformerEngine), ``"llama"`` (the normalized value rounded to ``x``'s dtype, then
+        times the weight: HF ``LlamaRMSNorm``), ``"gemma"`` (``(w + o)`` in float32, one
+        rounding: HF ``GemmaRMSNorm``), ``"t5"`` (the normalized value rounded to a 16-bit
+        *weight's* dtype: HF ``T5LayerNorm``), ``"apex"`` (forward as ``"llama"``, backward
+        as ``"fp32"``: NVIDIA Apex), ``"none"`` (every operation in ``x``'s dtype). The
+        backward follows the same sequence.
     out : optional C-contiguous array of ``x``'s shape and dtype to write ``y`` into.
 
     Returns
@@ -172,7 +181,9 @@ def layer_norm_forward(
     The reference backend computes in float64 (extended precision for float64
     input) and rounds once; see ``docs/numerics.md`` for the accuracy promise.
     """
-    options = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+    options = {
+        "eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset, "casting": casting,
+    }  # fmt: skip
     return _dispatch.forward(LAYER_NORM, x, (weight, bias), axis=axis, backend=backend, out=out, options=options)
 
 
@@ -205,6 +216,7 @@ def layer_norm(
     correction: int = 0,
     eps_mode: str = "var",
     weight_offset: float = 0.0,
+    casting: str = "fp32",
     out: Array | None = None,
 ) -> Array:
     """LayerNorm of ``x``; see :func:`layer_norm_forward` for the formula and options."""
@@ -218,6 +230,7 @@ def layer_norm(
         correction=correction,
         eps_mode=eps_mode,
         weight_offset=weight_offset,
+        casting=casting,
         out=out,
     )[0]
 
@@ -234,6 +247,7 @@ def rms_norm_forward(
     eps: float = 1e-6,
     backend: str | None = None,
     weight_offset: float = 0.0,
+    casting: str = "fp32",
     out: Array | None = None,
 ) -> tuple[Array, Context]:
     r"""RMSNorm forward; returns ``(y, ctx)`` for :func:`rms_norm_backward`.
@@ -254,10 +268,18 @@ def rms_norm_forward(
         explicitly to match.
     backend : force a backend by name.
     weight_offset : ``o`` above; 1.0 gives Gemma's ``(1 + w)``, computed in the
-        internal precision.
+        internal precision (in float32 with ``casting="gemma"``).
+    casting : where intermediate values are rounded (:mod:`pynorm.reference.casting`):
+        ``"fp32"`` (default: all math in float32 or wider, one rounding -- PyTorch,
+        TransformerEngine), ``"llama"`` (the normalized value rounded to ``x``'s dtype, then
+        times the weight: HF ``LlamaRMSNorm``), ``"gemma"`` (``(w + o)`` in float32, one
+        rounding: HF ``GemmaRMSNorm``), ``"t5"`` (the normalized value rounded to a 16-bit
+        *weight's* dtype: HF ``T5LayerNorm``), ``"apex"`` (forward as ``"llama"``, backward
+        as ``"fp32"``: NVIDIA Apex), ``"none"`` (every operation in ``x``'s dtype). The
+        backward follows the same sequence.
     out : optional C-contiguous array of ``x``'s shape and dtype to write ``y`` into.
     """
-    options = {"eps": eps, "weight_offset": weight_offset}
+    options = {"eps": eps, "weight_offset": weight_offset, "casting": casting}
     return _dispatch.forward(RMS_NORM, x, (weight,), axis=axis, backend=backend, out=out, options=options)
 
 
@@ -282,10 +304,13 @@ def rms_norm(
     eps: float = 1e-6,
     backend: str | None = None,
     weight_offset: float = 0.0,
+    casting: str = "fp32",
     out: Array | None = None,
 ) -> Array:
     """RMSNorm of ``x``; see :func:`rms_norm_forward` for the formula and options."""
-    return rms_norm_forward(x, weight, axis=axis, eps=eps, backend=backend, weight_offset=weight_offset, out=out)[0]
+    return rms_norm_forward(
+        x, weight, axis=axis, eps=eps, backend=backend, weight_offset=weight_offset, casting=casting, out=out
+    )[0]
 
 
 # ---------------------------------------------------------------------------

@@ -167,7 +167,7 @@ class LayerNorm(_Norm):
     elementwise_affine : create ``weight`` (and ``bias``) parameters.
     bias : create the ``bias`` parameter (when ``elementwise_affine``).
     dtype : parameter dtype (float32 by default).
-    correction, eps_mode, weight_offset : the conventions of :func:`pynorm.layer_norm_forward`.
+    correction, eps_mode, weight_offset, casting : the conventions of :func:`pynorm.layer_norm_forward`.
     backend : force a backend by name; ``xp`` : array module for the parameters
         (``numpy`` by default, ``cupy`` for GPU layers).
 
@@ -191,14 +191,17 @@ class LayerNorm(_Norm):
         correction: int = 0,
         eps_mode: str = "var",
         weight_offset: float = 0.0,
+        casting: str = "fp32",
         backend: str | None = None,
         xp: Any = None,
     ) -> None:
         super().__init__(normalized_shape, eps, dtype, xp, backend)
         conv = F.LAYER_NORM.validate(
-            {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
-        )
+            {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset,
+             "casting": casting}
+        )  # fmt: skip
         self.correction, self.eps_mode, self.weight_offset = conv["correction"], conv["eps_mode"], conv["weight_offset"]
+        self.casting = conv["casting"]
         if elementwise_affine:
             self._add_param("weight", 1.0 - self.weight_offset)
             if bias:
@@ -212,6 +215,8 @@ class LayerNorm(_Norm):
             c["eps_mode"] = self.eps_mode
         if self.weight_offset:
             c["weight_offset"] = self.weight_offset
+        if self.casting != "fp32":
+            c["casting"] = self.casting
         return c
 
     def forward(self, x: Any, *, out: Any = None) -> tuple[Any, F.Context]:
@@ -226,6 +231,7 @@ class LayerNorm(_Norm):
             correction=self.correction,
             eps_mode=self.eps_mode,
             weight_offset=self.weight_offset,
+            casting=self.casting,
             out=out,
         )
 
@@ -312,6 +318,7 @@ class RMSNorm(_Norm):
     elementwise_affine : create the ``weight`` parameter.
     dtype : parameter dtype (float32 by default).
     weight_offset : 1.0 for Gemma's ``(1 + w)``; the weight then starts at zeros.
+    casting : the rounding sequence of :func:`pynorm.rms_norm_forward` (``"llama"``, ``"gemma"``...).
     backend, xp : as for :class:`LayerNorm`.
     """
 
@@ -325,16 +332,21 @@ class RMSNorm(_Norm):
         dtype: Any = np.float32,
         *,
         weight_offset: float = 0.0,
+        casting: str = "fp32",
         backend: str | None = None,
         xp: Any = None,
     ) -> None:
         super().__init__(normalized_shape, eps, dtype, xp, backend)
-        self.weight_offset = F.check_real(weight_offset, "weight_offset")
+        conv = F.RMS_NORM.validate({"eps": eps, "weight_offset": weight_offset, "casting": casting})
+        self.weight_offset, self.casting = conv["weight_offset"], conv["casting"]
         if elementwise_affine:
             self._add_param("weight", 1.0 - self.weight_offset)
 
     def _conventions(self) -> dict[str, Any]:
-        return {"weight_offset": self.weight_offset} if self.weight_offset else {}
+        c: dict[str, Any] = {"weight_offset": self.weight_offset} if self.weight_offset else {}
+        if self.casting != "fp32":
+            c["casting"] = self.casting
+        return c
 
     def forward(self, x: Any, *, out: Any = None) -> tuple[Any, F.Context]:
         """``(y, ctx)`` for input ``x`` whose trailing dims are ``normalized_shape``."""
@@ -345,6 +357,7 @@ class RMSNorm(_Norm):
             eps=self.eps,
             backend=self.backend,
             weight_offset=self.weight_offset,
+            casting=self.casting,
             out=out,
         )
 

@@ -112,7 +112,7 @@ CONDITIONAL_LAYER_NORM = OpSpec(
     name="conditional_layer_norm",
     inputs=(_COND,),
     params=(_W, _C),
-    options=(*(o for o in _ln.SPEC.options if o.name != "weight_offset"), _ZERO),
+    options=(*(o for o in _ln.CONVENTIONS if o.name != "weight_offset"), _ZERO),
     grads=ConditionalLayerNormGrads,
     ctx=ConditionalLayerNormCtx,
     reference="pynorm.reference.conditional_norm",
@@ -134,7 +134,7 @@ CONDITIONAL_RMS_NORM = OpSpec(
         Param("c", "vector", 0.0, "(2H,) bias of the projection ((H,) with shift=False)"),
     ),
     options=(
-        *(o for o in _rms.SPEC.options if o.name != "weight_offset"),
+        *(o for o in _rms.CONVENTIONS if o.name != "weight_offset"),
         Option("shift", True, check_bool, "produce beta too (W of (2H, C)); False: a scale only, W of (H, C)"),
         _ZERO,
     ),

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError
+from ..reference.casting import CASTINGS
 from ..reference.layer_norm import LayerNormCtx, LayerNormGrads
 from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
 
@@ -59,18 +60,23 @@ def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, opti
     return {key: np.asarray(v, dtype=np.float64) for key, v in out.items()}
 
 
+OPTIONS = (
+    Option("eps", 1e-5, check_eps, "added to the variance inside the root (>= 0)"),
+    Option("correction", 0, one_of(0, 1, doc="0: biased variance, 1: unbiased"), "variance divisor H - c"),
+    Option("eps_mode", "var", one_of("var", "std", doc="sqrt(var + eps) or std + eps"), "where eps goes"),
+    Option("weight_offset", 0.0, check_real, "o in (w + o): 1.0 for Gemma / TE zero-centred gamma"),
+    Option("casting", "fp32", one_of(*CASTINGS, doc="the rounding sequence"), "where values are rounded"),
+)
+#: the conventions the ops built on this one share (``casting`` is this op's own)
+CONVENTIONS = OPTIONS[:-1]
+
 SPEC = OpSpec(
     name="layer_norm",
     params=(
         Param("weight", "feature", 1.0, "per-feature scale (effective scale w + weight_offset)"),
         Param("bias", "feature", 0.0, "per-feature shift"),
     ),
-    options=(
-        Option("eps", 1e-5, check_eps, "added to the variance inside the root (>= 0)"),
-        Option("correction", 0, one_of(0, 1, doc="0: biased variance, 1: unbiased"), "variance divisor H - c"),
-        Option("eps_mode", "var", one_of("var", "std", doc="sqrt(var + eps) or std + eps"), "where eps goes"),
-        Option("weight_offset", 0.0, check_real, "o in (w + o): 1.0 for Gemma / TE zero-centred gamma"),
-    ),
+    options=OPTIONS,
     grads=LayerNormGrads,
     ctx=LayerNormCtx,
     reference="pynorm.reference.layer_norm",

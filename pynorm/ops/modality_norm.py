@@ -50,7 +50,7 @@ MODALITY_LAYER_NORM = OpSpec(
         Param("weight", "table", 1.0, "(M, *x.shape[axis:]) table of per-modality scales", True, index="modality_ids"),
         Param("bias", "table", 0.0, "(M, *x.shape[axis:]) table of per-modality shifts", index="modality_ids"),
     ),
-    options=_ln.SPEC.options,
+    options=_ln.CONVENTIONS,
     grads=ModalityLayerNormGrads,
     ctx=ModalityLayerNormCtx,
     reference="pynorm.reference.modality_norm",
@@ -68,7 +68,7 @@ MODALITY_RMS_NORM = OpSpec(
     params=(
         Param("weight", "table", 1.0, "(M, *x.shape[axis:]) table of per-modality scales", True, index="modality_ids"),
     ),
-    options=_rms.SPEC.options,
+    options=_rms.CONVENTIONS,
     grads=ModalityRMSNormGrads,
     ctx=ModalityRMSNormCtx,
     reference="pynorm.reference.modality_norm",

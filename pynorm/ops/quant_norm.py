@@ -78,7 +78,7 @@ SPEC = OpSpec(
     ),
     params=_ln.SPEC.params,
     options=(
-        *_ln.SPEC.options,
+        *_ln.CONVENTIONS,
         Option(
             "quantize",
             None,

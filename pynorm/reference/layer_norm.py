@@ -30,7 +30,8 @@ Backward, with :math:`g_i = \partial L/\partial y_i \cdot (w_i + o)` and
 
 Numerics: all arithmetic in the working precision of :mod:`._common`; the
 mean by the corrected two-pass method, the variance from the centred values
-(never :math:`E[x^2] - E[x]^2`); each output rounded once. ``ctx`` keeps ``x``,
+(never :math:`E[x^2] - E[x]^2`); each output rounded once (``casting="fp32"``;
+the other rounding sequences of ``casting=`` are defined in :mod:`.casting`). ``ctx`` keeps ``x``,
 the parameters and the per-row ``mean`` and ``rstd`` (``r``) in working
 precision, never the normalized activations.
 """
@@ -42,6 +43,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import casting as _cast
 from ._common import _ieee, center, round_to, row_mean, working_dtype, write_result
 
 __all__ = ["LayerNormCtx", "LayerNormGrads", "backward", "forward"]
@@ -57,7 +59,7 @@ class LayerNormCtx:
     weight, bias : (H,) arrays or None.
     mean, rstd : (R,) arrays, per-row mean and ``r`` (see module doc); float32 or
         wider (the reference keeps its working precision).
-    eps, correction, eps_mode, weight_offset : the conventions used.
+    eps, correction, eps_mode, weight_offset, casting : the conventions used.
     """
 
     x: Any
@@ -69,6 +71,7 @@ class LayerNormCtx:
     correction: int
     eps_mode: str
     weight_offset: float
+    casting: str = "fp32"
 
 
 class LayerNormGrads(NamedTuple):
@@ -144,32 +147,60 @@ def forward(
     correction: int = 0,
     eps_mode: str = "var",
     weight_offset: float = 0.0,
+    casting: str = "fp32",
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, LayerNormCtx]:
     """LayerNorm forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)``.
 
     ``weight``/``bias`` are ``(H,)`` arrays or None; ``y`` has ``x``'s dtype and is
-    written into ``out`` (a C-contiguous ``(R, H)`` array of that dtype) if given.
+    written into ``out`` (a C-contiguous ``(R, H)`` array of that dtype) if given;
+    ``casting`` is the rounding sequence (:mod:`.casting`).
     """
+    ctx_conv = (float(eps), int(correction), eps_mode, float(weight_offset), casting)
+    if casting == "none":
+        y, mean, rstd = _cast.layer_norm_forward_none(
+            x, weight, bias, eps=eps, correction=correction, eps_mode=eps_mode, weight_offset=weight_offset, out=out
+        )
+        return y, LayerNormCtx(x, weight, bias, mean, rstd, *ctx_conv)
     wp = working_dtype(x.dtype, getattr(weight, "dtype", None), getattr(bias, "dtype", None))
     d, mean, rstd = statistics(x.astype(wp), eps=eps, correction=correction, eps_mode=eps_mode)
-    w = _effective_weight(weight, weight_offset, wp)
-    y = affine(d * rstd[:, None], w, None if bias is None else bias.astype(wp))
-    ctx = LayerNormCtx(x, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset))
-    return write_result(y, x.dtype, out), ctx
+    w = _cast.effective_weight(weight, weight_offset, wp, casting)
+    xhat = d * rstd[:, None]
+    qd = _cast.quantized_dtype(casting, x.dtype, getattr(weight, "dtype", None))
+    if qd is not None:
+        xhat = round_to(xhat, qd).astype(wp)
+    y = affine(xhat, w, None if bias is None else bias.astype(wp))
+    if casting == "t5" and qd is not None:
+        y = round_to(y, qd)
+    return write_result(y, x.dtype, out), LayerNormCtx(x, weight, bias, mean, rstd, *ctx_conv)
 
 
 @_ieee
 def backward(dy: np.ndarray, ctx: LayerNormCtx, *, dx_out: np.ndarray | None = None) -> LayerNormGrads:
     """LayerNorm backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
     x, weight, bias = ctx.x, ctx.weight, ctx.bias
+    if ctx.casting == "none":
+        dx, dweight, dbias = _cast.layer_norm_backward_none(
+            dy, x, weight, bias, eps=ctx.eps, correction=ctx.correction, eps_mode=ctx.eps_mode,
+            weight_offset=ctx.weight_offset,
+        )  # fmt: skip
+        return LayerNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)
     wp = np.result_type(ctx.mean.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
     dyw = dy.astype(wp)
-    w = _effective_weight(weight, ctx.weight_offset, wp)
+    w = _cast.effective_weight(weight, ctx.weight_offset, wp, ctx.casting)
+    qd = _cast.quantized_dtype(ctx.casting, x.dtype, getattr(weight, "dtype", None))
+    through_q = qd is not None and ctx.casting != "apex"  # the gradient passes the rounded q
+    if through_q and ctx.casting == "t5":
+        dyw = round_to(dyw, qd).astype(wp)  # HF's T5 output (and so its dy) is in the weight's dtype
+    g = dyw
+    if through_q:
+        g = round_to(dyw * w, qd).astype(wp) if w is not None else dyw
     dx, xhat = input_grad(
-        dyw, x.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), w, correction=ctx.correction,
-        eps_mode=ctx.eps_mode,
+        g, x.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), None if through_q else w,
+        correction=ctx.correction, eps_mode=ctx.eps_mode,
     )  # fmt: skip
+    if through_q:
+        xhat = round_to(xhat, qd).astype(wp)
     dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None
     return LayerNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)

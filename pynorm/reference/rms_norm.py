@@ -18,7 +18,8 @@ Backward, with :math:`g_i = \partial L/\partial y_i \cdot (w_i + o)`:
     \frac{\partial L}{\partial x_i} = r\Big(g_i - \hat x_i\,\frac{1}{H}\sum_j g_j \hat x_j\Big),
     \qquad \frac{\partial L}{\partial w_i} = \sum_{rows} \frac{\partial L}{\partial y_i}\,\hat x_i .
 
-Numerics: working precision of :mod:`._common`, one rounding per output;
+Numerics: working precision of :mod:`._common`, one rounding per output
+(``casting="fp32"``; the other rounding sequences of ``casting=`` are defined in :mod:`.casting`);
 ``ctx`` keeps ``x``, ``weight`` and the per-row ``rstd``.
 """
 
@@ -29,8 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import casting as _cast
 from ._common import _ieee, round_to, working_dtype, write_result
-from .layer_norm import _effective_weight
 
 __all__ = ["RMSNormCtx", "RMSNormGrads", "backward", "forward"]
 
@@ -44,7 +45,7 @@ class RMSNormCtx:
     x : (R, H) array, the input as given to forward (not copied).
     weight : (H,) array or None.
     rstd : (R,) array, per-row ``r``; float32 or wider.
-    eps, weight_offset : the conventions used.
+    eps, weight_offset, casting : the conventions used.
     """
 
     x: Any
@@ -52,6 +53,7 @@ class RMSNormCtx:
     rstd: Any
     eps: float
     weight_offset: float
+    casting: str = "fp32"
 
 
 class RMSNormGrads(NamedTuple):
@@ -85,26 +87,46 @@ def forward(
     *,
     eps: float,
     weight_offset: float = 0.0,
+    casting: str = "fp32",
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, RMSNormCtx]:
-    """RMSNorm forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)``."""
+    """RMSNorm forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)`` (``casting``: :mod:`.casting`)."""
+    ctx_conv = (float(eps), float(weight_offset), casting)
+    if casting == "none":
+        y, rstd = _cast.rms_norm_forward_none(x, weight, eps=eps, weight_offset=weight_offset, out=out)
+        return y, RMSNormCtx(x, weight, rstd, *ctx_conv)
     wp = working_dtype(x.dtype, getattr(weight, "dtype", None))
     xw = x.astype(wp)
     rstd = statistics(xw, eps=eps)
     y = xw * rstd[:, None]
-    w = _effective_weight(weight, weight_offset, wp)
+    qd = _cast.quantized_dtype(casting, x.dtype, getattr(weight, "dtype", None))
+    if qd is not None:
+        y = round_to(y, qd).astype(wp)
+    w = _cast.effective_weight(weight, weight_offset, wp, casting)
     if w is not None:
         y = y * w
-    ctx = RMSNormCtx(x, weight, rstd, float(eps), float(weight_offset))
-    return write_result(y, x.dtype, out), ctx
+    if casting == "t5" and qd is not None:
+        y = round_to(y, qd)
+    return write_result(y, x.dtype, out), RMSNormCtx(x, weight, rstd, *ctx_conv)
 
 
 @_ieee
 def backward(dy: np.ndarray, ctx: RMSNormCtx, *, dx_out: np.ndarray | None = None) -> RMSNormGrads:
     """RMSNorm backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""
     x, weight = ctx.x, ctx.weight
+    if ctx.casting == "none":
+        dx, dweight = _cast.rms_norm_backward_none(dy, x, weight, eps=ctx.eps, weight_offset=ctx.weight_offset)
+        return RMSNormGrads(write_result(dx, x.dtype, dx_out), dweight)
     wp = np.result_type(ctx.rstd.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
     dyw = dy.astype(wp)
-    dx, xhat = input_grad(dyw, x.astype(wp), ctx.rstd.astype(wp), _effective_weight(weight, ctx.weight_offset, wp))
+    w = _cast.effective_weight(weight, ctx.weight_offset, wp, ctx.casting)
+    qd = _cast.quantized_dtype(ctx.casting, x.dtype, getattr(weight, "dtype", None))
+    through_q = qd is not None and ctx.casting != "apex"  # the gradient passes the rounded q
+    if through_q and ctx.casting == "t5":
+        dyw = round_to(dyw, qd).astype(wp)  # HF's T5 output (and so its dy) is in the weight's dtype
+    g = round_to(dyw * w, qd).astype(wp) if through_q and w is not None else dyw
+    dx, xhat = input_grad(g, x.astype(wp), ctx.rstd.astype(wp), None if through_q else w)
+    if through_q:
+        xhat = round_to(xhat, qd).astype(wp)
     dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     return RMSNormGrads(write_result(dx, x.dtype, dx_out), dweight)

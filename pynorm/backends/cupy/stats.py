@@ -107,6 +107,22 @@ class StatsOp:
         self.floors = v.statistic == "l2"
         self.weight_name = next((p.name for p in spec.params if p.name != "bias"), "")
         self.ctx_fields = {f.name for f in fields(spec.ctx)}
+        self._cast: Any = None
+
+    def _policies(self) -> Any:
+        """The non-default ``casting`` policies of this op (:mod:`pynorm.composite.casting`)."""
+        if self._cast is None:
+            from ...composite.casting import Casting
+            from .elementwise import OP_IMPLS as EW
+
+            def cast(a: Any, dtype: Any) -> Any:
+                return _host.cast(a, np.dtype(dtype))
+
+            def copy_into(dst: Any, src: Any) -> None:
+                dst[...] = src
+
+            self._cast = Casting(self, EW["power_norm"], cast, copy_into)
+        return self._cast
 
     def _split(self, args: tuple[Any, ...]) -> tuple[dict[str, Any], Any, Any]:
         n = len(self.spec.inputs)
@@ -119,6 +135,8 @@ class StatsOp:
         rows, hidden = _launch.check_input(x)
         inputs, weight, bias = self._split(args)
         options = {**self.spec.defaults(), **options}
+        if options.get("casting", "fp32") != "fp32":
+            return self._policies().forward(x, {self.weight_name: weight, "bias": bias}, out, options)
         residual = inputs.get("residual")
         h_dtype = None
         if self.residual:
@@ -172,6 +190,8 @@ class StatsOp:
             raise ContextError(
                 f"ctx must be the {self.spec.ctx.__name__} returned by forward, got {type(ctx).__name__}"
             )
+        if getattr(ctx, "casting", "fp32") != "fp32":
+            return self._policies().backward(dy, ctx, dx_out)
         x = ctx.h if self.residual else ctx.x
         weight = getattr(ctx, self.weight_name)
         bias = getattr(ctx, "bias", None)

@@ -122,9 +122,19 @@ class StatsOp:
         self.grads = spec.grads
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
+        self._cast: Any = None
 
     def __repr__(self) -> str:
         return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"
+
+    def _policies(self) -> Any:
+        """The non-default ``casting`` policies of this op (:mod:`pynorm.composite.casting`)."""
+        if self._cast is None:
+            from ...composite.casting import Casting, numpy_ops
+            from .elementwise import OP_IMPLS as EW
+
+            self._cast = Casting(self, EW["power_norm"], *numpy_ops())
+        return self._cast
 
     def _math(self, x_dtype: Any, h_dtype: Any) -> tuple[np.dtype[Any], bool]:
         """``(math dtype, widen)``: float64 when x or h is float64; ``widen``: h is narrower than that."""
@@ -144,6 +154,8 @@ class StatsOp:
         o = {**self._options, **options}
         inputs = dict(zip(self.spec.input_names, args[:n_in], strict=True))
         p = dict(zip(self.spec.param_names, args[n_in:], strict=True))
+        if o.get("casting", "fp32") != "fp32":
+            return self._policies().forward(x, p, out, o)  # type: ignore[no-any-return]
         rows, hidden = x.shape
         residual = inputs.get("residual")
         hd = _h_dtype(x.dtype, o["residual_dtype"]) if self.residual else None
@@ -184,6 +196,8 @@ class StatsOp:
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None, dh: np.ndarray | None = None) -> Any:
         """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``) and, with the residual
         prologue, ``dh = dL/dh`` from later layers (None: none)."""
+        if getattr(ctx, "casting", "fp32") != "fp32":
+            return self._policies().backward(dy, ctx, dx_out)
         x = ctx.h if self.residual else ctx.x
         weight = getattr(ctx, self.weight_name, None)
         bias = getattr(ctx, "bias", None)

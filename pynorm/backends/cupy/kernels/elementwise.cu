@@ -60,6 +60,7 @@ struct SignedPower {
 
   // |x|^q for |x| = ax >= 0 in the math type of T
   template <typename T, typename M> static __device__ __forceinline__ M power(M ax, double q) {
+    if (q == 1.0) return ax;  // exactly the identity (the casting policies' affine: pynorm/composite/casting.py)
     if constexpr (is_double<M>::value && !is_double<T>::value) {
       return q == 0.0 ? M(1) : exp2(q * log2(ax));  // IEEE: 0^q = 0 (q > 0) or inf (q < 0)
     } else {

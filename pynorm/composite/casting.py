@@ -1,0 +1,148 @@
+"""The casting policies of LayerNorm and RMSNorm on a fast backend, built from its own kernels.
+
+The rounding sequences are defined once, in :mod:`pynorm.reference.casting` (the ``numpy`` backend
+computes them literally). A fast backend's statistics op hands every non-default ``casting`` to
+:class:`Casting`, which runs it from two kernel-family instances of that backend:
+
+* ``"gemma"``: the ``"fp32"`` kernels with the effective weight ``rnd_f32(rnd_f32(w) + rnd_f32(o))``
+  prepared once per call (an ``(H,)`` vector; where the kernels' math type is float32 they already
+  evaluate ``w + o`` in float32 and run unchanged);
+* ``"llama"``, ``"apex"``, ``"t5"`` (with a 16-bit weight): the norm **without** its affine -- its
+  kernel rounds ``xhat`` once to ``x``'s dtype, which is ``q`` -- then the element-wise family's
+  identity (PowerNorm with ``p = 1``): ``y = w_e q + b``, rounded once. Backward: the identity's
+  backward gives ``g = rnd(dy w_e)`` (its ``dx``), ``dweight = sum dy q`` and ``dbias``; the norm's
+  backward without affine takes ``g`` as its upstream gradient. ``q`` is recomputed by the forward
+  kernel (bitwise the forward's), so ``ctx`` is the op's usual one; ``"apex"`` differentiates as
+  ``"fp32"`` (its backward recomputes ``xhat`` unrounded). For ``"t5"`` with a weight dtype other than
+  ``x``'s, ``q``, ``y`` and ``dy`` are converted on the device in between (``cast``).
+
+The cost: one more pass over the activations each way (``q`` is written and read back) than the
+fused ``"fp32"`` kernel. ``"none"`` (every operation in ``x``'s dtype) has no kernels in the fast
+backends: they raise :class:`pynorm.errors.ArgumentError` for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from ..errors import ArgumentError
+from ..reference.casting import quantized_dtype
+
+__all__ = ["Casting"]
+
+
+def _fp32_math(x_dtype: Any, w_dtype: Any) -> bool:
+    """True where a fast backend's statistics kernels compute in float32 (``w + o`` included)."""
+    return np.dtype(x_dtype).itemsize < 8 and (w_dtype is None or np.dtype(w_dtype).itemsize < 8)
+
+
+@dataclass(frozen=True)
+class Casting:
+    """The policies for one fast backend's statistics op ``norm`` (``layer_norm`` or ``rms_norm``).
+
+    ``identity``: the backend's PowerNorm op; ``cast(a, dtype)``: a copy of array ``a`` rounded once to
+    ``dtype`` on the backend's device; ``copy_into(dst, src)``: copy same-dtype arrays.
+    """
+
+    norm: Any
+    identity: Any
+    cast: Callable[[Any, Any], Any]
+    copy_into: Callable[[Any, Any], None]
+
+    def _options(self, source: Any) -> dict[str, Any]:
+        """The op's options (``casting`` set to ``"fp32"``) read from a ctx or a dict."""
+        get = source.get if isinstance(source, dict) else lambda n: getattr(source, n)
+        return {o.name: get(o.name) for o in self.norm.spec.options if o.name != "casting"} | {"casting": "fp32"}
+
+    def _w_e(self, weight: Any, offset: float) -> Any:
+        """``rnd_W(w + o)``: the weight itself for ``o = 0``."""
+        if weight is None or offset == 0.0:
+            return weight
+        return self.cast(self.cast(weight, np.float64) + offset, weight.dtype)
+
+    def _gemma_weight(self, weight: Any, offset: float) -> Any:
+        """``rnd_f32(rnd_f32(w) + rnd_f32(o))`` as float64 values (exact), for kernels computing in float64."""
+        return (self.cast(weight, np.float32) + np.float32(offset)).astype(np.float64)
+
+    def forward(self, x: Any, params: dict[str, Any], out: Any, options: dict[str, Any]) -> tuple[Any, Any]:
+        casting = options["casting"]
+        names = self.norm.spec.param_names
+        weight, bias = params.get("weight"), params.get("bias")
+        offset = float(options.get("weight_offset", 0.0))
+        o = self._options(options)
+        if casting == "none":
+            raise ArgumentError(
+                f"casting='none' (every operation in x's dtype) is computed by the numpy backend only; "
+                f"{self.norm.spec.name} on this backend takes casting='fp32', 'gemma', 'llama', 't5' or 'apex'"
+            )
+        final = {n: params.get(n) for n in names} | {"casting": casting, "weight_offset": offset}
+        if casting == "gemma":
+            if weight is None or _fp32_math(x.dtype, weight.dtype):
+                y, ctx = self.norm.forward(x, *(params.get(n) for n in names), out=out, **o)
+            else:
+                w_e = self._gemma_weight(weight, offset)
+                args = [w_e if n == "weight" else params.get(n) for n in names]
+                y, ctx = self.norm.forward(x, *args, out=out, **(o | {"weight_offset": 0.0}))
+            return y, replace(ctx, **final)
+        qd = quantized_dtype(casting, x.dtype, getattr(weight, "dtype", None))
+        if qd is None:  # "t5" without a 16-bit weight: HF's T5 does not round
+            y, ctx = self.norm.forward(x, *(params.get(n) for n in names), out=out, **o)
+            return y, replace(ctx, **final)
+        q, ctx = self.norm.forward(x, *(None for _ in names), **o)
+        same = qd == np.dtype(x.dtype)
+        if not same:
+            q = self.cast(q, qd)
+        y, _ = self.identity.forward(q, self._w_e(weight, offset), bias, out=out if same else None, p=1.0)
+        if not same:
+            y = self.cast(y, x.dtype)
+            if out is not None:
+                self.copy_into(out, y)
+                y = out
+        return y, replace(ctx, **final)
+
+    def backward(self, dy: Any, ctx: Any, dx_out: Any) -> Any:
+        norm = self.norm
+        names = norm.spec.param_names
+        casting = ctx.casting
+        weight, bias = ctx.weight, getattr(ctx, "bias", None)
+        offset = float(ctx.weight_offset)
+        plain = replace(ctx, casting="fp32")
+        if casting == "gemma":
+            if weight is None or _fp32_math(ctx.x.dtype, weight.dtype):
+                return norm.backward(dy, plain, dx_out=dx_out)
+            grads = norm.backward(dy, replace(plain, weight=self._gemma_weight(weight, offset), weight_offset=0.0),
+                                  dx_out=dx_out)  # fmt: skip
+            return grads._replace(dweight=self.cast(grads.dweight, weight.dtype))
+        qd = quantized_dtype(casting, ctx.x.dtype, getattr(weight, "dtype", None))
+        if qd is None:
+            return norm.backward(dy, plain, dx_out=dx_out)
+        w_e = self._w_e(weight, offset)
+        if casting == "apex":
+            return norm.backward(dy, replace(plain, weight=w_e, weight_offset=0.0), dx_out=dx_out)
+        bare = replace(plain, **{n: None for n in names})
+        q, _ = norm.forward(ctx.x, *(None for _ in names), **self._options(ctx))
+        same = qd == np.dtype(ctx.x.dtype)
+        if not same:
+            q, dy = self.cast(q, qd), self.cast(dy, qd)
+        ident = self.identity.backward(dy, self.identity.spec.ctx(x=q, weight=w_e, bias=bias, p=1.0))
+        g = ident.dx if same else self.cast(ident.dx, ctx.x.dtype)
+        gn = norm.backward(g, bare, dx_out=dx_out)
+        rest = {"weight": ident.dweight, "bias": ident.dbias}
+        return norm.spec.grads(gn.dx, *(rest[n] for n in names))
+
+
+def numpy_ops() -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], None]]:
+    """``(cast, copy_into)`` for NumPy arrays: the reference's correct rounding, :func:`numpy.copyto`."""
+    from ..reference._common import round_to
+
+    def cast(a: Any, dtype: Any) -> Any:
+        return np.ascontiguousarray(round_to(a, dtype))
+
+    def copy_into(dst: Any, src: Any) -> None:
+        np.copyto(dst, src, casting="no")
+
+    return cast, copy_into

@@ -1,0 +1,334 @@
+"""The ``casting=`` policies of layer_norm and rms_norm (``pynorm/reference/casting.py``).
+
+* the reference against an independent NumPy restatement of each policy's rounding sequence, written
+  from the frameworks' code (float64 where they compute in float32 or wider, each cast an explicit
+  ``astype``; ``"none"`` in NumPy's own float16/bfloat16 arithmetic), bitwise, forward and backward;
+* the reference against the frameworks' code run literally in float32 (HF Llama/Gemma/T5, Apex): it
+  agrees wherever float32 and float64 intermediate values round alike (>= 99% of the elements, the
+  rest one ulp apart);
+* every policy changes the result (so these tests fail if ``casting`` is ignored);
+* each fast backend against the reference: the forward bitwise on >= 99% of the elements, and
+  following the policy's rounding (closer to it than to ``"fp32"``), the gradients within the
+  cross-backend tolerance;
+* float64 gradient checks, bad values, and ``"none"`` refused by the fast backends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pynorm
+from pynorm.errors import ArgumentError
+from pynorm.testing import check_grads
+
+from .helpers import BACKEND_RTOL, assert_close_scaled, dtype, term_scales
+
+POLICIES = ("fp32", "gemma", "llama", "t5", "apex", "none")
+F64 = np.float64
+
+
+def _data(dt: str, rows: int = 24, h: int = 200, seed: int = 0, wdt: str | None = None) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    d, wd = dtype(dt), dtype(wdt or dt)
+    return {
+        "x": (1.5 * rng.standard_normal((rows, h)) + 0.5).astype(d),
+        "w": (1 + 0.5 * rng.standard_normal(h)).astype(wd),
+        "b": (0.5 * rng.standard_normal(h)).astype(wd),
+        "dy": rng.standard_normal((rows, h)).astype(d),
+    }
+
+
+def _frac_equal(a: Any, b: Any) -> float:
+    return float(np.mean(np.asarray(a, F64) == np.asarray(b, F64)))
+
+
+# ---------------------------------------------------------------------------
+# the restatements (no pynorm code): float64 math, explicit casts
+
+
+def _stats64(x: np.ndarray, op: str, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(xhat, r)`` in float64: two-pass mean and variance (LayerNorm) or mean square (RMSNorm)."""
+    xf = x.astype(F64)
+    if op == "layer_norm":
+        d = xf - xf.mean(axis=1, keepdims=True)
+        r = 1 / np.sqrt((d * d).mean(axis=1, keepdims=True) + eps)
+        return d * r, r
+    r = 1 / np.sqrt((xf * xf).mean(axis=1, keepdims=True) + eps)
+    return xf * r, r
+
+
+def _dx64(g: np.ndarray, xhat: np.ndarray, r: np.ndarray, op: str) -> np.ndarray:
+    """The norm's input gradient in float64 for the gradient ``g`` at its normalized output."""
+    c = (g * xhat).mean(axis=1, keepdims=True)
+    if op == "layer_norm":
+        return r * (g - g.mean(axis=1, keepdims=True) - xhat * c)
+    return r * (g - xhat * c)
+
+
+def restated(policy: str, op: str, x: Any, w: Any, b: Any, dy: Any, eps: float, offset: float) -> dict[str, Any]:
+    """``y, dx, dweight, dbias`` of ``policy`` (b None for rms_norm), as the frameworks write it."""
+    t, wt = x.dtype, w.dtype
+    half_w = wt.itemsize == 2
+    if policy == "none":
+        return _restated_none(op, x, w, b, dy, eps, offset)
+    xhat, r = _stats64(x, op, eps)
+    dyf = dy.astype(F64)
+    bf = 0.0 if b is None else b.astype(F64)
+    if policy == "gemma":  # (1 + w.float()) in float32
+        we = (w.astype(np.float32) + np.float32(offset)).astype(F64)
+    elif policy in ("llama", "apex") or (policy == "t5" and half_w):  # (offset + W) in W's dtype
+        we = (w.astype(F64) + offset).astype(wt).astype(F64)
+    else:
+        we = w.astype(F64) + offset
+    qt = {"llama": t, "apex": t, "t5": wt if half_w else None}.get(policy)
+    if qt is None:  # one rounding; the op's own backward
+        y = (xhat * we + bf).astype(t)
+        dx = _dx64(dyf * we, xhat, r, op).astype(t)
+        dw = (dyf * xhat).sum(axis=0).astype(wt)
+    else:
+        q = xhat.astype(qt).astype(F64)
+        y = (q * we + bf).astype(qt).astype(t)
+        if policy == "t5":
+            dyf = dyf.astype(qt).astype(F64)  # T5's output, hence its gradient, is in the weight's dtype
+        if policy == "apex":  # Apex's backward recomputes xhat in float32: the op's own backward
+            dx = _dx64(dyf * we, xhat, r, op).astype(t)
+            dw = (dyf * xhat).sum(axis=0).astype(wt)
+        else:  # autograd of w * q: the gradient at q is dy * w in q's dtype
+            g = (dyf * we).astype(qt).astype(F64)
+            dx = _dx64(g, xhat, r, op).astype(t)
+            dw = (dyf * q).sum(axis=0).astype(wt)
+    return {"y": y, "dx": dx, "dweight": dw, "dbias": None if b is None else dyf.sum(axis=0).astype(b.dtype)}
+
+
+def _restated_none(op: str, x: Any, w: Any, b: Any, dy: Any, eps: float, offset: float) -> dict[str, Any]:
+    """``casting="none"`` in NumPy's own arithmetic of x's dtype (each operation rounds to it); sums in
+    float64, rounded once; ``1/sqrt`` as one operation (``torch.rsqrt``)."""
+    t = x.dtype
+    h = x.shape[1]
+
+    def mean(a: np.ndarray, n: int) -> np.ndarray:
+        return (a.astype(F64).sum(axis=1, keepdims=True) / n).astype(t)
+
+    def rsqrt(a: np.ndarray) -> np.ndarray:
+        return (1 / np.sqrt(a.astype(F64))).astype(t)
+
+    we = (w.astype(F64) + offset).astype(t)
+    e = np.asarray(eps).astype(t) if eps else np.zeros((), t)
+    if op == "layer_norm":
+        d = x - mean(x, h)
+        r = rsqrt(mean(d * d, h) + e)
+        xhat = d * r
+        y = xhat * we + b.astype(t)
+    else:
+        r = rsqrt(mean(x * x, h) + e)
+        xhat = x * r
+        y = xhat * we
+    g = dy * we
+    c = mean(g * xhat, h)
+    dx = r * (g - mean(g, h) - xhat * c) if op == "layer_norm" else r * (g - xhat * c)
+    dw = (dy * xhat).astype(F64).sum(axis=0).astype(w.dtype)
+    db = None if b is None else dy.astype(F64).sum(axis=0).astype(b.dtype)
+    return {"y": y, "dx": dx, "dweight": dw, "dbias": db}
+
+
+def _run(backend: str, policy: str, op: str, data: dict[str, Any], eps: float, offset: float) -> dict[str, Any]:
+    params = (data["w"], data["b"]) if op == "layer_norm" else (data["w"],)
+    fwd = getattr(pynorm, f"{op}_forward")
+    y, ctx = fwd(data["x"], *params, eps=eps, weight_offset=offset, casting=policy, backend=backend)
+    grads = getattr(pynorm, f"{op}_backward")(data["dy"], ctx)
+    return {"y": y, "dx": grads.dx, "dweight": grads.dweight, "dbias": getattr(grads, "dbias", None)}
+
+
+OPS = ("layer_norm", "rms_norm")
+
+
+def _offset(policy: str) -> float:
+    return 1.0 if policy == "gemma" else 0.0
+
+
+# ---------------------------------------------------------------------------
+# the reference
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reference_is_the_restated_sequence(policy: str, op: str, dt: str) -> None:
+    data = _data(dt, wdt="float32" if policy == "gemma" else None)
+    b = data["b"] if op == "layer_norm" else None
+    eps, off = (1e-5 if op == "layer_norm" else 1e-6), _offset(policy)
+    want = restated(policy, op, data["x"], data["w"], b, data["dy"], eps, off)
+    got = _run("numpy", policy, op, data, eps, off)
+    for name in ("y", "dx", "dweight", "dbias"):
+        if want[name] is None:
+            assert got[name] is None
+            continue
+        assert got[name].dtype == want[name].dtype, name
+        # float64 statistics computed two ways round alike; "none" is exact arithmetic of x's dtype
+        assert _frac_equal(got[name], want[name]) == 1.0, f"{policy} {op} {dt}: {name} differs"
+
+
+@pytest.mark.parametrize("wdt", ["bfloat16", "float32"])
+def test_t5_rounds_to_the_weights_dtype(wdt: str) -> None:
+    """float32 activations: a bfloat16 weight rounds the normalized value (and y) to bfloat16; a float32
+    weight does not round at all (T5 then equals "fp32")."""
+    data = _data("float32", wdt=wdt)
+    want = restated("t5", "rms_norm", data["x"], data["w"], None, data["dy"], 1e-6, 0.0)
+    got = _run("numpy", "t5", "rms_norm", data, 1e-6, 0.0)
+    for name in ("y", "dx", "dweight"):
+        assert _frac_equal(got[name], want[name]) == 1.0, name
+    fp32 = _run("numpy", "fp32", "rms_norm", data, 1e-6, 0.0)
+    if wdt == "float32":
+        assert _frac_equal(got["y"], fp32["y"]) == 1.0
+    else:  # y carries bfloat16 precision only
+        assert np.array_equal(got["y"].astype(dtype("bfloat16")).astype(np.float32), got["y"])
+        assert _frac_equal(got["y"], fp32["y"]) < 0.1
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "fp32"])
+def test_every_policy_changes_the_result(policy: str, op: str) -> None:
+    dt = "float32" if policy == "gemma" else "float16"  # (1 + w) of a float16 weight is exact in float32
+    data = _data(dt)
+    got = _run("numpy", policy, op, data, 1e-5, _offset(policy))
+    fp32 = _run("numpy", "fp32", op, data, 1e-5, _offset(policy))
+    assert _frac_equal(got["y"], fp32["y"]) < 0.9
+    if policy in ("llama", "t5", "none"):  # the backward follows the rounded q
+        assert _frac_equal(got["dweight"], fp32["dweight"]) < 0.9
+
+
+def _ulps(a: Any, b: Any, dt: np.dtype[Any], scale: Any = None) -> np.ndarray:
+    from pynorm.testing import ulp_error
+
+    return ulp_error(np.asarray(a), np.asarray(b, F64), dt, scale=scale)
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_reference_matches_hugging_face_in_float32(dt: str) -> None:
+    """HF's modules run literally in float32 NumPy: LlamaRMSNorm, GemmaRMSNorm, T5LayerNorm (16-bit
+    weight), and Apex's forward (q, then one fused multiply-add)."""
+    data = _data(dt, rows=64, h=256)
+    d = dtype(dt)
+    x, w, b = data["x"], data["w"], data["b"]
+    f32 = np.float32
+    xf = x.astype(f32)
+    r = 1 / np.sqrt((xf * xf).mean(axis=1, keepdims=True, dtype=f32) + f32(1e-6))
+    hs = xf * r
+    hf = {
+        "llama": w * hs.astype(d),  # weight * hidden_states.to(input_dtype)
+        "gemma": (hs * (f32(1) + w.astype(f32))).astype(d),  # (x * (1 + w.float())).type_as(x)
+        "t5": w * hs.astype(w.dtype),  # weight * hidden_states.to(weight.dtype)
+    }
+    for policy, want in hf.items():
+        got = pynorm.rms_norm(x, w, eps=1e-6, casting=policy, weight_offset=_offset(policy), backend="numpy")
+        assert _frac_equal(got, want) >= 0.99, policy
+        assert _ulps(got, want, d).max() <= 1, policy
+    mu = xf.mean(axis=1, keepdims=True, dtype=f32)
+    dev = xf - mu
+    ra = 1 / np.sqrt((dev * dev).mean(axis=1, keepdims=True, dtype=f32) + f32(1e-5))
+    q = (dev * ra).astype(d).astype(f32)
+    apex = (w.astype(F64) * q + b.astype(F64)).astype(f32).astype(d)
+    got = pynorm.layer_norm(x, w, b, casting="apex", backend="numpy")
+    assert _frac_equal(got, apex) >= 0.99
+    assert _ulps(got, apex, d, scale=np.abs(w.astype(F64) * q) + np.abs(b.astype(F64))).max() <= 1  # at the terms
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_float64_gradients(policy: str, op: str, backend: Any) -> None:
+    if policy == "none" and backend.name != "numpy":
+        pytest.skip("casting='none' has no fast-backend kernels (test_fast_backends_refuse_none)")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 7)) + 0.3
+    params = [1 + 0.3 * rng.standard_normal(7)] + ([0.2 * rng.standard_normal(7)] if op == "layer_norm" else [])
+    names = ["x", "weight", *(["bias"] if op == "layer_norm" else [])]
+    f = backend.forward(getattr(pynorm, f"{op}_forward"), casting=policy, weight_offset=_offset(policy))
+    b = backend.backward(getattr(pynorm, f"{op}_backward"))
+    if policy == "gemma":  # (1 + w) is rounded to float32: a step function of w, checked at x only
+        check_grads(lambda x_: f(x_, *params), lambda dy, c: b(dy, c)[:1], [x], names=["x"], raise_on_failure=True)
+        return
+    check_grads(f, b, [x, *params], names=names, raise_on_failure=True)
+
+
+# ---------------------------------------------------------------------------
+# the fast backends
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("policy", ["fp32", "gemma", "llama", "t5", "apex"])
+def test_backend_follows_the_policy(policy: str, op: str, dt: str, backend: Any) -> None:
+    if backend.name == "numpy":
+        pytest.skip("the numpy backend is the reference")
+    data = _data(dt, rows=16, h=160, seed=1)
+    eps, off = 1e-5, _offset(policy)
+    ref = _run("numpy", policy, op, data, eps, off)
+    dev = {k: backend.asarray(v) for k, v in data.items()}
+    got = _run(backend.name, policy, op, dev, eps, off)
+    got = {k: None if v is None else backend.to_numpy(v) for k, v in got.items()}
+    params = {"weight": data["w"], **({"bias": data["b"]} if op == "layer_norm" else {})}
+    sc = term_scales(op, data["x"].reshape(16, 160), params, data["dy"], {"eps": eps, "weight_offset": off})
+    rtol = BACKEND_RTOL[dt]
+    for name in ("y", "dx", "dweight", "dbias"):
+        if ref[name] is None:
+            continue
+        assert got[name].dtype == ref[name].dtype, name
+        assert_close_scaled(got[name], ref[name], sc[name], rtol, f"{backend.name} {policy} {op} {dt} {name}")
+    if dt != "float32":  # one-rounding results: bitwise but for values at a rounding boundary
+        assert _frac_equal(got["y"], ref["y"]) >= 0.99
+        if policy in ("llama", "t5", "apex"):
+            fp32 = _run("numpy", "fp32", op, data, eps, off)
+            assert _frac_equal(got["y"], ref["y"]) > _frac_equal(got["y"], fp32["y"]) + 0.1
+        if policy in ("llama", "t5"):  # dweight = sum dy q, not sum dy xhat
+            fp32 = _run("numpy", "fp32", op, data, eps, off)
+            assert _frac_equal(got["dweight"], ref["dweight"]) > _frac_equal(got["dweight"], fp32["dweight"])
+
+
+def test_backend_t5_with_a_narrower_weight(backend: Any) -> None:
+    """float32 x, bfloat16 weight: q, y and dy pass through bfloat16 on the backend too; ``out=`` is honoured."""
+    data = _data("float32", rows=8, h=96, wdt="bfloat16")
+    ref = _run("numpy", "t5", "rms_norm", data, 1e-6, 0.0)
+    dev = {k: backend.asarray(v) for k, v in data.items()}
+    got = _run(backend.name, "t5", "rms_norm", dev, 1e-6, 0.0)
+    assert _frac_equal(backend.to_numpy(got["y"]), ref["y"]) >= 0.99
+    assert_close_scaled(backend.to_numpy(got["dweight"]), ref["dweight"], np.abs(ref["dweight"]) + 1, 2.0**-7)
+    out = backend.asarray(np.zeros((8, 96), np.float32))
+    y = pynorm.rms_norm(dev["x"], dev["w"], casting="t5", out=out, backend=backend.name)
+    assert y is out
+    assert np.array_equal(backend.to_numpy(out), backend.to_numpy(got["y"]))
+
+
+def test_fast_backends_refuse_none(backend: Any) -> None:
+    x = backend.asarray(np.ones((2, 4), np.float32))
+    if backend.name == "numpy":
+        assert pynorm.rms_norm(x, casting="none", backend="numpy").dtype == np.float32
+        return
+    with pytest.raises(ArgumentError, match="casting='none'"):
+        pynorm.rms_norm(x, casting="none", backend=backend.name)
+
+
+# ---------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_casting_values() -> None:
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(ArgumentError, match="casting"):
+        pynorm.layer_norm(x, casting="bf16")
+    with pytest.raises(ArgumentError, match="casting"):
+        pynorm.rms_norm(x, casting=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="casting"):
+        pynorm.scale_norm_forward(x, casting="llama")  # type: ignore[call-arg]
+
+
+def test_casting_is_kept_in_ctx_and_inputs_are_not_mutated() -> None:
+    data = _data("float16", rows=4, h=16)
+    copies = {k: v.copy() for k, v in data.items()}
+    _, ctx = pynorm.layer_norm_forward(data["x"], data["w"], data["b"], casting="llama", backend="numpy")
+    assert ctx.inner.casting == "llama"
+    pynorm.layer_norm_backward(data["dy"], ctx)
+    for k, v in data.items():
+        assert np.array_equal(v, copies[k]), k

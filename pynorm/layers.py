@@ -642,7 +642,9 @@ class ModalityNorm(_Norm):
         if kind == "layer":
             opts |= {"correction": correction, "eps_mode": eps_mode}
         base = F.LAYER_NORM if kind == "layer" else F.RMS_NORM
-        self.options = base.validate(opts)
+        # the conventions only: validate() also fills in layer_norm's / rms_norm's own casting option, which the
+        # modality ops do not take (this layer always computes with the default rounding)
+        self.options = {k: v for k, v in base.validate(opts).items() if k != "casting"}
         self.weight_offset = self.options["weight_offset"]
         shape = (self.n_modalities, *self.normalized_shape) if mode == "specific" else self.normalized_shape
         if elementwise_affine or mode == "specific":  # the tables are what makes a norm modality-specific

@@ -16,15 +16,17 @@ computes them literally). A fast backend's statistics op hands every non-default
   ``"fp32"`` (its backward recomputes ``xhat`` unrounded). For ``"t5"`` with a weight dtype other than
   ``x``'s, ``q``, ``y`` and ``dy`` are converted on the device in between (``cast``).
 
+* ``"none"``: the backend's in-dtype kernels (``intype``: every operation rounded to ``x``'s dtype;
+  the numba backend's ``_intype_kernels``, the cupy backend's ``intype.cu``).
+
 The cost: one more pass over the activations each way (``q`` is written and read back) than the
-fused ``"fp32"`` kernel. ``"none"`` (every operation in ``x``'s dtype) has no kernels in the fast
-backends: they raise :class:`pynorm.errors.ArgumentError` for it.
+fused ``"fp32"`` kernel for ``"llama"``/``"t5"``; ``"none"`` is a plain row-by-row kernel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -45,13 +47,22 @@ class Casting:
     """The policies for one fast backend's statistics op ``norm`` (``layer_norm`` or ``rms_norm``).
 
     ``identity``: the backend's PowerNorm op; ``cast(a, dtype)``: a copy of array ``a`` rounded once to
-    ``dtype`` on the backend's device; ``copy_into(dst, src)``: copy same-dtype arrays.
+    ``dtype`` on the backend's device; ``copy_into(dst, src)``: copy same-dtype arrays; ``intype``: the
+    in-dtype kernels (``forward(x, weight, bias, **conventions, out) -> (y, mean, rstd)``,
+    ``backward(dy, x, weight, bias, mean, rstd, **conventions, dx_out) -> (dx, dweight, dbias)``).
     """
 
     norm: Any
     identity: Any
     cast: Callable[[Any, Any], Any]
     copy_into: Callable[[Any, Any], None]
+    intype: Any = None
+
+    def _conventions(self, source: Any) -> dict[str, Any]:
+        """The op's options but ``casting``."""
+        o = self._options(source)
+        del o["casting"]
+        return o
 
     def _options(self, source: Any) -> dict[str, Any]:
         """The op's options (``casting`` set to ``"fp32"``) read from a ctx or a dict."""
@@ -75,10 +86,15 @@ class Casting:
         offset = float(options.get("weight_offset", 0.0))
         o = self._options(options)
         if casting == "none":
-            raise ArgumentError(
-                f"casting='none' (every operation in x's dtype) is computed by the numpy backend only; "
-                f"{self.norm.spec.name} on this backend takes casting='fp32', 'gemma', 'llama', 't5' or 'apex'"
-            )
+            if self.intype is None:
+                raise ArgumentError(
+                    f"casting='none' (every operation in x's dtype) has no kernels on this backend; "
+                    f"{self.norm.spec.name} here takes casting='fp32', 'gemma', 'llama', 't5' or 'apex'"
+                )
+            conv = self._conventions(options)
+            y, mean, rstd = self.intype.forward(x, weight, bias, **conv, out=out)
+            values = {"x": x, "weight": weight, "bias": bias, "mean": mean, "rstd": rstd, **conv, "casting": casting}
+            return y, self.norm.spec.ctx(**{f.name: values[f.name] for f in fields(self.norm.spec.ctx)})
         final = {n: params.get(n) for n in names} | {"casting": casting, "weight_offset": offset}
         if casting == "gemma":
             if weight is None or _fp32_math(x.dtype, weight.dtype):
@@ -111,6 +127,11 @@ class Casting:
         weight, bias = ctx.weight, getattr(ctx, "bias", None)
         offset = float(ctx.weight_offset)
         plain = replace(ctx, casting="fp32")
+        if casting == "none":
+            dx, dw, db = self.intype.backward(
+                dy, ctx.x, weight, bias, getattr(ctx, "mean", None), ctx.rstd, **self._conventions(ctx), dx_out=dx_out
+            )
+            return norm.spec.grads(dx, *({"weight": dw, "bias": db}[n] for n in names))
         if casting == "gemma":
             if weight is None or _fp32_math(ctx.x.dtype, weight.dtype):
                 return norm.backward(dy, plain, dx_out=dx_out)

@@ -132,8 +132,9 @@ class StatsOp:
         if self._cast is None:
             from ...composite.casting import Casting, numpy_ops
             from .elementwise import OP_IMPLS as EW
+            from .intype import InType
 
-            self._cast = Casting(self, EW["power_norm"], *numpy_ops())
+            self._cast = Casting(self, EW["power_norm"], *numpy_ops(), InType(self.centered))
         return self._cast
 
     def _math(self, x_dtype: Any, h_dtype: Any) -> tuple[np.dtype[Any], bool]:

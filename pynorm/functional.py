@@ -398,7 +398,7 @@ def power_norm_forward(
 
     ``axis`` only fixes the parameters' shape (``x.shape[axis:]``); ``p > 0`` is a finite
     hyperparameter (default 0.5). This is **not** Shen et al.'s 2020 PowerNorm (a batch norm with
-    running quadratic means, see ``docs/norms.md``): no library implements this signed-power form.
+    running quadratic means, see ``docs/norms/power_norm.md``): no library implements this signed-power form.
 
     Returns ``(y, ctx)`` for :func:`power_norm_backward`.
     """
@@ -907,7 +907,7 @@ def quant_layer_norm_forward(
     A float ``x`` is normalized exactly as :func:`layer_norm` (bitwise its output), then quantized. An
     int8 ``x`` has exact integer row sums and a fixed float64 sequence after them, so its outputs (float
     or int8) are bitwise identical on every backend. ``s = 1`` where ``amax`` is 0 or not finite.
-    Formulas: :mod:`pynorm.reference.quant_norm`, ``docs/norms.md``.
+    Formulas: :mod:`pynorm.reference.quant_norm`, ``docs/norms/quant_layer_norm.md``.
     """
     options = {
         "eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset,

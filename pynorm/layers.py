@@ -171,6 +171,8 @@ class LayerNorm(_Norm):
     backend : force a backend by name; ``xp`` : array module for the parameters
         (``numpy`` by default, ``cupy`` for GPU layers).
 
+    Notes
+    -----
     ``weight`` starts at ones (zeros when ``weight_offset=1``, so the effective
     scale ``w + 1`` starts at one) and ``bias`` at zeros — not the ones of the
     first source document's code.
@@ -251,6 +253,8 @@ class QuantLayerNorm(LayerNorm):
     quantize : None (float output), ``"tensor"`` or ``"row"`` (int8 output, ``(q, s)``).
     out_scale : a given output scale (a calibrated static scale) instead of ``amax / 127``.
 
+    Notes
+    -----
     ``forward(x, x_scale=None)`` takes the scale of an int8 ``x`` per call (activations' scales change from
     batch to batch); ``backward(dy, ctx)`` takes the gradient w.r.t. the dequantized output
     (straight-through) and returns ``dx`` w.r.t. the real input.
@@ -519,8 +523,11 @@ class AddNorm(_Norm):
     residual_dtype : dtype of the residual stream ``h`` (None: ``x``'s; ``"float32"`` for half activations).
     eps : default 1e-5 (LayerNorm) / 1e-6 (RMSNorm).
     elementwise_affine, bias : create ``weight`` (and, for LayerNorm, ``bias``).
-    dtype, backend, xp, and the LayerNorm conventions: as for :class:`LayerNorm`.
+    dtype, backend, xp, correction, eps_mode, weight_offset : as for :class:`LayerNorm` (the conventions of
+        ``kind="layer"``; ``kind="rms"`` uses only ``weight_offset``).
 
+    Notes
+    -----
     ``forward(x, residual) -> ((y, h), ctx)``; ``backward(dy, ctx, dh=None) -> (dx, dresidual)``.
     """
 
@@ -596,9 +603,11 @@ class ModalityNorm(_Norm):
         tables, row ``ids[i]`` serving row ``i`` (:func:`pynorm.modality_layer_norm_forward`);
         ``"shared"``: one parameter set for every modality (a plain norm; the ids are checked and
         otherwise ignored) -- the hybrid stacks use specific norms in low layers, shared above.
-    eps, elementwise_affine, bias, dtype, backend, xp, conventions: as for :class:`LayerNorm`
-        (eps defaults to 1e-5 for LayerNorm, 1e-6 for RMSNorm).
+    eps, elementwise_affine, bias, dtype, backend, xp, correction, eps_mode, weight_offset : as for
+        :class:`LayerNorm` (eps defaults to 1e-5 for LayerNorm, 1e-6 for RMSNorm).
 
+    Notes
+    -----
     ``forward(x, modality_ids) -> (y, ctx)``; ``backward(dy, ctx) -> dx``.
     """
 
@@ -633,7 +642,9 @@ class ModalityNorm(_Norm):
         if kind == "layer":
             opts |= {"correction": correction, "eps_mode": eps_mode}
         base = F.LAYER_NORM if kind == "layer" else F.RMS_NORM
-        self.options = base.validate(opts)
+        # the conventions only: validate() also fills in layer_norm's / rms_norm's own casting option, which the
+        # modality ops do not take (this layer always computes with the default rounding)
+        self.options = {k: v for k, v in base.validate(opts).items() if k != "casting"}
         self.weight_offset = self.options["weight_offset"]
         shape = (self.n_modalities, *self.normalized_shape) if mode == "specific" else self.normalized_shape
         if elementwise_affine or mode == "specific":  # the tables are what makes a norm modality-specific
@@ -714,6 +725,8 @@ class ConditionalLayerNorm(_Conditional):
     normalized_shape : int or tuple (``H`` features). cond_dim : ``C``, the conditioning features.
     eps, zero_centered, correction, eps_mode : the op's options. dtype, backend, xp : as for :class:`LayerNorm`.
 
+    Notes
+    -----
     ``forward(x, cond) -> (y, ctx)`` (``cond``: ``(..., C)`` per row, or per sample as the op's broadcast
     rule says); ``backward(dy, ctx) -> (dx, dcond)``, adding ``dW``/``dc`` into ``grads``.
     """

@@ -59,6 +59,8 @@ class Block(Module):
         paper's value -- the first source document's reading; the paper keeps it fixed (default).
     eps : the norms' eps (default: each norm's own). rng : Generator or seed. dtype, backend, xp.
 
+    Notes
+    -----
     ``forward(x, padding_mask=None, modality_ids=None) -> (y, ctx)`` with ``x`` of shape
     ``(B, T, d_model)``; ``backward(dy, ctx) -> dx``.
     """

@@ -56,6 +56,8 @@ class Stack(Module):
     record : append per-layer gradient norms to ``history["grad_norm"]`` after each backward.
     qk_norm, io_norms, causal, learnable_alpha, eps, seed, dtype, backend, xp : passed to each block.
 
+    Notes
+    -----
     ``forward(x, padding_mask=None, modality_ids=None, checkpoint=None) -> (y, StackCtx)``;
     ``backward(dy, ctx) -> dx``. Parameter names are ``layers.<i>.<...>`` and ``final_norm.<...>``.
     """

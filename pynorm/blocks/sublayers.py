@@ -61,6 +61,8 @@ class Linear(Module):
     rng : ``numpy.random.Generator`` for the initialisation (or a seed).
     dtype : parameter dtype (float32 master weights by default). backend, xp : array module.
 
+    Notes
+    -----
     The product uses the array module's ``@`` (BLAS / cuBLAS) in float32 (float64 if ``x`` or ``W`` is);
     for 16-bit ``x`` the weight is first rounded to ``x``'s dtype (as autocast does), the products
     accumulate in float32 and ``y`` is rounded once to ``x``'s dtype. ``ctx`` is ``(x, W)`` (references, no
@@ -340,6 +342,8 @@ class MultiHeadAttention(Module):
     causal : position ``i`` attends to ``j <= i`` only.
     v_gain, o_gain, qk_gain : Xavier gains of the projections (DeepNorm: ``beta`` for v and o, 1 for q, k).
 
+    Notes
+    -----
     ``forward(x, padding_mask=None) -> (y, ctx)``: ``x`` of shape ``(B, T, d_model)``; ``padding_mask``
     (``(B, T)`` bool, True = a real token) hides padded *keys*. A query whose every key is hidden
     (e.g. a sequence that is all padding, or a causal row whose visible keys are all padding) gets

@@ -7,7 +7,7 @@ r"""The source documents' "PowerNorm", the reference definition: an element-wise
 element by element (``axis`` only fixes the shape of the per-feature ``w`` and ``b``), with
 ``p > 0`` a hyperparameter (default 0.5). This is *not* the PowerNorm of Shen et al. (2020),
 a batch normalization without mean subtraction that divides by a running quadratic mean of
-each channel; see ``docs/norms.md``.
+each channel; see ``docs/norms/power_norm.md``.
 
 Backward, with :math:`\partial L/\partial y` the upstream gradient:
 

@@ -1,0 +1,110 @@
+"""Griffe extension for the docs site: render pynorm's reST-flavoured docstrings as Markdown.
+
+pynorm's docstrings are NumPy style with a few reStructuredText constructs (``.. math::`` blocks,
+``:math:`` / ``:func:`` / ``:class:`` ... roles, ``.. code-block::``, bare ``>>>`` examples). mkdocstrings
+renders docstrings as Markdown, so this extension rewrites those constructs when griffe loads an object:
+
+* ``.. math::`` + indented block -> ``$$ ... $$`` blocks, one per equation (pymdownx.arithmatex renders them);
+* ``:math:`e``` -> ``$e$``;
+* ``:func:`~a.b```, ``:class:``, ``:mod:``, ``:meth:``, ``:attr:``, ``:data:``, ``:exc:``, ``:obj:`` -> ```b``` (code);
+* ``.. code-block:: lang`` + indented block, and runs of ``>>>`` lines -> fenced code blocks.
+
+The source docstrings are not changed. Loaded by mkdocs.yml (``extensions: - docs/griffe_rst.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from griffe import Extension, Object
+
+_MATH_ROLE = re.compile(r":math:`([^`]+)`")
+_XREF_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj):`(~?)([^`]+)`")
+
+
+def _xref(m: re.Match[str]) -> str:
+    target = m.group(2).strip()
+    if m.group(1) == "~":
+        target = target.rsplit(".", 1)[-1]
+    return f"`{target}`"
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _directive_block(lines: list[str], i: int) -> tuple[list[str], int]:
+    """The indented body of the directive on line ``i`` (dedented) and the index after it."""
+    base = _indent(lines[i])
+    j = i + 1
+    body: list[str] = []
+    while j < len(lines) and (not lines[j].strip() or _indent(lines[j]) > base):
+        body.append(lines[j])
+        j += 1
+    while body and not body[-1].strip():
+        body.pop()
+        j -= 1
+    while body and not body[0].strip():
+        body.pop(0)
+    cut = min((_indent(b) for b in body if b.strip()), default=0)
+    return [b[cut:] for b in body], j
+
+
+def convert(text: str) -> str:
+    """Rewrite the reST constructs of one docstring as Markdown."""
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    in_fence = False
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.strip()
+        pad = line[: _indent(line)]
+        if stripped.startswith("```"):
+            in_fence = not in_fence
+            out.append(line)
+            i += 1
+            continue
+        if in_fence:
+            out.append(line)
+            i += 1
+            continue
+        if stripped == ".. math::":
+            body, i = _directive_block(lines, i)
+            # reST separates equations by blank lines; a Markdown $$ block must not contain one
+            groups: list[list[str]] = [[]]
+            for b in body:
+                if b.strip():
+                    groups[-1].append(b)
+                elif groups[-1]:
+                    groups.append([])
+            for k, eq in enumerate(g for g in groups if g):
+                out += ([""] if k else []) + [pad + "$$", *(pad + e for e in eq), pad + "$$"]
+            continue
+        if stripped.startswith(".. code-block::"):
+            lang = stripped[len(".. code-block::") :].strip()
+            body, i = _directive_block(lines, i)
+            out += [pad + "```" + lang, *(pad + b for b in body), pad + "```"]
+            continue
+        if stripped.startswith(">>>"):
+            block = []
+            while i < len(lines) and lines[i].strip():
+                block.append(lines[i][len(pad) :] if lines[i].startswith(pad) else lines[i].lstrip())
+                i += 1
+            if out and out[-1].strip():
+                out.append("")
+            out += [pad + "```pycon", *(pad + b for b in block), pad + "```"]
+            continue
+        line = _MATH_ROLE.sub(lambda m: "$" + m.group(1).strip() + "$", line)
+        out.append(_XREF_ROLE.sub(_xref, line))
+        i += 1
+    return "\n".join(out)
+
+
+class RstToMarkdown(Extension):
+    """Convert each loaded object's docstring (see the module docstring)."""
+
+    def on_instance(self, *, obj: Object, **kwargs: Any) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = convert(obj.docstring.value)

@@ -211,17 +211,16 @@ def test_llama_diagnosis_points_at_the_casting_policy():
 
 
 def test_casting_option_replaces_the_llama_fallback():
-    """Once layer_norm / rms_norm take ``casting=``, the rounding-order models are the reference's own policies
-    (the restated fallback is used only while the option does not exist)."""
-    from pynorm.ops import Option, one_of
+    """layer_norm / rms_norm take ``casting=``: the rounding-order models are the reference's own policies
+    (the restated fallback is used only for a spec without the option)."""
     from pynorm.oracle.diagnose import CASTING_POLICIES, _llama_fallback, hypotheses
 
     spec = SPECS["rms_norm"]
-    plain = [h for h in hypotheses(spec, {}) if h.code == "rounding_order"]
+    assert "casting" in [o.name for o in spec.options]
+    without = replace(spec, options=tuple(o for o in spec.options if o.name != "casting"))
+    plain = [h for h in hypotheses(without, {}) if h.code == "rounding_order"]
     assert [h.model for h in plain] == [_llama_fallback] and "casting='llama'" in plain[0].message
-    casting = Option("casting", "fp32", one_of(*CASTING_POLICIES), "rounding order")
-    with_casting = replace(spec, options=(*spec.options, casting))
-    hyps = [h for h in hypotheses(with_casting, {}) if h.agreement]
+    hyps = [h for h in hypotheses(spec, {}) if h.agreement]
     assert _llama_fallback not in [h.model for h in hyps]
     named = {p for p in CASTING_POLICIES if any(f"casting='{p}'" in h.message for h in hyps)}
     assert named == set(CASTING_POLICIES) - {"fp32"}  # every policy but the one in use
@@ -410,7 +409,9 @@ def test_vectors_round_trip_every_op(tmp_path):
     assert verify_vectors(docs, exact=True) == []
     ln = docs[0]
     rec = ln["vectors"][0]
-    assert rec["conventions"] == {"eps": 1e-5, "correction": 0, "eps_mode": "var", "weight_offset": 0.0}
+    assert rec["conventions"] == {
+        "eps": 1e-5, "correction": 0, "eps_mode": "var", "weight_offset": 0.0, "casting": "fp32",
+    }  # fmt: skip
     assert rec["tolerance"]["ulps"]["y"] == 1.0 and rec["dtype"] == "float16"
     assert rec["inputs"]["x"].dtype == np.float16 and rec["grads"]["dweight"].shape == (8,)
     assert {r["kind"] for r in ln["vectors"]} >= {"normal", "offset", "huge", "tiny", "constant"}

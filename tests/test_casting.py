@@ -340,3 +340,38 @@ def test_casting_is_kept_in_ctx_and_inputs_are_not_mutated() -> None:
     pynorm.layer_norm_backward(data["dy"], ctx)
     for k, v in data.items():
         assert np.array_equal(v, copies[k]), k
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_matches_hugging_face_modules_in_torch(dt: str) -> None:
+    """The HF modules' forward code run in PyTorch (CPU; an optional test dependency): each policy matches
+    its module on >= 99.9% of the elements (the rest: float32 vs float64 statistics put q one ulp apart,
+    at most two ulps of y after the weight), where ``"fp32"`` matches Llama's and T5's on about 74% only."""
+    torch = pytest.importorskip("torch")
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dt]
+    g = torch.Generator().manual_seed(0)
+    x = (1.5 * torch.randn(128, 512, generator=g) + 0.5).to(tdt)
+    w = (1 + 0.5 * torch.randn(512, generator=g)).to(tdt)
+
+    def llama(x: Any, w: Any, eps: float = 1e-6) -> Any:  # LlamaRMSNorm.forward
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(x.dtype)
+
+    def gemma(x: Any, w: Any, eps: float = 1e-6) -> Any:  # GemmaRMSNorm.forward
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).type_as(x)
+
+    def t5(x: Any, w: Any, eps: float = 1e-6) -> Any:  # T5LayerNorm.forward
+        h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(w.dtype)
+
+    d = dtype(dt)
+    xn, wn = x.view(torch.int16).numpy().view(d), w.view(torch.int16).numpy().view(d)
+    for policy, module in (("llama", llama), ("gemma", gemma), ("t5", t5)):
+        want = module(x, w).view(torch.int16).numpy().view(d)
+        got = pynorm.rms_norm(xn, wn, casting=policy, weight_offset=_offset(policy), backend="numpy")
+        assert _frac_equal(got, want) >= 0.999, policy
+        assert _ulps(got, want, d).max() <= 2, policy
+        if policy != "gemma":
+            assert _frac_equal(pynorm.rms_norm(xn, wn, backend="numpy"), want) < 0.8, policy

@@ -269,14 +269,8 @@ def rms_norm_forward(
     backend : force a backend by name.
     weight_offset : ``o`` above; 1.0 gives Gemma's ``(1 + w)``, computed in the
         internal precision (in float32 with ``casting="gemma"``).
-    casting : where intermediate values are rounded (:mod:`pynorm.reference.casting`):
-        ``"fp32"`` (default: all math in float32 or wider, one rounding -- PyTorch,
-        TransformerEngine), ``"llama"`` (the normalized value rounded to ``x``'s dtype, then
-        times the weight: HF ``LlamaRMSNorm``), ``"gemma"`` (``(w + o)`` in float32, one
-        rounding: HF ``GemmaRMSNorm``), ``"t5"`` (the normalized value rounded to a 16-bit
-        *weight's* dtype: HF ``T5LayerNorm``), ``"apex"`` (forward as ``"llama"``, backward
-        as ``"fp32"``: NVIDIA Apex), ``"none"`` (every operation in ``x``'s dtype). The
-        backward follows the same sequence.
+    casting : where intermediate values are rounded: ``"fp32"`` (default), ``"llama"``, ``"gemma"``,
+        ``"t5"``, ``"apex"`` or ``"none"``, as for :func:`layer_norm_forward`.
     out : optional C-contiguous array of ``x``'s shape and dtype to write ``y`` into.
     """
     options = {"eps": eps, "weight_offset": weight_offset, "casting": casting}

@@ -148,6 +148,15 @@ def launch_bound(kernel: str) -> int:
     raise KeyError(f"unknown kernel {kernel!r}")
 
 
+def row_block(hidden: int) -> int:
+    """Threads of a one-block-per-row kernel (quantize.cu, intype.cu): a power of two from 32 to
+    ``PYNORM_QUANT_THREADS``, about one per 4 elements."""
+    t = 32
+    while t < DEFS["QUANT_THREADS"] and t * 4 < hidden:
+        t *= 2
+    return t
+
+
 # ---------------------------------------------------------------------------
 # row layout
 

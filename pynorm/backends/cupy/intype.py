@@ -23,14 +23,6 @@ _FILE = "intype.cu"
 _MAX_GRID = 1 << 16
 
 
-def _block(hidden: int) -> int:
-    """Threads per row: a power of two from 32 to ``PYNORM_QUANT_THREADS``, about one per 4 elements."""
-    t = 32
-    while t < _launch.DEFS["QUANT_THREADS"] and t * 4 < hidden:
-        t *= 2
-    return t
-
-
 def _in_dtype(p: Any, dtype: Any, offset: float = 0.0) -> Any:
     """``rnd(p + offset)`` in ``dtype``, as float64 values on the device (None stays None)."""
     if p is None:
@@ -64,8 +56,8 @@ class InType:
                 x, _in_dtype(weight, x.dtype, weight_offset), _in_dtype(bias, x.dtype), y, mean, rstd, rows, hidden,
                 eps, int(self.centered), correction, int(eps_mode == "std"),
             )  # fmt: skip
-            _host.launch(get_kernel(_FILE, "intype_fwd", (self._t(x),)), min(rows, _MAX_GRID), _block(hidden),
-                         args.pack())  # fmt: skip
+            grid, block = min(rows, _MAX_GRID), _launch.row_block(hidden)
+            _host.launch(get_kernel(_FILE, "intype_fwd", (self._t(x),)), grid, block, args.pack())
         return y, mean, rstd
 
     def backward(
@@ -84,13 +76,13 @@ class InType:
                 dy, x, _in_dtype(weight, x.dtype, weight_offset), dx, rows, hidden, eps, int(self.centered),
                 correction, int(eps_mode == "std"),
             )  # fmt: skip
-            _host.launch(get_kernel(_FILE, "intype_bwd", (t,)), min(rows, _MAX_GRID), _block(hidden), args.pack())
+            grid, block = min(rows, _MAX_GRID), _launch.row_block(hidden)
+            _host.launch(get_kernel(_FILE, "intype_bwd", (t,)), grid, block, args.pack())
             if pw is not None or pb is not None:
                 m = _host.cast(mean, np.dtype(np.float64)) if mean is not None else cupy.zeros(rows, dtype=np.float64)
                 pargs = InTypeParamsArgs(dy, x, m, _host.cast(rstd, np.dtype(np.float64)), pw, pb, rows, hidden,
                                          int(self.centered))  # fmt: skip
-                block = 128
-                _host.launch(get_kernel(_FILE, "intype_params", (t,)), -(-hidden // block), block, pargs.pack())
+                _host.launch(get_kernel(_FILE, "intype_params", (t,)), -(-hidden // 128), 128, pargs.pack())
         dweight = None if pw is None else _host.cast(pw, np.dtype(weight.dtype))
         dbias = None if pb is None else _host.cast(pb, np.dtype(bias.dtype))
         return dx, dweight, dbias

@@ -34,14 +34,6 @@ _EPS_MODES = {"var": 0, "std": 1}
 _MAX_GRID = 1 << 16
 
 
-def _block(hidden: int) -> int:
-    """Threads per row: a power of two from 32 to ``PYNORM_QUANT_THREADS``, about one per 4 elements."""
-    t = 32
-    while t < _launch.DEFS["QUANT_THREADS"] and t * 4 < hidden:
-        t *= 2
-    return t
-
-
 def _param_type(weight: Any, bias: Any) -> tuple[str, Any, Any]:
     """The ``W`` of ``quant_int8`` (an accumulation type: float, or double when a parameter is float64) and the
     parameters cast to it (exact: every parameter is converted to double in the kernel anyway)."""
@@ -65,7 +57,7 @@ class QuantOp:
 
     def _quant(self, kernel: str, t: str, rows: int, hidden: int, args: Any) -> None:
         k = get_kernel(_FILE, kernel, (t,))
-        _host.launch(k, min(rows, _MAX_GRID), _block(hidden), args.pack())
+        _host.launch(k, min(rows, _MAX_GRID), _launch.row_block(hidden), args.pack())
 
     def forward(
         self, x: cupy.ndarray, x_scale: Any, weight: Any, bias: Any, *, out: Any = None, eps: float,

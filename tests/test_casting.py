@@ -255,9 +255,11 @@ def test_float64_gradients(policy: str, op: str, backend: Any) -> None:
 # the fast backends
 
 
+# "fp32" is the generic cross-backend tests' subject; "gemma" runs the "fp32" kernels unchanged where their
+# math is float32 (its float64 path: test_backend_gemma_float64)
 @pytest.mark.parametrize("dt", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", ["llama", "t5", "apex", "none"])
 def test_backend_follows_the_policy(policy: str, op: str, dt: str, backend: Any) -> None:
     if backend.name == "numpy":
         pytest.skip("the numpy backend is the reference")
@@ -288,6 +290,23 @@ def test_backend_follows_the_policy(policy: str, op: str, dt: str, backend: Any)
         if policy in ("llama", "t5", "none"):  # dweight = sum dy q, not sum dy xhat
             fp32 = _run("numpy", "fp32", op, data, eps, off)
             assert _frac_equal(got["dweight"], ref["dweight"]) > _frac_equal(got["dweight"], fp32["dweight"])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_backend_gemma_float64(op: str, backend: Any) -> None:
+    """float64 math: the fast backends run "gemma" with the weight rounded as rnd_f32(rnd_f32(w) + 1)."""
+    data = _data("float64", rows=8, h=64, wdt="float32")
+    ref = _run("numpy", "gemma", op, data, 1e-5, 1.0)
+    dev = {k: backend.asarray(v) for k, v in data.items()}
+    got = _run(backend.name, "gemma", op, dev, 1e-5, 1.0)
+    fp32 = _run("numpy", "fp32", op, data, 1e-5, 1.0)
+    y = backend.to_numpy(got["y"])
+    assert_close_scaled(y, ref["y"], np.abs(ref["y"]) + 1, 1e-12, f"{backend.name} gemma {op} y")
+    assert np.abs(y - fp32["y"]).max() > 1e-9  # (1 + w) rounded to float32 shows in float64
+    for name in ("dx", "dweight", "dbias"):
+        if ref[name] is not None:
+            assert got[name].dtype == ref[name].dtype, name
+            assert_close_scaled(backend.to_numpy(got[name]), ref[name], np.abs(ref[name]) + 1, 1e-10, name)
 
 
 def test_backend_t5_with_a_narrower_weight(backend: Any) -> None:

@@ -141,21 +141,27 @@ def bwd(x, dy, we, centered, eps, corr, std, dx):  # type: ignore[no-untyped-def
 
 @jit(parallel=True)
 def params(x, dy, centered, mean, rstd, pw, pb):  # type: ignore[no-untyped-def]
-    """``pw[j] = sum_rows rnd(dy xhat)``, ``pb[j] = sum_rows dy`` in float64, rows in order (each None: skipped)."""
+    """``pw[j] = sum_rows rnd(dy xhat)``, ``pb[j] = sum_rows dy`` in float64, rows in order (each None: skipped);
+    parallel over column tiles, each walking the rows in order (contiguous reads within a row)."""
     rows, h = x.shape
-    tile = 64
+    tile = 256
     for c in prange((h + tile - 1) // tile):
         j0 = c * tile
         j1 = min(j0 + tile, h)
-        for j in range(j0, j1):
-            aw = 0.0
-            ab = 0.0
-            for i in range(rows):
-                dv = np.float64(ld(dy[i, j]))
+        aw = np.zeros(j1 - j0)
+        ab = np.zeros(j1 - j0)
+        for i in range(rows):
+            xr = x[i]
+            dyr = dy[i]
+            m = mean[i]
+            r = rstd[i]
+            for j in range(j0, j1):
+                dv = np.float64(ld(dyr[j]))
                 if pw is not None:
-                    aw += rn(x[i], dv * _xhat(x[i], j, centered, mean[i], rstd[i]))
-                ab += dv
+                    aw[j - j0] += rn(xr, dv * _xhat(xr, j, centered, m, r))
+                ab[j - j0] += dv
+        for j in range(j0, j1):
             if pw is not None:
-                pw[j] = aw
+                pw[j] = aw[j - j0]
             if pb is not None:
-                pb[j] = ab
+                pb[j] = ab[j - j0]

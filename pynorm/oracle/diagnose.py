@@ -23,13 +23,13 @@ import numpy as np
 
 from ..errors import PynormError
 from ..ops import OpSpec
-from ..testing import _dtype
+from ..reference.casting import CASTINGS
 from .runner import Budgets, CellResult, CheckReport, Evaluated, error_ulps, reference
 
 __all__ = ["CASTING_POLICIES", "Diagnosis", "Hypothesis", "hypotheses", "run_diagnoses"]
 
 #: the casting policies the ``casting=`` option of layer_norm / rms_norm offers (once it exists)
-CASTING_POLICIES = ("llama", "gemma", "t5", "apex", "none", "fp32")
+CASTING_POLICIES = CASTINGS  # each rounding order is a hypothesis where the op has the option
 
 _CASTING_DOC = {
     "llama": "HF LlamaRMSNorm / Liger casting_mode='llama': the normalized value is rounded to the input dtype "
@@ -150,32 +150,6 @@ def _dx_model(which: str) -> Callable[[OpSpec, Evaluated], dict[str, np.ndarray]
     return model
 
 
-def _llama_fallback(spec: OpSpec, ev: Evaluated) -> dict[str, np.ndarray] | None:
-    # --- FALLBACK, remove once SPECS[op] has the "casting" option (then casting="llama" is used instead) ---
-    # Llama's order restated: x̂ = x * rsqrt(mean(x^2) + eps) (LayerNorm: (x - mean) * rsqrt(var + eps)) in
-    # fp32, rounded to the input dtype; then times the weight in the input dtype (+ bias, rounded again).
-    dt = _dtype(ev.case.x.dtype)
-    if dt.itemsize > 2 or "y" not in ev.user:
-        return None
-    x2, _, _ = _rows(ev)
-    f = np.float32
-    wide = np.longdouble  # the statistic itself exact enough: only the rounding order differs from the reference
-    x = x2.astype(wide)
-    eps = float(ev.case.options.get("eps", spec.defaults()["eps"]))
-    with np.errstate(all="ignore"):
-        if spec.name == "rms_norm":
-            xh = (x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)).astype(f)
-        else:
-            d = x - x.mean(axis=1, keepdims=True)
-            xh = (d / np.sqrt((d * d).mean(axis=1, keepdims=True) + eps)).astype(f)
-        w = _weight(spec, ev, x.shape[1]).astype(dt).astype(f)
-        y = (xh.astype(dt).astype(f) * w).astype(dt)
-        b = dict(zip(spec.param_names, ev.case.args, strict=False)).get("bias")
-        if b is not None:
-            y = (y.astype(f) + np.asarray(b).reshape(-1).astype(f)).astype(dt)
-    return {"y": y.reshape(ev.ref["y"].shape)}
-
-
 def hypotheses(spec: OpSpec, conventions: dict[str, Any]) -> list[Hypothesis]:
     """The hypothesis implementations that apply to ``spec`` under the user's ``conventions``."""
     names = {o.name for o in spec.options}
@@ -238,17 +212,6 @@ def hypotheses(spec: OpSpec, conventions: dict[str, Any]) -> list[Hypothesis]:
                         agreement=True,
                     )
                 )
-    elif spec.name in ("layer_norm", "rms_norm"):
-        out.append(
-            Hypothesis(
-                "rounding_order",
-                f"the forward uses Llama's rounding order ({_CASTING_DOC['llama']}); pynorm rounds once. It matches "
-                "casting='llama' (pynorm's casting policy for this order; not in this version of pynorm, which "
-                "checked a restatement of it)",
-                _llama_fallback,
-                agreement=True,
-            )
-        )
     return out
 
 

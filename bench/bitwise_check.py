@@ -3,9 +3,9 @@
     python bench/bitwise_check.py save FILE [--backend numba] [--threads N] [--quick]
     python bench/bitwise_check.py compare FILE [--backend numba] [--threads N] [--quick]
 
-Runs every op of :data:`pynorm.ops.SPECS` through the public API (``pynorm.<op>_forward(...,
-backend=...)`` / ``<op>_backward``) over a fixed table of cases and records ``y``, the ctx's per-row
-statistics (``mean``/``rstd``), ``dx`` and every parameter gradient:
+Runs the kernel families' ops of :data:`pynorm.ops.SPECS` (or those of ``--ops``) through the public API
+(``pynorm.<op>_forward(..., backend=...)`` / ``<op>_backward``) over a fixed table of cases and records ``y``,
+the ctx's per-row statistics (``mean``/``rstd``), ``dx`` and every parameter gradient:
 
 * the benchmark shapes (8192x1024, 4096x4096, 2048x8192, 65536x128, 16x65536) in float32 with the
   default conventions, at full size (large float32 outputs take the streaming stores);
@@ -112,10 +112,15 @@ def _param_subsets(names: tuple[str, ...]) -> list[tuple[str, ...]]:
     return list(dict.fromkeys(out))
 
 
-def cases(quick: bool = False) -> Iterator[tuple[str, str, tuple[int, int], Any, str, dict[str, Any], tuple[str, ...]]]:
-    """``(key, op, shape, dtype, data kind, options, parameters given)`` of every recorded case."""
+def cases(
+    quick: bool = False, ops: tuple[str, ...] = ()
+) -> Iterator[tuple[str, str, tuple[int, int], Any, str, dict[str, Any], tuple[str, ...]]]:
+    """``(key, op, shape, dtype, data kind, options, parameters given)`` of every recorded case (of ``ops``, or of
+    every op)."""
     f32 = np.dtype(np.float32)
     for op, spec in SPECS.items():
+        if (op not in ops) if ops else (spec.family not in ("stats", "elementwise")):
+            continue
         full = spec.param_names
         for shape in BENCH_SHAPES if not quick else []:
             yield f"{op}/bench/{shape[0]}x{shape[1]}", op, shape, f32, "bench", {}, full
@@ -154,14 +159,22 @@ def run_case(
     spec = SPECS[op]
     seed = sum(ord(c) * (i + 1) for i, c in enumerate(f"{op}{shape}{_name(dt)}{kind}")) % (1 << 31)
     x, dy, w, b = _data(shape, dt, seed, kind)
-    pool = {"weight": w, "bias": b}
-    params = [pool[n] if n in ps else None for n in spec.param_names]
+    rng = np.random.default_rng(seed + 1)
+    inputs = spec.example_inputs(shape, 1, dt, rng, options=conv)
+    others = dict(zip(spec.param_names, spec.example_params(shape[1:], dt, rng, options=conv), strict=True))
+    pool = {**others, **{p.name: {"weight": w, "bias": b}[p.name] for p in spec.params
+                         if p.kind == "feature" and p.name in ("weight", "bias")}}  # fmt: skip
+    params = [pool[p.name] if (p.name in ps or p.required) else None for p in spec.params]
     fwd = getattr(pynorm, f"{op}_forward")
     bwd = getattr(pynorm, f"{op}_backward")
     with np.errstate(all="ignore"):
-        y, ctx = fwd(x, *params, backend=backend, **conv)
+        y, ctx = fwd(x, *inputs, *params, backend=backend, **conv)
+        ys = y if isinstance(y, tuple) else (y,)
+        gdt = spec.grad_dtype(x.dtype)
+        if ys[0].shape != x.shape or gdt != x.dtype:
+            dy = rng.standard_normal(ys[0].shape).astype(gdt)
         grads = bwd(dy, ctx)
-    out = {"y": np.asarray(y)}
+    out = {("y" if i == 0 else spec.outputs[i]): np.asarray(a) for i, a in enumerate(ys)}
     inner = ctx.inner
     for st in ("mean", "rstd"):
         if hasattr(inner, st):
@@ -205,15 +218,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="cap the backend's threads (pynorm.set_num_threads)")
     p.add_argument("--quick", action="store_true", help="skip the full-size benchmark shapes and streamed cases")
     p.add_argument("--only", default="", help="compare: only the cases whose key contains this string")
+    p.add_argument(
+        "--ops", default="", help="comma-separated ops (default: the ops of the stats and elementwise kernel families)"
+    )
     args = p.parse_args(argv)
     if args.threads is not None:
         pynorm.set_num_threads(args.threads)
     print(f"pynorm from {pynorm.__file__}; backend {args.backend}; threads {pynorm.get_num_threads()}", flush=True)
     t0 = time.perf_counter()
+    ops = tuple(o for o in args.ops.split(",") if o)
+    unknown = [o for o in ops if o not in SPECS]
+    if unknown:
+        p.error(f"unknown op(s) {unknown}; known: {', '.join(SPECS)}")
     if args.mode == "save":
         record: dict[str, np.ndarray] = {}
         n = 0
-        for key, op, shape, dt, kind, conv, ps in cases(args.quick):
+        for key, op, shape, dt, kind, conv, ps in cases(args.quick, ops):
             for out_name, a in run_case(args.backend, op, shape, dt, kind, conv, ps).items():
                 record[f"{key}|{out_name}"] = a.view(np.uint16) if a.dtype == BF16 else a
                 record[f"{key}|{out_name}|dtype"] = np.array(_name(a.dtype))
@@ -225,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     n = same = 0
     bad: list[str] = []
     missing = 0
-    for key, op, shape, dt, kind, conv, ps in cases(args.quick):
+    for key, op, shape, dt, kind, conv, ps in cases(args.quick, ops):
         if args.only not in key:
             continue
         res = run_case(args.backend, op, shape, dt, kind, conv, ps)

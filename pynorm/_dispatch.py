@@ -143,6 +143,8 @@ def from_dlpack(a: Any, name: str) -> Array:
 def as_array(a: Any, name: str) -> Array:
     """``a`` if it is an array (of any backend's library), NumPy's array of it if it is a list/scalar, a zero-copy
     view of any other DLPack exporter (:func:`from_dlpack`)."""
+    if type(a) is np.ndarray:  # the common case, first
+        return a
     if isinstance(a, (list, tuple, numbers.Number, np.generic)) and not isinstance(a, bool):
         return np.asarray(a)
     if hasattr(a, "__dlpack__") and not _served(a):
@@ -152,9 +154,25 @@ def as_array(a: Any, name: str) -> Array:
     return a
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dt: Any) -> str:
+    """``dt.name`` (``str(dt)`` for a dtype without one), cached: NumPy computes ``dtype.name`` in Python, which
+    costs microseconds on every call of a small op."""
+    try:
+        return _DTYPE_NAMES[dt]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable dtype-like object
+        return str(getattr(dt, "name", dt))
+    n = _DTYPE_NAMES[dt] = str(getattr(dt, "name", None) or dt)
+    return n
+
+
 def check_float_dtype(a: Array, name: str, allowed: tuple[str, ...] = FLOAT_DTYPES) -> None:
     dt = a.dtype
-    if getattr(dt, "name", str(dt)) not in allowed:
+    if dtype_name(dt) not in allowed:
         shown = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
         raise DTypeError(f"{name} must have dtype {shown}, got {dt}")
 

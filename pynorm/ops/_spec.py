@@ -332,10 +332,17 @@ class OpSpec:
     def defaults(self) -> dict[str, Any]:
         return {o.name: o.default for o in self.options}
 
+    def _known_options(self) -> dict[str, Any]:
+        known = self.__dict__.get("_known")
+        if known is None:
+            known = {o.name: o for o in self.options}
+            object.__setattr__(self, "_known", known)  # (the spec is a frozen dataclass; this is a cache)
+        return known
+
     def validate(self, options: Mapping[str, Any], hidden: int | None = None) -> dict[str, Any]:
         """Every option validated and normalized (unknown names are a TypeError, as for a function)."""
-        known = {o.name: o for o in self.options}
-        unknown = set(options) - set(known)
+        known = self._known_options()
+        unknown = options.keys() - known.keys() if options else ()
         if unknown:
             raise TypeError(f"{self.name}() got unexpected keyword argument(s) {sorted(unknown)}")
         out = {n: o.check(options.get(n, o.default), n) for n, o in known.items()}
@@ -350,6 +357,8 @@ class OpSpec:
 
 def check_eps(eps: Any, name: str = "eps") -> float:
     """A finite eps >= 0 as a Python float."""
+    if type(eps) is float and 0.0 <= eps < math.inf:  # the common case, first
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise ArgumentError(f"{name} must be a real number >= 0, got {eps!r}")
     e = float(eps)
@@ -360,6 +369,8 @@ def check_eps(eps: Any, name: str = "eps") -> float:
 
 def check_real(v: Any, name: str) -> float:
     """A finite real scalar option as a Python float."""
+    if type(v) is float and math.isfinite(v):  # the common case, first
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
         raise ArgumentError(f"{name} must be a finite real number, got {v!r}")
     return float(v)
@@ -369,7 +380,11 @@ def one_of(*choices: Any, doc: str = "") -> Callable[[Any, str], Any]:
     """A validator accepting exactly ``choices``: strings by value, integers by value (NumPy
     integers too, bools never); returns the matching choice itself."""
 
+    plain = {(type(c), c) for c in choices if type(c) in (int, str)}
+
     def check(v: Any, name: str) -> Any:
+        if (type(v), v) in plain:  # the common case, first (exact types: True is not 1 here)
+            return v
         if v is None and None in choices:
             return None
         if not isinstance(v, (bool, float)):

@@ -120,5 +120,19 @@ def jit(fastmath: Any = False, parallel: bool = False, inline: Any = "never") ->
 
     numba lets a callee without an explicit ``fastmath`` inherit its first caller's flags; every
     function of the backend states its own so the code is the same whichever kernel compiles it first.
+
+    Compile time: no function gets a C-callable wrapper (``no_cfunc_wrapper``: none is passed as a first-class
+    function), and the private helpers (names starting with ``_``, and every ``inline="always"`` piece), which
+    only jitted code calls, get no Python wrapper either (``no_cpython_wrapper``): numba builds both for every
+    signature of every function otherwise.
     """
-    return njit(cache=CACHING, nogil=True, fastmath=fastmath, parallel=parallel, inline=inline, error_model="numpy")
+
+    def decorate(fn: Any) -> Any:
+        helper = inline == "always" or fn.__name__.startswith("_")
+        options: dict[str, Any] = {"no_cfunc_wrapper": True, "no_cpython_wrapper": helper}
+        return njit(
+            cache=CACHING, nogil=True, fastmath=fastmath, parallel=parallel, inline=inline, error_model="numpy",
+            **options,
+        )(fn)  # fmt: skip
+
+    return decorate

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._dispatch import dtype_name
 from ._layout import ROW_BLOCK
 from ._reduce import sum_blocks
 from ._threads import launch
@@ -43,7 +44,7 @@ def storage(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     if a.dtype == np.float16:
         return a.view(np.int16)
-    if a.dtype.name == "bfloat16":
+    if dtype_name(a.dtype) == "bfloat16":
         return a.view(np.uint16)
     return a
 

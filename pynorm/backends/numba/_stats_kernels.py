@@ -166,6 +166,29 @@ def _fwd_row(stat, xr, w, b, eps, corr, mode, yr, stream):  # type: ignore[no-un
     return True, row_aux(stat, k, c, v, eps, mode), r
 
 
+@jit(FM_SUM)
+def _fwd_group(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g):  # type: ignore[no-untyped-def]
+    """Rows ``[g * STREAM_GROUP, (g + 1) * STREAM_GROUP)`` of :func:`fwd`; returns how many it left pending.
+
+    The body of ``fwd``'s parallel loop is this one call: numba types and lowers a ``prange`` body twice
+    (the kernel, then the gufunc made of its body), so a body that is a call compiles the row code once.
+    """
+    pending = 0
+    for i in range(g * STREAM_GROUP, min(g * STREAM_GROUP + STREAM_GROUP, x.shape[0])):
+        xr = src_row(pro, x, i)
+        ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, y[i], stream)
+        if ok:
+            if aux is not None:
+                aux[i] = m
+            rstd[i] = r
+        else:
+            rstd[i] = _FWD_PENDING
+            pending += 1
+    if stream is not None:
+        sfence()
+    return pending
+
+
 @jit(FM_SUM, parallel=True)
 def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream):  # type: ignore[no-untyped-def]
     """Forward of every row of ``x`` (storage dtype) into ``y``; ``aux`` (the statistic's per-row value, or None)
@@ -174,21 +197,9 @@ def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream):  # type
     Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
     True to write float32 ``y`` with streaming stores (outputs much larger than the caches).
     """
-    rows = x.shape[0]
     pending = 0
-    for g in prange((rows + STREAM_GROUP - 1) // STREAM_GROUP):
-        for i in range(g * STREAM_GROUP, min(g * STREAM_GROUP + STREAM_GROUP, rows)):
-            xr = src_row(pro, x, i)
-            ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, y[i], stream)
-            if ok:
-                if aux is not None:
-                    aux[i] = m
-                rstd[i] = r
-            else:
-                rstd[i] = _FWD_PENDING
-                pending += 1
-        if stream is not None:
-            sfence()
+    for g in prange((x.shape[0] + STREAM_GROUP - 1) // STREAM_GROUP):
+        pending += _fwd_group(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g)
     return pending
 
 
@@ -404,6 +415,24 @@ def _acc_slow(stat, xr, dyr, mean, r, e, c, pw, pb, blk, j0):  # type: ignore[no
 # backward kernels
 
 
+@jit(FM_SUM)
+def _bwd_block(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, blk):  # type: ignore[no-untyped-def]
+    """Row block ``blk`` of :func:`bwd_fused` (its body, one call: see :func:`_fwd_group`); returns how many rows
+    it left pending."""
+    pending = 0
+    pzero(pw, tab, blk, 0, x.shape[1])
+    pzero(pb, tab, blk, 0, x.shape[1])
+    for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, x.shape[0])):
+        ok = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
+                      pw, pb, pslot(tab, blk, i), stream)[0]  # fmt: skip
+        scale[i] = FAST if ok else PENDING
+        if not ok:
+            pending += 1
+    if stream is not None:
+        sfence()
+    return pending
+
+
 @jit(FM_SUM, parallel=True)
 def bwd_fused(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream):  # type: ignore[no-untyped-def]
     """Backward by row blocks: dx (through the epilogue ``ep``), and per-block partial sums ``pw``/``pb`` (or
@@ -412,21 +441,23 @@ def bwd_fused(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale
     ``scale[i]``: :data:`FAST`, or :data:`PENDING` for the rows left for :func:`bwd_slow` (their
     number is returned; their blocks' partials are then for :func:`redo_blocks`).
     """
-    rows = x.shape[0]
-    nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
     pending = 0
-    for blk in prange(nb):
-        pzero(pw, tab, blk, 0, x.shape[1])
-        pzero(pb, tab, blk, 0, x.shape[1])
-        for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
-            ok = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
-                          pw, pb, pslot(tab, blk, i), stream)[0]  # fmt: skip
-            scale[i] = FAST if ok else PENDING
-            if not ok:
-                pending += 1
-        if stream is not None:
-            sfence()
+    for blk in prange((x.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
+        pending += _bwd_block(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, blk)
     return pending
+
+
+@jit(FM_SUM)
+def _bwd_one(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, i):  # type: ignore[no-untyped-def]
+    """Row ``i`` of :func:`bwd_rows` (its body, one call: see :func:`_fwd_group`); returns 1 if it is pending."""
+    ok, c = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
+                     None, None, 0, stream)  # fmt: skip
+    if stream is not None:
+        sfence()
+    scale[i] = FAST if ok else PENDING
+    if cs is not None:
+        cs[i] = c
+    return 0 if ok else 1
 
 
 @jit(FM_SUM, parallel=True)
@@ -435,15 +466,7 @@ def bwd_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, str
     (or None). Returns the number of rows left for :func:`bwd_slow`."""
     pending = 0
     for i in prange(x.shape[0]):
-        ok, c = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
-                         None, None, 0, stream)  # fmt: skip
-        if stream is not None:
-            sfence()
-        scale[i] = FAST if ok else PENDING
-        if cs is not None:
-            cs[i] = c
-        if not ok:
-            pending += 1
+        pending += _bwd_one(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, i)
     return pending
 
 
@@ -486,6 +509,50 @@ def redo_blocks(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[no
                 _acc_slow(stat, xr, dy[i], at(mean, i), rstd[i], scale[i], cr, pw, pb, slot, 0)
 
 
+@jit(FM_SUM)
+def _params_tile(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t):  # type: ignore[no-untyped-def]
+    """Column tile ``t`` of :func:`params_by_cols` (its body, one call: see :func:`_fwd_group`)."""
+    rows, h = x.shape
+    nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+    j0 = t * COL_TILE
+    j1 = min(j0 + COL_TILE, h)
+    kq = np.empty(4)
+    cq = np.empty(4)
+    rq = np.empty(4)
+    for blk in range(nb):
+        pzero(pw, tab, blk, j0, j1)
+        pzero(pb, tab, blk, j0, j1)
+        i = blk * ROW_BLOCK
+        end = min(i + ROW_BLOCK, rows)
+        while i < end:
+            n4 = min(4, end - i)
+            allfast = n4 == 4 and pslot(tab, blk, i) == pslot(tab, blk, i + n4 - 1)
+            for q in range(n4):
+                kq[q] = tcast(x, at(mean, i + q))
+                cq[q] = at(cs, i + q)
+                rq[q] = tcast(x, rstd[i + q])
+                allfast = allfast and pslot(tab, blk, i + q) == pslot(tab, blk, i)
+                if scale is not None:
+                    allfast = allfast and scale[i + q] == FAST
+            if allfast:
+                _acc4(stat, x[i, j0:j1], x[i + 1, j0:j1], x[i + 2, j0:j1], x[i + 3, j0:j1],
+                      dy[i, j0:j1], dy[i + 1, j0:j1], dy[i + 2, j0:j1], dy[i + 3, j0:j1],
+                      kq, cq, rq, pw, pb, pslot(tab, blk, i), j0)  # fmt: skip
+            else:
+                for q in range(n4):
+                    xr = x[i + q, j0:j1]
+                    dyr = dy[i + q, j0:j1]
+                    slot = pslot(tab, blk, i + q)
+                    if scale is None:
+                        _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
+                    elif scale[i + q] == FAST:
+                        _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
+                    else:
+                        e = scale[i + q]
+                        _acc_slow(stat, xr, dyr, at(mean, i + q), rstd[i + q], e, cq[q], pw, pb, slot, j0)
+            i += 4
+
+
 @jit(FM_SUM, parallel=True)
 def params_by_cols(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb):  # type: ignore[no-untyped-def]
     """Per-block partial sums of ``dy * xhat`` and ``dy`` by column tiles (for few rows); rows by groups of 4.
@@ -493,44 +560,5 @@ def params_by_cols(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb):  # type: ig
     ``scale`` None: every row took the fast path; else the rows' paths from :func:`bwd_rows` /
     :func:`bwd_slow` (a group with a slow row is added row by row).
     """
-    rows, h = x.shape
-    nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
-    nt = (h + COL_TILE - 1) // COL_TILE
-    for t in prange(nt):
-        j0 = t * COL_TILE
-        j1 = min(j0 + COL_TILE, h)
-        kq = np.empty(4)
-        cq = np.empty(4)
-        rq = np.empty(4)
-        for blk in range(nb):
-            pzero(pw, tab, blk, j0, j1)
-            pzero(pb, tab, blk, j0, j1)
-            i = blk * ROW_BLOCK
-            end = min(i + ROW_BLOCK, rows)
-            while i < end:
-                n4 = min(4, end - i)
-                allfast = n4 == 4 and pslot(tab, blk, i) == pslot(tab, blk, i + n4 - 1)
-                for q in range(n4):
-                    kq[q] = tcast(x, at(mean, i + q))
-                    cq[q] = at(cs, i + q)
-                    rq[q] = tcast(x, rstd[i + q])
-                    allfast = allfast and pslot(tab, blk, i + q) == pslot(tab, blk, i)
-                    if scale is not None:
-                        allfast = allfast and scale[i + q] == FAST
-                if allfast:
-                    _acc4(stat, x[i, j0:j1], x[i + 1, j0:j1], x[i + 2, j0:j1], x[i + 3, j0:j1],
-                          dy[i, j0:j1], dy[i + 1, j0:j1], dy[i + 2, j0:j1], dy[i + 3, j0:j1],
-                          kq, cq, rq, pw, pb, pslot(tab, blk, i), j0)  # fmt: skip
-                else:
-                    for q in range(n4):
-                        xr = x[i + q, j0:j1]
-                        dyr = dy[i + q, j0:j1]
-                        slot = pslot(tab, blk, i + q)
-                        if scale is None:
-                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
-                        elif scale[i + q] == FAST:
-                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
-                        else:
-                            e = scale[i + q]
-                            _acc_slow(stat, xr, dyr, at(mean, i + q), rstd[i + q], e, cq[q], pw, pb, slot, j0)
-                i += 4
+    for t in prange((x.shape[1] + COL_TILE - 1) // COL_TILE):
+        _params_tile(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t)

@@ -62,15 +62,41 @@ def get_num_threads() -> int:
     return n if _cap is None else min(n, _cap)
 
 
+_calls: tuple[Callable[[], int], Callable[[int], None]] | None = None
+
+
+def _thread_calls() -> tuple[Callable[[], int], Callable[[int], None]]:
+    """``(get, set)`` of the calling thread's numba thread count: the threading layer's own two functions once the
+    layer is up (``numba.get_num_threads``/``set_num_threads`` add a few microseconds of checks to every call of a
+    small op, which :func:`launch` makes twice), else the public ones."""
+    global _calls
+    if _calls is None:
+        numba = _numba()
+        calls: Any = (numba.get_num_threads, numba.set_num_threads)
+        try:
+            from numba.np.ufunc import parallel
+
+            par: Any = parallel
+
+            par._launch_threads()
+            get, put = par._get_num_threads, par._set_num_threads
+            if callable(get) and callable(put) and int(get()) == int(numba.get_num_threads()):
+                calls = (get, put)
+        except Exception:  # private API: keep the public functions
+            pass
+        _calls = calls
+    return _calls
+
+
 def launch(kernel: Callable[..., Any], work: int, *args: Any) -> Any:
     """Call ``kernel(*args)`` with the thread count for ``work`` elements (see module doc)."""
-    numba = _numba()
-    current = numba.get_num_threads()
+    get, put = _thread_calls()
+    current = get()
     n = 1 if work < SERIAL_THRESHOLD else (current if _cap is None else min(current, _cap))
     if n == current:
         return kernel(*args)
-    numba.set_num_threads(n)
+    put(n)
     try:
         return kernel(*args)
     finally:
-        numba.set_num_threads(current)
+        put(current)

@@ -204,7 +204,7 @@ def ew_fwd(fn, x, a, w, b, y):  # type: ignore[no-untyped-def]
     """``y = f(x; a) [* w] [+ b]`` (storage arrays; ``w``/``b`` ``(H,)`` in the function math type, or None),
     parallel over (row, column tile) tasks."""
     for t in prange(x.shape[0] * ((x.shape[1] + EW_TILE - 1) // EW_TILE)):
-        _ew_fwd_task(fn, x, a, w, b, y, t)
+        _ew_fwd_task(fn, x, a, w, b, y, np.int64(t))
 
 
 @jit(FM_SUM)
@@ -261,4 +261,4 @@ def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa):  # type: ignore[no-untyped-def
     so that the loops vectorize); the partials' loops evaluate what they need of the function again."""
     nb = (x.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK
     for t in prange(nb * ((x.shape[1] + EW_TILE - 1) // EW_TILE)):
-        _ew_bwd_task(fn, x, dy, a, w, big, dx, pw, pb, pa, t)
+        _ew_bwd_task(fn, x, dy, a, w, big, dx, pw, pb, pa, np.int64(t))

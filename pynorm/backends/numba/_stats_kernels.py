@@ -199,7 +199,7 @@ def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream):  # type
     """
     pending = 0
     for g in prange((x.shape[0] + STREAM_GROUP - 1) // STREAM_GROUP):
-        pending += _fwd_group(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g)
+        pending += _fwd_group(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, np.int64(g))
     return pending
 
 
@@ -443,7 +443,7 @@ def bwd_fused(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale
     """
     pending = 0
     for blk in prange((x.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
-        pending += _bwd_block(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, blk)
+        pending += _bwd_block(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, np.int64(blk))
     return pending
 
 
@@ -466,7 +466,7 @@ def bwd_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, str
     (or None). Returns the number of rows left for :func:`bwd_slow`."""
     pending = 0
     for i in prange(x.shape[0]):
-        pending += _bwd_one(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, i)
+        pending += _bwd_one(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, np.int64(i))
     return pending
 
 
@@ -561,4 +561,4 @@ def params_by_cols(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb):  # type: ig
     :func:`bwd_slow` (a group with a slow row is added row by row).
     """
     for t in prange((x.shape[1] + COL_TILE - 1) // COL_TILE):
-        _params_tile(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t)
+        _params_tile(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, np.int64(t))

@@ -110,6 +110,30 @@ def test_register_third_party_backend_takes_priority():
         _registry._modules.pop("mine", None)
 
 
+def test_cached_resolution_follows_the_registry():
+    """resolve() and op_module() memoize their answers: a replaced, added or removed backend must still be seen."""
+    x = np.ones((2, 3))
+    first = pynorm.layer_norm_forward(x)[1].backend
+    assert pynorm.layer_norm_forward(x)[1].backend == first  # (now from the cache)
+    rec = _registry.Backend("mine2", "numpy", "ndarray", 100, "pynorm.reference")
+    _registry.register_backend(rec)
+    try:
+        assert pynorm.layer_norm_forward(x)[1].backend == "mine2"
+        assert pynorm.layer_norm_forward(x, backend="mine2")[1].backend == "mine2"
+        broken = _registry.Backend("mine2", "numpy", "ndarray", 100, "pynorm.reference", lambda: "replaced")
+        _registry.register_backend(broken, replace=True)
+        with pytest.raises(BackendUnavailableError, match="backend 'mine2' is unavailable: replaced"):
+            pynorm.layer_norm_forward(x, backend="mine2")
+        assert pynorm.layer_norm_forward(x)[1].backend == first
+    finally:
+        _registry._backends.pop("mine2")
+        _registry._availability.pop("mine2", None)
+        _registry._modules.pop("mine2", None)
+    assert pynorm.layer_norm_forward(x)[1].backend == first
+    with pytest.raises(UnknownBackendError):
+        pynorm.layer_norm_forward(x, backend="mine2")
+
+
 class _FakeArray:
     dtype = np.dtype(np.float32)
     shape = (2, 3)

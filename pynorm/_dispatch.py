@@ -163,11 +163,10 @@ def dtype_name(dt: Any) -> str:
     try:
         return _DTYPE_NAMES[dt]
     except KeyError:
-        pass
+        n = _DTYPE_NAMES[dt] = str(getattr(dt, "name", None) or dt)
+        return n
     except TypeError:  # an unhashable dtype-like object
-        return str(getattr(dt, "name", dt))
-    n = _DTYPE_NAMES[dt] = str(getattr(dt, "name", None) or dt)
-    return n
+        return str(getattr(dt, "name", None) or dt)
 
 
 def check_float_dtype(a: Array, name: str, allowed: tuple[str, ...] = FLOAT_DTYPES) -> None:

@@ -110,8 +110,7 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
         if backend.name in _backends and not replace:
             raise ValueError(f"a backend named {backend.name!r} is already registered (pass replace=True)")
         _backends[backend.name] = backend
-        _resolved.clear()
-        _op_modules.clear()
+        _memo.clear()
         _availability.pop(backend.name, None)
         _modules.pop(backend.name, None)
         for key in [k for k in _bound if k[0] == backend.name]:
@@ -213,17 +212,25 @@ def op_module(name: str, op: str) -> Any:
     does not list is the composite's shared implementation bound to the backend
     (``<Composite.impl>.bind(op, name)``: it runs the ops it builds on, on this backend).
     """
-    key = (name, op, len(_backends))
-    hit = _op_modules.get(key)
-    if hit is not None and _backends.get(name) is hit[0]:
-        return hit[1]
-    impl = _op_module(name, op)
-    _op_modules[key] = (_backends[name], impl)
-    return impl
+    return _memoized(("op", name, op), lambda: (name, _op_module(name, op)))[1]
 
 
-#: :func:`op_module`'s results, cleared by :func:`register_backend` (an import per call costs microseconds)
-_op_modules: dict[tuple[str, str, int], tuple[Backend, Any]] = {}
+#: successful answers of :func:`resolve` and :func:`op_module` (a call of a small op spends most of its time in
+#: Python, and the registry's checks and imports were a third of it): key -> (record, backend name, answer). An
+#: entry holds while its backend's record is the registered one; :func:`register_backend` clears them all, and
+#: the keys hold the registry's size, so removing a backend makes new keys.
+_memo: dict[tuple[Any, ...], tuple[Backend, str, Any]] = {}
+
+
+def _memoized(key: tuple[Any, ...], compute: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
+    """``compute()`` (a ``(backend name, answer)`` pair), or its remembered value under ``key`` (see :data:`_memo`)."""
+    key = (*key, len(_backends))
+    hit = _memo.get(key)
+    if hit is not None and _backends.get(hit[1]) is hit[0]:
+        return hit[1], hit[2]
+    name, answer = compute()
+    _memo[key] = (_backends[name], name, answer)
+    return name, answer
 
 
 def _op_module(name: str, op: str) -> Any:
@@ -304,12 +311,6 @@ def _family_of(arrays: tuple[Any, ...], names: tuple[str, ...]) -> tuple[str, st
     return family
 
 
-#: successful resolutions of :func:`resolve`, by (explicit backend, $PYNORM_BACKEND, array family, op, registry
-#: size); cleared by :func:`register_backend`. A call of a small op spends most of its time in Python, and the
-#: registry lookups were a third of it.
-_resolved: dict[tuple[Any, ...], tuple[Backend, str, Any]] = {}
-
-
 def resolve(
     op: str, arrays: tuple[Any, ...], names: tuple[str, ...], backend: str | None = None
 ) -> tuple[str, ModuleType]:
@@ -317,13 +318,7 @@ def resolve(
     family = _family_of(arrays, names)
     explicit = backend if backend is not None else _current.get()
     env = None if explicit is not None else (os.environ.get(ENV_VAR) or None)
-    key = (explicit, env, family, op, len(_backends))
-    hit = _resolved.get(key)
-    if hit is not None and _backends.get(hit[1]) is hit[0]:
-        return hit[1], hit[2]
-    name, mod = _resolve(op, family, names, explicit, env)
-    _resolved[key] = (_backends[name], name, mod)
-    return name, mod
+    return _memoized(("resolve", explicit, env, family, op), lambda: _resolve(op, family, names, explicit, env))
 
 
 def _resolve(op: str, family: tuple[str, str], names: tuple[str, ...], explicit: str | None, env: str | None) -> Any:

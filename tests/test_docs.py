@@ -131,10 +131,12 @@ _BACKENDS_UNDER_TEST = [b.strip() for b in os.environ.get("PYNORM_TEST_BACKENDS"
     reason="the examples run on the numpy backend; this environment tests another (tox -e docs and numpy run them)",
 )
 @pytest.mark.parametrize("page", PAGES_WITH_EXAMPLES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_examples_run(page: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the modules this process sees
+def test_page_examples_run(page: Path, tmp_path: Path) -> None:
+    # the modules this process sees, and the repository (examples import tests.oracle_targets); the examples run in
+    # a temporary directory, so that the files they write (the oracle's r.json...) do not land in the checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])}
     proc = subprocess.run(
-        [sys.executable, __file__, str(page)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
+        [sys.executable, __file__, str(page)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
     )
     assert proc.returncode == 0, f"{page.relative_to(ROOT)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     skipped = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED ")]

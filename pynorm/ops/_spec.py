@@ -10,6 +10,7 @@ the math is the reference module's (``spec.reference``).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -332,16 +333,13 @@ class OpSpec:
     def defaults(self) -> dict[str, Any]:
         return {o.name: o.default for o in self.options}
 
+    @functools.cached_property
     def _known_options(self) -> dict[str, Any]:
-        known = self.__dict__.get("_known")
-        if known is None:
-            known = {o.name: o for o in self.options}
-            object.__setattr__(self, "_known", known)  # (the spec is a frozen dataclass; this is a cache)
-        return known
+        return {o.name: o for o in self.options}
 
     def validate(self, options: Mapping[str, Any], hidden: int | None = None) -> dict[str, Any]:
         """Every option validated and normalized (unknown names are a TypeError, as for a function)."""
-        known = self._known_options()
+        known = self._known_options
         unknown = options.keys() - known.keys() if options else ()
         if unknown:
             raise TypeError(f"{self.name}() got unexpected keyword argument(s) {sorted(unknown)}")

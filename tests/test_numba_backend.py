@@ -9,6 +9,9 @@ backward, streaming stores, slow rows) for every variant of the statistics famil
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -330,11 +333,80 @@ def test_serial_threshold_path_matches_parallel(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_launch_uses_one_thread_below_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = []
+    calls: list[tuple[str, int, int]] = []
+
+    def kernel(tag: str, lo: int, hi: int) -> int:
+        calls.append((threading.current_thread().name, lo, hi))
+        return hi - lo
+
     monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 1000)
-    _threads.launch(lambda: seen.append(numba.get_num_threads()), 10)
-    _threads.launch(lambda: seen.append(numba.get_num_threads()), 10**6)
-    assert seen == [1, numba.get_num_threads()]
+    me = threading.current_thread().name
+    assert _threads.launch(kernel, 10, 7, "small") == 7
+    assert calls == [(me, 0, 7)]
+    calls.clear()
+    n = _threads.get_num_threads()
+    assert _threads.launch(kernel, 10**6, 7, "large") == 7
+    assert sorted((lo, hi) for _, lo, hi in calls) == _threads.spans(7, min(n, 7))
+    assert (me, 0, _threads.spans(7, min(n, 7))[0][1]) in calls  # the caller takes the first span
+    if n > 1:
+        assert any(name.startswith("pynorm-numba") for name, _, _ in calls)
+    calls.clear()
+    assert _threads.launch(kernel, 10**6, 1, "one task") == 1
+    assert calls == [(me, 0, 1)]
+    calls.clear()
+    assert _threads.launch(kernel, 10**6, 0, "no task") == 0
+    assert calls == [(me, 0, 0)]
+
+
+def test_spans_cover_the_tasks_in_order() -> None:
+    for tasks in (0, 1, 5, 7, 64, 1001):
+        for n in (1, 2, 3, 8):
+            parts = _threads.spans(tasks, n)
+            assert len(parts) == n and parts[0][0] == 0 and parts[-1][1] == tasks
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
+            sizes = [hi - lo for lo, hi in parts]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_launch_waits_for_every_span_and_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _threads.get_num_threads() < 2:
+        pytest.skip("needs 2 threads")
+    done: list[int] = []
+
+    def kernel(lo: int, hi: int) -> None:
+        if lo == 0:
+            raise RuntimeError("first span failed")
+        time.sleep(0.2)  # still running when the caller's span raises
+        done.append(lo)
+
+    with pytest.raises(RuntimeError, match="first span failed"):
+        _threads.launch(kernel, 10**6, 4)
+    assert len(done) == min(_threads.get_num_threads(), 4) - 1  # the other spans finished before the raise
+
+
+def test_concurrent_calls_from_python_threads() -> None:
+    # numba's workqueue layer aborted the process on concurrent parallel kernels; the pool must serve them
+    x, dy, w, b = data((512, 384), np.float32)
+    expected = _run_all(x, dy, w, b)
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(3):
+                results.append(_run_all(x, dy, w, b))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert len(results) == 9
+    for r in results:
+        _assert_bitwise(expected, r)
 
 
 def test_set_num_threads_validation() -> None:
@@ -521,10 +593,14 @@ def test_float64_extreme_rows_take_the_slow_path(variant: tuple[str, dict[str, A
         stats.forward_rows(stat, x, None, None, None, None, eps, corr, std, np.empty_like(x), mean, rstd, False)
         scale = np.empty(5, np.int64)
         cs = np.empty(5) if stats.OP_IMPLS[op].centered else None
-        pending = kern.bwd_rows(stat, x, dy, None, None, mean, rstd, corr, std, None, np.empty_like(x), scale, cs, None)
+        pending = kern.bwd_rows(
+            stat, x, dy, None, None, mean, rstd, corr, std, None, np.empty_like(x), scale, cs, None, 0, x.shape[0]
+        )
         assert pending == 5 and np.all(scale == kern.PENDING), kind
         if kind not in ("huge_offset", "very_tiny"):  # ... and so do the forward's rows
-            left = kern.fwd(stat, x, None, None, None, None, eps, corr, std, np.empty_like(x), mean, rstd, None)
+            left = kern.fwd(
+                stat, x, None, None, None, None, eps, corr, std, np.empty_like(x), mean, rstd, None, 0, x.shape[0]
+            )
             assert left == 5, kind
             assert np.all(rstd == -1.0)
 

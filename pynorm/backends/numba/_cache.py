@@ -114,7 +114,7 @@ if not CACHING:
     )
 
 
-def jit(fastmath: Any = False, parallel: bool = False, inline: Any = "never") -> Any:
+def jit(fastmath: Any = False, inline: Any = "never") -> Any:
     """``njit`` with disk caching (see the module doc), no GIL, IEEE division (``error_model="numpy"``:
     1/0 is inf, not an exception) and an *explicit* fastmath setting.
 
@@ -131,7 +131,7 @@ def jit(fastmath: Any = False, parallel: bool = False, inline: Any = "never") ->
         helper = inline == "always" or fn.__name__.startswith("_")
         options: dict[str, Any] = {"no_cfunc_wrapper": True, "no_cpython_wrapper": helper}
         return njit(
-            cache=CACHING, nogil=True, fastmath=fastmath, parallel=parallel, inline=inline, error_model="numpy",
+            cache=CACHING, nogil=True, fastmath=fastmath, inline=inline, error_model="numpy",
             **options,
         )(fn)  # fmt: skip
 

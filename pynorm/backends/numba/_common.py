@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..._dispatch import dtype_name
-from ._layout import ROW_BLOCK
+from ._layout import blocks, tiles
 from ._reduce import sum_blocks
 from ._threads import launch
 
@@ -127,7 +127,7 @@ def stats(a: Any) -> np.ndarray:
 
 def block_partials(rows: int, h: int, mdt: np.dtype[Any], needed: bool) -> np.ndarray | None:
     """Scratch for per-row-block partial sums of a parameter gradient (None when not needed)."""
-    return np.empty((-(-rows // ROW_BLOCK), h), mdt) if needed else None
+    return np.empty((blocks(rows), h), mdt) if needed else None
 
 
 def reduce_blocks(partials: np.ndarray, dtype: Any) -> np.ndarray:
@@ -137,5 +137,5 @@ def reduce_blocks(partials: np.ndarray, dtype: Any) -> np.ndarray:
     if nb == 0:
         result[...] = 0
         return result
-    launch(sum_blocks, nb * h, partials, storage(result))
+    launch(sum_blocks, nb * h, tiles(h), partials, storage(result))
     return result

@@ -36,7 +36,7 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import prange, types
+from numba import types
 from numba.extending import overload
 
 from ._cache import FM_SUM, jit
@@ -179,86 +179,72 @@ for _stub in (f_value, f_grad, f_fix):
 
 
 @jit(FM_SUM)
-def _ew_fwd_task(fn, x, a, w, b, y, t):  # type: ignore[no-untyped-def]
-    """Task ``t`` (row ``t // tiles``, one column tile) of :func:`ew_fwd`: its parallel loop's body as one call,
-    so that numba compiles the element loop once (it types a ``prange`` body twice: the kernel, then its gufunc)."""
+def ew_fwd(fn, x, a, w, b, y, lo, hi):  # type: ignore[no-untyped-def]
+    """``y = f(x; a) [* w] [+ b]`` (storage arrays; ``w``/``b`` ``(H,)`` in the function math type, or None) for
+    tasks ``lo <= t < hi``: task ``t`` is row ``t // tiles``, one column tile of :data:`._layout.EW_TILE`."""
     h = x.shape[1]
     nt = (h + EW_TILE - 1) // EW_TILE
-    i = t // nt
-    j0 = (t - i * nt) * EW_TILE
-    j1 = min(j0 + EW_TILE, h)
-    xr = x[i]
-    yr = y[i]
     av = fcast(x, a)
-    for j in range(j0, j1):
-        v = f_value(fn, fcast(x, ld(xr[j])), av)
-        if w is not None:
-            v = v * w[j]
-        if b is not None:
-            v = v + b[j]
-        st(yr, j, v)
-
-
-@jit(FM_SUM, parallel=True)
-def ew_fwd(fn, x, a, w, b, y):  # type: ignore[no-untyped-def]
-    """``y = f(x; a) [* w] [+ b]`` (storage arrays; ``w``/``b`` ``(H,)`` in the function math type, or None),
-    parallel over (row, column tile) tasks."""
-    for t in prange(x.shape[0] * ((x.shape[1] + EW_TILE - 1) // EW_TILE)):
-        _ew_fwd_task(fn, x, a, w, b, y, np.int64(t))
+    for t in range(lo, hi):
+        i = t // nt
+        j0 = (t - i * nt) * EW_TILE
+        j1 = min(j0 + EW_TILE, h)
+        xr = x[i]
+        yr = y[i]
+        for j in range(j0, j1):
+            v = f_value(fn, fcast(x, ld(xr[j])), av)
+            if w is not None:
+                v = v * w[j]
+            if b is not None:
+                v = v + b[j]
+            st(yr, j, v)
 
 
 @jit(FM_SUM)
-def _ew_bwd_task(fn, x, dy, a, w, big, dx, pw, pb, pa, t):  # type: ignore[no-untyped-def]
-    """Task ``t`` (row block ``t // tiles``, one column tile) of :func:`ew_bwd` (its body, one call: see
-    :func:`_ew_fwd_task`)."""
+def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa, lo, hi):  # type: ignore[no-untyped-def]
+    """``dx = f'(x) * dy [* w]`` and the per-block partials of ``dy * f(x)`` (``pw``), ``dy`` (``pb``) and the
+    scalar's terms (``pa``), each a ``(blocks, H)`` array in the function math type or None, for tasks
+    ``lo <= t < hi``: task ``t`` is row block ``t // tiles`` (rows in order), one column tile of
+    :data:`._layout.EW_TILE`. One loop per output (each writes one array, so that the loops vectorize); the
+    partials' loops evaluate what they need of the function again."""
     rows, h = x.shape
     nt = (h + EW_TILE - 1) // EW_TILE
-    blk = t // nt
-    j0 = (t - blk * nt) * EW_TILE
-    j1 = min(j0 + EW_TILE, h)
-    n = j1 - j0
-    pwr = seg2(pw, blk, j0, j1)
-    pbr = seg2(pb, blk, j0, j1)
-    par = seg2(pa, blk, j0, j1)
-    wr = seg(w, j0, j1)
-    if pw is not None:
-        pwr[:] = 0
-    if pb is not None:
-        pbr[:] = 0
-    if pa is not None:
-        par[:] = 0
     av = fcast(x, a)
-    for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
-        xr = x[i, j0:j1]
-        dyr = dy[i, j0:j1]
-        dxr = dx[i, j0:j1]
-        for j in range(n):
-            d = fcast(x, ld(dyr[j]))
-            g = d * wr[j] if w is not None else d
-            xv = fcast(x, ld(xr[j]))
-            dxv = f_grad(fn, xv, g, av, big)[0]
-            if not abs(dxv) <= big:
-                dxv = f_fix(fn, xv, g, av, big, dxv)
-            st(dxr, j, dxv)
+    for t in range(lo, hi):
+        blk = t // nt
+        j0 = (t - blk * nt) * EW_TILE
+        j1 = min(j0 + EW_TILE, h)
+        n = j1 - j0
+        pwr = seg2(pw, blk, j0, j1)
+        pbr = seg2(pb, blk, j0, j1)
+        par = seg2(pa, blk, j0, j1)
+        wr = seg(w, j0, j1)
         if pw is not None:
-            for j in range(n):
-                pwr[j] += fcast(x, ld(dyr[j])) * f_value(fn, fcast(x, ld(xr[j])), av)
+            pwr[:] = 0
         if pb is not None:
-            for j in range(n):
-                pbr[j] += fcast(x, ld(dyr[j]))
+            pbr[:] = 0
         if pa is not None:
+            par[:] = 0
+        for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
+            xr = x[i, j0:j1]
+            dyr = dy[i, j0:j1]
+            dxr = dx[i, j0:j1]
             for j in range(n):
                 d = fcast(x, ld(dyr[j]))
                 g = d * wr[j] if w is not None else d
-                par[j] += f_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]
-
-
-@jit(FM_SUM, parallel=True)
-def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa):  # type: ignore[no-untyped-def]
-    """``dx = f'(x) * dy [* w]`` and the per-block partials of ``dy * f(x)`` (``pw``), ``dy`` (``pb``) and the
-    scalar's terms (``pa``), each a ``(blocks, H)`` array in the function math type or None; parallel over
-    (row block, column tile) tasks, rows in order within a block. One loop per output (each writes one array,
-    so that the loops vectorize); the partials' loops evaluate what they need of the function again."""
-    nb = (x.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK
-    for t in prange(nb * ((x.shape[1] + EW_TILE - 1) // EW_TILE)):
-        _ew_bwd_task(fn, x, dy, a, w, big, dx, pw, pb, pa, np.int64(t))
+                xv = fcast(x, ld(xr[j]))
+                dxv = f_grad(fn, xv, g, av, big)[0]
+                if not abs(dxv) <= big:
+                    dxv = f_fix(fn, xv, g, av, big, dxv)
+                st(dxr, j, dxv)
+            if pw is not None:
+                for j in range(n):
+                    pwr[j] += fcast(x, ld(dyr[j])) * f_value(fn, fcast(x, ld(xr[j])), av)
+            if pb is not None:
+                for j in range(n):
+                    pbr[j] += fcast(x, ld(dyr[j]))
+            if pa is not None:
+                for j in range(n):
+                    d = fcast(x, ld(dyr[j]))
+                    g = d * wr[j] if w is not None else d
+                    par[j] += f_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]

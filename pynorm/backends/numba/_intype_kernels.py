@@ -13,7 +13,7 @@ accumulate wider than their dtype) and are rounded once where the reference roun
 
 ``centered`` selects LayerNorm (mean, centred variance, ``corr``, ``std``: eps outside the root) or
 RMSNorm (mean square); ``we``/``bt`` (the weight ``rnd(w + o)`` and the bias ``rnd(b)``, float64 arrays
-of values of the dtype) are None where absent. Rows are independent (``prange``); the parameter
+of values of the dtype) are None where absent. Rows are independent (tasks of :func:`._threads.launch`); the parameter
 gradients are summed over rows in row order, per column (:func:`params`): results do not depend on the
 thread count.
 """
@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange, types
+from numba import types
 from numba.extending import overload
 
 from ._cache import jit
+from ._layout import COL_TILE
 from ._storage import JIT_ONLY, _bf16_to_f32, _f32_to_bf16, _f32_to_half, _f64_to_f32_odd, _half_to_f32, ld, st_exact
 
 __all__ = ["bwd", "fwd", "params", "rn"]
@@ -85,10 +86,10 @@ def _xhat(xr, j, centered, m, r):  # type: ignore[no-untyped-def]
     return rn(xr, xv * r)
 
 
-@jit(parallel=True)
-def fwd(x, we, bt, centered, eps, corr, std, y, mean, rstd):  # type: ignore[no-untyped-def]
-    """``y`` (storage dtype) and the float64 ``mean``/``rstd`` of every row of ``x``."""
-    for i in prange(x.shape[0]):
+@jit()
+def fwd(x, we, bt, centered, eps, corr, std, y, mean, rstd, lo, hi):  # type: ignore[no-untyped-def]
+    """``y`` (storage dtype) and the float64 ``mean``/``rstd`` of rows ``lo <= i < hi`` of ``x``."""
+    for i in range(lo, hi):
         xr = x[i]
         yr = y[i]
         m, _, r = _stats(xr, centered, eps, corr, std)
@@ -103,12 +104,12 @@ def fwd(x, we, bt, centered, eps, corr, std, y, mean, rstd):  # type: ignore[no-
         rstd[i] = r
 
 
-@jit(parallel=True)
-def bwd(x, dy, we, centered, eps, corr, std, dx):  # type: ignore[no-untyped-def]
-    """``dx`` of every row: ``g = rnd(dy we)``, ``gbar = rnd(sum g / H)``, ``c = rnd(sum rnd(g xhat) / n)``
+@jit()
+def bwd(x, dy, we, centered, eps, corr, std, dx, lo, hi):  # type: ignore[no-untyped-def]
+    """``dx`` of rows ``lo <= i < hi``: ``g = rnd(dy we)``, ``gbar = rnd(sum g / H)``, ``c = rnd(sum rnd(g xhat) / n)``
     (``std``: ``rnd(c / rnd(s r))``, 0 where ``s = 0``), ``dx = rnd(r rnd(rnd(g - gbar) - rnd(xhat c)))``
     (RMSNorm: ``rnd(r rnd(g - rnd(xhat c)))``)."""
-    for i in prange(x.shape[0]):
+    for i in range(lo, hi):
         xr = x[i]
         dyr = dy[i]
         dxr = dx[i]
@@ -139,13 +140,14 @@ def bwd(x, dy, we, centered, eps, corr, std, dx):  # type: ignore[no-untyped-def
             st_exact(dxr, j, t)
 
 
-@jit(parallel=True)
-def params(x, dy, centered, mean, rstd, pw, pb):  # type: ignore[no-untyped-def]
-    """``pw[j] = sum_rows rnd(dy xhat)``, ``pb[j] = sum_rows dy`` in float64, rows in order (each None: skipped);
-    parallel over column tiles, each walking the rows in order (contiguous reads within a row)."""
+@jit()
+def params(x, dy, centered, mean, rstd, pw, pb, lo, hi):  # type: ignore[no-untyped-def]
+    """``pw[j] = sum_rows rnd(dy xhat)``, ``pb[j] = sum_rows dy`` in float64, rows in order (each None: skipped),
+    for column tiles ``lo <= c < hi`` (:data:`._layout.COL_TILE` columns each), each walking the rows in order
+    (contiguous reads within a row)."""
     rows, h = x.shape
-    tile = 256
-    for c in prange((h + tile - 1) // tile):
+    tile = COL_TILE
+    for c in range(lo, hi):
         j0 = c * tile
         j1 = min(j0 + tile, h)
         aw = np.zeros(j1 - j0)

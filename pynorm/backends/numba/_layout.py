@@ -20,9 +20,10 @@ __all__ = [
     "SPLIT_MAX_ROWS",
     "SPLIT_MIN_HIDDEN",
     "SPLIT_SEG",
-    "STREAM_GROUP",
     "STREAM_MIN_BYTES",
     "STREAM_MIN_ROW",
+    "blocks",
+    "tiles",
     "use_fused",
     "use_split",
     "use_stream",
@@ -46,8 +47,6 @@ EW_TILE = 2048
 STREAM_MIN_BYTES = 1 << 24
 #: ... and rows of at least this many elements (shorter rows lose more to the split loops than they gain).
 STREAM_MIN_ROW = 1024
-#: rows per parallel task of the kernels that can stream (one store fence per task).
-STREAM_GROUP = 8
 #: float32 lanes per streaming store (one 64-byte cache line).
 LANES = 16
 
@@ -73,3 +72,13 @@ def use_fused(rows: int, hidden: int) -> bool:
 def use_split(rows: int, hidden: int) -> bool:
     """Whether the few-wide-rows path (each row cut into :data:`SPLIT_SEG`-element segments) runs."""
     return 0 < rows <= SPLIT_MAX_ROWS and hidden >= SPLIT_MIN_HIDDEN
+
+
+def blocks(rows: int) -> int:
+    """Row blocks of :data:`ROW_BLOCK` rows in ``rows`` (the tasks of the fused backward's kernels)."""
+    return -(-rows // ROW_BLOCK)
+
+
+def tiles(hidden: int, tile: int = COL_TILE) -> int:
+    """Column tiles of ``tile`` columns in ``hidden`` (the tasks of the column-parallel kernels)."""
+    return -(-hidden // tile)

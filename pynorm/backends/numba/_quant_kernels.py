@@ -17,13 +17,13 @@ compiles once): :data:`FLOAT` -- store ``y`` rounded once to float32; :data:`AMA
 ``max |y|`` (NaN ignored: the first pass of a per-tensor scale); :data:`ROW` -- ``q`` with the row's own
 scale ``s = float32(amax / 127)`` (1 where not positive finite), stored in ``srow``; :data:`GIVEN` -- ``q``
 with the given ``s_given``, and ``keep`` (False where the clip changed the value) when it is not empty.
-Rows are independent (``prange``), so the results do not depend on the thread count.
+Rows are independent (tasks of :func:`._threads.launch`), so the results do not depend on the thread count.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import prange, types
+from numba import types
 from numba.extending import overload
 
 from ._cache import jit
@@ -143,43 +143,39 @@ def _amax(buf):  # type: ignore[no-untyped-def]
 
 #: epilogues of :func:`quant_rows`
 FLOAT, AMAX, ROW, GIVEN = 0, 1, 2, 3
-#: rows per parallel task (one float64 row buffer each)
-_GROUP = 8
 
 
-@jit(parallel=True)
-def quant_rows(src, mode, s_given, y, q, srow, amax, keep, mean, rstd):  # type: ignore[no-untyped-def]
-    """Every row of the source through the epilogue ``mode`` (see the module doc): :data:`FLOAT` writes ``y``,
-    :data:`AMAX` ``amax``, :data:`ROW` ``q`` and ``srow``, :data:`GIVEN` ``q`` with ``s_given`` and ``keep`` when
-    it has rows; an int8 source's ``mean``/``rstd`` when they have rows. The outputs a call does not write
-    may be empty arrays (one signature per source type; arrays inside the source tuple are read only:
-    numba's parallel loops do not write through them). Each row is computed once into a float64 buffer,
-    then stored or quantized from it."""
-    rows, h = _shape(src)
+@jit()
+def quant_rows(src, mode, s_given, y, q, srow, amax, keep, mean, rstd, lo, hi):  # type: ignore[no-untyped-def]
+    """Rows ``lo <= i < hi`` of the source through the epilogue ``mode`` (see the module doc): :data:`FLOAT`
+    writes ``y``, :data:`AMAX` ``amax``, :data:`ROW` ``q`` and ``srow``, :data:`GIVEN` ``q`` with ``s_given``
+    and ``keep`` when it has rows; an int8 source's ``mean``/``rstd`` when they have rows. The outputs a call
+    does not write may be empty arrays (one signature per source type). Each row is computed once into a
+    float64 buffer, then stored or quantized from it."""
+    h = _shape(src)[1]
     with_stats = mean.shape[0] > 0
     with_keep = keep.shape[0] > 0
-    for g in prange((rows + _GROUP - 1) // _GROUP):
-        buf = np.empty(h)
-        for i in range(g * _GROUP, min(rows, g * _GROUP + _GROUP)):
-            st = row_state(src, i)
-            if with_stats:
-                mean[i] = st[2]
-                rstd[i] = st[3]
-            load_row(src, st, i, buf)
-            if mode == FLOAT:
-                yr = y[i]
-                for j in range(h):
-                    yr[j] = np.float32(buf[j])
-            elif mode == GIVEN:
-                _codes(buf, s_given, q[i], keep[i] if with_keep else keep[0:0].reshape(-1), with_keep)
+    buf = np.empty(h)
+    for i in range(lo, hi):
+        st = row_state(src, i)
+        if with_stats:
+            mean[i] = st[2]
+            rstd[i] = st[3]
+        load_row(src, st, i, buf)
+        if mode == FLOAT:
+            yr = y[i]
+            for j in range(h):
+                yr[j] = np.float32(buf[j])
+        elif mode == GIVEN:
+            _codes(buf, s_given, q[i], keep[i] if with_keep else keep[0:0].reshape(-1), with_keep)
+        else:
+            a = _amax(buf)
+            if mode == AMAX:
+                amax[i] = a
             else:
-                a = _amax(buf)
-                if mode == AMAX:
-                    amax[i] = a
-                else:
-                    s = _scale(a)
-                    srow[i] = s
-                    _codes(buf, np.float64(s), q[i], keep[0:0].reshape(-1), False)
+                s = _scale(a)
+                srow[i] = s
+                _codes(buf, np.float64(s), q[i], keep[0:0].reshape(-1), False)
 
 
 def _shape(src):  # type: ignore[no-untyped-def]
@@ -194,21 +190,23 @@ def _shape_ol(src):  # type: ignore[no-untyped-def]
     return lambda src: src[0].shape
 
 
-@jit(parallel=True)
-def dequantize(x, xs, out):  # type: ignore[no-untyped-def]
-    """``out = float32(x * x_scale)`` per row (the real input of an int8 ``x``, for the backward)."""
-    rows, h = x.shape
-    for i in prange(rows):
+@jit()
+def dequantize(x, xs, out, lo, hi):  # type: ignore[no-untyped-def]
+    """``out = float32(x * x_scale)`` for rows ``lo <= i < hi`` (the real input of an int8 ``x``, for the
+    backward)."""
+    h = x.shape[1]
+    for i in range(lo, hi):
         s = xs[i]
         for j in range(h):
             out[i, j] = np.float32(np.float64(x[i, j]) * s)
 
 
-@jit(parallel=True)
-def masked(dy, keep, out):  # type: ignore[no-untyped-def]
-    """``out = dy`` where ``keep``, else 0 (storage arrays of one dtype; the straight-through gradient)."""
-    rows, h = dy.shape
-    for i in prange(rows):
+@jit()
+def masked(dy, keep, out, lo, hi):  # type: ignore[no-untyped-def]
+    """``out = dy`` where ``keep``, else 0, for rows ``lo <= i < hi`` (storage arrays of one dtype; the
+    straight-through gradient)."""
+    h = dy.shape[1]
+    for i in range(lo, hi):
         for j in range(h):
             if keep[i, j]:
                 out[i, j] = dy[i, j]

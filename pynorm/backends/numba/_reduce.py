@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
 
 from ._cache import FM_SUM, jit
 from ._layout import COL_TILE
@@ -14,12 +13,12 @@ from ._storage import st_exact
 __all__ = ["sum_blocks"]
 
 
-@jit(FM_SUM, parallel=True)
-def sum_blocks(p, out):  # type: ignore[no-untyped-def]
-    """``out[j] = sum_b p[b, j]`` in float64, blocks in order, rounded once to ``out``'s storage dtype."""
+@jit(FM_SUM)
+def sum_blocks(p, out, lo, hi):  # type: ignore[no-untyped-def]
+    """``out[j] = sum_b p[b, j]`` in float64, blocks in order, rounded once to ``out``'s storage dtype, for the
+    columns of tiles ``lo <= t < hi`` (:data:`._layout.COL_TILE` columns each)."""
     nb, h = p.shape
-    nt = (h + COL_TILE - 1) // COL_TILE
-    for t in prange(nt):
+    for t in range(lo, hi):
         j0 = t * COL_TILE
         j1 = min(j0 + COL_TILE, h)
         acc = np.zeros(j1 - j0)

@@ -13,7 +13,7 @@ root, outside it or as a floor, :data:`._rowstats.INSIDE`...) are run-time argum
 tables indexed per row; the partials get one row per modality and block) and the epilogue ``ep`` (the
 gradient at ``h`` plus ``dh``, stored as ``dx`` and ``alpha`` times it as ``dresidual``).
 
-Forward (:func:`fwd`): one parallel pass over groups of rows; each row's statistics are taken
+Forward (:func:`fwd`): one pass over the rows (split across threads, :mod:`._threads`); each row's statistics are taken
 while it is in cache (:func:`._rowstats.fwd_stats`), then ``y`` is written (:func:`write_y`).
 
 Backward: ``dx`` of a row from its sums ``sum g``, ``sum g xhat`` (and ``sum d^2`` with eps
@@ -46,12 +46,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange, types
+from numba import types
 from numba.extending import overload
 
 from ._cache import FM_SUM, jit
 from ._io import arow, ep_row, pslot, put, put_exact, pzero, src_done, src_row
-from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK, STREAM_GROUP
+from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK
 from ._rowstats import (
     _cadd,
     _rfactor,
@@ -167,14 +167,15 @@ def _fwd_row(stat, xr, w, b, eps, corr, mode, yr, stream):  # type: ignore[no-un
 
 
 @jit(FM_SUM)
-def _fwd_group(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g):  # type: ignore[no-untyped-def]
-    """Rows ``[g * STREAM_GROUP, (g + 1) * STREAM_GROUP)`` of :func:`fwd`; returns how many it left pending.
+def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """Forward of rows ``lo <= i < hi`` of ``x`` (storage dtype) into ``y``; ``aux`` (the statistic's per-row
+    value, or None) and ``rstd`` float64. ``pro``: the prologue, ``tab``: the affine source (:mod:`._io`).
 
-    The body of ``fwd``'s parallel loop is this one call: numba types and lowers a ``prange`` body twice
-    (the kernel, then the gufunc made of its body), so a body that is a call compiles the row code once.
+    Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
+    True to write float32 ``y`` with streaming stores (outputs much larger than the caches).
     """
     pending = 0
-    for i in range(g * STREAM_GROUP, min(g * STREAM_GROUP + STREAM_GROUP, x.shape[0])):
+    for i in range(lo, hi):
         xr = src_row(pro, x, i)
         ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, y[i], stream)
         if ok:
@@ -189,25 +190,11 @@ def _fwd_group(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g
     return pending
 
 
-@jit(FM_SUM, parallel=True)
-def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream):  # type: ignore[no-untyped-def]
-    """Forward of every row of ``x`` (storage dtype) into ``y``; ``aux`` (the statistic's per-row value, or None)
-    and ``rstd`` float64. ``pro``: the prologue, ``tab``: the affine source (:mod:`._io`).
-
-    Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
-    True to write float32 ``y`` with streaming stores (outputs much larger than the caches).
-    """
-    pending = 0
-    for g in prange((x.shape[0] + STREAM_GROUP - 1) // STREAM_GROUP):
-        pending += _fwd_group(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, np.int64(g))
-    return pending
-
-
-@jit(parallel=True)
-def prologue_rows(pro, x):  # type: ignore[no-untyped-def]
-    """The prologue alone (``h = x + alpha * residual`` of every row, stored): for an ``h`` narrower than the math
-    type, which is then normalized from its float64 copy."""
-    for i in prange(x.shape[0]):
+@jit()
+def prologue_rows(pro, x, lo, hi):  # type: ignore[no-untyped-def]
+    """The prologue alone (``h = x + alpha * residual`` of rows ``lo <= i < hi``, stored): for an ``h`` narrower
+    than the math type, which is then normalized from its float64 copy."""
+    for i in range(lo, hi):
         src_row(pro, x, i)
 
 
@@ -416,57 +403,44 @@ def _acc_slow(stat, xr, dyr, mean, r, e, c, pw, pb, blk, j0):  # type: ignore[no
 
 
 @jit(FM_SUM)
-def _bwd_block(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, blk):  # type: ignore[no-untyped-def]
-    """Row block ``blk`` of :func:`bwd_fused` (its body, one call: see :func:`_fwd_group`); returns how many rows
-    it left pending."""
-    pending = 0
-    pzero(pw, tab, blk, 0, x.shape[1])
-    pzero(pb, tab, blk, 0, x.shape[1])
-    for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, x.shape[0])):
-        ok = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
-                      pw, pb, pslot(tab, blk, i), stream)[0]  # fmt: skip
-        scale[i] = FAST if ok else PENDING
-        if not ok:
-            pending += 1
-    if stream is not None:
-        sfence()
-    return pending
-
-
-@jit(FM_SUM, parallel=True)
-def bwd_fused(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream):  # type: ignore[no-untyped-def]
-    """Backward by row blocks: dx (through the epilogue ``ep``), and per-block partial sums ``pw``/``pb`` (or
-    None; ``M`` rows per block with a table affine source ``tab``, :mod:`._io`). ``mean``: the forward's ``aux``.
+def bwd_fused(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """Backward of row blocks ``lo <= blk < hi`` (:data:`._layout.ROW_BLOCK` rows each): dx (through the epilogue
+    ``ep``), and the blocks' partial sums ``pw``/``pb`` (or None; ``M`` rows per block with a table affine source
+    ``tab``, :mod:`._io`). ``mean``: the forward's ``aux``.
 
     ``scale[i]``: :data:`FAST`, or :data:`PENDING` for the rows left for :func:`bwd_slow` (their
     number is returned; their blocks' partials are then for :func:`redo_blocks`).
     """
     pending = 0
-    for blk in prange((x.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK):
-        pending += _bwd_block(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, np.int64(blk))
+    for blk in range(lo, hi):
+        pzero(pw, tab, blk, 0, x.shape[1])
+        pzero(pb, tab, blk, 0, x.shape[1])
+        for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, x.shape[0])):
+            ok = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i],
+                          ep_row(ep, i), pw, pb, pslot(tab, blk, i), stream)[0]  # fmt: skip
+            scale[i] = FAST if ok else PENDING
+            if not ok:
+                pending += 1
+    if stream is not None:
+        sfence()
     return pending
 
 
 @jit(FM_SUM)
-def _bwd_one(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, i):  # type: ignore[no-untyped-def]
-    """Row ``i`` of :func:`bwd_rows` (its body, one call: see :func:`_fwd_group`); returns 1 if it is pending."""
-    ok, c = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
-                     None, None, 0, stream)  # fmt: skip
+def bwd_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """Backward of rows ``lo <= i < hi``, dx only; ``scale[i]`` as in :func:`bwd_fused`, ``cs[i]`` the row's
+    ``c`` (or None). Returns the number of rows left for :func:`bwd_slow`."""
+    pending = 0
+    for i in range(lo, hi):
+        ok, c = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i],
+                         ep_row(ep, i), None, None, 0, stream)  # fmt: skip
+        scale[i] = FAST if ok else PENDING
+        if cs is not None:
+            cs[i] = c
+        if not ok:
+            pending += 1
     if stream is not None:
         sfence()
-    scale[i] = FAST if ok else PENDING
-    if cs is not None:
-        cs[i] = c
-    return 0 if ok else 1
-
-
-@jit(FM_SUM, parallel=True)
-def bwd_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream):  # type: ignore[no-untyped-def]
-    """Backward, dx only, row-parallel; ``scale[i]`` as in :func:`bwd_fused`, ``cs[i]`` the row's ``c``
-    (or None). Returns the number of rows left for :func:`bwd_slow`."""
-    pending = 0
-    for i in prange(x.shape[0]):
-        pending += _bwd_one(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, np.int64(i))
     return pending
 
 
@@ -510,55 +484,50 @@ def redo_blocks(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[no
 
 
 @jit(FM_SUM)
-def _params_tile(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t):  # type: ignore[no-untyped-def]
-    """Column tile ``t`` of :func:`params_by_cols` (its body, one call: see :func:`_fwd_group`)."""
-    rows, h = x.shape
-    nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
-    j0 = t * COL_TILE
-    j1 = min(j0 + COL_TILE, h)
-    kq = np.empty(4)
-    cq = np.empty(4)
-    rq = np.empty(4)
-    for blk in range(nb):
-        pzero(pw, tab, blk, j0, j1)
-        pzero(pb, tab, blk, j0, j1)
-        i = blk * ROW_BLOCK
-        end = min(i + ROW_BLOCK, rows)
-        while i < end:
-            n4 = min(4, end - i)
-            allfast = n4 == 4 and pslot(tab, blk, i) == pslot(tab, blk, i + n4 - 1)
-            for q in range(n4):
-                kq[q] = tcast(x, at(mean, i + q))
-                cq[q] = at(cs, i + q)
-                rq[q] = tcast(x, rstd[i + q])
-                allfast = allfast and pslot(tab, blk, i + q) == pslot(tab, blk, i)
-                if scale is not None:
-                    allfast = allfast and scale[i + q] == FAST
-            if allfast:
-                _acc4(stat, x[i, j0:j1], x[i + 1, j0:j1], x[i + 2, j0:j1], x[i + 3, j0:j1],
-                      dy[i, j0:j1], dy[i + 1, j0:j1], dy[i + 2, j0:j1], dy[i + 3, j0:j1],
-                      kq, cq, rq, pw, pb, pslot(tab, blk, i), j0)  # fmt: skip
-            else:
-                for q in range(n4):
-                    xr = x[i + q, j0:j1]
-                    dyr = dy[i + q, j0:j1]
-                    slot = pslot(tab, blk, i + q)
-                    if scale is None:
-                        _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
-                    elif scale[i + q] == FAST:
-                        _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
-                    else:
-                        e = scale[i + q]
-                        _acc_slow(stat, xr, dyr, at(mean, i + q), rstd[i + q], e, cq[q], pw, pb, slot, j0)
-            i += 4
-
-
-@jit(FM_SUM, parallel=True)
-def params_by_cols(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb):  # type: ignore[no-untyped-def]
-    """Per-block partial sums of ``dy * xhat`` and ``dy`` by column tiles (for few rows); rows by groups of 4.
+def params_by_cols(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, lo, hi):  # type: ignore[no-untyped-def]
+    """Per-block partial sums of ``dy * xhat`` and ``dy`` for column tiles ``lo <= t < hi``
+    (:data:`._layout.COL_TILE` columns each; for few rows); rows by groups of 4.
 
     ``scale`` None: every row took the fast path; else the rows' paths from :func:`bwd_rows` /
     :func:`bwd_slow` (a group with a slow row is added row by row).
     """
-    for t in prange((x.shape[1] + COL_TILE - 1) // COL_TILE):
-        _params_tile(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, np.int64(t))
+    rows, h = x.shape
+    nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+    kq = np.empty(4)
+    cq = np.empty(4)
+    rq = np.empty(4)
+    for t in range(lo, hi):
+        j0 = t * COL_TILE
+        j1 = min(j0 + COL_TILE, h)
+        for blk in range(nb):
+            pzero(pw, tab, blk, j0, j1)
+            pzero(pb, tab, blk, j0, j1)
+            i = blk * ROW_BLOCK
+            end = min(i + ROW_BLOCK, rows)
+            while i < end:
+                n4 = min(4, end - i)
+                allfast = n4 == 4 and pslot(tab, blk, i) == pslot(tab, blk, i + n4 - 1)
+                for q in range(n4):
+                    kq[q] = tcast(x, at(mean, i + q))
+                    cq[q] = at(cs, i + q)
+                    rq[q] = tcast(x, rstd[i + q])
+                    allfast = allfast and pslot(tab, blk, i + q) == pslot(tab, blk, i)
+                    if scale is not None:
+                        allfast = allfast and scale[i + q] == FAST
+                if allfast:
+                    _acc4(stat, x[i, j0:j1], x[i + 1, j0:j1], x[i + 2, j0:j1], x[i + 3, j0:j1],
+                          dy[i, j0:j1], dy[i + 1, j0:j1], dy[i + 2, j0:j1], dy[i + 3, j0:j1],
+                          kq, cq, rq, pw, pb, pslot(tab, blk, i), j0)  # fmt: skip
+                else:
+                    for q in range(n4):
+                        xr = x[i + q, j0:j1]
+                        dyr = dy[i + q, j0:j1]
+                        slot = pslot(tab, blk, i + q)
+                        if scale is None:
+                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
+                        elif scale[i + q] == FAST:
+                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
+                        else:
+                            e = scale[i + q]
+                            _acc_slow(stat, xr, dyr, at(mean, i + q), rstd[i + q], e, cq[q], pw, pb, slot, j0)
+                i += 4

@@ -1,32 +1,45 @@
 """Thread control of the ``numba`` backend.
 
-Kernels run under numba's threading layer with ``prange`` over rows (or row
-blocks). The number of threads a call uses is the smallest of
+The kernels are serial, ``nogil`` jitted functions over a span of *tasks* (rows, row blocks or column tiles,
+as each kernel documents): ``kernel(*args, lo, hi)`` does tasks ``lo <= t < hi``. :func:`launch` cuts the
+tasks into one contiguous span per thread and runs the spans on a pool of Python threads (the calling
+thread takes the first), which run in parallel because the kernels release the GIL.
+
+Why not numba's ``parallel=True``: lowering a ``prange`` loop costs about 1.5 s of compile time per kernel and
+signature whatever its body (most of the cold first call of an op), and numba's default threading layer
+(``workqueue``) aborts the process when two Python threads run parallel kernels at once. Here a kernel
+compiles as plain serial code, and concurrent calls from several Python threads share the pool.
+
+The number of threads a call uses is the smallest of
 
 * numba's own setting for the calling thread (``NUMBA_NUM_THREADS`` /
   :func:`numba.set_num_threads`, which numba keeps per thread),
 * the process-wide cap set by :func:`set_num_threads` (``pynorm.set_num_threads``),
+* the number of tasks,
 * 1 when the call is small (fewer than :data:`SERIAL_THRESHOLD` elements): waking
   a second thread costs more than it saves there, and on a busy machine it can
   stall for a scheduler tick.
 
-Results never depend on the thread count: every reduction across rows uses
-fixed row blocks summed in a fixed order (see :mod:`._stats_kernels`).
+Results never depend on the thread count: tasks write disjoint outputs, and every reduction across rows
+uses fixed row blocks summed in a fixed order (see :mod:`._stats_kernels`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-__all__ = ["SERIAL_THRESHOLD", "get_num_threads", "launch", "set_num_threads"]
+__all__ = ["SERIAL_THRESHOLD", "get_num_threads", "launch", "set_num_threads", "spans"]
 
 #: calls on fewer elements (rows * hidden) than this run on one thread.
 SERIAL_THRESHOLD = 1 << 15
 
 _cap: int | None = None
 _lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
 
 
 def _numba() -> Any:
@@ -56,47 +69,77 @@ def set_num_threads(n: int | None) -> None:
         _cap = n
 
 
-def get_num_threads() -> int:
-    """Threads a large call made from this Python thread would use."""
-    n = int(_numba().get_num_threads())
-    return n if _cap is None else min(n, _cap)
+_get: Callable[[], int] | None = None
 
 
-_calls: tuple[Callable[[], int], Callable[[int], None]] | None = None
-
-
-def _thread_calls() -> tuple[Callable[[], int], Callable[[int], None]]:
-    """``(get, set)`` of the calling thread's numba thread count: the threading layer's own two functions once the
-    layer is up (``numba.get_num_threads``/``set_num_threads`` add a few microseconds of checks to every call of a
-    small op, which :func:`launch` makes twice), else the public ones."""
-    global _calls
-    if _calls is None:
+def _numba_threads() -> int:
+    """numba's thread count for the calling thread: the threading layer's own getter once the layer is up
+    (``numba.get_num_threads`` adds a few microseconds of checks to every call of a small op), else the public
+    one."""
+    global _get
+    if _get is None:
         numba = _numba()
-        calls: Any = (numba.get_num_threads, numba.set_num_threads)
+        get: Any = numba.get_num_threads
         try:
             from numba.np.ufunc import parallel
 
             par: Any = parallel
-
             par._launch_threads()
-            get, put = par._get_num_threads, par._set_num_threads
-            if callable(get) and callable(put) and int(get()) == int(numba.get_num_threads()):
-                calls = (get, put)
-        except Exception:  # private API: keep the public functions
+            if callable(par._get_num_threads) and int(par._get_num_threads()) == int(numba.get_num_threads()):
+                get = par._get_num_threads
+        except Exception:  # private API: keep the public function
             pass
-        _calls = calls
-    return _calls
+        _get = get
+    return int(_get())
 
 
-def launch(kernel: Callable[..., Any], work: int, *args: Any) -> Any:
-    """Call ``kernel(*args)`` with the thread count for ``work`` elements (see module doc)."""
-    get, put = _thread_calls()
-    current = get()
-    n = 1 if work < SERIAL_THRESHOLD else (current if _cap is None else min(current, _cap))
-    if n == current:
-        return kernel(*args)
-    put(n)
+def get_num_threads() -> int:
+    """Threads a large call made from this Python thread would use."""
+    n = _numba_threads()
+    return n if _cap is None else min(n, _cap)
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _lock:
+            if _pool is None:
+                workers = max(1, int(_numba().config.NUMBA_NUM_THREADS) - 1)
+                _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pynorm-numba")
+    return _pool
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads
+    global _pool, _lock
+    _pool = None
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def spans(tasks: int, n: int) -> list[tuple[int, int]]:
+    """``tasks`` cut into ``n`` contiguous spans, as even as possible (the first ones take the remainder)."""
+    return [(tasks * i // n, tasks * (i + 1) // n) for i in range(n)]
+
+
+def launch(kernel: Callable[..., Any], work: int, tasks: int, *args: Any) -> Any:
+    """``kernel(*args, lo, hi)`` over ``tasks`` tasks, in one span per thread (see the module doc).
+
+    ``work``: elements the call touches (for :data:`SERIAL_THRESHOLD`). Returns the sum of the spans' results
+    (the kernels that count rows left for a slow path), or None for kernels that return nothing. An exception
+    in any span is raised once every span has finished.
+    """
+    n = min(1 if work < SERIAL_THRESHOLD else get_num_threads(), tasks)
+    if n <= 1:
+        return kernel(*args, 0, tasks)
+    parts = spans(tasks, n)
+    pool = _executor()
+    futures: list[Future[Any]] = [pool.submit(kernel, *args, lo, hi) for lo, hi in parts[1:]]
     try:
-        return kernel(*args)
+        first = kernel(*args, *parts[0])
     finally:
-        put(current)
+        wait(futures)
+    rest = [f.result() for f in futures]
+    return None if first is None else first + sum(rest)

@@ -26,7 +26,7 @@ from ...reference._common import round_to
 from ...testing import finfo
 from . import _common as cm
 from . import _ew_kernels as k
-from ._layout import ROW_BLOCK
+from ._layout import EW_TILE, blocks, tiles
 from ._threads import launch
 from ._variant import function
 
@@ -84,7 +84,7 @@ class ElementwiseOp:
         if rows:
             w, b = cm.param(named.get("weight"), fdt), cm.param(named.get("bias"), fdt)
             a = self._scalar(named, o)
-            launch(k.ew_fwd, rows * h, self._tag(a), cm.storage(x), a, w, b, cm.storage(y))
+            launch(k.ew_fwd, rows * h, rows * tiles(h, EW_TILE), self._tag(a), cm.storage(x), a, w, b, cm.storage(y))
         values = {**o, **named, "x": x}
         if "p" in values:
             values["p"] = float(values["p"])
@@ -96,13 +96,13 @@ class ElementwiseOp:
         named = {n: getattr(ctx, n) for n in self.spec.param_names}
         rows, h = x.shape
         fdt = _fmath(x.dtype)
-        nb = -(-rows // ROW_BLOCK)
+        nb = blocks(rows)
         parts = {n: (np.empty((nb, h), fdt) if named.get(n) is not None else None) for n in _SLOTS}
         dx = cm.output(dx_out, x.shape, x.dtype)
         if rows:
             a = self._scalar(named, vars(ctx))
             launch(
-                k.ew_bwd, rows * h, self._tag(a), cm.storage(x), cm.storage(dy), a,
+                k.ew_bwd, rows * h, nb * tiles(h, EW_TILE), self._tag(a), cm.storage(x), cm.storage(dy), a,
                 cm.param(named.get("weight"), fdt), float(finfo(x.dtype).max), cm.storage(dx),
                 parts["weight"], parts["bias"], parts["alpha"],
             )  # fmt: skip

@@ -14,6 +14,7 @@ import numpy as np
 from ...reference._common import round_to
 from . import _common as cm
 from . import _intype_kernels as k
+from ._layout import tiles
 from ._threads import launch
 
 __all__ = ["InType"]
@@ -42,8 +43,9 @@ class InType:
         rstd = np.empty(rows)
         if rows:
             launch(
-                k.fwd, rows * h, cm.storage(x), _in_dtype(weight, x.dtype, weight_offset), _in_dtype(bias, x.dtype),
-                self.centered, float(eps), int(correction), eps_mode == "std", cm.storage(y), mean, rstd,
+                k.fwd, rows * h, rows, cm.storage(x), _in_dtype(weight, x.dtype, weight_offset),
+                _in_dtype(bias, x.dtype), self.centered, float(eps), int(correction), eps_mode == "std",
+                cm.storage(y), mean, rstd,
             )  # fmt: skip
         return y, mean, rstd
 
@@ -59,10 +61,10 @@ class InType:
             xs, dys = cm.storage(x), cm.storage(dy)
             we = _in_dtype(weight, x.dtype, weight_offset)
             std = eps_mode == "std"
-            launch(k.bwd, rows * h, xs, dys, we, self.centered, float(eps), int(correction), std, cm.storage(dx))
+            launch(k.bwd, rows * h, rows, xs, dys, we, self.centered, float(eps), int(correction), std, cm.storage(dx))
             if pw is not None or pb is not None:
                 m = cm.stats(mean) if mean is not None else np.zeros(rows)
-                launch(k.params, rows * h, xs, dys, self.centered, m, cm.stats(rstd), pw, pb)
+                launch(k.params, rows * h, tiles(h), xs, dys, self.centered, m, cm.stats(rstd), pw, pb)
         dweight = None if pw is None else round_to(pw, weight.dtype)
         dbias = None if pb is None else round_to(pb, bias.dtype)
         return dx, dweight, dbias

@@ -81,7 +81,7 @@ class QuantOp:
             result = y
         elif not quant:
             result = cm.output(out, (rows, h), np.float32)
-            launch(k.quant_rows, work, src, k.FLOAT, 0.0, result, _Q0, _S0, _A0, _K0, *st)
+            launch(k.quant_rows, work, rows, src, k.FLOAT, 0.0, result, _Q0, _S0, _A0, _K0, *st)
         else:
             result = cm.output(out, (rows, h), np.int8)
             if out_scale is not None or quantize == "tensor":
@@ -90,13 +90,13 @@ class QuantOp:
                     keep = np.empty((rows, h), np.bool_)
                 else:
                     amax = np.zeros(rows)
-                    launch(k.quant_rows, work, src, k.AMAX, 0.0, _Y0, result, _S0, amax, _K0, *st)
+                    launch(k.quant_rows, work, rows, src, k.AMAX, 0.0, _Y0, result, _S0, amax, _K0, *st)
                     scale = output_scale(np.asarray([amax.max() if rows else 0.0]))
                 kp = _K0 if keep is None else keep
-                launch(k.quant_rows, work, src, k.GIVEN, float(scale[0]), _Y0, result, _S0, _A0, kp, *st)
+                launch(k.quant_rows, work, rows, src, k.GIVEN, float(scale[0]), _Y0, result, _S0, _A0, kp, *st)
             else:
                 scale = np.empty(rows, np.float32)
-                launch(k.quant_rows, work, src, k.ROW, 0.0, _Y0, result, scale, _A0, _K0, *st)
+                launch(k.quant_rows, work, rows, src, k.ROW, 0.0, _Y0, result, scale, _A0, _K0, *st)
         ctx = QuantLayerNormCtx(
             x, xs, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), quantize,
             out_scale, scale, keep,
@@ -108,11 +108,11 @@ class QuantOp:
         g = dy
         if ctx.keep is not None:
             g = cm.output(None, dy.shape, dy.dtype)
-            launch(k.masked, rows * h, cm.storage(dy), ctx.keep, cm.storage(g))
+            launch(k.masked, rows * h, rows, cm.storage(dy), ctx.keep, cm.storage(g))
         xr = ctx.x
         if ctx.x_scale is not None:
             xr = cm.output(None, (rows, h), np.float32)
-            launch(k.dequantize, rows * h, np.ascontiguousarray(ctx.x), ctx.x_scale, xr)
+            launch(k.dequantize, rows * h, rows, np.ascontiguousarray(ctx.x), ctx.x_scale, xr)
         lctx = LayerNormCtx(
             xr, ctx.weight, ctx.bias, ctx.mean, ctx.rstd, ctx.eps, ctx.correction, ctx.eps_mode, ctx.weight_offset
         )

@@ -38,7 +38,7 @@ from ...ops import SPECS, OpSpec
 from ...reference._common import round_to
 from . import _common as cm
 from . import _stats_kernels as k
-from ._layout import ROW_BLOCK, use_fused, use_stream
+from ._layout import ROW_BLOCK, blocks, tiles, use_fused, use_stream
 from ._rowstats import FLOOR, INSIDE, OUTSIDE
 from ._threads import launch
 from ._variant import Tag, statistic
@@ -176,7 +176,7 @@ class StatsOp:
             if h is not None and residual is not None:
                 pro = (cm.storage(residual), alpha, cm.storage(h))
                 if widen:  # h first, then its exact float64 copy is normalized
-                    launch(k.prologue_rows, rows * hidden, pro, src)
+                    launch(k.prologue_rows, rows * hidden, rows, pro, src)
                     src, pro = h.astype(np.float64), None
             ys = cm.storage(y)
             forward_rows(
@@ -255,7 +255,7 @@ def forward_rows(
     """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd`, then the slow path for the rows it
     left (``stream``: streaming stores for ``y``; ``pro``/``tab``: prologue and affine source, :mod:`._io`)."""
     args = (stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, True if stream else None)
-    if launch(k.fwd, x.shape[0] * x.shape[1], *args):
+    if launch(k.fwd, x.shape[0] * x.shape[1], x.shape[0], *args):
         k.fwd_slow(*args)
 
 
@@ -285,7 +285,9 @@ def backward_rows(
     scale = np.empty(rows, np.int64)
     cs = None
     if path == "fused":
-        if launch(k.bwd_fused, rows * h, stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, pw, pb, scale, st):
+        if launch(
+            k.bwd_fused, rows * h, blocks(rows), stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, pw, pb, scale, st
+        ):
             k.bwd_slow(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, None)
             if pw is not None or pb is not None:
                 k.redo_blocks(stat, x, dy, tab, aux, rstd, scale, pw, pb)
@@ -293,11 +295,11 @@ def backward_rows(
     if path != "rows":
         raise ValueError(f"unknown backward path {path!r}")
     cs = np.empty(rows) if stat.choice == "centered" else None
-    slow = launch(k.bwd_rows, rows * h, stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs, st)
+    slow = launch(k.bwd_rows, rows * h, rows, stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs, st)
     if slow:
         k.bwd_slow(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs)
     if pw is not None or pb is not None:
-        launch(k.params_by_cols, rows * h, stat, x, dy, tab, aux, rstd, scale if slow else None, cs, pw, pb)
+        launch(k.params_by_cols, rows * h, tiles(h), stat, x, dy, tab, aux, rstd, scale if slow else None, cs, pw, pb)
     return scale, cs
 
 

@@ -302,14 +302,17 @@ for op, dt in json.loads(sys.argv[1]):
     dtype = np.dtype(__import__("ml_dtypes").bfloat16 if dt == "bfloat16" else dt)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 512)).astype(dtype)
-    dy = rng.standard_normal((256, 512)).astype(dtype)
-    params = [np.full(512, p.init, dtype) for p in spec.params]
+    args = [*spec.example_inputs(x.shape, 1, dtype, rng), *spec.example_params((512,), dtype, rng)]
     t = time.perf_counter()
-    y, ctx = getattr(pynorm, op + "_forward")(x, *params, backend="numba")
+    y, ctx = getattr(pynorm, op + "_forward")(x, *args, backend="numba")
     t1 = time.perf_counter()
-    getattr(pynorm, op + "_backward")(dy, ctx)
+    y0 = y[0] if isinstance(y, tuple) else y
+    dy = rng.standard_normal(y0.shape).astype(spec.grad_dtype(x.dtype))
     t2 = time.perf_counter()
-    res["calls"].append({"op": op, "dtype": dt, "fwd_s": t1 - t, "bwd_s": t2 - t1, "first_call_s": t2 - t})
+    getattr(pynorm, op + "_backward")(dy, ctx)
+    t3 = time.perf_counter()
+    fb = {"fwd_s": t1 - t, "bwd_s": t3 - t2, "first_call_s": (t1 - t) + (t3 - t2)}
+    res["calls"].append({"op": op, "dtype": dt, **fb})
 print("RESULT " + json.dumps(res))
 """
 
@@ -363,9 +366,14 @@ def _first_calls(cold: bool) -> dict[str, Any]:
 COMPILE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def compile_times(ops: tuple[str, ...] = OPS, dtypes: tuple[str, ...] = COMPILE_DTYPES) -> list[dict[str, Any]]:
-    """First forward+backward of each op and dtype (256x512, every parameter given), each in a fresh process:
-    with an empty numba cache (everything the call needs compiles), then again with the cache it filled."""
+def compile_times(ops: tuple[str, ...] | None = None, dtypes: tuple[str, ...] = COMPILE_DTYPES) -> list[dict[str, Any]]:
+    """First forward+backward of each op (default: every op the numba backend serves) and dtype (256x512, every
+    parameter and input of the spec's examples), each in a fresh process: with an empty numba cache (everything
+    the call needs compiles), then again with the cache it filled."""
+    if ops is None:
+        import pynorm
+
+        ops = tuple(pynorm._registry.backend_ops("numba"))
     rows = []
     for op in ops:
         for dt in dtypes:
@@ -388,16 +396,16 @@ def compile_times(ops: tuple[str, ...] = OPS, dtypes: tuple[str, ...] = COMPILE_
 
 def _compile_table(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'op':11s} {'dtype':9s} | {'cold fwd':>8s} {'cold bwd':>8s} {'cold f+b':>8s} | {'warm f+b':>8s}"
+        f"{'op':22s} {'dtype':9s} | {'cold fwd':>8s} {'cold bwd':>8s} {'cold f+b':>8s} | {'warm f+b':>8s}"
         f" | {'import':>6s} | {'process (cold/warm)':>19s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         if "cold_s" not in r or "warm_s" not in r:
-            lines.append(f"{r['op']:11s} {r['dtype']:9s} | failed: {r.get('cold_error') or r.get('warm_error')}")
+            lines.append(f"{r['op']:22s} {r['dtype']:9s} | failed: {r.get('cold_error') or r.get('warm_error')}")
             continue
         lines.append(
-            f"{r['op']:11s} {r['dtype']:9s} | {r['cold_fwd_s']:7.2f}s {r['cold_bwd_s']:7.2f}s {r['cold_s']:7.2f}s |"
+            f"{r['op']:22s} {r['dtype']:9s} | {r['cold_fwd_s']:7.2f}s {r['cold_bwd_s']:7.2f}s {r['cold_s']:7.2f}s |"
             f" {r['warm_s']:7.3f}s | {r['warm_import_pynorm_s']:5.3f}s | {r['cold_process_s']:8.1f}s /"
             f" {r['warm_process_s']:6.2f}s"
         )
@@ -638,6 +646,14 @@ def main(argv: list[str] | None = None) -> int:
         "with an empty numba cache and then with the cache it filled (no throughput benchmark)",
     )
     parser.add_argument(
+        "--compile-ops", default="", help="with --compile: comma-separated ops (default: every op of the numba backend)"
+    )
+    parser.add_argument(
+        "--compile-dtypes",
+        default=",".join(COMPILE_DTYPES),
+        help=f"with --compile: comma-separated dtypes (default: {','.join(COMPILE_DTYPES)})",
+    )
+    parser.add_argument(
         "--ops",
         action="store_true",
         help="only the op table: forward and forward+backward of every op the numba backend serves on a 4096x4096 "
@@ -667,7 +683,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
-        rows = compile_times()
+        rows = compile_times(
+            tuple(o for o in args.compile_ops.split(",") if o) or None,
+            tuple(d for d in args.compile_dtypes.split(",") if d),
+        )
         (out_dir / "compile_times.json").write_text(json.dumps({"meta": _meta(args.threads), "rows": rows}, indent=1))
         print("first forward+backward (256x512, all parameters) in a fresh process; cold: empty numba cache")
         print(_compile_table(rows))

@@ -17,15 +17,11 @@ __all__ = [
     "FUSED_MIN_ROWS",
     "LANES",
     "ROW_BLOCK",
-    "SPLIT_MAX_ROWS",
-    "SPLIT_MIN_HIDDEN",
-    "SPLIT_SEG",
     "STREAM_MIN_BYTES",
     "STREAM_MIN_ROW",
     "blocks",
     "tiles",
     "use_fused",
-    "use_split",
     "use_stream",
 ]
 
@@ -50,14 +46,6 @@ STREAM_MIN_ROW = 1024
 #: float32 lanes per streaming store (one 64-byte cache line).
 LANES = 16
 
-#: row-split path (rows cut into segments spread over the threads, see :mod:`._stats_kernels`): at most
-#: this many rows ...
-SPLIT_MAX_ROWS = 64
-#: ... of at least this many elements,
-SPLIT_MIN_HIDDEN = 16 * CHUNK
-#: cut into segments of this many elements (a multiple of CHUNK: the chunk sums are those of the whole row).
-SPLIT_SEG = 4 * CHUNK
-
 
 def use_stream(out: np.ndarray) -> bool:
     """Whether a kernel writes ``out`` (storage form) with streaming stores: large float32 outputs only."""
@@ -67,11 +55,6 @@ def use_stream(out: np.ndarray) -> bool:
 def use_fused(rows: int, hidden: int) -> bool:
     """The backward's path for an ``(rows, hidden)`` input: a function of the shape only (never of threads)."""
     return rows >= FUSED_MIN_ROWS or rows * hidden < FUSED_MAX_SMALL
-
-
-def use_split(rows: int, hidden: int) -> bool:
-    """Whether the few-wide-rows path (each row cut into :data:`SPLIT_SEG`-element segments) runs."""
-    return 0 < rows <= SPLIT_MAX_ROWS and hidden >= SPLIT_MIN_HIDDEN
 
 
 def blocks(rows: int) -> int:

@@ -132,3 +132,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         lines.append(f"  {info.name:6s} {info.array_type:14s} priority {info.priority:3d} {state}")
     lines.append(f"python {sys.version.split()[0]}, numpy {np.__version__}")
     return lines
+
+
+@pytest.fixture(autouse=True)
+def _numba_spans_on_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every numba call of two tasks or more runs on the thread pool (``SERIAL_THRESHOLD = 0``), whatever its size:
+    the tests' arrays are small, and would otherwise all take the one-thread path, leaving the kernels' spans
+    that do not start at task 0 untested. ``test_serial_threshold_path_matches_parallel`` covers the one-thread
+    path. (Importing ``pynorm.backends.numba._threads`` does not import numba.)"""
+    from pynorm.backends.numba import _threads
+
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 0)

@@ -308,6 +308,7 @@ def test_thread_count_does_not_change_results(dt: Any, shape: tuple[int, int]) -
     try:
         _threads.set_num_threads(2)
         two = _run_all(x, dy, w, b)
+        assert _threads._workers, "no span ran on a pool thread"
         _threads.set_num_threads(1)
         one = _run_all(x, dy, w, b)
     finally:
@@ -599,7 +600,21 @@ def test_float64_extreme_rows_take_the_slow_path(variant: tuple[str, dict[str, A
         assert pending == 5 and np.all(scale == kern.PENDING), kind
         if kind not in ("huge_offset", "very_tiny"):  # ... and so do the forward's rows
             left = kern.fwd(
-                stat, x, None, None, None, None, eps, corr, std, np.empty_like(x), mean, rstd, None, 0, x.shape[0]
+                stat,
+                x,
+                None,
+                None,
+                None,
+                None,
+                eps,
+                corr,
+                std,
+                np.empty_like(x),
+                mean,
+                rstd,
+                None,
+                0,
+                _layout.groups(x.shape[0]),
             )
             assert left == 5, kind
             assert np.all(rstd == -1.0)

@@ -17,8 +17,7 @@ The number of threads a call uses is the smallest of
 * the process-wide cap set by :func:`set_num_threads` (``pynorm.set_num_threads``),
 * the number of tasks,
 * 1 when the call is small (fewer than :data:`SERIAL_THRESHOLD` elements): waking
-  a second thread costs more than it saves there, and on a busy machine it can
-  stall for a scheduler tick.
+  a second thread costs more than it saves there.
 
 Results never depend on the thread count: tasks write disjoint outputs, and every reduction across rows
 uses fixed row blocks summed in a fixed order (see :mod:`._stats_kernels`).
@@ -26,20 +25,21 @@ uses fixed row blocks summed in a fixed order (see :mod:`._stats_kernels`).
 
 from __future__ import annotations
 
+import _thread
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 __all__ = ["SERIAL_THRESHOLD", "get_num_threads", "launch", "set_num_threads", "spans"]
 
-#: calls on fewer elements (rows * hidden) than this run on one thread.
-SERIAL_THRESHOLD = 1 << 15
+#: calls on fewer elements (rows * hidden) than this run on one thread: handing a span to a pool thread costs
+#: about 20-40 us on a virtual machine (waking it, and its wait for the GIL), which only pays from about
+#: 256K float32 elements (a LayerNorm forward of 256x1024: 171 us on two threads, 203 us on one).
+SERIAL_THRESHOLD = 1 << 18
 
 _cap: int | None = None
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
 
 
 def _numba() -> Any:
@@ -99,24 +99,76 @@ def get_num_threads() -> int:
     return n if _cap is None else min(n, _cap)
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        with _lock:
-            if _pool is None:
-                workers = max(1, int(_numba().config.NUMBA_NUM_THREADS) - 1)
-                _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pynorm-numba")
-    return _pool
+class _Worker:
+    """A pool thread: runs one span per hand-off. The hand-off is two bare locks (``go`` released by the caller,
+    ``done`` by the worker): a third of the latency of a ``concurrent.futures`` submit and wait (about 20 us
+    against 60 us here). Polling instead of blocking does not help: the woken thread still waits for the GIL,
+    and a thread waiting for the GIL sleeps."""
+
+    def __init__(self) -> None:
+        self.go = _thread.allocate_lock()
+        self.go.acquire()
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
+        self.job: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+        self.result: Any = None
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, name=f"pynorm-numba-{len(_workers)}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.go.acquire()
+            job = self.job
+            self.job = None
+            try:
+                if job is not None:
+                    self.result = job[0](*job[1])
+            except BaseException as exc:  # re-raised by the caller
+                self.error = exc
+            self.done.release()
+
+    def start(self, kernel: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.result, self.error = None, None
+        self.job = (kernel, args)
+        self.go.release()
+
+    def finish(self) -> Any:
+        self.done.acquire()
+        return self.result
 
 
-def _forget_pool() -> None:  # a forked child has none of the parent's threads
-    global _pool, _lock
-    _pool = None
+#: every worker started in this process, and those not serving a call now
+_workers: list[_Worker] = []
+_idle: list[_Worker] = []
+
+
+def _take(n: int) -> list[_Worker]:
+    """Up to ``n`` idle workers (new ones while fewer than ``NUMBA_NUM_THREADS - 1`` exist); fewer when other
+    Python threads' calls hold the rest."""
+    with _lock:
+        got = [_idle.pop() for _ in range(min(n, len(_idle)))]
+        limit = max(0, int(_numba().config.NUMBA_NUM_THREADS) - 1)
+        while len(got) < n and len(_workers) < limit:
+            w = _Worker()
+            _workers.append(w)
+            got.append(w)
+    return got
+
+
+def _give_back(workers: list[_Worker]) -> None:
+    with _lock:
+        _idle.extend(workers)
+
+
+def _forget_workers() -> None:  # a forked child has none of the parent's threads
+    global _lock
     _lock = threading.Lock()
+    _workers.clear()
+    _idle.clear()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
+    os.register_at_fork(after_in_child=_forget_workers)
 
 
 def spans(tasks: int, n: int) -> list[tuple[int, int]]:
@@ -129,17 +181,22 @@ def launch(kernel: Callable[..., Any], work: int, tasks: int, *args: Any) -> Any
 
     ``work``: elements the call touches (for :data:`SERIAL_THRESHOLD`). Returns the sum of the spans' results
     (the kernels that count rows left for a slow path), or None for kernels that return nothing. An exception
-    in any span is raised once every span has finished.
+    in any span is raised once every span has finished. When other Python threads' calls hold the pool's
+    workers, the call runs on fewer threads (results do not depend on it).
     """
     n = min(1 if work < SERIAL_THRESHOLD else get_num_threads(), tasks)
-    if n <= 1:
+    workers = _take(n - 1) if n > 1 else []
+    if not workers:
         return kernel(*args, 0, tasks)
-    parts = spans(tasks, n)
-    pool = _executor()
-    futures: list[Future[Any]] = [pool.submit(kernel, *args, lo, hi) for lo, hi in parts[1:]]
+    parts = spans(tasks, len(workers) + 1)
+    for w, (lo, hi) in zip(workers, parts[1:], strict=True):
+        w.start(kernel, (*args, lo, hi))
     try:
         first = kernel(*args, *parts[0])
     finally:
-        wait(futures)
-    rest = [f.result() for f in futures]
+        rest = [w.finish() for w in workers]
+        errors = [w.error for w in workers if w.error is not None]
+        _give_back(workers)
+    if errors:
+        raise errors[0]
     return None if first is None else first + sum(rest)

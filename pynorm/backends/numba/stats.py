@@ -38,7 +38,7 @@ from ...ops import SPECS, OpSpec
 from ...reference._common import round_to
 from . import _common as cm
 from . import _stats_kernels as k
-from ._layout import ROW_BLOCK, blocks, tiles, use_fused, use_stream
+from ._layout import ROW_BLOCK, blocks, groups, tiles, use_fused, use_stream
 from ._rowstats import FLOOR, INSIDE, OUTSIDE
 from ._threads import launch
 from ._variant import Tag, statistic
@@ -255,7 +255,7 @@ def forward_rows(
     """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd`, then the slow path for the rows it
     left (``stream``: streaming stores for ``y``; ``pro``/``tab``: prologue and affine source, :mod:`._io`)."""
     args = (stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, True if stream else None)
-    if launch(k.fwd, x.shape[0] * x.shape[1], x.shape[0], *args):
+    if launch(k.fwd, x.shape[0] * x.shape[1], groups(x.shape[0]), *args):
         k.fwd_slow(*args)
 
 

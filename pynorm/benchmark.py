@@ -6,9 +6,9 @@ For float32 inputs of shapes 8192x1024, 4096x4096, 2048x8192, 65536x128 and
 * the numba backend's LayerNorm and RMSNorm forward, backward and forward +
   backward (output buffers passed as ``out=``/``dx_out=``; the allocating
   forward is timed too), through the public functional API;
-* the same-size copy bandwidth with the same number of threads (a ``prange``
-  row copy into a preallocated buffer), timed *interleaved* with the numba
-  kernels, as the physical limit; ``numpy.copyto`` (one thread) for reference;
+* the same-size copy bandwidth with the same number of threads (a row copy
+  into a preallocated buffer, on the backend's own thread pool), timed
+  *interleaved* with the numba kernels, as the physical limit; ``numpy.copyto`` (one thread) for reference;
 * baselines: a naive float32 NumPy implementation (written below), the
   ``numpy`` reference backend, and PyTorch CPU (``torch.nn.functional.layer_norm``
   / ``rms_norm`` with autograd) when torch is importable;
@@ -125,17 +125,26 @@ def _median_time(fn: Callable[[], Any], repeat: int, budget_s: float = 1e9) -> t
 
 
 def _copy_kernel() -> Callable[..., Any]:
-    from numba import njit, prange
+    """``copy(a, b)``: a row copy into a preallocated buffer, run as the numba backend runs its kernels (a serial
+    ``nogil`` function over row spans on :func:`pynorm.backends.numba._threads.launch`'s threads, the same number
+    of them). Not numba's ``prange``: its OpenMP threads keep spinning after each copy, taking a core from the
+    kernels timed next to it on a small machine."""
+    from numba import njit
 
-    @njit(parallel=True, cache=False, nogil=True)
-    def prange_copy(a, b):  # type: ignore[no-untyped-def]
-        for i in prange(a.shape[0]):
+    from pynorm.backends.numba._threads import launch
+
+    @njit(cache=False, nogil=True)
+    def span_copy(a, b, lo, hi):  # type: ignore[no-untyped-def]
+        for i in range(lo, hi):
             ar = a[i]
             br = b[i]
             for j in range(ar.shape[0]):
                 br[j] = ar[j]
 
-    return prange_copy  # type: ignore[no-any-return]
+    def copy(a: np.ndarray, b: np.ndarray) -> None:
+        launch(span_copy, a.size, a.shape[0], a, b)
+
+    return copy
 
 
 def _nbytes(phase: str, rows: int, h: int, op: str) -> int:

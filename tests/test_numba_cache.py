@@ -33,7 +33,7 @@ with warnings.catch_warnings(record=True) as caught:
     from pynorm.backends.numba import _cache, _reduce
 p = np.arange(12, dtype=np.float64).reshape(3, 4)
 out = np.empty(4)
-_reduce.sum_blocks(p, out)
+_reduce.sum_blocks(p, out, 0, 1)  # every column: one tile
 stats = _reduce.sum_blocks.stats
 print("RESULT " + json.dumps({
     "file": pynorm.__file__,

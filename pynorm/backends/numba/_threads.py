@@ -6,9 +6,11 @@ tasks into one contiguous span per thread and runs the spans on a pool of Python
 thread takes the first), which run in parallel because the kernels release the GIL.
 
 Why not numba's ``parallel=True``: lowering a ``prange`` loop costs about 1.5 s of compile time per kernel and
-signature whatever its body (most of the cold first call of an op), and numba's default threading layer
-(``workqueue``) aborts the process when two Python threads run parallel kernels at once. Here a kernel
-compiles as plain serial code, and concurrent calls from several Python threads share the pool.
+signature whatever its body (most of the cold first call of an op); numba's ``workqueue`` threading layer
+aborts the process when two Python threads run parallel kernels at once, and GNU OpenMP is not fork-safe.
+Here a kernel compiles as plain serial code, and concurrent calls from several Python threads share the pool.
+The price: a hand-off to a sleeping pool thread costs 20-40 us on a virtual machine (OpenMP's threads spin
+between parallel loops), hence :data:`SERIAL_THRESHOLD`.
 
 The number of threads a call uses is the smallest of
 

@@ -39,6 +39,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._layout import EW_TILE, ROW_BLOCK
 from ._storage import JIT_ONLY, ld, seg, seg2, st
@@ -203,8 +204,9 @@ def _ew_fwd_task(fn, x, a, w, b, y, t):  # type: ignore[no-untyped-def]
 def ew_fwd(fn, x, a, w, b, y, lo, hi):  # type: ignore[no-untyped-def]
     """``y = f(x; a) [* w] [+ b]`` (storage arrays; ``w``/``b`` ``(H,)`` in the function math type, or None) for
     tasks ``lo <= t < hi``: task ``t`` is row ``t // tiles``, one column tile of :data:`._layout.EW_TILE`."""
+    args = borrow((fn, x, a, w, b, y))
     for t in range(lo, hi):
-        _ew_fwd_task(fn, x, a, w, b, y, t)
+        _ew_fwd_task(*args, t)
 
 
 @jit(FM_SUM)
@@ -260,5 +262,6 @@ def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa, lo, hi):  # type: ignore[no-unt
     ``lo <= t < hi``: task ``t`` is row block ``t // tiles`` (rows in order), one column tile of
     :data:`._layout.EW_TILE`. One loop per output (each writes one array, so that the loops vectorize); the
     partials' loops evaluate what they need of the function again."""
+    args = borrow((fn, x, dy, a, w, big, dx, pw, pb, pa))
     for t in range(lo, hi):
-        _ew_bwd_task(fn, x, dy, a, w, big, dx, pw, pb, pa, t)
+        _ew_bwd_task(*args, t)

@@ -26,6 +26,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from ._borrow import borrow
 from ._cache import jit
 from ._layout import COL_TILE
 from ._storage import JIT_ONLY, _bf16_to_f32, _f32_to_bf16, _f32_to_half, _f64_to_f32_odd, _half_to_f32, ld, st_exact
@@ -89,6 +90,7 @@ def _xhat(xr, j, centered, m, r):  # type: ignore[no-untyped-def]
 @jit()
 def fwd(x, we, bt, centered, eps, corr, std, y, mean, rstd, lo, hi):  # type: ignore[no-untyped-def]
     """``y`` (storage dtype) and the float64 ``mean``/``rstd`` of rows ``lo <= i < hi`` of ``x``."""
+    x, y, mean, rstd = borrow((x, y, mean, rstd))  # (we/bt: optional, indexed only)
     for i in range(lo, hi):
         xr = x[i]
         yr = y[i]
@@ -109,6 +111,7 @@ def bwd(x, dy, we, centered, eps, corr, std, dx, lo, hi):  # type: ignore[no-unt
     """``dx`` of rows ``lo <= i < hi``: ``g = rnd(dy we)``, ``gbar = rnd(sum g / H)``, ``c = rnd(sum rnd(g xhat) / n)``
     (``std``: ``rnd(c / rnd(s r))``, 0 where ``s = 0``), ``dx = rnd(r rnd(rnd(g - gbar) - rnd(xhat c)))``
     (RMSNorm: ``rnd(r rnd(g - rnd(xhat c)))``)."""
+    x, dy, dx = borrow((x, dy, dx))  # (we: optional, indexed only)
     for i in range(lo, hi):
         xr = x[i]
         dyr = dy[i]
@@ -145,6 +148,7 @@ def params(x, dy, centered, mean, rstd, pw, pb, lo, hi):  # type: ignore[no-unty
     """``pw[j] = sum_rows rnd(dy xhat)``, ``pb[j] = sum_rows dy`` in float64, rows in order (each None: skipped),
     for column tiles ``lo <= c < hi`` (:data:`._layout.COL_TILE` columns each), each walking the rows in order
     (contiguous reads within a row)."""
+    x, dy, mean, rstd = borrow((x, dy, mean, rstd))  # (pw/pb: optional, indexed only)
     rows, h = x.shape
     tile = COL_TILE
     for c in range(lo, hi):

@@ -26,6 +26,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from ._borrow import borrow
 from ._cache import jit
 from ._storage import JIT_ONLY, ld
 
@@ -152,6 +153,7 @@ def quant_rows(src, mode, s_given, y, q, srow, amax, keep, mean, rstd, lo, hi): 
     and ``keep`` when it has rows; an int8 source's ``mean``/``rstd`` when they have rows. The outputs a call
     does not write may be empty arrays (one signature per source type). Each row is computed once into a
     float64 buffer, then stored or quantized from it."""
+    src, y, q, srow, amax, keep, mean, rstd = borrow((src, y, q, srow, amax, keep, mean, rstd))
     h = _shape(src)[1]
     with_stats = mean.shape[0] > 0
     with_keep = keep.shape[0] > 0
@@ -194,6 +196,7 @@ def _shape_ol(src):  # type: ignore[no-untyped-def]
 def dequantize(x, xs, out, lo, hi):  # type: ignore[no-untyped-def]
     """``out = float32(x * x_scale)`` for rows ``lo <= i < hi`` (the real input of an int8 ``x``, for the
     backward)."""
+    x, xs, out = borrow((x, xs, out))
     h = x.shape[1]
     for i in range(lo, hi):
         s = xs[i]
@@ -205,6 +208,7 @@ def dequantize(x, xs, out, lo, hi):  # type: ignore[no-untyped-def]
 def masked(dy, keep, out, lo, hi):  # type: ignore[no-untyped-def]
     """``out = dy`` where ``keep``, else 0, for rows ``lo <= i < hi`` (storage arrays of one dtype; the
     straight-through gradient)."""
+    dy, keep, out = borrow((dy, keep, out))
     h = dy.shape[1]
     for i in range(lo, hi):
         for j in range(h):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._layout import COL_TILE
 from ._storage import st_exact
@@ -17,6 +18,7 @@ __all__ = ["sum_blocks"]
 def sum_blocks(p, out, lo, hi):  # type: ignore[no-untyped-def]
     """``out[j] = sum_b p[b, j]`` in float64, blocks in order, rounded once to ``out``'s storage dtype, for the
     columns of tiles ``lo <= t < hi`` (:data:`._layout.COL_TILE` columns each)."""
+    p, out = borrow((p, out))
     nb, h = p.shape
     for t in range(lo, hi):
         j0 = t * COL_TILE

@@ -49,6 +49,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._io import arow, ep_row, pslot, put, put_exact, pzero, src_done, src_row
 from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK, STREAM_GROUP
@@ -198,9 +199,10 @@ def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, lo, hi):
     Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
     True to write float32 ``y`` with streaming stores (outputs much larger than the caches).
     """
+    a = borrow((stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream))
     pending = 0
     for g in range(lo, hi):
-        pending += _fwd_group(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g)
+        pending += _fwd_group(*a, g)
     return pending
 
 
@@ -208,6 +210,7 @@ def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, lo, hi):
 def prologue_rows(pro, x, lo, hi):  # type: ignore[no-untyped-def]
     """The prologue alone (``h = x + alpha * residual`` of rows ``lo <= i < hi``, stored): for an ``h`` narrower
     than the math type, which is then normalized from its float64 copy."""
+    pro, x = borrow((pro, x))
     for i in range(lo, hi):
         src_row(pro, x, i)
 
@@ -443,9 +446,10 @@ def bwd_fused(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale
     ``scale[i]``: :data:`FAST`, or :data:`PENDING` for the rows left for :func:`bwd_slow` (their
     number is returned; their blocks' partials are then for :func:`redo_blocks`).
     """
+    a = borrow((stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream))
     pending = 0
     for blk in range(lo, hi):
-        pending += _bwd_block(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, blk)
+        pending += _bwd_block(*a, blk)
     return pending
 
 
@@ -466,9 +470,10 @@ def _bwd_one(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, str
 def bwd_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, lo, hi):  # type: ignore[no-untyped-def]
     """Backward of rows ``lo <= i < hi``, dx only; ``scale[i]`` as in :func:`bwd_fused`, ``cs[i]`` the row's
     ``c`` (or None). Returns the number of rows left for :func:`bwd_slow`."""
+    a = borrow((stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream))
     pending = 0
     for i in range(lo, hi):
-        pending += _bwd_one(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, i)
+        pending += _bwd_one(*a, i)
     return pending
 
 
@@ -563,5 +568,6 @@ def params_by_cols(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, lo, hi):  # 
     ``scale`` None: every row took the fast path; else the rows' paths from :func:`bwd_rows` /
     :func:`bwd_slow` (a group with a slow row is added row by row).
     """
+    a = borrow((stat, x, dy, tab, mean, rstd, scale, cs, pw, pb))
     for t in range(lo, hi):
-        _params_tile(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t)
+        _params_tile(*a, t)

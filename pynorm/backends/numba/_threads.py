@@ -9,7 +9,7 @@ Why not numba's ``parallel=True``: lowering a ``prange`` loop costs about 1.5 s 
 signature whatever its body (most of the cold first call of an op); numba's ``workqueue`` threading layer
 aborts the process when two Python threads run parallel kernels at once, and GNU OpenMP is not fork-safe.
 Here a kernel compiles as plain serial code, and concurrent calls from several Python threads share the pool.
-The price: a hand-off to a sleeping pool thread costs 20-40 us on a virtual machine (OpenMP's threads spin
+The price: a hand-off to a sleeping pool thread costs 10-20 us on a virtual machine (OpenMP's threads spin
 between parallel loops), hence :data:`SERIAL_THRESHOLD`.
 
 The number of threads a call uses is the smallest of
@@ -36,9 +36,9 @@ from typing import Any
 __all__ = ["SERIAL_THRESHOLD", "get_num_threads", "launch", "set_num_threads", "spans"]
 
 #: calls on fewer elements (rows * hidden) than this run on one thread: handing a span to a pool thread costs
-#: about 20-40 us on a virtual machine (waking it, and its wait for the GIL), which only pays from about
-#: 256K float32 elements (a LayerNorm forward of 256x1024: 171 us on two threads, 203 us on one).
-SERIAL_THRESHOLD = 1 << 18
+#: about 10-20 us on a virtual machine (waking it, and its wait for the GIL), which pays from about 128K
+#: float32 elements (a LayerNorm forward of 1024x128: about 190 us on two threads, 235 us on one, here).
+SERIAL_THRESHOLD = 1 << 17
 
 _cap: int | None = None
 _lock = threading.Lock()

@@ -1,5 +1,5 @@
-# numba's type stubs do not model intrinsics or overload stubs:
-# mypy: disable-error-code="call-arg,attr-defined"
+# numba's type stubs do not model intrinsics or numba's types:
+# mypy: disable-error-code="call-arg,attr-defined,var-annotated,arg-type"
 """Borrowed views of a kernel's arrays: the same data, shape and strides, no reference count.
 
 Every array numba builds from an argument -- a row ``x[i]``, a chunk ``xr[c0:c1]`` -- takes a reference on the
@@ -20,53 +20,36 @@ from typing import Any
 
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
-
-from ._storage import JIT_ONLY
+from numba.extending import intrinsic
 
 __all__ = ["borrow"]
 
 
-@intrinsic
-def _borrow_array(typingctx, a):  # type: ignore[no-untyped-def]
-    """``a`` without its memory-info (and parent object): a view whose reference counting does nothing."""
-    if not isinstance(a, types.Array):
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        src = context.make_array(sig.args[0])(context, builder, args[0])
-        dst = context.make_array(sig.return_type)(context, builder)
+def _strip(context: Any, builder: Any, typ: Any, val: Any) -> Any:
+    """The LLVM value ``val`` of numba type ``typ`` with every array in it borrowed."""
+    if isinstance(typ, types.Array):
+        src = context.make_array(typ)(context, builder, val)
+        dst = context.make_array(typ)(context, builder)
         for field in ("data", "shape", "strides", "itemsize", "nitems"):
             setattr(dst, field, getattr(src, field))
         dst.meminfo = cgutils.get_null_value(dst.meminfo.type)
         dst.parent = cgutils.get_null_value(dst.parent.type)
         return dst._getvalue()
-
-    return a(a), codegen
-
-
-def borrow(v):  # type: ignore[no-untyped-def]
-    """``v`` with every array (in it, for a tuple) borrowed (:func:`_borrow_array`); other values unchanged."""
-    raise RuntimeError(JIT_ONLY)
-
-
-_TUPLE_IMPLS: dict[int, Any] = {}
+    if isinstance(typ, types.BaseTuple):
+        for i, t in enumerate(typ):
+            val = builder.insert_value(val, _strip(context, builder, t, builder.extract_value(val, i)), i)
+        return val
+    if context.data_model_manager[typ].has_nrt_meminfo():  # only arrays may hold references here
+        raise TypeError(f"borrow: cannot borrow a {typ}")
+    return val
 
 
-def _tuple_impl(n: int) -> Any:
-    """``lambda v: (borrow(v[0]), ..., borrow(v[n - 1]))``."""
-    if n not in _TUPLE_IMPLS:
-        items = "".join(f"borrow(v[{i}]), " for i in range(n))
-        scope: dict[str, Any] = {"borrow": borrow}
-        exec(f"def impl(v):\n    return ({items})\n", scope)  # a fixed template; n is an int
-        _TUPLE_IMPLS[n] = scope["impl"]
-    return _TUPLE_IMPLS[n]
+@intrinsic
+def borrow(typingctx, v):  # type: ignore[no-untyped-def]
+    """``v`` (an array, a tuple of arrays and plain values, None or a plain value) with every array borrowed: the
+    same data, shape and strides, no memory-info. One intrinsic, so it adds nothing to compile."""
 
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return _strip(context, builder, sig.args[0], args[0])
 
-@overload(borrow, inline="always")
-def _borrow_ol(v):  # type: ignore[no-untyped-def]
-    if isinstance(v, types.Array):
-        return lambda v: _borrow_array(v)
-    if isinstance(v, types.BaseTuple) and len(v) > 0:
-        return _tuple_impl(len(v))
-    return lambda v: v
+    return v(v), codegen

@@ -180,79 +180,79 @@ for _stub in (f_value, f_grad, f_fix):
 
 
 @jit(FM_SUM)
-def _ew_fwd_task(fn, x, a, w, b, y, t):  # type: ignore[no-untyped-def]
-    """Task ``t`` (row ``t // tiles``, one column tile) of :func:`ew_fwd`: a task's body is a call of its own
-    (see :func:`._stats_kernels._fwd_group`)."""
+def _ew_fwd_span(fn, x, a, w, b, y, t0, t1):  # type: ignore[no-untyped-def]
+    """Tasks ``t0 <= t < t1`` (task ``t``: row ``t // tiles``, one column tile) of :func:`ew_fwd` (its body: see
+    :func:`._stats_kernels._fwd_span`)."""
     h = x.shape[1]
     nt = (h + EW_TILE - 1) // EW_TILE
-    i = t // nt
-    j0 = (t - i * nt) * EW_TILE
-    j1 = min(j0 + EW_TILE, h)
-    xr = x[i]
-    yr = y[i]
     av = fcast(x, a)
-    for j in range(j0, j1):
-        v = f_value(fn, fcast(x, ld(xr[j])), av)
-        if w is not None:
-            v = v * w[j]
-        if b is not None:
-            v = v + b[j]
-        st(yr, j, v)
+    for t in range(t0, t1):
+        i = t // nt
+        j0 = (t - i * nt) * EW_TILE
+        j1 = min(j0 + EW_TILE, h)
+        xr = x[i]
+        yr = y[i]
+        for j in range(j0, j1):
+            v = f_value(fn, fcast(x, ld(xr[j])), av)
+            if w is not None:
+                v = v * w[j]
+            if b is not None:
+                v = v + b[j]
+            st(yr, j, v)
 
 
 @jit(FM_SUM)
 def ew_fwd(fn, x, a, w, b, y, lo, hi):  # type: ignore[no-untyped-def]
     """``y = f(x; a) [* w] [+ b]`` (storage arrays; ``w``/``b`` ``(H,)`` in the function math type, or None) for
     tasks ``lo <= t < hi``: task ``t`` is row ``t // tiles``, one column tile of :data:`._layout.EW_TILE`."""
-    args = borrow((fn, x, a, w, b, y))
-    for t in range(lo, hi):
-        _ew_fwd_task(*args, t)
+    _ew_fwd_span(*borrow((fn, x, a, w, b, y)), lo, hi)
 
 
 @jit(FM_SUM)
-def _ew_bwd_task(fn, x, dy, a, w, big, dx, pw, pb, pa, t):  # type: ignore[no-untyped-def]
-    """Task ``t`` (row block ``t // tiles``, one column tile) of :func:`ew_bwd` (a task's body: see
-    :func:`_ew_fwd_task`)."""
+def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[no-untyped-def]
+    """Tasks ``t0 <= t < t1`` (task ``t``: row block ``t // tiles``, one column tile) of :func:`ew_bwd` (its body:
+    see :func:`._stats_kernels._fwd_span`)."""
     rows, h = x.shape
     nt = (h + EW_TILE - 1) // EW_TILE
-    blk = t // nt
-    j0 = (t - blk * nt) * EW_TILE
-    j1 = min(j0 + EW_TILE, h)
-    n = j1 - j0
-    pwr = seg2(pw, blk, j0, j1)
-    pbr = seg2(pb, blk, j0, j1)
-    par = seg2(pa, blk, j0, j1)
-    wr = seg(w, j0, j1)
-    if pw is not None:
-        pwr[:] = 0
-    if pb is not None:
-        pbr[:] = 0
-    if pa is not None:
-        par[:] = 0
     av = fcast(x, a)
-    for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
-        xr = x[i, j0:j1]
-        dyr = dy[i, j0:j1]
-        dxr = dx[i, j0:j1]
-        for j in range(n):
-            d = fcast(x, ld(dyr[j]))
-            g = d * wr[j] if w is not None else d
-            xv = fcast(x, ld(xr[j]))
-            dxv = f_grad(fn, xv, g, av, big)[0]
-            if not abs(dxv) <= big:
-                dxv = f_fix(fn, xv, g, av, big, dxv)
-            st(dxr, j, dxv)
+    for t in range(t0, t1):
+        blk = t // nt
+        j0 = (t - blk * nt) * EW_TILE
+        j1 = min(j0 + EW_TILE, h)
+        n = j1 - j0
+        pwr = seg2(pw, blk, j0, j1)
+        pbr = seg2(pb, blk, j0, j1)
+        par = seg2(pa, blk, j0, j1)
+        wr = seg(w, j0, j1)
         if pw is not None:
-            for j in range(n):
-                pwr[j] += fcast(x, ld(dyr[j])) * f_value(fn, fcast(x, ld(xr[j])), av)
+            pwr[:] = 0
         if pb is not None:
-            for j in range(n):
-                pbr[j] += fcast(x, ld(dyr[j]))
+            pbr[:] = 0
         if pa is not None:
+            par[:] = 0
+        for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
+            xr = x[i, j0:j1]
+            dyr = dy[i, j0:j1]
+            dxr = dx[i, j0:j1]
             for j in range(n):
                 d = fcast(x, ld(dyr[j]))
                 g = d * wr[j] if w is not None else d
-                par[j] += f_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]
+                xv = fcast(x, ld(xr[j]))
+                dxv = f_grad(fn, xv, g, av, big)[0]
+                if not abs(dxv) <= big:
+                    dxv = f_fix(fn, xv, g, av, big, dxv)
+                st(dxr, j, dxv)
+            if pw is not None:
+                for j in range(n):
+                    pwr[j] += fcast(x, ld(dyr[j])) * f_value(fn, fcast(x, ld(xr[j])), av)
+            if pb is not None:
+                for j in range(n):
+                    pbr[j] += fcast(x, ld(dyr[j]))
+            if pa is not None:
+                for j in range(n):
+                    d = fcast(x, ld(dyr[j]))
+                    g = d * wr[j] if w is not None else d
+                    par[j] += f_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]
 
 
 @jit(FM_SUM)
@@ -262,6 +262,4 @@ def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa, lo, hi):  # type: ignore[no-unt
     ``lo <= t < hi``: task ``t`` is row block ``t // tiles`` (rows in order), one column tile of
     :data:`._layout.EW_TILE`. One loop per output (each writes one array, so that the loops vectorize); the
     partials' loops evaluate what they need of the function again."""
-    args = borrow((fn, x, dy, a, w, big, dx, pw, pb, pa))
-    for t in range(lo, hi):
-        _ew_bwd_task(*args, t)
+    _ew_bwd_span(*borrow((fn, x, dy, a, w, big, dx, pw, pb, pa)), lo, hi)

@@ -168,14 +168,14 @@ def _fwd_row(stat, xr, w, b, eps, corr, mode, yr, stream):  # type: ignore[no-un
 
 
 @jit(FM_SUM)
-def _fwd_group(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g):  # type: ignore[no-untyped-def]
-    """Rows ``[g * STREAM_GROUP, (g + 1) * STREAM_GROUP)`` of :func:`fwd`; returns how many it left pending.
+def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g0, g1):  # type: ignore[no-untyped-def]
+    """The row groups ``g0 <= g < g1`` of :func:`fwd`; returns how many rows it left pending.
 
-    A task's body is a call of its own (in every span kernel of the backend): LLVM then optimizes the row code
-    as it did under numba's ``prange`` (folding it into the span loop made ``bwd_fused`` 20% slower).
+    Every span kernel of the backend is this pattern: the kernel borrows its arrays (:mod:`._borrow`) and hands
+    them to its body as arguments (numba prunes ``is None`` branches on arguments only).
     """
     pending = 0
-    for i in range(g * STREAM_GROUP, min(g * STREAM_GROUP + STREAM_GROUP, x.shape[0])):
+    for i in range(g0 * STREAM_GROUP, min(g1 * STREAM_GROUP, x.shape[0])):
         xr = src_row(pro, x, i)
         ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, y[i], stream)
         if ok:
@@ -199,11 +199,7 @@ def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, lo, hi):
     Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
     True to write float32 ``y`` with streaming stores (outputs much larger than the caches).
     """
-    a = borrow((stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream))
-    pending = 0
-    for g in range(lo, hi):
-        pending += _fwd_group(*a, g)
-    return pending
+    return _fwd_span(*borrow((stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream)), lo, hi)
 
 
 @jit()
@@ -420,18 +416,19 @@ def _acc_slow(stat, xr, dyr, mean, r, e, c, pw, pb, blk, j0):  # type: ignore[no
 
 
 @jit(FM_SUM)
-def _bwd_block(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, blk):  # type: ignore[no-untyped-def]
-    """Row block ``blk`` of :func:`bwd_fused` (a task's body: see :func:`_fwd_group`); returns how many rows
-    it left pending."""
+def _bwd_blocks(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, b0, b1):  # type: ignore[no-untyped-def]
+    """Row blocks ``b0 <= blk < b1`` of :func:`bwd_fused` (its body: see :func:`_fwd_span`); returns how many
+    rows it left pending."""
     pending = 0
-    pzero(pw, tab, blk, 0, x.shape[1])
-    pzero(pb, tab, blk, 0, x.shape[1])
-    for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, x.shape[0])):
-        ok = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
-                      pw, pb, pslot(tab, blk, i), stream)[0]  # fmt: skip
-        scale[i] = FAST if ok else PENDING
-        if not ok:
-            pending += 1
+    for blk in range(b0, b1):
+        pzero(pw, tab, blk, 0, x.shape[1])
+        pzero(pb, tab, blk, 0, x.shape[1])
+        for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, x.shape[0])):
+            ok = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i],
+                          ep_row(ep, i), pw, pb, pslot(tab, blk, i), stream)[0]  # fmt: skip
+            scale[i] = FAST if ok else PENDING
+            if not ok:
+                pending += 1
     if stream is not None:
         sfence()
     return pending
@@ -447,23 +444,25 @@ def bwd_fused(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale
     number is returned; their blocks' partials are then for :func:`redo_blocks`).
     """
     a = borrow((stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream))
-    pending = 0
-    for blk in range(lo, hi):
-        pending += _bwd_block(*a, blk)
-    return pending
+    return _bwd_blocks(*a, lo, hi)
 
 
 @jit(FM_SUM)
-def _bwd_one(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, i):  # type: ignore[no-untyped-def]
-    """Row ``i`` of :func:`bwd_rows` (a task's body: see :func:`_fwd_group`); returns 1 if it is pending."""
-    ok, c = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i], ep_row(ep, i),
-                     None, None, 0, stream)  # fmt: skip
+def _bwd_rows_span(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, i0, i1):  # type: ignore[no-untyped-def]
+    """Rows ``i0 <= i < i1`` of :func:`bwd_rows` (its body: see :func:`_fwd_span`); returns how many it left
+    pending."""
+    pending = 0
+    for i in range(i0, i1):
+        ok, c = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i],
+                         ep_row(ep, i), None, None, 0, stream)  # fmt: skip
+        scale[i] = FAST if ok else PENDING
+        if cs is not None:
+            cs[i] = c
+        if not ok:
+            pending += 1
     if stream is not None:
         sfence()
-    scale[i] = FAST if ok else PENDING
-    if cs is not None:
-        cs[i] = c
-    return 0 if ok else 1
+    return pending
 
 
 @jit(FM_SUM)
@@ -471,10 +470,7 @@ def bwd_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, str
     """Backward of rows ``lo <= i < hi``, dx only; ``scale[i]`` as in :func:`bwd_fused`, ``cs[i]`` the row's
     ``c`` (or None). Returns the number of rows left for :func:`bwd_slow`."""
     a = borrow((stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream))
-    pending = 0
-    for i in range(lo, hi):
-        pending += _bwd_one(*a, i)
-    return pending
+    return _bwd_rows_span(*a, lo, hi)
 
 
 @jit()
@@ -517,47 +513,48 @@ def redo_blocks(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[no
 
 
 @jit(FM_SUM)
-def _params_tile(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t):  # type: ignore[no-untyped-def]
-    """Column tile ``t`` of :func:`params_by_cols` (a task's body: see :func:`_fwd_group`)."""
+def _params_tiles(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t0, t1):  # type: ignore[no-untyped-def]
+    """Column tiles ``t0 <= t < t1`` of :func:`params_by_cols` (its body: see :func:`_fwd_span`)."""
     rows, h = x.shape
     nb = (rows + ROW_BLOCK - 1) // ROW_BLOCK
-    j0 = t * COL_TILE
-    j1 = min(j0 + COL_TILE, h)
     kq = np.empty(4)
     cq = np.empty(4)
     rq = np.empty(4)
-    for blk in range(nb):
-        pzero(pw, tab, blk, j0, j1)
-        pzero(pb, tab, blk, j0, j1)
-        i = blk * ROW_BLOCK
-        end = min(i + ROW_BLOCK, rows)
-        while i < end:
-            n4 = min(4, end - i)
-            allfast = n4 == 4 and pslot(tab, blk, i) == pslot(tab, blk, i + n4 - 1)
-            for q in range(n4):
-                kq[q] = tcast(x, at(mean, i + q))
-                cq[q] = at(cs, i + q)
-                rq[q] = tcast(x, rstd[i + q])
-                allfast = allfast and pslot(tab, blk, i + q) == pslot(tab, blk, i)
-                if scale is not None:
-                    allfast = allfast and scale[i + q] == FAST
-            if allfast:
-                _acc4(stat, x[i, j0:j1], x[i + 1, j0:j1], x[i + 2, j0:j1], x[i + 3, j0:j1],
-                      dy[i, j0:j1], dy[i + 1, j0:j1], dy[i + 2, j0:j1], dy[i + 3, j0:j1],
-                      kq, cq, rq, pw, pb, pslot(tab, blk, i), j0)  # fmt: skip
-            else:
+    for t in range(t0, t1):
+        j0 = t * COL_TILE
+        j1 = min(j0 + COL_TILE, h)
+        for blk in range(nb):
+            pzero(pw, tab, blk, j0, j1)
+            pzero(pb, tab, blk, j0, j1)
+            i = blk * ROW_BLOCK
+            end = min(i + ROW_BLOCK, rows)
+            while i < end:
+                n4 = min(4, end - i)
+                allfast = n4 == 4 and pslot(tab, blk, i) == pslot(tab, blk, i + n4 - 1)
                 for q in range(n4):
-                    xr = x[i + q, j0:j1]
-                    dyr = dy[i + q, j0:j1]
-                    slot = pslot(tab, blk, i + q)
-                    if scale is None:
-                        _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
-                    elif scale[i + q] == FAST:
-                        _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
-                    else:
-                        e = scale[i + q]
-                        _acc_slow(stat, xr, dyr, at(mean, i + q), rstd[i + q], e, cq[q], pw, pb, slot, j0)
-            i += 4
+                    kq[q] = tcast(x, at(mean, i + q))
+                    cq[q] = at(cs, i + q)
+                    rq[q] = tcast(x, rstd[i + q])
+                    allfast = allfast and pslot(tab, blk, i + q) == pslot(tab, blk, i)
+                    if scale is not None:
+                        allfast = allfast and scale[i + q] == FAST
+                if allfast:
+                    _acc4(stat, x[i, j0:j1], x[i + 1, j0:j1], x[i + 2, j0:j1], x[i + 3, j0:j1],
+                          dy[i, j0:j1], dy[i + 1, j0:j1], dy[i + 2, j0:j1], dy[i + 3, j0:j1],
+                          kq, cq, rq, pw, pb, pslot(tab, blk, i), j0)  # fmt: skip
+                else:
+                    for q in range(n4):
+                        xr = x[i + q, j0:j1]
+                        dyr = dy[i + q, j0:j1]
+                        slot = pslot(tab, blk, i + q)
+                        if scale is None:
+                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
+                        elif scale[i + q] == FAST:
+                            _acc(stat, xr, dyr, tcast(xr, kq[q]), tcast(xr, cq[q]), tcast(xr, rq[q]), pw, pb, slot, j0)
+                        else:
+                            e = scale[i + q]
+                            _acc_slow(stat, xr, dyr, at(mean, i + q), rstd[i + q], e, cq[q], pw, pb, slot, j0)
+                i += 4
 
 
 @jit(FM_SUM)
@@ -568,6 +565,4 @@ def params_by_cols(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, lo, hi):  # 
     ``scale`` None: every row took the fast path; else the rows' paths from :func:`bwd_rows` /
     :func:`bwd_slow` (a group with a slow row is added row by row).
     """
-    a = borrow((stat, x, dy, tab, mean, rstd, scale, cs, pw, pb))
-    for t in range(lo, hi):
-        _params_tile(*a, t)
+    _params_tiles(*borrow((stat, x, dy, tab, mean, rstd, scale, cs, pw, pb)), lo, hi)

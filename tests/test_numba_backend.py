@@ -1001,3 +1001,26 @@ def test_importing_the_backend_does_not_import_numba() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split()[-1] == "False"
+
+
+def test_borrow_views_share_data_and_keep_references_balanced() -> None:
+    import sys
+
+    from pynorm.backends.numba._borrow import borrow
+
+    @numba.njit
+    def fill(t, v):  # type: ignore[no-untyped-def]
+        a, flag, none, b = borrow(t)
+        for i in range(a.shape[0]):
+            a[i, 0] = v  # through a view of a borrowed array
+        b[1] = v if flag and none is None else -v
+        return a.shape[0] + b.shape[0]
+
+    a = np.zeros((3, 2), np.float32)
+    b = np.zeros(4)
+    before = (sys.getrefcount(a), sys.getrefcount(b))
+    for _ in range(5):
+        assert fill((a, True, None, b), 7.0) == 7
+    assert (sys.getrefcount(a), sys.getrefcount(b)) == before
+    assert a[:, 0].tolist() == [7.0, 7.0, 7.0] and a[:, 1].tolist() == [0.0] * 3
+    assert b.tolist() == [0.0, 7.0, 0.0, 0.0]

@@ -150,10 +150,9 @@ def params(x, dy, centered, mean, rstd, pw, pb, lo, hi):  # type: ignore[no-unty
     (contiguous reads within a row)."""
     x, dy, mean, rstd = borrow((x, dy, mean, rstd))  # (pw/pb: optional, indexed only)
     rows, h = x.shape
-    tile = COL_TILE
     for c in range(lo, hi):
-        j0 = c * tile
-        j1 = min(j0 + tile, h)
+        j0 = c * COL_TILE
+        j1 = min(j0 + COL_TILE, h)
         aw = np.zeros(j1 - j0)
         ab = np.zeros(j1 - j0)
         for i in range(rows):

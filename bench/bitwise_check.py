@@ -1,7 +1,7 @@
 """Record a backend's outputs bitwise, and compare a later version of the code against the record.
 
     python bench/bitwise_check.py save FILE [--backend numba] [--threads N] [--quick]
-    python bench/bitwise_check.py compare FILE [--backend numba] [--threads N] [--quick]
+    python bench/bitwise_check.py compare FILE [--backend numba] [--threads N] [--quick] [--split]
 
 Runs the kernel families' ops of :data:`pynorm.ops.SPECS` (or those of ``--ops``) through the public API
 (``pynorm.<op>_forward(..., backend=...)`` / ``<op>_backward``) over a fixed table of cases and records ``y``,
@@ -20,7 +20,9 @@ the ctx's per-row statistics (``mean``/``rstd``), ``dx`` and every parameter gra
 reports, per output, whether it is bitwise identical and otherwise the largest difference in ulps
 of the output dtype (at the element's own magnitude) and how many elements differ. Exit status 1
 when anything differs. ``--threads`` caps the backend's threads (``pynorm.set_num_threads``), so the
-same record checks independence of the thread count.
+same record checks independence of the thread count. ``--split`` sends every numba call that can take the
+split kernels (few wide rows, :mod:`pynorm.backends.numba._split_kernels`) to them, so the record of the plain
+kernels checks that they give the same bits.
 """
 
 from __future__ import annotations
@@ -217,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="numba")
     p.add_argument("--threads", type=int, default=None, help="cap the backend's threads (pynorm.set_num_threads)")
     p.add_argument("--quick", action="store_true", help="skip the full-size benchmark shapes and streamed cases")
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="numba: every call whose rows may be split across threads takes the split kernels (compare them "
+        "with a record of the plain kernels)",
+    )
     p.add_argument("--only", default="", help="compare: only the cases whose key contains this string")
     p.add_argument(
         "--ops", default="", help="comma-separated ops (default: the ops of the stats and elementwise kernel families)"
@@ -224,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads is not None:
         pynorm.set_num_threads(args.threads)
+    if args.split:
+        from pynorm.backends.numba import stats
+
+        stats.FORCE_SPLIT = True
     print(f"pynorm from {pynorm.__file__}; backend {args.backend}; threads {pynorm.get_num_threads()}", flush=True)
     t0 = time.perf_counter()
     ops = tuple(o for o in args.ops.split(",") if o)

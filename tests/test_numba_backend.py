@@ -614,7 +614,7 @@ def test_float64_extreme_rows_take_the_slow_path(variant: tuple[str, dict[str, A
                 rstd,
                 None,
                 0,
-                _layout.groups(x.shape[0]),
+                x.shape[0],
             )
             assert left == 5, kind
             assert np.all(rstd == -1.0)
@@ -1024,3 +1024,114 @@ def test_borrow_views_share_data_and_keep_references_balanced() -> None:
     assert (sys.getrefcount(a), sys.getrefcount(b)) == before
     assert a[:, 0].tolist() == [7.0, 7.0, 7.0] and a[:, 1].tolist() == [0.0] * 3
     assert b.tolist() == [0.0, 7.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------
+# few wide rows: rows split across threads (_split_kernels) give the plain kernels' bits
+
+SPLIT_OPS = [n for n, impl in stats.OP_IMPLS.items()]
+SPLIT_OPTIONS: dict[str, list[dict[str, Any]]] = {
+    "layer_norm": [{}, {"eps_mode": "std", "correction": 1}],
+    "scale_norm": [{}, {"eps_mode": "root"}, {"eps": 1e3}],  # eps = 1e3: the floor branch
+    "add_layer_norm": [{"alpha": 0.5}],
+}
+# rows path with 1 and 3 rows, the fused path (>= FUSED_MIN_ROWS rows) with a ragged last segment
+SPLIT_SHAPES = [
+    (1, 2 * _layout.SPLIT_SEG + 5),
+    (3, _layout.SPLIT_SEG + _layout.CHUNK + 3),
+    (130, _layout.SPLIT_SEG + 7),
+]
+
+
+def _split_case(op: str, shape: tuple[int, int], dt: Any, options: dict[str, Any]) -> list[np.ndarray]:
+    spec = SPECS[op]
+    impl = stats.OP_IMPLS[op]
+    rng = np.random.default_rng(sum(shape) + len(op))
+    x = (rng.standard_normal(shape) * 2).astype(dt)
+    if shape[0] >= 3:  # hard rows: an offset far larger than the spread, a constant row, a slow-path row
+        x[1] += 300
+        x[2] = 1.5
+        x[-1] = (rng.standard_normal(shape[1]) * 1e30).astype(dt)  # its float32 sum of squares overflows
+    args = spec.example_args(shape, -1, dt, rng)
+    dy = rng.standard_normal(shape).astype(dt)
+    out, ctx = impl.forward(x, *args, **options)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    kw = {"dh": rng.standard_normal(shape).astype(outs[1].dtype)} if impl.residual else {}
+    grads = impl.backward(dy, ctx, **kw)
+    stat = [getattr(ctx, f) for f in ("mean", "rstd", "floor") if getattr(ctx, f, None) is not None]
+    return [np.asarray(a) for a in (*outs, *stat, *grads) if a is not None]
+
+
+@pytest.mark.parametrize("dt", [np.float32] + ([BF16] if BF16 is not None else []), ids=name)
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=str)
+@pytest.mark.parametrize("op", SPLIT_OPS)
+def test_split_rows_give_the_plain_kernels_bits(
+    op: str, shape: tuple[int, int], dt: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for options in SPLIT_OPTIONS.get(op, [{}]):
+        plain = _split_case(op, shape, dt, options)
+        monkeypatch.setattr(stats, "FORCE_SPLIT", True)
+        split = _split_case(op, shape, dt, options)
+        monkeypatch.setattr(stats, "FORCE_SPLIT", False)
+        assert len(plain) == len(split) >= 3
+        _assert_bitwise(split, plain)
+
+
+def test_split_rows_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    seg = _layout.SPLIT_SEG
+    wide = np.zeros((1, 2 * seg), np.float32)
+    monkeypatch.setattr(_threads, "get_num_threads", lambda: 4)
+    assert stats.split_rows(1, wide)  # one row, four threads
+    assert stats.split_rows(3, np.empty((3, 2 * seg), np.float32))
+    assert not stats.split_rows(4, np.empty((4, 2 * seg), np.float32))  # a row per thread already
+    assert not stats.split_rows(1, np.empty((1, 2 * seg - 1), np.float32))  # less than two segments
+    assert not stats.split_rows(1, wide.astype(np.float64))  # float64 rows are never split (see split_rows)
+    assert not stats.split_rows(1, np.empty((1, 2 * seg), np.uint16)[:0])
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 1 << 62)
+    assert not stats.split_rows(1, wide)  # a one-thread call
+    monkeypatch.setattr(stats, "FORCE_SPLIT", True)
+    assert stats.split_rows(1, np.empty((1, 1), np.float32)) and not stats.split_rows(1, wide.astype(np.float64))
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs NUMBA_NUM_THREADS >= 2")
+def test_one_wide_row_runs_on_every_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single row of many elements is cut into segments that run on the pool (and gives the 1-thread bits)."""
+    from pynorm.backends.numba import _split_kernels
+
+    x, dy, w, b = data((1, 8 * _layout.SPLIT_SEG), np.float32)
+    seen: list[tuple[int, set[int]]] = []
+    real = _threads.launch
+
+    def spy(kernel: Any, work: int, tasks: int, *args: Any) -> Any:
+        if kernel is not _split_kernels.fwd_sums:
+            return real(kernel, work, tasks, *args)
+        ran: set[int] = set()
+
+        def traced(*a: Any) -> Any:
+            ran.add(threading.get_ident())
+            return kernel(*a)
+
+        seen.append((tasks, ran))
+        return real(traced, work, tasks, *args)
+
+    try:
+        _threads.set_num_threads(2)
+        monkeypatch.setattr(stats, "launch", spy)
+        two = _run_all(x, dy, w, b)
+        monkeypatch.setattr(stats, "launch", real)
+        assert len(seen) == 3 and all(t == 8 and len(ran) == 2 for t, ran in seen), seen
+        _threads.set_num_threads(1)
+        one = _run_all(x, dy, w, b)
+    finally:
+        _threads.set_num_threads(None)
+    _assert_bitwise(two, one)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_split_rows_with_streaming_stores(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs large enough for streaming stores: the split kernels' segments make the same stores."""
+    shape = (2, _layout.STREAM_MIN_BYTES // 8 + 3 * _layout.LANES + 1)  # 16 MiB of float32, a ragged row end
+    assert _layout.use_stream(np.empty(shape, np.float32))
+    plain = _split_case(op, shape, np.float32, {})
+    monkeypatch.setattr(stats, "FORCE_SPLIT", True)
+    _assert_bitwise(_split_case(op, shape, np.float32, {}), plain)

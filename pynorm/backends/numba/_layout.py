@@ -17,11 +17,10 @@ __all__ = [
     "FUSED_MIN_ROWS",
     "LANES",
     "ROW_BLOCK",
-    "STREAM_GROUP",
+    "SPLIT_SEG",
     "STREAM_MIN_BYTES",
     "STREAM_MIN_ROW",
     "blocks",
-    "groups",
     "tiles",
     "use_fused",
     "use_stream",
@@ -38,6 +37,9 @@ COL_TILE = 256
 FUSED_MIN_ROWS = 4 * ROW_BLOCK
 FUSED_MAX_SMALL = 1 << 15
 
+#: columns per segment of a row split across threads (:mod:`._split_kernels`; a multiple of :data:`CHUNK`)
+SPLIT_SEG = 4 * CHUNK
+
 #: columns per task of the element-wise family's kernels (tasks: row, or row block, times column tile).
 EW_TILE = 2048
 
@@ -45,8 +47,6 @@ EW_TILE = 2048
 STREAM_MIN_BYTES = 1 << 24
 #: ... and rows of at least this many elements (shorter rows lose more to the split loops than they gain).
 STREAM_MIN_ROW = 1024
-#: rows per task of the forward (one store fence per task).
-STREAM_GROUP = 8
 #: float32 lanes per streaming store (one 64-byte cache line).
 LANES = 16
 
@@ -64,11 +64,6 @@ def use_fused(rows: int, hidden: int) -> bool:
 def blocks(rows: int) -> int:
     """Row blocks of :data:`ROW_BLOCK` rows in ``rows`` (the tasks of the fused backward's kernels)."""
     return -(-rows // ROW_BLOCK)
-
-
-def groups(rows: int) -> int:
-    """Row groups of :data:`STREAM_GROUP` rows in ``rows`` (the tasks of the forward's kernel)."""
-    return -(-rows // STREAM_GROUP)
 
 
 def tiles(hidden: int, tile: int = COL_TILE) -> int:

@@ -12,6 +12,9 @@ kernels):
 
 ========================  ==================================================================
 :func:`fwd_stats`         fast forward statistics of a row: ``(ok, k, c, var)``
+:func:`fwd_shift`,        the same in three steps, for a row split across threads: its shift, the
+:func:`seg_sums`,         chunk sums of a segment, and the statistics from the sums added in chunk
+:func:`fwd_finish`        order (:mod:`._split_kernels`; bitwise the results of :func:`fwd_stats`)
 :func:`scaled_stats`      slow-path statistics of a row scaled by ``2**-e``: ``(m1, c, var_s)``
 :func:`centre`            an element's centred value ``x - mean`` from ``(k, c)`` (math type)
 :func:`bwd_centring`      the backward's ``(k, c)`` from ctx's float64 mean
@@ -59,11 +62,14 @@ __all__ = [
     "centre",
     "dx_elem",
     "eps_outside",
+    "fwd_finish",
+    "fwd_shift",
     "fwd_stats",
     "gprod",
     "is_centered",
     "row_aux",
     "scaled_stats",
+    "seg_sums",
     "slow_aux",
     "slow_coef",
     "slow_residual",
@@ -109,24 +115,36 @@ def _row_shift(xr):  # type: ignore[no-untyped-def]
 
 
 @jit(FM_SUM, inline="always")
-def _chunked_sums(xr, k, c):  # type: ignore[no-untyped-def]
-    """``(sum(d), sum(d^2))`` with ``d = (x - k) - c``, in float64 over chunk sums in the math type (a caller
-    using one of the two sums leaves the other to dead-code elimination)."""
-    h = xr.shape[0]
+def _chunk_range(xr, k, c, j0, j1, c1s, c2s):  # type: ignore[no-untyped-def]
+    """``(sum(d), sum(d^2))`` over ``xr[j0:j1]`` (``j0`` a multiple of :data:`CHUNK`) with ``d = (x - k) - c``,
+    in float64 over chunk sums in the math type (a caller using one of the two sums leaves the other to
+    dead-code elimination). ``c1s``/``c2s`` (None, or float64 arrays indexed by chunk): each chunk's sum is
+    also stored there -- the split kernels (:mod:`._split_kernels`) add them in chunk order afterwards,
+    exactly as this loop does."""
     s1 = 0.0
     s2 = 0.0
     zero = tcast(xr, 0.0)
-    for c0 in range(0, h, CHUNK):
-        xc = xr[c0 : min(c0 + CHUNK, h)]
+    for c0 in range(j0, j1, CHUNK):
+        xc = xr[c0 : min(c0 + CHUNK, j1)]
         a1 = zero
         a2 = zero
         for j in range(xc.shape[0]):
             d = _centre(ld(xc[j]), k, c)
             a1 += d
             a2 += d * d
+        if c1s is not None:
+            c1s[c0 // CHUNK] = np.float64(a1)
+        if c2s is not None:
+            c2s[c0 // CHUNK] = np.float64(a2)
         s1 += np.float64(a1)
         s2 += np.float64(a2)
     return s1, s2
+
+
+@jit(FM_SUM, inline="always")
+def _chunked_sums(xr, k, c):  # type: ignore[no-untyped-def]
+    """``(sum(d), sum(d^2))`` over the row, see :func:`_chunk_range`."""
+    return _chunk_range(xr, k, c, 0, xr.shape[0], None, None)
 
 
 @jit(FM_SUM, inline="always")
@@ -315,11 +333,17 @@ def _ms_scaled_stats(xr, e):  # type: ignore[no-untyped-def]
 
 
 @jit(FM_SUM, inline="always")
-def _squares_row(xr):  # type: ignore[no-untyped-def]
-    """``(ok, sum(x^2))``: ``ok`` False where the sum is not finite or may hide subnormal squares (slow path)."""
-    s2 = _sum_squares(xr)
+def _squares_ok(xr, s2):  # type: ignore[no-untyped-def]
+    """False where the row's ``sum(x^2)`` is not finite or may hide subnormal squares (slow path)."""
     zero = tcast(xr, 0.0)
-    return not (not math.isfinite(s2) or (s2 < tiny_sum(xr) and _any_off(xr, zero, zero))), s2
+    return not (not math.isfinite(s2) or (s2 < tiny_sum(xr) and _any_off(xr, zero, zero)))
+
+
+@jit(FM_SUM, inline="always")
+def _squares_row(xr):  # type: ignore[no-untyped-def]
+    """``(ok, sum(x^2))``: ``ok`` as :func:`_squares_ok`."""
+    s2 = _sum_squares(xr)
+    return _squares_ok(xr, s2), s2
 
 
 # ---------------------------------------------------------------------------
@@ -356,6 +380,23 @@ def slow_coef(stat, sgx, sd2, n, r_s, mode, aux):  # type: ignore[no-untyped-def
 def fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
     """Fast-path statistics of row ``xr``: ``(ok, k, c, v)`` with the centring ``(x - k) - c`` (``k`` in the
     math type, ``c`` float64) and the variance-like ``v`` of ``r``; ``ok`` False: the row needs the slow path."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def fwd_shift(stat, xr):  # type: ignore[no-untyped-def]
+    """The shift ``k`` (math type) :func:`fwd_stats` first takes its sums around (0 for the uncentred ones)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def seg_sums(stat, xr, k, j0, j1, c1s, c2s):  # type: ignore[no-untyped-def]
+    """The chunk sums of ``xr[j0:j1]`` around ``k`` that :func:`fwd_stats` takes first, stored by chunk into
+    ``c1s`` (``sum(x - k)``; not for the uncentred statistics) and ``c2s``."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def fwd_finish(stat, xr, k, s1, s2, corr):  # type: ignore[no-untyped-def]
+    """:func:`fwd_stats` from the row's sums around ``k`` (:func:`fwd_shift`, :func:`seg_sums` added in chunk
+    order): ``(ok, k, c, v)``."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -426,9 +467,14 @@ def _wide_fix_ol(xr, mean, r, k, c):  # type: ignore[no-untyped-def]
 
 
 def _c_fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
-    h = xr.shape[0]
     k = _row_shift(xr)
     s1, s2 = _shifted_sums(xr, k)
+    return _c_fwd_finish(xr, k, s1, s2, corr)
+
+
+@jit(FM_SUM, inline="always")
+def _c_fwd_finish(xr, k, s1, s2, corr):  # type: ignore[no-untyped-def]
+    h = xr.shape[0]
     if not (math.isfinite(s1) and math.isfinite(s2)):
         return False, k, 0.0, 0.0
     if s1 * s1 > 0.25 * h * s2:  # shift far from the mean: redo around the mean
@@ -479,6 +525,16 @@ def _ms_fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
     return ok, tcast(xr, 0.0), 0.0, (s2 / xr.shape[0] if ok else 0.0)
 
 
+def _ms_fwd_finish(stat, xr, k, s1, s2, corr):  # type: ignore[no-untyped-def]
+    ok = _squares_ok(xr, s2)
+    return ok, tcast(xr, 0.0), 0.0, (s2 / xr.shape[0] if ok else 0.0)
+
+
+def _ms_seg_sums(stat, xr, k, j0, j1, c1s, c2s):  # type: ignore[no-untyped-def]
+    zero = tcast(xr, 0.0)
+    _chunk_range(xr, zero, zero, j0, j1, None, c2s)
+
+
 def _ms_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, aux):  # type: ignore[no-untyped-def]
     return math.isfinite(sgx), tcast(xr, 0.0), tcast(xr, sgx / xr.shape[0])
 
@@ -497,6 +553,11 @@ def _c_slow_coef(stat, sgx, sd2, n, r_s, mode, aux):  # type: ignore[no-untyped-
 
 def _l2_fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
     ok, s2 = _squares_row(xr)
+    return ok, tcast(xr, 0.0), 0.0, (s2 if ok else 0.0)
+
+
+def _l2_fwd_finish(stat, xr, k, s1, s2, corr):  # type: ignore[no-untyped-def]
+    ok = _squares_ok(xr, s2)
     return ok, tcast(xr, 0.0), 0.0, (s2 if ok else 0.0)
 
 
@@ -520,6 +581,9 @@ _MEAN_SQUARE = {
     slow_aux: lambda stat, m1, c, e, v_s, eps, mode: 0.0,
     slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: sgx / n,
     fwd_stats: _ms_fwd_stats,
+    fwd_shift: lambda stat, xr: tcast(xr, 0.0),
+    seg_sums: _ms_seg_sums,
+    fwd_finish: _ms_fwd_finish,
     scaled_stats: lambda stat, xr, e, corr: (0.0, 0.0, _ms_scaled_stats(xr, e)),
     centre: lambda stat, v, k, c: v,
     gprod: lambda stat, dy, w: _prod_fm(dy, w),
@@ -538,6 +602,9 @@ PIECES = {
         slow_aux: lambda stat, m1, c, e, v_s, eps, mode: math.ldexp(m1 + c, e),
         slow_coef: _c_slow_coef,
         fwd_stats: _c_fwd_stats,
+        fwd_shift: lambda stat, xr: _row_shift(xr),
+        seg_sums: lambda stat, xr, k, j0, j1, c1s, c2s: _chunk_range(xr, k, tcast(xr, 0.0), j0, j1, c1s, c2s),
+        fwd_finish: lambda stat, xr, k, s1, s2, corr: _c_fwd_finish(xr, k, s1, s2, corr),
         scaled_stats: lambda stat, xr, e, corr: _centered_scaled_stats(xr, e, corr),
         centre: lambda stat, v, k, c: _centre(v, k, c),
         gprod: lambda stat, dy, w: _prod(dy, w),
@@ -555,6 +622,7 @@ PIECES = {
         slow_aux: lambda stat, m1, c, e, v_s, eps, mode: _scaled_floor(v_s, e, eps, mode),
         slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: 0.0 if aux != 0.0 else sgx,
         fwd_stats: _l2_fwd_stats,
+        fwd_finish: _l2_fwd_finish,
         scaled_stats: lambda stat, xr, e, corr: (0.0, 0.0, _scaled_sum_squares(xr, e)),
         bwd_finish: _l2_bwd_finish,
     },

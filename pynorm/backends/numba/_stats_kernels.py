@@ -52,7 +52,7 @@ from numba.extending import overload
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._io import arow, ep_row, pslot, put, put_exact, pzero, src_done, src_row
-from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK, STREAM_GROUP
+from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK
 from ._rowstats import (
     _cadd,
     _rfactor,
@@ -74,7 +74,7 @@ from ._rowstats import (
     slow_shift,
 )
 from ._storage import JIT_ONLY, at, ld, opt_add, opt_mul, r_ok, seg, seg2, st, st_exact, tcast
-from ._stream import dx_vec, dx_vec1, out_vec, sfence, stream_span, streams
+from ._stream import dx_vec, dx_vec1, out_vec, sfence, stream_lines, streams
 
 __all__ = [
     "FAST",
@@ -108,35 +108,40 @@ def _y_range(stat, xr, w, b, k, c, r, yr, lo, hi):  # type: ignore[no-untyped-de
 
 
 @jit(FM_SUM, inline="always")
-def _write_y(stat, xr, w, b, k, c, r, yr, stream):  # type: ignore[no-untyped-def]
-    """``yr = centre(x) * r [* w] [+ b]``, rounded once to the storage dtype."""
-    h = xr.shape[0]
+def write_y(stat, xr, w, b, k, c, r, yr, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """``yr[lo:hi] = centre(x) * r [* w] [+ b]``, rounded once to the storage dtype (a row is written whole, or
+    by segments with the same stores, :func:`._stream.stream_lines`)."""
     if stream is not None and streams(yr):
-        j0, j1 = stream_span(yr)
-        _y_range(stat, xr, w, b, k, c, r, yr, 0, j0)
+        j0, j1 = stream_lines(yr, lo, hi)
+        _y_range(stat, xr, w, b, k, c, r, yr, lo, j0)
         for j in range(j0, j1, LANES):
             out_vec(stat, xr, w, b, k, c, r, yr, j)
-        _y_range(stat, xr, w, b, k, c, r, yr, j1, h)
+        _y_range(stat, xr, w, b, k, c, r, yr, j1, hi)
     else:
-        _y_range(stat, xr, w, b, k, c, r, yr, 0, h)
+        _y_range(stat, xr, w, b, k, c, r, yr, lo, hi)
 
 
 @jit(FM_SUM, inline="always")
-def _write_dx(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream):  # type: ignore[no-untyped-def]
-    """``dxr[j] = dx_elem(...)`` for the whole row, through the epilogue ``er`` (:func:`._io.put`; streaming
-    stores only without one)."""
-    h = xr.shape[0]
+def write_dx(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """``dxr[j] = dx_elem(...)`` for ``lo <= j < hi``, through the epilogue ``er`` (:func:`._io.put`; streaming
+    stores only without one; the streamed arithmetic is :mod:`._stream`'s, the same for a whole row and for
+    its segments)."""
     if stream is not None and streams(dxr):
-        j0, j1 = stream_span(dxr)
-        for j in range(j0):
+        j0, j1 = stream_lines(dxr, lo, hi)
+        for j in range(lo, j0):
             dx_vec1(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
         for j in range(j0, j1, LANES):
             dx_vec(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
-        for j in range(j1, h):
+        for j in range(j1, hi):
             dx_vec1(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
     else:
-        for j in range(h):
-            put(er, dxr, j, dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j))
+        _dx_range(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, lo, hi)
+
+
+@jit(FM_SUM, inline="always")
+def _dx_range(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, lo, hi):  # type: ignore[no-untyped-def]
+    for j in range(lo, hi):
+        put(er, dxr, j, dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j))
 
 
 def gmul(stat, dy, w, j):  # type: ignore[no-untyped-def]
@@ -163,19 +168,19 @@ def _fwd_row(stat, xr, w, b, eps, corr, mode, yr, stream):  # type: ignore[no-un
     if not ok:
         return False, 0.0, 0.0
     r = _rfactor(v, eps, mode)
-    _write_y(stat, xr, w, b, k, tcast(xr, c), tcast(xr, r), yr, stream)
+    write_y(stat, xr, w, b, k, tcast(xr, c), tcast(xr, r), yr, stream, 0, xr.shape[0])
     return True, row_aux(stat, k, c, v, eps, mode), r
 
 
 @jit(FM_SUM)
-def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g0, g1):  # type: ignore[no-untyped-def]
-    """The row groups ``g0 <= g < g1`` of :func:`fwd`; returns how many rows it left pending.
+def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, i0, i1):  # type: ignore[no-untyped-def]
+    """Rows ``i0 <= i < i1`` of :func:`fwd`; returns how many it left pending.
 
     Every span kernel of the backend is this pattern: the kernel borrows its arrays (:mod:`._borrow`) and hands
     them to its body as arguments (numba prunes ``is None`` branches on arguments only).
     """
     pending = 0
-    for i in range(g0 * STREAM_GROUP, min(g1 * STREAM_GROUP, x.shape[0])):
+    for i in range(i0, i1):
         xr = src_row(pro, x, i)
         ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, y[i], stream)
         if ok:
@@ -192,12 +197,12 @@ def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, g0
 
 @jit(FM_SUM)
 def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, lo, hi):  # type: ignore[no-untyped-def]
-    """Forward of the row groups ``lo <= g < hi`` (:data:`._layout.STREAM_GROUP` rows each) of ``x`` (storage
-    dtype) into ``y``; ``aux`` (the statistic's per-row value, or None) and ``rstd`` float64. ``pro``: the
-    prologue, ``tab``: the affine source (:mod:`._io`).
+    """Forward of rows ``lo <= i < hi`` of ``x`` (storage dtype) into ``y``; ``aux`` (the statistic's per-row
+    value, or None) and ``rstd`` float64. ``pro``: the prologue, ``tab``: the affine source (:mod:`._io`).
 
     Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
-    True to write float32 ``y`` with streaming stores (outputs much larger than the caches).
+    True to write float32 ``y`` with streaming stores (outputs much larger than the caches; one store fence per
+    span).
     """
     return _fwd_span(*borrow((stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream)), lo, hi)
 
@@ -245,20 +250,22 @@ def fwd_slow(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream):  #
 
 
 @jit(FM_SUM, inline="always")
-def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[no-untyped-def]
-    """``(sum g, sum g*xhat, sum d^2)`` in float64 with ``g = dy * w``, ``d = centre(x)``, ``xhat = d * r``
-    (``sum d^2`` only with eps outside the root); adds ``dy * xhat`` to ``pw[blk]``, ``dy`` to ``pb[blk]``.
+def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks):  # type: ignore[no-untyped-def]
+    """``(sum g, sum g*xhat, sum d^2)`` over columns ``j0:j1`` (``j0`` a multiple of :data:`._layout.CHUNK`) in
+    float64 with ``g = dy * w``, ``d = centre(x)``, ``xhat = d * r`` (``sum d^2`` only with eps outside the
+    root); adds ``dy * xhat`` to ``pw[blk]``, ``dy`` to ``pb[blk]``. ``chunks`` (None, or a float64
+    ``(chunks, 3)`` array): each chunk's three sums are also stored there (the split kernels,
+    :mod:`._split_kernels`, add them in chunk order afterwards, exactly as this loop does).
 
     The partials ``pw``, ``pb`` ((blocks, H) arrays or None) are passed down as the kernels' own
     arguments with a block index: numba prunes ``is None`` branches at compile time for arguments only.
     """
-    h = xr.shape[0]
     sg = 0.0
     sgx = 0.0
     sd2 = 0.0
     zero = tcast(xr, 0.0)
-    for c0 in range(0, h, CHUNK):
-        c1 = min(c0 + CHUNK, h)
+    for c0 in range(j0, j1, CHUNK):
+        c1 = min(c0 + CHUNK, j1)
         xc = xr[c0:c1]
         dc = dyr[c0:c1]
         ag = zero
@@ -291,6 +298,10 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[
                     pwc[j] += dy * xhat
                 if pb is not None:
                     pbc[j] += dy
+        if chunks is not None:
+            chunks[c0 // CHUNK, 0] = np.float64(ag)
+            chunks[c0 // CHUNK, 1] = np.float64(agx)
+            chunks[c0 // CHUNK, 2] = np.float64(ad2)
         sg += np.float64(ag)
         sgx += np.float64(agx)
         sd2 += np.float64(ad2)
@@ -306,10 +317,11 @@ def _bwd_row(stat, xr, dyr, w, mean, r, corr, mode, dxr, er, pw, pb, blk, stream
     k, c = bwd_centring(stat, xr, mean, r)
     rt = tcast(xr, r)
     if r_ok(xr, r):
-        sg, sgx, sd2 = _bwd_sums(stat, xr, dyr, w, k, c, rt, eps_outside(stat, mode), pw, pb, blk)
+        sg, sgx, sd2 = _bwd_sums(stat, xr, dyr, w, k, c, rt, eps_outside(stat, mode), pw, pb, blk, 0,
+                                 xr.shape[0], None)  # fmt: skip
         ok, gbar, coef = bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, mean)
         if ok:
-            _write_dx(stat, xr, dyr, w, k, c, rt, gbar, coef, dxr, er, stream)
+            write_dx(stat, xr, dyr, w, k, c, rt, gbar, coef, dxr, er, stream, 0, xr.shape[0])
             return True, c
     return False, c
 
@@ -512,6 +524,10 @@ def redo_blocks(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[no
                 _acc_slow(stat, xr, dy[i], at(mean, i), rstd[i], scale[i], cr, pw, pb, slot, 0)
 
 
+#: column tiles :func:`params_by_cols` takes in one step (4 rows of x and dy: 32 KiB of float32, within L1)
+_TILES_AT_ONCE = 4
+
+
 @jit(FM_SUM)
 def _params_tiles(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t0, t1):  # type: ignore[no-untyped-def]
     """Column tiles ``t0 <= t < t1`` of :func:`params_by_cols` (its body: see :func:`_fwd_span`)."""
@@ -520,9 +536,9 @@ def _params_tiles(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t0, t1):  # t
     kq = np.empty(4)
     cq = np.empty(4)
     rq = np.empty(4)
-    for t in range(t0, t1):
+    for t in range(t0, t1, _TILES_AT_ONCE):  # columns are independent: wider steps change no result
         j0 = t * COL_TILE
-        j1 = min(j0 + COL_TILE, h)
+        j1 = min(min(t + _TILES_AT_ONCE, t1) * COL_TILE, h)
         for blk in range(nb):
             pzero(pw, tab, blk, j0, j1)
             pzero(pb, tab, blk, j0, j1)

@@ -27,7 +27,7 @@ from ._cache import jit
 from ._layout import LANES
 from ._storage import JIT_ONLY
 
-__all__ = ["dx_vec", "dx_vec1", "out_vec", "sfence", "stream_span", "streams"]
+__all__ = ["dx_vec", "dx_vec1", "out_vec", "sfence", "stream_lines", "stream_span", "streams"]
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
@@ -101,6 +101,19 @@ def stream_span(yr):  # type: ignore[no-untyped-def]
     m = _misalign(yr)
     j0 = min(h, ((64 - m) % 64) // 4) if m % 4 == 0 else h
     return j0, j0 + (h - j0) // LANES * LANES
+
+
+@jit(inline="always")
+def stream_lines(yr, lo, hi):  # type: ignore[no-untyped-def]
+    """``(a, e)``: the part of ``yr[lo:hi]`` made of whole lines of :func:`stream_span` (``lo <= a <= e <= hi``;
+    ``(j0, j1)`` of :func:`stream_span` for the whole row). A row written segment by segment this way gets the
+    same stores as written whole."""
+    j0, j1 = stream_span(yr)
+    a = j0 if lo <= j0 else j0 + (lo - j0 + LANES - 1) // LANES * LANES
+    a = min(a, hi)
+    e = min(hi, j1)
+    e = j0 + (e - j0) // LANES * LANES if e > j0 else a
+    return a, max(a, e)
 
 
 def streams(a):  # type: ignore[no-untyped-def]

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SERIAL_THRESHOLD", "get_num_threads", "launch", "set_num_threads", "spans"]
+__all__ = ["SERIAL_THRESHOLD", "get_num_threads", "launch", "set_num_threads", "spans", "threads_for"]
 
 #: calls on fewer elements (rows * hidden) than this run on one thread: handing a span to a pool thread costs
 #: about 10-20 us on a virtual machine (waking it, and its wait for the GIL), which pays from about 128K
@@ -173,6 +173,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_workers)
 
 
+def threads_for(work: int) -> int:
+    """Threads a call on ``work`` elements made from this Python thread may use (before the task count)."""
+    return 1 if work < SERIAL_THRESHOLD else get_num_threads()
+
+
 def spans(tasks: int, n: int) -> list[tuple[int, int]]:
     """``tasks`` cut into ``n`` contiguous spans, as even as possible (the first ones take the remainder)."""
     return [(tasks * i // n, tasks * (i + 1) // n) for i in range(n)]
@@ -186,7 +191,7 @@ def launch(kernel: Callable[..., Any], work: int, tasks: int, *args: Any) -> Any
     in any span is raised once every span has finished. When other Python threads' calls hold the pool's
     workers, the call runs on fewer threads (results do not depend on it).
     """
-    n = min(1 if work < SERIAL_THRESHOLD else get_num_threads(), tasks)
+    n = min(threads_for(work), tasks)
     workers = _take(n - 1) if n > 1 else []
     if not workers:
         return kernel(*args, 0, tasks)

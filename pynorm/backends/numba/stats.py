@@ -38,12 +38,12 @@ from ...ops import SPECS, OpSpec
 from ...reference._common import round_to
 from . import _common as cm
 from . import _stats_kernels as k
-from ._layout import ROW_BLOCK, blocks, groups, tiles, use_fused, use_stream
+from ._layout import CHUNK, ROW_BLOCK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
 from ._rowstats import FLOOR, INSIDE, OUTSIDE
-from ._threads import launch
+from ._threads import launch, threads_for
 from ._variant import Tag, statistic
 
-__all__ = ["AFFINE_SOURCES", "OP_IMPLS", "StatsOp", "backward_rows", "forward_rows"]
+__all__ = ["AFFINE_SOURCES", "OP_IMPLS", "StatsOp", "backward_rows", "forward_rows", "split_rows"]
 
 #: the kernels' eps mode of each ``eps_mode`` option value (ops without the option: eps inside the root)
 EPS_MODES = {"var": INSIDE, "root": INSIDE, "std": OUTSIDE, "floor": FLOOR}
@@ -237,6 +237,32 @@ class StatsOp:
         return self.grads(dx, *([dres] if self.residual else []), *grads)
 
 
+#: tests set this True: every call takes the split kernels (:func:`split_rows`), whatever its shape
+FORCE_SPLIT = False
+
+
+def split_rows(tasks: int, x: np.ndarray) -> bool:
+    """Whether a kernel of ``tasks`` whole-row tasks over ``x`` (storage form) runs on the split kernels
+    (:mod:`._split_kernels`): when it has fewer tasks than threads and its rows have at least two segments of
+    :data:`._layout.SPLIT_SEG`. The split kernels' results are bitwise the plain kernels', so the choice may
+    depend on the threads.
+
+    Float64 rows are never split: with the kernels' fastmath flags LLVM may merge a float64 row's chunk sums
+    into one reduction over the row, so the plain kernels' float64 sums are not the chunk sums in chunk order
+    that the split kernels add (float32 chunk sums are converted to float64 before they are added, which
+    keeps them apart)."""
+    rows, hidden = x.shape
+    if x.dtype == np.float64 or rows == 0 or hidden == 0:
+        return False
+    if FORCE_SPLIT:
+        return True
+    return hidden >= 2 * SPLIT_SEG and tasks < threads_for(rows * hidden)
+
+
+def _segments(rows: int, hidden: int) -> int:
+    return rows * -(-hidden // SPLIT_SEG)
+
+
 def forward_rows(
     stat: Tag,
     x: Any,
@@ -254,9 +280,24 @@ def forward_rows(
 ) -> None:
     """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd`, then the slow path for the rows it
     left (``stream``: streaming stores for ``y``; ``pro``/``tab``: prologue and affine source, :mod:`._io`)."""
-    args = (stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, True if stream else None)
-    if launch(k.fwd, x.shape[0] * x.shape[1], groups(x.shape[0]), *args):
-        k.fwd_slow(*args)
+    rows, h = x.shape
+    if split_rows(rows, x):
+        from . import _split_kernels as sk
+
+        tasks = _segments(rows, h)
+        if pro is not None:  # h first, then the rows of h are normalized
+            launch(sk.prologue, rows * h, tasks, pro, x)
+            x, pro = pro[2], None
+        kk, c = np.empty(rows), np.empty(rows)
+        s1, s2 = np.zeros((rows, -(-h // CHUNK))), np.zeros((rows, -(-h // CHUNK)))
+        launch(sk.fwd_sums, rows * h, tasks, stat, x, kk, s1, s2)
+        pending = sk.fwd_finish_rows(stat, x, kk, s1, s2, eps, corr, mode, c, aux, rstd)
+        launch(sk.fwd_write, rows * h, tasks, stat, x, w, b, tab, kk, c, rstd, y, True if stream else None)
+    else:
+        pending = launch(k.fwd, rows * h, rows, stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd,
+                         True if stream else None)  # fmt: skip
+    if pending:
+        k.fwd_slow(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, None)
 
 
 def backward_rows(
@@ -284,6 +325,28 @@ def backward_rows(
     st = True if stream else None
     scale = np.empty(rows, np.int64)
     cs = None
+    if path in ("fused", "rows") and split_rows(blocks(rows) if path == "fused" else rows, x):
+        from . import _split_kernels as sk
+
+        fused = path == "fused"
+        kk, c, ok = np.empty(rows), np.empty(rows), np.empty(rows, np.bool_)
+        sk.bwd_prep(stat, x, aux, rstd, kk, c, ok)
+        sums = np.zeros((rows, -(-h // CHUNK), 3))
+        launch(sk.bwd_sums, rows * h, _segments(blocks(rows), h), stat, x, dy, w, tab, kk, c, rstd, ok, mode,
+               pw if fused else None, pb if fused else None, sums)  # fmt: skip
+        gbar, coef = np.empty(rows), np.empty(rows)
+        slow = sk.bwd_finish_rows(stat, x, kk, c, rstd, ok, corr, mode, aux, sums, gbar, coef, scale)
+        launch(sk.bwd_write, rows * h, _segments(rows, h), stat, x, dy, w, tab, kk, c, rstd, gbar, coef, scale,
+               ep, dx, st)  # fmt: skip
+        cs = c if not fused and stat.choice == "centered" else None
+        if slow:
+            k.bwd_slow(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs)
+            if fused and (pw is not None or pb is not None):
+                k.redo_blocks(stat, x, dy, tab, aux, rstd, scale, pw, pb)
+        if not fused and (pw is not None or pb is not None):
+            launch(k.params_by_cols, rows * h, tiles(h), stat, x, dy, tab, aux, rstd, scale if slow else None, cs,
+                   pw, pb)  # fmt: skip
+        return scale, cs
     if path == "fused":
         if launch(
             k.bwd_fused, rows * h, blocks(rows), stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, pw, pb, scale, st

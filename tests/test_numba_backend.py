@@ -1030,11 +1030,6 @@ def test_borrow_views_share_data_and_keep_references_balanced() -> None:
 # few wide rows: rows split across threads (_split_kernels) give the plain kernels' bits
 
 SPLIT_OPS = [n for n, impl in stats.OP_IMPLS.items()]
-SPLIT_OPTIONS: dict[str, list[dict[str, Any]]] = {
-    "layer_norm": [{}, {"eps_mode": "std", "correction": 1}],
-    "scale_norm": [{}, {"eps_mode": "root"}, {"eps": 1e3}],  # eps = 1e3: the floor branch
-    "add_layer_norm": [{"alpha": 0.5}],
-}
 # rows path with 1 and 3 rows, the fused path (>= FUSED_MIN_ROWS rows) with a ragged last segment
 SPLIT_SHAPES = [
     (1, 2 * _layout.SPLIT_SEG + 5),
@@ -1068,7 +1063,7 @@ def _split_case(op: str, shape: tuple[int, int], dt: Any, options: dict[str, Any
 def test_split_rows_give_the_plain_kernels_bits(
     op: str, shape: tuple[int, int], dt: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for options in SPLIT_OPTIONS.get(op, [{}]):
+    for options in SPECS[op].cases:  # every convention of the spec (a float64 h of a float32 x is not split)
         plain = _split_case(op, shape, dt, options)
         monkeypatch.setattr(stats, "FORCE_SPLIT", True)
         split = _split_case(op, shape, dt, options)
@@ -1081,6 +1076,11 @@ def test_split_rows_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     seg = _layout.SPLIT_SEG
     wide = np.zeros((1, 2 * seg), np.float32)
     monkeypatch.setattr(_threads, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(stats, "SPLIT_MIN_WORK", 0)
+    assert stats.split_rows(1, wide)
+    monkeypatch.setattr(stats, "SPLIT_MIN_WORK", wide.size + 1)
+    assert not stats.split_rows(1, wide)  # too small a call
+    monkeypatch.setattr(stats, "SPLIT_MIN_WORK", 0)
     assert stats.split_rows(1, wide)  # one row, four threads
     assert stats.split_rows(3, np.empty((3, 2 * seg), np.float32))
     assert not stats.split_rows(4, np.empty((4, 2 * seg), np.float32))  # a row per thread already
@@ -1098,6 +1098,7 @@ def test_one_wide_row_runs_on_every_thread(monkeypatch: pytest.MonkeyPatch) -> N
     """A single row of many elements is cut into segments that run on the pool (and gives the 1-thread bits)."""
     from pynorm.backends.numba import _split_kernels
 
+    monkeypatch.setattr(stats, "SPLIT_MIN_WORK", 0)  # (the tests' conftest already sends small calls to the pool)
     x, dy, w, b = data((1, 8 * _layout.SPLIT_SEG), np.float32)
     seen: list[tuple[int, set[int]]] = []
     real = _threads.launch

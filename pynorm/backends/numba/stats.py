@@ -239,12 +239,15 @@ class StatsOp:
 
 #: tests set this True: every call takes the split kernels (:func:`split_rows`), whatever its shape
 FORCE_SPLIT = False
+#: smaller calls keep whole rows: the split's three launches cost two more hand-offs to the pool threads, which
+#: a call of 128K elements does not win back (one row of 131072 float32: 0.6-0.9x the whole-row kernels' speed)
+SPLIT_MIN_WORK = 1 << 19
 
 
 def split_rows(tasks: int, x: np.ndarray) -> bool:
     """Whether a kernel of ``tasks`` whole-row tasks over ``x`` (storage form) runs on the split kernels
-    (:mod:`._split_kernels`): when it has fewer tasks than threads and its rows have at least two segments of
-    :data:`._layout.SPLIT_SEG`. The split kernels' results are bitwise the plain kernels', so the choice may
+    (:mod:`._split_kernels`): when it has fewer tasks than threads, at least :data:`SPLIT_MIN_WORK` elements and
+    rows of at least two segments of :data:`._layout.SPLIT_SEG`. The split kernels' results are bitwise the plain kernels', so the choice may
     depend on the threads.
 
     Float64 rows are never split: with the kernels' fastmath flags LLVM may merge a float64 row's chunk sums
@@ -256,7 +259,8 @@ def split_rows(tasks: int, x: np.ndarray) -> bool:
         return False
     if FORCE_SPLIT:
         return True
-    return hidden >= 2 * SPLIT_SEG and tasks < threads_for(rows * hidden)
+    work = rows * hidden
+    return hidden >= 2 * SPLIT_SEG and work >= SPLIT_MIN_WORK and tasks < threads_for(work)
 
 
 def _segments(rows: int, hidden: int) -> int:
@@ -281,7 +285,7 @@ def forward_rows(
     """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd`, then the slow path for the rows it
     left (``stream``: streaming stores for ``y``; ``pro``/``tab``: prologue and affine source, :mod:`._io`)."""
     rows, h = x.shape
-    if split_rows(rows, x):
+    if split_rows(rows, x if pro is None else pro[2]):  # (the rows normalized are h's with a prologue)
         from . import _split_kernels as sk
 
         tasks = _segments(rows, h)

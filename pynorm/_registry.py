@@ -287,10 +287,17 @@ def use_backend(name: str) -> Iterator[Backend]:
         _current.reset(token)
 
 
+_FAMILIES: dict[type, tuple[str, str]] = {}
+
+
 def array_family(a: Any) -> tuple[str, str]:
-    """``(top-level module, class name)`` of an array's type, without importing anything."""
+    """``(top-level module, class name)`` of an array's type, without importing anything (memoized per type:
+    a call validates a dozen arrays)."""
     t = type(a)
-    return t.__module__.partition(".")[0], t.__name__
+    f = _FAMILIES.get(t)
+    if f is None:
+        f = _FAMILIES.setdefault(t, (t.__module__.partition(".")[0], t.__name__))
+    return f
 
 
 def _family_of(arrays: tuple[Any, ...], names: tuple[str, ...]) -> tuple[str, str]:

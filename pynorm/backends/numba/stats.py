@@ -14,7 +14,7 @@ with the reference module's contract (same arguments, options, ctx dataclass and
 * the affine source (:data:`AFFINE_SOURCES`): a per-feature vector, a scalar (broadcast to a vector; its
   gradient the sum of the vector's) or a table of rows selected by the row index input.
 
-Forward: one parallel pass over the rows (:func:`._stats_kernels.fwd`); ``ctx`` keeps ``x`` (``h``) as
+Forward: one pass over the rows, split across threads by rows (:func:`._stats_kernels.fwd`); ``ctx`` keeps ``x`` (``h``) as
 given and float64 per-row statistics. Math type: float32, or float64 when ``x`` or ``h`` is float64
 (a narrower ``h`` of a float64 ``x`` is normalized from its exact float64 copy).
 
@@ -24,6 +24,9 @@ of many elements, :func:`._layout.use_fused` -- by column tiles afterwards) adde
 block order, so results do not depend on the thread count. Rows the fast path cannot take are
 finished by the slow-path kernels, compiled on first need. Outputs not passed as
 ``out=``/``dx_out=`` come from a recycling pool (:class:`._common._BufferPool`).
+
+Few wide rows (fewer row tasks than threads, :func:`split_rows`): the forward and the backward's ``dx`` run on
+the split kernels (:mod:`._split_kernels`), rows cut into segments across threads, with the same results.
 """
 
 from __future__ import annotations
@@ -239,16 +242,18 @@ class StatsOp:
 
 #: tests set this True: every call takes the split kernels (:func:`split_rows`), whatever its shape
 FORCE_SPLIT = False
-#: smaller calls keep whole rows: the split's three launches cost two more hand-offs to the pool threads, which
-#: a call of 128K elements does not win back (one row of 131072 float32: 0.6-0.9x the whole-row kernels' speed)
-SPLIT_MIN_WORK = 1 << 19
+#: smaller calls keep whole rows: the split's three launches cost two more hand-offs to the pool threads, and
+#: reading a row twice from the last-level cache leaves little for a second thread to win below about 1M
+#: elements (one float32 row on 2 threads, split against whole: 0.65-0.95x at 256K elements, 0.9-1.75x at 512K,
+#: 1.03-1.65x at 1M, 1.3-1.8x at 4M)
+SPLIT_MIN_WORK = 1 << 20
 
 
 def split_rows(tasks: int, x: np.ndarray) -> bool:
     """Whether a kernel of ``tasks`` whole-row tasks over ``x`` (storage form) runs on the split kernels
     (:mod:`._split_kernels`): when it has fewer tasks than threads, at least :data:`SPLIT_MIN_WORK` elements and
-    rows of at least two segments of :data:`._layout.SPLIT_SEG`. The split kernels' results are bitwise the plain kernels', so the choice may
-    depend on the threads.
+    rows of at least two segments of :data:`._layout.SPLIT_SEG`. The split kernels' results are bitwise the
+    plain kernels', so the choice may depend on the threads.
 
     Float64 rows are never split: with the kernels' fastmath flags LLVM may merge a float64 row's chunk sums
     into one reduction over the row, so the plain kernels' float64 sums are not the chunk sums in chunk order

@@ -14,9 +14,9 @@ with the reference module's contract (same arguments, options, ctx dataclass and
 * the affine source (:data:`AFFINE_SOURCES`): a per-feature vector, a scalar (broadcast to a vector; its
   gradient the sum of the vector's) or a table of rows selected by the row index input.
 
-Forward: one pass over the rows, split across threads by rows (:func:`._stats_kernels.fwd`); ``ctx`` keeps ``x`` (``h``) as
-given and float64 per-row statistics. Math type: float32, or float64 when ``x`` or ``h`` is float64
-(a narrower ``h`` of a float64 ``x`` is normalized from its exact float64 copy).
+Forward: one pass over the rows, split across threads by rows (:func:`._stats_kernels.fwd`); ``ctx`` keeps
+``x`` (``h``) as given and float64 per-row statistics. Math type: float32, or float64 when ``x`` or ``h`` is
+float64 (a narrower ``h`` of a float64 ``x`` is normalized from its exact float64 copy).
 
 Backward: ``dx`` row by row; parameter gradients from per-block partial sums (blocks of
 :data:`._layout.ROW_BLOCK` rows, accumulated during the ``dx`` rows' first pass, or -- for few rows

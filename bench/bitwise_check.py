@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pynorm from {pynorm.__file__}; backend {args.backend}; threads {pynorm.get_num_threads()}", flush=True)
     t0 = time.perf_counter()
     ops = tuple(o for o in args.ops.split(",") if o)
+    unknown = [o for o in ops if o not in SPECS or SPECS[o].family not in ("stats", "elementwise")]
+    if unknown:
+        p.error(f"--ops: {', '.join(unknown)}: only the ops of the stats and elementwise families are recorded")
     unknown = [o for o in ops if o not in SPECS]
     if unknown:
         p.error(f"unknown op(s) {unknown}; known: {', '.join(SPECS)}")

@@ -80,9 +80,10 @@ def _fwd_sums_span(stat, x, k, s1, s2, t0, t1):  # type: ignore[no-untyped-def]
     for t in range(t0, t1):
         i, j0, j1 = _segment(t, x.shape[1])
         xr = x[i]
+        kk = fwd_shift(stat, xr)
         if j0 == 0:
-            k[i] = np.float64(fwd_shift(stat, xr))
-        seg_sums(stat, xr, fwd_shift(stat, xr), j0, j1, s1[i], s2[i])
+            k[i] = np.float64(kk)
+        seg_sums(stat, xr, kk, j0, j1, s1[i], s2[i])
 
 
 @jit(FM_SUM)

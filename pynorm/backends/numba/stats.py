@@ -298,7 +298,7 @@ def forward_rows(
             launch(sk.prologue, rows * h, tasks, pro, x)
             x, pro = pro[2], None
         kk, c = np.empty(rows), np.empty(rows)
-        s1, s2 = np.zeros((rows, -(-h // CHUNK))), np.zeros((rows, -(-h // CHUNK)))
+        s1, s2 = np.zeros((2, rows, -(-h // CHUNK)))
         launch(sk.fwd_sums, rows * h, tasks, stat, x, kk, s1, s2)
         pending = sk.fwd_finish_rows(stat, x, kk, s1, s2, eps, corr, mode, c, aux, rstd)
         launch(sk.fwd_write, rows * h, tasks, stat, x, w, b, tab, kk, c, rstd, y, True if stream else None)
@@ -330,49 +330,53 @@ def backward_rows(
     :func:`._layout.use_fused`): ``dx`` (through the epilogue ``ep``) and the block partials ``pw``/``pb`` (or
     None). Returns the rows' ``scale`` (:data:`._stats_kernels.FAST` or the slow path's exponent) and, on the rows
     path of a centred statistic, their ``c``."""
+    if path not in ("fused", "rows"):
+        raise ValueError(f"unknown backward path {path!r}")
     rows, h = x.shape
+    fused = path == "fused"
     st = True if stream else None
     scale = np.empty(rows, np.int64)
-    cs = None
-    if path in ("fused", "rows") and split_rows(blocks(rows) if path == "fused" else rows, x):
-        from . import _split_kernels as sk
-
-        fused = path == "fused"
-        kk, c, ok = np.empty(rows), np.empty(rows), np.empty(rows, np.bool_)
-        sk.bwd_prep(stat, x, aux, rstd, kk, c, ok)
-        sums = np.zeros((rows, -(-h // CHUNK), 3))
-        launch(sk.bwd_sums, rows * h, _segments(blocks(rows), h), stat, x, dy, w, tab, kk, c, rstd, ok, mode,
-               pw if fused else None, pb if fused else None, sums)  # fmt: skip
-        gbar, coef = np.empty(rows), np.empty(rows)
-        slow = sk.bwd_finish_rows(stat, x, kk, c, rstd, ok, corr, mode, aux, sums, gbar, coef, scale)
-        launch(sk.bwd_write, rows * h, _segments(rows, h), stat, x, dy, w, tab, kk, c, rstd, gbar, coef, scale,
-               ep, dx, st)  # fmt: skip
-        cs = c if not fused and stat.choice == "centered" else None
-        if slow:
-            k.bwd_slow(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs)
-            if fused and (pw is not None or pb is not None):
-                k.redo_blocks(stat, x, dy, tab, aux, rstd, scale, pw, pb)
-        if not fused and (pw is not None or pb is not None):
-            launch(k.params_by_cols, rows * h, tiles(h), stat, x, dy, tab, aux, rstd, scale if slow else None, cs,
-                   pw, pb)  # fmt: skip
-        return scale, cs
-    if path == "fused":
-        if launch(
-            k.bwd_fused, rows * h, blocks(rows), stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, pw, pb, scale, st
-        ):
-            k.bwd_slow(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, None)
-            if pw is not None or pb is not None:
-                k.redo_blocks(stat, x, dy, tab, aux, rstd, scale, pw, pb)
-        return scale, cs
-    if path != "rows":
-        raise ValueError(f"unknown backward path {path!r}")
-    cs = np.empty(rows) if stat.choice == "centered" else None
-    slow = launch(k.bwd_rows, rows * h, rows, stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs, st)
+    cs = np.empty(rows) if not fused and stat.choice == "centered" else None
+    params = pw is not None or pb is not None
+    if split_rows(blocks(rows) if fused else rows, x):
+        slow = _backward_split(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx,
+                               pw if fused else None, pb if fused else None, scale, cs, st)  # fmt: skip
+    elif fused:
+        slow = launch(k.bwd_fused, rows * h, blocks(rows), stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, pw, pb,
+                      scale, st)  # fmt: skip
+    else:
+        slow = launch(k.bwd_rows, rows * h, rows, stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs, st)
     if slow:
         k.bwd_slow(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs)
-    if pw is not None or pb is not None:
+        if fused and params:
+            k.redo_blocks(stat, x, dy, tab, aux, rstd, scale, pw, pb)
+    if not fused and params:
         launch(k.params_by_cols, rows * h, tiles(h), stat, x, dy, tab, aux, rstd, scale if slow else None, cs, pw, pb)
     return scale, cs
+
+
+def _backward_split(
+    stat: Tag, x: Any, dy: Any, w: Any, tab: Any, aux: Any, rstd: Any, corr: int, mode: int, ep: Any, dx: Any,
+    pw: Any, pb: Any, scale: np.ndarray, cs: np.ndarray | None, st: Any,
+) -> int:  # fmt: skip
+    """The backward's ``dx`` (and, with ``pw``/``pb``, the fused path's partials) on the split kernels; fills
+    ``scale`` and ``cs`` (or None) as :func:`._stats_kernels.bwd_fused` / ``bwd_rows`` do and returns how many
+    rows are left for the slow path."""
+    from . import _split_kernels as sk
+
+    rows, h = x.shape
+    kk, c, ok = np.empty(rows), np.empty(rows), np.empty(rows, np.bool_)
+    sk.bwd_prep(stat, x, aux, rstd, kk, c, ok)
+    sums = np.zeros((rows, -(-h // CHUNK), 3))
+    launch(sk.bwd_sums, rows * h, _segments(blocks(rows), h), stat, x, dy, w, tab, kk, c, rstd, ok, mode, pw, pb,
+           sums)  # fmt: skip
+    gbar, coef = np.empty(rows), np.empty(rows)
+    slow = sk.bwd_finish_rows(stat, x, kk, c, rstd, ok, corr, mode, aux, sums, gbar, coef, scale)
+    launch(sk.bwd_write, rows * h, _segments(rows, h), stat, x, dy, w, tab, kk, c, rstd, gbar, coef, scale, ep, dx,
+           st)  # fmt: skip
+    if cs is not None:
+        cs[:] = c
+    return int(slow)
 
 
 def _serves(spec: OpSpec) -> bool:

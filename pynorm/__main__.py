@@ -35,8 +35,11 @@ def _converters(name: str) -> tuple[Any, Any]:
     if info.array_module == "cupy":
         import cupy
 
-        return cupy.asarray, cupy.asnumpy
-    return np.asarray, np.asarray
+        to_dev, to_host = cupy.asarray, cupy.asnumpy
+    else:
+        to_dev, to_host = np.asarray, np.asarray
+    # None (an absent optional input: a float x's x_scale) stays None
+    return (lambda a: None if a is None else to_dev(a)), (lambda a: None if a is None else to_host(a))
 
 
 def _dtypes() -> list[Any]:

@@ -142,9 +142,13 @@ def from_dlpack(a: Any, name: str) -> Array:
 
 def as_array(a: Any, name: str) -> Array:
     """``a`` if it is an array (of any backend's library), NumPy's array of it if it is a list/scalar, a zero-copy
-    view of any other DLPack exporter (:func:`from_dlpack`)."""
-    if type(a) is np.ndarray:  # the common case, first
+    view of any other DLPack exporter (:func:`from_dlpack`). A NumPy array of non-native byte order (``'>f4'`` on
+    a little-endian machine: its dtype's name is still ``float32``) is read as a native-order copy: no kernel
+    computes on swapped bytes."""
+    if type(a) is np.ndarray and a.dtype.isnative:  # the common case, first
         return a
+    if isinstance(a, np.ndarray) and not a.dtype.isnative:
+        return a.astype(a.dtype.newbyteorder("="))
     if isinstance(a, (list, tuple, numbers.Number, np.generic)) and not isinstance(a, bool):
         return np.asarray(a)
     if hasattr(a, "__dlpack__") and not _served(a):
@@ -238,6 +242,23 @@ def _check_param(spec_param: Any, p: Any, x: Array, axis: int, inputs: dict[str,
     if spec_param.finite and p.size and not bool(xp_of(p).isfinite(p.astype(xp_of(p).float64)).all()):
         raise ArgumentError(f"{name} must be finite, got {p!r}")
     return p
+
+
+def check_tables(spec: OpSpec, params: tuple[Array | None, ...] | list[Array | None]) -> None:
+    """Tables selected by the same index input must have the same number of rows ``M`` (a weight table of 3
+    modalities beside a bias table of 2 is an error naming the second, never a read past a table's end)."""
+    first: dict[str, tuple[str, int]] = {}
+    for sp, p in zip(spec.params, params, strict=True):
+        if sp.kind != "table" or p is None:
+            continue
+        if sp.index not in first:
+            first[sp.index] = (sp.name, int(p.shape[0]))
+        elif int(p.shape[0]) != first[sp.index][1]:
+            other, m = first[sp.index]
+            raise ShapeError(
+                f"{sp.name} has {p.shape[0]} rows (shape {tuple(p.shape)}) but {other} has {m}: the tables "
+                f"selected by {sp.index} must have the same number of rows (one per modality)"
+            )
 
 
 def _check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
@@ -365,6 +386,11 @@ def check_out(
         out = from_dlpack(out, name)
     if _registry.array_family(out) != _registry.array_family(like):
         _registry._family_of((like, out), ("x", name))
+    if not out.dtype.isnative:
+        raise DTypeError(
+            f"{name} has non-native byte order (dtype {out.dtype.str}): outputs are written in the machine's "
+            f"byte order; pass a buffer of dtype {out.dtype.newbyteorder('=').str}"
+        )
     want = tuple(like.shape) if shape is None else tuple(shape)
     want_dt = like.dtype if dtype is None else np.dtype(dtype)
     if tuple(out.shape) != want or out.dtype != want_dt:
@@ -412,6 +438,7 @@ def forward(
     ins = tuple(_check_input(si, a, x, ax) for si, a in zip(spec.inputs, inputs, strict=True))
     by_name = dict(zip(spec.input_names, ins, strict=True))
     ps = tuple(_check_param(sp, p, x, ax, by_name) for sp, p in zip(spec.params, params, strict=True))
+    check_tables(spec, ps)
     names = (*spec.input_names, *spec.param_names)
     arrays = dict(zip(names, (*ins, *ps), strict=True))
     if spec.check_arrays is not None:
@@ -447,6 +474,22 @@ def forward(
         tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins) if si.differentiable),
     )
     return (shaped if len(spec.outputs) > 1 else shaped[0]), ctx
+
+
+def _ctx_arrays(inner: Any) -> tuple[Array, ...]:
+    """Every array a backend's ctx holds, nested ctx objects included (a composite's ctx holds its ops'):
+    ``dx_out`` must overlap none of them, whatever the backend keeps."""
+    found: list[Array] = []
+    todo = [inner]
+    while todo:
+        v = todo.pop()
+        if hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "reshape"):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            todo.extend(v)
+        elif hasattr(v, "__dataclass_fields__"):
+            todo.extend(vars(v).values())
+    return tuple(found)
 
 
 def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str, Any] | None = None) -> Any:
@@ -491,7 +534,7 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
                 )
             g = g.reshape(rows, h)
         extra[f"d{oname}"] = g
-    inner_arrays = tuple(v for v in vars(ctx.inner).values() if hasattr(v, "shape") and hasattr(v, "dtype"))
+    inner_arrays = _ctx_arrays(ctx.inner)
     dx_out = check_out(
         dx_out, "dx_out", dy, (dy, *inner_arrays, *(g for g in extra.values() if g is not None)), ctx.x_shape
     )

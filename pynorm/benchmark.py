@@ -425,21 +425,14 @@ def _compile_table(rows: list[dict[str, Any]]) -> str:
 # every op of the specs against numpy.copyto
 
 
-def _op_arrays(spec: Any, shape: tuple[int, int], rng: np.random.Generator) -> tuple[list[Any], Any]:
-    """Extra inputs then parameters of ``spec`` for float32 ``x`` of ``shape`` (tables of 3 modalities), and dy."""
-    rows, h = shape
-    args: list[Any] = []
-    for i in spec.inputs:
-        if i.kind == "like_x":
-            args.append(rng.standard_normal(shape, dtype=np.float32))
-        elif i.kind == "row_scale":
-            args.append(None)  # float x: no input scale
-        else:
-            args.append(rng.permutation(np.arange(rows) % 3).astype(np.int64))
-    for p in spec.params:
-        pshape = {"feature": (h,), "scalar": (1,), "table": (3, h)}[p.kind]
-        args.append((p.init + 0.1 * rng.standard_normal(pshape)).astype(np.float32))
-    return args, rng.standard_normal(shape, dtype=np.float32)
+def _op_arrays(spec: Any, shape: tuple[int, int], rng: np.random.Generator) -> tuple[list[Any], Any, Any]:
+    """Extra inputs then parameters of ``spec`` for float32 ``x`` of ``shape`` (the spec's example arguments:
+    tables of 3 modalities, a fused Linear's matrix, conditioning vectors), an output buffer and ``dy`` of the
+    first output's shape and dtype."""
+    args = spec.example_args(shape, -1, np.float32, rng)
+    yshape = spec.output_shape(shape, -1, dict(zip((*spec.input_names, *spec.param_names), args, strict=True)))
+    ydt = spec.dtypes_of_outputs(np.dtype(np.float32), spec.defaults())[0]
+    return args, np.empty(yshape, ydt), rng.standard_normal(yshape, dtype=np.float32).astype(spec.grad_dtype(ydt))
 
 
 def op_bytes(spec: Any, shape: tuple[int, int]) -> dict[str, int]:
@@ -464,18 +457,19 @@ def op_table(shape: tuple[int, int] = (4096, 4096), repeat: int = 11) -> list[di
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(shape, dtype=np.float32) + 3).astype(np.float32)
     buf = np.empty_like(x)
-    y = np.empty_like(x)
     dx = np.empty_like(x)
     for op in pynorm._registry.backend_ops("numba"):
         spec = SPECS[op]
-        args, dy = _op_arrays(spec, shape, rng)
+        args, y, dy = _op_arrays(spec, shape, rng)
         fwd_fn = spec.generic_forward()
         bwd_fn = getattr(pynorm, f"{op}_backward")
 
-        def fwd(fwd_fn: Any = fwd_fn, args: list[Any] = args) -> Any:
+        def fwd(fwd_fn: Any = fwd_fn, args: list[Any] = args, y: Any = y) -> Any:
             return fwd_fn(x, *args, backend="numba", out=y)
 
-        def fwdbwd(fwd_fn: Any = fwd_fn, bwd_fn: Any = bwd_fn, args: list[Any] = args, dy: Any = dy) -> None:
+        def fwdbwd(
+            fwd_fn: Any = fwd_fn, bwd_fn: Any = bwd_fn, args: list[Any] = args, y: Any = y, dy: Any = dy
+        ) -> None:
             _, c = fwd_fn(x, *args, backend="numba", out=y)
             bwd_fn(dy, c, dx_out=dx)
 
@@ -506,13 +500,13 @@ def op_table(shape: tuple[int, int] = (4096, 4096), repeat: int = 11) -> list[di
 
 def _op_table_text(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'op':20s} | {'copyto GB/s':>11s} | {'fwd ms':>7s} {'GB/s':>6s} {'%copy':>6s} {'%run':>5s} | "
+        f"{'op':22s} | {'copyto GB/s':>11s} | {'fwd ms':>7s} {'GB/s':>6s} {'%copy':>6s} {'%run':>5s} | "
         f"{'f+b ms':>7s} {'GB/s':>6s} {'%copy':>6s} {'%run':>5s}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['op']:20s} | {r['copyto_gbs']:11.1f} | {r['fwd_s'] * 1e3:7.1f} {r['fwd_gbs']:6.1f} "
+            f"{r['op']:22s} | {r['copyto_gbs']:11.1f} | {r['fwd_s'] * 1e3:7.1f} {r['fwd_gbs']:6.1f} "
             f"{100 * r['fwd_frac_copy']:5.0f}% {100 * r['fwd_frac_run_copy']:4.0f}% | {r['fwd+bwd_s'] * 1e3:7.1f} "
             f"{r['fwd+bwd_gbs']:6.1f} {100 * r['fwd+bwd_frac_copy']:5.0f}% {100 * r['fwd+bwd_frac_run_copy']:4.0f}%"
         )
@@ -665,10 +659,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ops",
         action="store_true",
-        help="only the op table: forward and forward+backward of every op the numba backend serves on a 4096x4096 "
-        "float32 input, as a fraction of numpy.copyto's bandwidth in the same run",
+        help="only the op table: forward and forward+backward of every op the numba backend serves on a float32 "
+        "input (--ops-shape), as a fraction of numpy.copyto's bandwidth in the same run",
+    )
+    parser.add_argument(
+        "--ops-shape", default="4096x4096", help="with --ops: the input's ROWSxHIDDEN (default 4096x4096)"
     )
     args = parser.parse_args(argv)
+    try:
+        ops_shape = tuple(int(v) for v in args.ops_shape.lower().split("x"))
+        if len(ops_shape) != 2 or min(ops_shape) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--ops-shape must be ROWSxHIDDEN with positive sizes (4096x4096), got {args.ops_shape!r}")
 
     try:
         import numba  # noqa: F401
@@ -682,9 +685,10 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
         _threads.set_num_threads(args.threads)
-        op_rows = op_table(repeat=args.repeat or 11)
+        op_rows = op_table((ops_shape[0], ops_shape[1]), repeat=args.repeat or 11)
         (out_dir / "op_table.json").write_text(json.dumps({"meta": _meta(args.threads), "rows": op_rows}, indent=1))
-        print(f"4096x4096 float32, {args.threads} threads; fraction of numpy.copyto bandwidth (same run)")
+        print(f"{ops_shape[0]}x{ops_shape[1]} float32, {args.threads} threads; fraction of numpy.copyto bandwidth "
+              f"(same run)")  # fmt: skip
         print(_op_table_text(op_rows))
         print(f"\nwrote {out_dir / 'op_table.json'}")
         return 0

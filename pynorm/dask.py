@@ -434,6 +434,7 @@ def forward(
             ins.append(_check_row_input(si, a, x, ax))
     ids_standins = {si.name: xp.zeros((1,), dtype=xp.int64) for si in spec.inputs if si.kind == "row_index"}
     ps = [_dispatch._check_param(sp, p, xs, ax, ids_standins) for sp, p in zip(spec.params, params, strict=True)]
+    _dispatch.check_tables(spec, ps)
     arrays = dict(zip((*spec.input_names, *spec.param_names), (*ins, *ps), strict=True))
     if spec.check_arrays is not None:
         spec.check_arrays(tuple(x.shape), ax, {"x": xs, **arrays}, opts)

@@ -20,11 +20,12 @@ def check_residual_dtype(v: Any, name: str) -> str | None:
     """None (``x``'s dtype) or one of the four float dtypes, returned by name."""
     if v is None:
         return None
-    dt = getattr(v, "name", None) or (v if isinstance(v, str) else getattr(np.dtype(v), "name", None))
-    try:
-        dt = dt if isinstance(dt, str) else np.dtype(v).name
-    except TypeError:
-        dt = None
+    dt = v if isinstance(v, str) else getattr(v, "name", None)
+    if not isinstance(dt, str) and not isinstance(v, (bool, int, float)):
+        try:
+            dt = np.dtype(v).name  # a NumPy scalar type (np.float32) or an ml_dtypes type
+        except (TypeError, ValueError):
+            dt = None
     if dt not in _FLOATS:
         raise DTypeError(f"{name} must be None or one of {', '.join(_FLOATS)}, got {v!r}")
     return dt

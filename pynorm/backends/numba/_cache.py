@@ -9,16 +9,26 @@ version and the llvmlite version: editing any file invalidates every cached kern
 The cache directory is the one numba would pick (``NUMBA_CACHE_DIR`` when set, else ``__pycache__``
 beside the sources, else the user-wide cache).
 
-The locator must be in place when ``njit(cache=True)`` decorates (numba picks the locator then),
-so every kernel module imports :func:`jit` from here. It relies on numba's private
-``numba.core.caching`` API; when that is missing, or when ``NUMBA_CACHE_LOCATOR_CLASSES``
-overrides the locators, the kernels are compiled with ``cache=False`` (and one warning says so).
+The locator must be in place when a kernel is decorated (numba picks the locator then), so every
+kernel module imports :func:`jit` from here. It relies on numba's private ``numba.core.caching``
+API; when that is missing, or when ``NUMBA_CACHE_LOCATOR_CLASSES`` overrides the locators, the
+kernels are compiled with ``cache=False`` (and one warning says so).
+
+The cache never fails a call (:class:`GuardedCache`, numba's ``FunctionCache`` with its loads and
+saves guarded):
+
+* a cache file that cannot be read (truncated, overwritten, from another machine...) is a miss: the
+  kernel is recompiled and its entry written anew, with one :class:`CacheWarning` per process;
+* with no writable cache directory (a read-only install, ``NUMBA_CACHE_DIR`` and ``HOME`` not
+  writable) the kernels still load from a warm cache there, read-only, and what is compiled in the
+  process is not saved (one :class:`CacheWarning`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,8 +36,24 @@ from typing import Any
 import llvmlite
 import numba
 from numba import njit
+from numba.core.caching import FunctionCache, IndexDataCacheFile
 
-__all__ = ["CACHING", "FM_SUM", "SOURCE_STAMP", "jit"]
+from ...errors import PynormWarning
+
+
+class CacheWarning(PynormWarning):
+    """numba's disk cache of pynorm's kernels could not be read or written: the kernels are compiled instead."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        warnings.warn(message, CacheWarning, stacklevel=4)
+
+__all__ = ["CACHING", "FM_SUM", "SOURCE_STAMP", "CacheWarning", "GuardedCache", "jit"]
 
 #: the fastmath flags of the kernels' arithmetic (row sums reassociate and vectorize, products contract):
 #: never ``nnan``/``ninf``, so NaN and Inf keep their IEEE meaning. Helpers whose rounding matters are
@@ -70,11 +96,14 @@ def _install() -> str | None:
 
         _pynorm_locator = True
 
-        def __init__(self, inner: Any) -> None:
+        def __init__(self, inner: Any, read_only: bool = False) -> None:
             self._inner = inner
+            self.read_only = read_only
             self._py_file = getattr(inner, "_py_file", "")  # read by numba's cachability warnings
 
         def ensure_cache_path(self) -> None:
+            if self.read_only:
+                raise OSError(f"no writable cache directory (read-only: {self.get_cache_path()})")
             self._inner.ensure_cache_path()
 
         def get_cache_path(self) -> str:
@@ -97,11 +126,30 @@ def _install() -> str | None:
                 inner = loc.from_function(py_func, py_file)
                 if inner is not None:
                     return cls(inner)
-            return None
+            # nowhere writable: the first of numba's places that exists, read-only (a warm cache is used;
+            # GuardedCache skips the saves), else the first place at all (every load a miss)
+            places = []
+            for loc in fallbacks:
+                try:
+                    places.append(loc(py_func, py_file))
+                except Exception:  # a locator of another kind (IPython, zip): not a place for this file
+                    continue
+            places = [p for p in places if _path_of(p)]
+            for p in places:
+                if os.path.isdir(_path_of(p)):
+                    return cls(p, read_only=True)
+            return cls(places[0], read_only=True) if places else None
 
     SourceTreeLocator.__qualname__ = SourceTreeLocator.__name__
     classes.insert(0, SourceTreeLocator)
     return None
+
+
+def _path_of(locator: Any) -> str:
+    try:
+        return str(locator.get_cache_path() or "")
+    except Exception:
+        return ""
 
 
 _why_not = _install()
@@ -130,9 +178,74 @@ def jit(fastmath: Any = False, inline: Any = "never") -> Any:
     def decorate(fn: Any) -> Any:
         helper = inline == "always" or fn.__name__.startswith("_")
         options: dict[str, Any] = {"no_cfunc_wrapper": True, "no_cpython_wrapper": helper}
-        return njit(
-            cache=CACHING, nogil=True, fastmath=fastmath, inline=inline, error_model="numpy",
+        disp = njit(
+            cache=False, nogil=True, fastmath=fastmath, inline=inline, error_model="numpy",
             **options,
         )(fn)  # fmt: skip
+        if CACHING:
+            disp._cache = GuardedCache(disp.py_func)  # what njit(cache=True) does, with numba's own class
+        return disp
 
     return decorate
+
+
+class _CheckedCacheFile(IndexDataCacheFile):  # type: ignore[misc]
+    """numba's index + data files, each data file led by the SHA-256 of its payload: a corrupted file is an
+    error on load (then a miss), never machine code loaded from flipped bytes."""
+
+    def _save_data(self, name: str, data: Any) -> None:
+        payload = self._dump(data)
+        with self._open_for_write(self._data_path(name)) as f:
+            f.write(hashlib.sha256(payload).digest() + payload)
+
+    def _load_data(self, name: str) -> Any:
+        with open(self._data_path(name), "rb") as f:
+            blob = f.read()
+        digest, payload = blob[:32], blob[32:]
+        if len(blob) < 32 or hashlib.sha256(payload).digest() != digest:
+            raise ValueError(f"checksum mismatch in {self._data_path(name)}")
+        return pickle.loads(payload)
+
+
+class GuardedCache(FunctionCache):  # type: ignore[misc]
+    """numba's per-function disk cache whose loads and saves never fail the call, with checksummed data files
+    (see the module doc)."""
+
+    def __init__(self, py_func: Any) -> None:
+        super().__init__(py_func)
+        self._cache_file = _CheckedCacheFile(
+            self._cache_path, self._impl.filename_base, self._impl.locator.get_source_stamp()
+        )
+
+    def load_overload(self, sig: Any, target_context: Any) -> Any:
+        try:
+            return super().load_overload(sig, target_context)
+        except Exception as exc:  # a corrupt index or data file: a miss, and the index rewritten by the save
+            _warn_once(
+                "corrupt",
+                f"pynorm: numba's cache of {self._py_func.__name__} in {self._cache_path} could not be read "
+                f"({type(exc).__name__}: {exc}); the kernels are recompiled and their cache entries rewritten",
+            )
+            try:
+                os.unlink(self._cache_file._index_path)
+            except OSError:
+                pass
+            return None
+
+    def save_overload(self, sig: Any, data: Any) -> None:
+        if getattr(self._impl.locator, "read_only", False):
+            _warn_once(
+                "read-only",
+                f"pynorm: no writable directory for numba's cache (tried NUMBA_CACHE_DIR, beside the sources, the "
+                f"user cache); kernels load from {self._cache_path} if it holds them, and what this process "
+                f"compiles is not saved: set NUMBA_CACHE_DIR to a writable directory",
+            )
+            return
+        try:
+            super().save_overload(sig, data)
+        except Exception as exc:
+            _warn_once(
+                "save",
+                f"pynorm: a kernel could not be saved to numba's cache in {self._cache_path} "
+                f"({type(exc).__name__}: {exc}); it stays compiled for this process",
+            )

@@ -10,6 +10,7 @@ vectors, negligible next to the ``(R, H)`` work.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any
@@ -113,6 +114,16 @@ class _BufferPool:
 
 #: the pool behind every output this backend allocates (``POOL.max_bytes = 0`` turns it off).
 POOL = _BufferPool()
+
+
+def _after_fork_in_child() -> None:
+    # a thread of the parent may have held the lock at the fork: the child has no such thread, so a held lock
+    # would never be released there (the buffers themselves are the child's copies, free or not as before)
+    POOL._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def output(out: np.ndarray | None, shape: tuple[int, ...], dtype: Any) -> np.ndarray:

@@ -105,7 +105,11 @@ class _Worker:
     """A pool thread: runs one span per hand-off. The hand-off is two bare locks (``go`` released by the caller,
     ``done`` by the worker): a third of the latency of a ``concurrent.futures`` submit and wait (about 20 us
     against 60 us here). Polling instead of blocking does not help: the woken thread still waits for the GIL,
-    and a thread waiting for the GIL sleeps."""
+    and a thread waiting for the GIL sleeps.
+
+    ``finished`` is the truth of a hand-off (``done`` only wakes the caller), so a caller interrupted in its wait
+    (Ctrl-C) can wait again: see :func:`_finish`. The worker drops its job's arguments as soon as the span is
+    done, so an idle worker keeps no array of its last call alive."""
 
     def __init__(self) -> None:
         self.go = _thread.allocate_lock()
@@ -113,6 +117,7 @@ class _Worker:
         self.done = _thread.allocate_lock()
         self.done.acquire()
         self.job: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
+        self.finished = True
         self.result: Any = None
         self.error: BaseException | None = None
         threading.Thread(target=self._run, name=f"pynorm-numba-{len(_workers)}", daemon=True).start()
@@ -120,23 +125,35 @@ class _Worker:
     def _run(self) -> None:
         while True:
             self.go.acquire()
-            job = self.job
-            self.job = None
+            job, self.job = self.job, None
             try:
                 if job is not None:
                     self.result = job[0](*job[1])
             except BaseException as exc:  # re-raised by the caller
                 self.error = exc
-            self.done.release()
+            job = None  # the arguments of the span: not kept alive while idle
+            self.finished = True
+            try:
+                self.done.release()
+            except RuntimeError:  # left released by a hand-off whose caller stopped waiting (see _finish)
+                pass
 
     def start(self, kernel: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self.result, self.error = None, None
+        self.finished = False
         self.job = (kernel, args)
         self.go.release()
 
-    def finish(self) -> Any:
-        self.done.acquire()
-        return self.result
+    def wait(self) -> None:
+        """Until the span is done. A job whose ``go`` was never released (the caller interrupted between
+        :meth:`start`'s lines) is taken back: a worker clears ``job`` within microseconds of its ``go``."""
+        unsent = 0
+        while not self.finished:
+            if self.done.acquire(timeout=0.05):
+                continue
+            unsent = unsent + 1 if (self.job is not None and self.go.locked()) else 0
+            if unsent >= 2:
+                self.job, self.finished = None, True
 
 
 #: every worker started in this process, and those not serving a call now
@@ -196,14 +213,32 @@ def launch(kernel: Callable[..., Any], work: int, tasks: int, *args: Any) -> Any
     if not workers:
         return kernel(*args, 0, tasks)
     parts = spans(tasks, len(workers) + 1)
-    for w, (lo, hi) in zip(workers, parts[1:], strict=True):
-        w.start(kernel, (*args, lo, hi))
     try:
+        for w, (lo, hi) in zip(workers, parts[1:], strict=True):
+            w.start(kernel, (*args, lo, hi))
         first = kernel(*args, *parts[0])
     finally:
-        rest = [w.finish() for w in workers]
-        errors = [w.error for w in workers if w.error is not None]
-        _give_back(workers)
-    if errors:
-        raise errors[0]
+        rest, error = _finish(workers)
+    if error is not None:
+        raise error
     return None if first is None else first + sum(rest)
+
+
+def _finish(workers: list[_Worker]) -> tuple[list[Any], BaseException | None]:
+    """Wait for every worker's span, give the workers back and return their results and the first exception
+    (a span's, or a ``KeyboardInterrupt`` that landed in the wait: the wait resumes, so no worker is lost and
+    no span still runs when the call returns). Each worker's result and error are cleared (an exception's
+    traceback holds the span's arguments)."""
+    interrupt: BaseException | None = None
+    for w in workers:
+        while not w.finished:
+            try:
+                w.wait()
+            except BaseException as exc:  # KeyboardInterrupt (or another signal handler's exception)
+                interrupt = interrupt or exc
+    rest = [w.result for w in workers]
+    errors = [w.error for w in workers if w.error is not None]
+    for w in workers:
+        w.result, w.error = None, None
+    _give_back(workers)
+    return rest, interrupt if interrupt is not None else (errors[0] if errors else None)

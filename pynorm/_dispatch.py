@@ -147,7 +147,7 @@ def as_array(a: Any, name: str) -> Array:
     computes on swapped bytes."""
     if type(a) is np.ndarray and a.dtype.isnative:  # the common case, first
         return a
-    if isinstance(a, np.ndarray) and not a.dtype.isnative:
+    if not getattr(getattr(a, "dtype", None), "isnative", True):
         return a.astype(a.dtype.newbyteorder("="))
     if isinstance(a, (list, tuple, numbers.Number, np.generic)) and not isinstance(a, bool):
         return np.asarray(a)

@@ -25,15 +25,24 @@ import pynorm
 
 # sum_blocks lives in _reduce.py and stores its float64 result through st_exact, defined in _storage.py
 _SCRIPT = r"""
-import json, warnings
+import json, os, tempfile, warnings
 import numpy as np
+# PYNORM_TEST_READONLY: directories to treat as read-only (root ignores permission bits; numba probes a cache
+# directory by creating a temporary file in it)
+_ro = [d for d in os.environ.get("PYNORM_TEST_READONLY", "").split(os.pathsep) if d]
+_tf = tempfile.TemporaryFile
+def _probe(*a, dir=None, **k):
+    if dir is not None and any(os.path.abspath(str(dir)).startswith(d) for d in _ro):
+        raise PermissionError(13, "read-only file system", str(dir))
+    return _tf(*a, dir=dir, **k)
+tempfile.TemporaryFile = _probe
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import pynorm
     from pynorm.backends.numba import _cache, _reduce
-p = np.arange(12, dtype=np.float64).reshape(3, 4)
-out = np.empty(4)
-_reduce.sum_blocks(p, out, 0, 1)  # every column: one tile
+    p = np.arange(12, dtype=np.float64).reshape(3, 4)
+    out = np.empty(4)
+    _reduce.sum_blocks(p, out, 0, 1)  # every column: one tile
 stats = _reduce.sum_blocks.stats
 print("RESULT " + json.dumps({
     "file": pynorm.__file__,
@@ -94,3 +103,64 @@ def test_without_the_locator_the_kernels_compile_uncached_with_one_warning(packa
     assert len(res["warnings"]) == 1 and "cache=False" in res["warnings"][0]
     assert res["hits"] == 0
     assert not cache.exists() or not any(cache.rglob("*.nbi"))
+
+
+def _corrupt(path: Path, kind: str) -> None:
+    data = path.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "zeros":
+        path.write_bytes(bytes(len(data)))
+    elif kind == "flipped":
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0xFF  # one byte of machine code or pickle: never loaded as it is
+        path.write_bytes(bytes(b))
+    elif kind == "empty":
+        path.write_bytes(b"")
+    else:
+        path.write_text("not a cache file \u00e9", encoding="latin-1")
+
+
+@pytest.mark.parametrize(
+    "target, kind",
+    [
+        ("nbi", "truncated"),
+        ("nbi", "text"),
+        ("nbi", "empty"),
+        ("nbc", "zeros"),
+        ("nbc", "flipped"),
+        ("nbc", "truncated"),
+    ],
+)
+def test_a_corrupt_cache_file_is_recompiled_with_one_warning(
+    package_copy: Path, tmp_path: Path, target: str, kind: str
+) -> None:
+    """Every later process used to fail (EOFError, UnpicklingError...) on a corrupt index or data file: now the
+    kernel recompiles with one warning, the entry is rewritten, and the next process loads it again."""
+    cache = tmp_path / "cache"
+    assert _run(package_copy, cache)["misses"] == 1
+    files = sorted(cache.rglob(f"_reduce.sum_blocks-*.{target}"))
+    assert files, sorted(p.name for p in cache.rglob("*"))
+    for f in files:
+        _corrupt(f, kind)
+    broken = _run(package_copy, cache)
+    assert broken["out"] == [12.0, 15.0, 18.0, 21.0] and broken["misses"] == 1
+    assert len(broken["warnings"]) == 1 and "could not be read" in broken["warnings"][0], broken["warnings"]
+    repaired = _run(package_copy, cache)
+    assert repaired["hits"] == 1 and repaired["misses"] == 0 and not repaired["warnings"]
+
+
+def test_with_nowhere_writable_the_kernels_compile_and_a_warm_cache_is_used(package_copy: Path, tmp_path: Path) -> None:
+    """No writable cache directory (NUMBA_CACHE_DIR, the package's __pycache__ and HOME all read-only): every call
+    still works, with one warning; a cache warmed earlier in that read-only directory is loaded."""
+    cache = tmp_path / "cache"
+    home = tmp_path / "home"
+    home.mkdir()
+    readonly = os.pathsep.join(str(p) for p in (cache, package_copy, home))
+    cold = _run(package_copy, cache, PYNORM_TEST_READONLY=readonly, HOME=str(home))
+    assert cold["out"] == [12.0, 15.0, 18.0, 21.0] and cold["misses"] == 1
+    assert len(cold["warnings"]) == 1 and "no writable directory" in cold["warnings"][0], cold["warnings"]
+    assert not any(cache.rglob("*.nbi"))
+    assert _run(package_copy, cache)["misses"] == 1  # warm it, writable
+    warm = _run(package_copy, cache, PYNORM_TEST_READONLY=readonly, HOME=str(home))
+    assert warm["hits"] == 1 and warm["misses"] == 0 and not warm["warnings"]

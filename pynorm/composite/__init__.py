@@ -15,12 +15,28 @@ composite op on every backend that implements the ops it builds on (:func:`pynor
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["compute_dtype", "widened", "xp_of"]
+__all__ = ["compute_dtype", "ieee", "widened", "xp_of"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def ieee(fn: F) -> F:
+    """``fn`` with NumPy's IEEE warnings off: an inf or NaN in the input propagates through the products as the
+    reference's rule says (``docs/numerics.md``), not as a warning (CuPy does not warn)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def xp_of(a: Any) -> Any:

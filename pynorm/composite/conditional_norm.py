@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _registry
 from ..reference.conditional_norm import ConditionalLayerNormGrads, ConditionalRMSNormGrads
-from . import compute_dtype, widened, xp_of
+from . import compute_dtype, ieee, widened, xp_of
 
 __all__ = ["ConditionalNormCtx", "bind"]
 
@@ -111,7 +111,7 @@ def _layer(backend: str) -> _Op:
         dp[:, h:] = g.dbias
         return ConditionalLayerNormGrads(g.dx, *_param_grads(ctx, dp, cd))
 
-    return _Op(forward, backward)
+    return _Op(ieee(forward), ieee(backward))
 
 
 def _rms(backend: str) -> _Op:
@@ -159,7 +159,7 @@ def _rms(backend: str) -> _Op:
             dp[:groups, h:] = _block_sums(dy, groups, cd)
         return ConditionalRMSNormGrads(dx, *_param_grads(ctx, dp, cd))
 
-    return _Op(forward, backward)
+    return _Op(ieee(forward), ieee(backward))
 
 
 def bind(op: str, backend: str) -> _Op:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from .. import _registry
 from ..reference.norm_linear import LayerNormLinearCtx, LayerNormLinearGrads, RMSNormLinearCtx, RMSNormLinearGrads
-from . import compute_dtype, widened
+from . import compute_dtype, ieee, widened
 
 __all__ = ["bind"]
 
@@ -79,7 +79,7 @@ def _make(backend: str, norm_op: str, n_params: int, ctx_type: type, grads_type:
                 dx = dx_out
         return grads_type(dx, *g[1:], dW, dc)
 
-    return _Op(forward, backward)
+    return _Op(ieee(forward), ieee(backward))
 
 
 def bind(op: str, backend: str) -> _Op:

@@ -29,6 +29,7 @@ __all__ = [
     "QuantizeVariant",
     "StatsVariant",
     "check_eps",
+    "check_offset",
     "check_real",
     "one_of",
 ]
@@ -374,6 +375,23 @@ def check_real(v: Any, name: str) -> float:
     return float(v)
 
 
+#: the largest |weight_offset| accepted: offsets in use are 0 and 1 (Gemma, TE's zero-centred gamma); beyond
+#: 2^16 the effective weight ``w + o`` of a float16 model is no longer a weight near ``o``, and far beyond it
+#: overflows the fast backends' float32 math (the reference computes it in float64)
+MAX_WEIGHT_OFFSET = 65536.0
+
+
+def check_offset(v: Any, name: str) -> float:
+    """A finite real ``weight_offset`` with ``|v| <= MAX_WEIGHT_OFFSET`` as a Python float."""
+    o = check_real(v, name)
+    if abs(o) > MAX_WEIGHT_OFFSET:
+        raise ArgumentError(
+            f"{name} must be between -{MAX_WEIGHT_OFFSET:g} and {MAX_WEIGHT_OFFSET:g} (1.0 for Gemma's (1 + w)), "
+            f"got {v!r}"
+        )
+    return o
+
+
 def one_of(*choices: Any, doc: str = "") -> Callable[[Any, str], Any]:
     """A validator accepting exactly ``choices``: strings by value, integers by value (NumPy
     integers too, bools never); returns the matching choice itself."""
@@ -381,7 +399,7 @@ def one_of(*choices: Any, doc: str = "") -> Callable[[Any, str], Any]:
     plain = {(type(c), c) for c in choices if type(c) in (int, str)}
 
     def check(v: Any, name: str) -> Any:
-        if (type(v), v) in plain:  # the common case, first (exact types: True is not 1 here)
+        if type(v) in (int, str) and (type(v), v) in plain:  # the common case, first (True is not 1 here)
             return v
         if v is None and None in choices:
             return None

@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import ArgumentError
 from ..reference.casting import CASTINGS
 from ..reference.layer_norm import LayerNormCtx, LayerNormGrads
-from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
+from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_offset, one_of
 
 
 def _check(options: Mapping[str, Any], hidden: int) -> None:
@@ -64,7 +64,7 @@ OPTIONS = (
     Option("eps", 1e-5, check_eps, "added to the variance inside the root (>= 0)"),
     Option("correction", 0, one_of(0, 1, doc="0: biased variance, 1: unbiased"), "variance divisor H - c"),
     Option("eps_mode", "var", one_of("var", "std", doc="sqrt(var + eps) or std + eps"), "where eps goes"),
-    Option("weight_offset", 0.0, check_real, "o in (w + o): 1.0 for Gemma / TE zero-centred gamma"),
+    Option("weight_offset", 0.0, check_offset, "o in (w + o): 1.0 for Gemma / TE zero-centred gamma"),
     Option("casting", "fp32", one_of(*CASTINGS, doc="the rounding sequence"), "where values are rounded"),
 )
 #: the conventions the ops built on this one share (``casting`` is this op's own)

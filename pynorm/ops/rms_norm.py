@@ -9,7 +9,7 @@ import numpy as np
 
 from ..reference.casting import CASTINGS
 from ..reference.rms_norm import RMSNormCtx, RMSNormGrads
-from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_real, one_of
+from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_offset, one_of
 
 
 def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
@@ -37,7 +37,7 @@ def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, opti
 
 OPTIONS = (
     Option("eps", 1e-6, check_eps, "added to the mean square inside the root (>= 0)"),
-    Option("weight_offset", 0.0, check_real, "o in (w + o): 1.0 for Gemma's (1 + w)"),
+    Option("weight_offset", 0.0, check_offset, "o in (w + o): 1.0 for Gemma's (1 + w)"),
     Option("casting", "fp32", one_of(*CASTINGS, doc="the rounding sequence"), "where values are rounded"),
 )
 #: the conventions the ops built on this one share (``casting`` is this op's own)

@@ -67,6 +67,21 @@ def row_mean(a: np.ndarray) -> np.ndarray:
     return m1 + np.sum(a - m1[:, None], axis=1) / h
 
 
+def finite_rows(v: np.ndarray, *sums: np.ndarray) -> np.ndarray:
+    """``v`` (one value per row) with NaN in every row where one of ``sums`` (per-row reductions) is not finite.
+
+    pynorm's rule for non-finite values (``docs/numerics.md``): a row whose statistic is not finite (its input
+    holds an inf or a NaN) normalizes to NaN in every element, and a row whose backward reductions are not
+    finite (an inf in ``dy`` or in the weight) has a NaN ``dx`` in every element -- never a mixture of
+    ``inf - inf`` and ``finite * 0`` that depends on the order of the arithmetic. Element-wise parts (the
+    affine, the parameter gradients' column sums) follow IEEE arithmetic.
+    """
+    ok = np.isfinite(sums[0])
+    for s in sums[1:]:
+        ok &= np.isfinite(s)
+    return v if ok.all() else np.where(ok, v, np.asarray(np.nan, dtype=v.dtype))
+
+
 def center(a: np.ndarray, mean: np.ndarray) -> np.ndarray:
     """``a - mean`` per row, re-centred once: ``d = (a - m) - mean(a - m)``.
 

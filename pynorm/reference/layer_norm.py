@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import casting as _cast
-from ._common import _ieee, center, round_to, row_mean, working_dtype, write_result
+from ._common import _ieee, center, finite_rows, round_to, row_mean, working_dtype, write_result
 
 __all__ = ["LayerNormCtx", "LayerNormGrads", "backward", "forward"]
 
@@ -130,6 +130,7 @@ def input_grad(
         s = np.sqrt(np.sum(d * d, axis=1) / n)
         with np.errstate(divide="ignore", invalid="ignore"):
             coef = np.where(s > 0, gx / (n * s * rstd), wp.type(0))
+    coef = finite_rows(coef, gbar, gx)
     return rstd[:, None] * (g - gbar[:, None] - xhat * coef[:, None]), xhat
 
 

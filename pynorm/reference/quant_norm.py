@@ -18,9 +18,13 @@ Normalization: :mod:`pynorm.reference.layer_norm`'s LayerNorm of the real input 
 
   .. code-block:: text
 
-      v    = (double(D) / (H (H - c))) * (s_x * s_x)             variance of the real row
+      u    = double(D) / (H (H - c))                             variance of the integer row
+      v    = u * (s_x * s_x)      (0 when D = 0)                 variance of the real row
       r    = 1 / sqrt(v + eps)   ("var")   or   1 / (sqrt(v) + eps)   ("std")
       k    = (s_x * r) / H
+      if v = inf (s_x beyond ~1e152; then eps is below half an ulp of the row's variance in either mode):
+          r = 1 / (s_x * sqrt(u)),   k = 1 / (H * sqrt(u))
+      if D = 0 and eps > 0 (a constant row): k = 0               (yhat = 0 whatever s_x)
       yhat = double(H x_j - S_1) * k                             (H x_j - S_1 exact)
       y    = yhat * (double(w_j) + o) + double(b_j)              (each factor only when present)
 
@@ -167,10 +171,16 @@ def int8_layer_norm(
     d = h * s2 - s1 * s1
     hd = np.float64(h)
     xs = np.asarray(x_scale, dtype=np.float64)
-    v = (d.astype(np.float64) / (hd * np.float64(h - correction))) * (xs * xs)
+    u = d.astype(np.float64) / (hd * np.float64(h - correction))
+    v = np.where(d == 0, 0.0, u * (xs * xs))
     e = np.float64(eps)
     r = 1.0 / np.sqrt(v + e) if eps_mode == "var" else 1.0 / (np.sqrt(v) + e)
     k = (xs * r) / hd
+    huge = np.isinf(v)  # s_x * s_x overflowed: the scale from the integer row's own spread
+    r = np.where(huge, 1.0 / (xs * np.sqrt(u)), r)
+    k = np.where(huge, 1.0 / (hd * np.sqrt(u)), k)
+    if eps > 0:
+        k = np.where(d == 0, 0.0, k)  # a constant row: yhat = 0 exactly, even where s_x * r overflows
     y = (xi * h - s1[:, None]).astype(np.float64) * k[:, None]
     if weight is not None:
         y = y * (weight.astype(np.float64) + np.float64(weight_offset))

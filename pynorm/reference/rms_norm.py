@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import casting as _cast
-from ._common import _ieee, round_to, working_dtype, write_result
+from ._common import _ieee, finite_rows, round_to, working_dtype, write_result
 
 __all__ = ["RMSNormCtx", "RMSNormGrads", "backward", "forward"]
 
@@ -67,7 +67,7 @@ def statistics(xw: np.ndarray, *, eps: float) -> np.ndarray:
     """``r`` of each row of the ``(R, H)`` working-precision array ``xw``."""
     wp = xw.dtype
     ms = np.sum(xw * xw, axis=1) / wp.type(xw.shape[1])
-    return 1 / np.sqrt(ms + wp.type(eps))  # type: ignore[no-any-return]
+    return finite_rows(1 / np.sqrt(ms + wp.type(eps)), ms)
 
 
 def input_grad(
@@ -77,6 +77,7 @@ def input_grad(
     xhat = xw * rstd[:, None]
     g = dyw * w if w is not None else dyw
     c = np.sum(g * xhat, axis=1) / xw.dtype.type(xw.shape[1])
+    c = finite_rows(c, c)
     return rstd[:, None] * (g - xhat * c[:, None]), xhat
 
 

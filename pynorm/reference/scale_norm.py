@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._common import _ieee, round_to, working_dtype, write_result
+from ._common import _ieee, finite_rows, round_to, working_dtype, write_result
 
 __all__ = ["ScaleNormCtx", "ScaleNormGrads", "backward", "forward"]
 
@@ -80,6 +80,7 @@ def forward(
     else:
         floor = np.zeros(x.shape[0], dtype=bool)
         rstd = 1 / np.sqrt(s2 + e)
+    rstd = finite_rows(rstd, s2)
     y = xw * rstd[:, None]
     if g is not None:
         y = y * g.astype(wp)[0]
@@ -95,7 +96,8 @@ def backward(dy: np.ndarray, ctx: ScaleNormCtx, *, dx_out: np.ndarray | None = N
     xhat = x.astype(wp) * rstd[:, None]
     dyw = dy.astype(wp)
     big_g = dyw * g.astype(wp)[0] if g is not None else dyw
-    coef = np.where(ctx.floor, wp.type(0), np.sum(big_g * xhat, axis=1))
+    gx = np.sum(big_g * xhat, axis=1)
+    coef = finite_rows(np.where(ctx.floor, wp.type(0), gx), gx)
     dx = rstd[:, None] * (big_g - xhat * coef[:, None])
     dg = round_to(np.sum(dyw * xhat).reshape(1), g.dtype) if g is not None else None
     return ScaleNormGrads(write_result(dx, x.dtype, dx_out), dg)

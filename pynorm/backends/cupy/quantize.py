@@ -130,22 +130,38 @@ class QuantOp:
             n = rows * hidden
             _host.launch(k, min(-(-n // 256), _MAX_GRID), 256, QuantMaskArgs(dy, ctx.keep, g, n).pack())
         xr, mean, rstd = ctx.x, ctx.mean, ctx.rstd
+        wide = False
         if ctx.x_scale is not None:
-            xr = cupy.empty((rows, hidden), dtype=cupy.float32)
+            # the real input x * x_scale in float32, with the row means rounded the same way (a constant row's
+            # values then equal its mean exactly: x_hat = 0, as in the reference); real inputs float32 cannot
+            # hold (scales beyond [2^-60, 2^60]) are dequantized exactly, in float64, and the backward runs there
+            xs = ctx.x_scale
+            wide = bool(xs.size) and not bool(((xs >= _SAFE_SCALE[0]) & (xs <= _SAFE_SCALE[1])).all())
+            xdt = np.dtype(np.float64 if wide else np.float32)
+            xr = cupy.empty((rows, hidden), dtype=xdt)
             if rows:
-                k = get_kernel(_FILE, "quant_dequant", ("float",))
+                k = get_kernel(_FILE, "quant_dequant", (_launch.cuda_type(xdt),))
                 n = rows * hidden
-                args = QuantDequantArgs(ctx.x, ctx.x_scale, xr, rows, hidden)
+                args = QuantDequantArgs(ctx.x, xs, xr, rows, hidden)
                 _host.launch(k, min(-(-n // 256), _MAX_GRID), 256, args.pack())
-            acc = _launch.type_plan(
-                np.dtype(np.float32), *(None if p is None else p.dtype for p in (ctx.weight, ctx.bias))
-            )
+            acc = _launch.type_plan(xdt, *(None if p is None else p.dtype for p in (ctx.weight, ctx.bias)))
+            if not wide:
+                mean = mean.astype(cupy.float32)
             mean, rstd = mean.astype(acc.acc_dtype), rstd.astype(acc.acc_dtype)
         lctx = LayerNormCtx(xr, ctx.weight, ctx.bias, mean, rstd, ctx.eps, ctx.correction, ctx.eps_mode,
                             ctx.weight_offset)  # fmt: skip
+        if wide:
+            grads = self.norm.backward(g.astype(cupy.float64), lctx)
+            dx = grads.dx.astype(cupy.float32) if dx_out is None else dx_out
+            if dx_out is not None:
+                dx_out[...] = grads.dx
+            return QuantLayerNormGrads(dx, grads.dweight, grads.dbias)
         grads = self.norm.backward(g, lctx, dx_out=dx_out)
         return QuantLayerNormGrads(grads.dx, grads.dweight, grads.dbias)
 
+
+#: the per-row input scales whose real int8 input float32 holds with room for its statistics (2^-60 to 2^60)
+_SAFE_SCALE = (2.0**-60, 2.0**60)
 
 #: op name -> its implementation, for every op of the quantize family
 OP_IMPLS: dict[str, QuantOp] = {

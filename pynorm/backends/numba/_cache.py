@@ -53,6 +53,7 @@ def _warn_once(kind: str, message: str) -> None:
         _warned.add(kind)
         warnings.warn(message, CacheWarning, stacklevel=4)
 
+
 __all__ = ["CACHING", "FM_SUM", "SOURCE_STAMP", "CacheWarning", "GuardedCache", "jit"]
 
 #: the fastmath flags of the kernels' arithmetic (row sums reassociate and vectorize, products contract):

@@ -57,9 +57,16 @@ def _row_state_ol(src, i):  # type: ignore[no-untyped-def]
         d = np.int64(h) * s2 - s1 * s1
         hd = np.float64(h)
         xsi = xs[i]
-        var = (np.float64(d) / (hd * np.float64(h - corr))) * (xsi * xsi)
+        u = np.float64(d) / (hd * np.float64(h - corr))
+        var = 0.0 if d == 0 else u * (xsi * xsi)
         r = 1.0 / (np.sqrt(var) + eps) if std else 1.0 / np.sqrt(var + eps)
-        return s1, (xsi * r) / hd, (np.float64(s1) / hd) * xsi, r
+        k = (xsi * r) / hd
+        if np.isinf(var):  # xsi * xsi overflowed: the scale from the integer row's own spread
+            r = 1.0 / (xsi * np.sqrt(u))
+            k = 1.0 / (hd * np.sqrt(u))
+        if d == 0 and eps > 0:
+            k = 0.0  # a constant row: yhat = 0 exactly, even where xsi * r overflows
+        return s1, k, (np.float64(s1) / hd) * xsi, r
 
     return impl
 
@@ -194,14 +201,14 @@ def _shape_ol(src):  # type: ignore[no-untyped-def]
 
 @jit()
 def dequantize(x, xs, out, lo, hi):  # type: ignore[no-untyped-def]
-    """``out = float32(x * x_scale)`` for rows ``lo <= i < hi`` (the real input of an int8 ``x``, for the
-    backward)."""
+    """``out = x * x_scale`` rounded to ``out``'s dtype (float32, or float64: exact) for rows ``lo <= i < hi``
+    (the real input of an int8 ``x``, for the backward)."""
     x, xs, out = borrow((x, xs, out))
     h = x.shape[1]
     for i in range(lo, hi):
         s = xs[i]
         for j in range(h):
-            out[i, j] = np.float32(np.float64(x[i, j]) * s)
+            out[i, j] = np.float64(x[i, j]) * s  # one rounding to out's dtype
 
 
 @jit()

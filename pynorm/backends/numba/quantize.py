@@ -109,16 +109,32 @@ class QuantOp:
         if ctx.keep is not None:
             g = cm.output(None, dy.shape, dy.dtype)
             launch(k.masked, rows * h, rows, cm.storage(dy), ctx.keep, cm.storage(g))
-        xr = ctx.x
+        xr, mean = ctx.x, ctx.mean
+        wide = False
         if ctx.x_scale is not None:
-            xr = cm.output(None, (rows, h), np.float32)
-            launch(k.dequantize, rows * h, rows, np.ascontiguousarray(ctx.x), ctx.x_scale, xr)
+            # the real input x * x_scale in float32, with the row means rounded the same way (a constant row's
+            # dequantized values then equal its mean exactly: x_hat = 0, as in the reference); real inputs
+            # float32 cannot hold (scales beyond [2^-60, 2^60]) are dequantized exactly, in float64
+            xs = ctx.x_scale
+            wide = bool(xs.size) and not bool(((xs >= _SAFE_SCALE[0]) & (xs <= _SAFE_SCALE[1])).all())
+            xdt = np.float64 if wide else np.float32
+            xr = cm.output(None, (rows, h), xdt)
+            launch(k.dequantize, rows * h, rows, np.ascontiguousarray(ctx.x), xs, xr)
+            mean = mean if wide else mean.astype(np.float32).astype(np.float64)
         lctx = LayerNormCtx(
-            xr, ctx.weight, ctx.bias, ctx.mean, ctx.rstd, ctx.eps, ctx.correction, ctx.eps_mode, ctx.weight_offset
+            xr, ctx.weight, ctx.bias, mean, ctx.rstd, ctx.eps, ctx.correction, ctx.eps_mode, ctx.weight_offset
         )
+        if wide:
+            grads = self.norm.backward(g.astype(np.float64), lctx)
+            dx = cm.output(dx_out, (rows, h), np.float32)
+            np.copyto(dx, grads.dx, casting="same_kind")
+            return QuantLayerNormGrads(dx, grads.dweight, grads.dbias)
         grads = self.norm.backward(g, lctx, dx_out=dx_out)
         return QuantLayerNormGrads(grads.dx, grads.dweight, grads.dbias)
 
+
+#: the per-row input scales whose real int8 input float32 holds with room for its statistics (2^-60 to 2^60)
+_SAFE_SCALE = (2.0**-60, 2.0**60)
 
 #: op name -> its implementation (read by :func:`pynorm._registry.op_module`)
 OP_IMPLS = {name: QuantOp(name) for name, spec in SPECS.items() if spec.family == "quantize"}

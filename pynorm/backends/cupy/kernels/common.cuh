@@ -92,10 +92,12 @@ template <typename T> __device__ __forceinline__ T zero_of() { return Conv<T>::f
 template <typename A> struct Lim;
 template <> struct Lim<float> {
   static __device__ __forceinline__ float max_finite() { return 3.40282346638528859812e+38f; }
+  static __device__ __forceinline__ float nan() { return __int_as_float(0x7fffffff); }
   static constexpr int min_exp = -126, max_exp = 126;
 };
 template <> struct Lim<double> {
   static __device__ __forceinline__ double max_finite() { return 1.79769313486231570815e+308; }
+  static __device__ __forceinline__ double nan() { return __longlong_as_double(0x7fffffffffffffffLL); }
   static constexpr int min_exp = -1022, max_exp = 1022;
 };
 
@@ -277,7 +279,7 @@ enum EpsMode : int {
 };
 
 // v: the variance (LayerNorm), mean square (RMSNorm) or sum of squares (ScaleNorm)
-// of the row scaled by s = 2^k.  Computes, in double, the true r of `mode` for the
+// of the row scaled by s = 2^k (not finite: an inf or NaN in the row, r = rs = NaN).  Computes, in double, the true r of `mode` for the
 // unscaled v / s^2 and rs = r / s, the factor applied to the scaled centred values,
 // without overflow or underflow of the intermediate terms; returns whether the
 // floor was taken (kEpsFloor: sqrt(v / s^2) < eps; never in the other modes).
@@ -289,6 +291,10 @@ enum EpsMode : int {
 __device__ __forceinline__ bool finalize_rstd(double v, int k, double eps, int mode, double& r, double& rs) {
   const double s = ldexp(1.0, k), inv_s = ldexp(1.0, -k);
   const bool std_mode = mode == kEpsStd;
+  if (!isfinite(v)) {  // an inf or NaN in the row: every element of it is NaN (docs/numerics.md)
+    r = rs = Lim<double>::nan();
+    return false;
+  }
   if (mode == kEpsFloor) {
     // the norm sqrt(v) / s against eps, compared as sqrt(v) < eps * s: exact unless eps * s
     // overflows (tiny rows scaled up: then the floor is taken, rightly) or is subnormal (huge

@@ -124,14 +124,21 @@ __global__ void __launch_bounds__(PYNORM_QUANT_THREADS)
     const long long s1 = v[0];
     const long long d = static_cast<long long>(hidden) * v[1] - s1 * s1;  // exact: hidden < 2^24
     const double xs = x_scale[i];
-    const double var = __dmul_rn(__ddiv_rn(__ll2double_rn(d), nn), __dmul_rn(xs, xs));
-    const double r = eps_mode == kEpsStd ? __ddiv_rn(1.0, __dadd_rn(__dsqrt_rn(var), eps))
-                                         : __ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(var, eps)));
+    const double u = __ddiv_rn(__ll2double_rn(d), nn);  // the integer row's variance
+    const double var = d == 0 ? 0.0 : __dmul_rn(u, __dmul_rn(xs, xs));
+    double r = eps_mode == kEpsStd ? __ddiv_rn(1.0, __dadd_rn(__dsqrt_rn(var), eps))
+                                   : __ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(var, eps)));
+    double k = __ddiv_rn(__dmul_rn(xs, r), hd);
+    if (isinf(var)) {  // xs * xs overflowed: the scale from the integer row's own spread
+      r = __ddiv_rn(1.0, __dmul_rn(xs, __dsqrt_rn(u)));
+      k = __ddiv_rn(1.0, __dmul_rn(hd, __dsqrt_rn(u)));
+    }
+    if (d == 0 && eps > 0.0) k = 0.0;  // a constant row: yhat = 0 exactly, even where xs * r overflows
     if (threadIdx.x == 0) {
       mean_out[i] = __dmul_rn(__ddiv_rn(__ll2double_rn(s1), hd), xs);
       rstd_out[i] = r;
     }
-    const Int8Row<W> row{xr, weight, bias, s1, __ddiv_rn(__dmul_rn(xs, r), hd), offset, hidden};
+    const Int8Row<W> row{xr, weight, bias, s1, k, offset, hidden};
     quant_epilogue(row, i, hidden, mode, scale, q, y, scale_out, amax_out, keep, redd);
   }
 }

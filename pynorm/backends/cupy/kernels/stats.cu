@@ -120,6 +120,7 @@ struct Centered {
       const A sr = sqrt(div_row(q, n));
       o.coef = sr > A(0) ? div_row(gx, n * sr) : A(0);
     }
+    if (!(isfinite(o.gbar) && isfinite(gx))) o.gbar = o.coef = Lim<A>::nan();  // non-finite g: the row's dx is NaN
     return o;
   }
   template <typename A> static __device__ __forceinline__ A xhat(A u, const BwdCoef<A>& cf) { return u - cf.cu; }
@@ -160,7 +161,9 @@ template <bool PerElement> struct Squares {
   }
   template <typename A>
   static __device__ __forceinline__ BwdCoef<A> coef(const A (&S)[kBwdSums], int H, int, int, bool floored) {
-    return BwdCoef<A>{A(0), A(0), floored ? A(0) : (PerElement ? S[0] / A(H) : S[0])};
+    // a non-finite sum (an inf or NaN in dy or the weight) makes the row's dx NaN (docs/numerics.md)
+    const A c = !isfinite(S[0]) ? Lim<A>::nan() : floored ? A(0) : (PerElement ? S[0] / A(H) : S[0]);
+    return BwdCoef<A>{A(0), A(0), c};
   }
   template <typename A> static __device__ __forceinline__ A xhat(A u, const BwdCoef<A>&) { return u; }
   template <typename A> static __device__ __forceinline__ A dx(A r, A g, A xh, const BwdCoef<A>& cf) {

@@ -58,14 +58,32 @@ def _rel(a: Any, b: Any) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
 
 
-def selftest(rows: int = 64, hidden: int = 384) -> int:
+def selftest(
+    rows: int = 64,
+    hidden: int = 384,
+    backends: tuple[str, ...] | None = None,
+    dtypes: tuple[str, ...] | None = None,
+    op_names: tuple[str, ...] | None = None,
+) -> int:
+    """Every op (or ``op_names``) on every available backend (or ``backends``) and dtype (or ``dtypes``) against
+    the reference; a float64 gradient check of each backend's backward. Returns 1 if a gradient check fails."""
+    known = {b.name for b in pynorm.list_backends()}
+    for what, given, allowed in (("backend", backends, known), ("op", op_names, set(SPECS))):
+        bad = sorted(set(given or ()) - allowed)
+        if bad:
+            raise SystemExit(f"selftest: unknown {what}(s) {', '.join(bad)} (known: {', '.join(sorted(allowed))})")
+    all_dtypes = _dtypes()
+    chosen = [d for d in all_dtypes if dtypes is None or np.dtype(d).name in dtypes]
+    if dtypes is not None and len(chosen) != len(set(dtypes)):
+        names = ", ".join(np.dtype(d).name for d in all_dtypes)
+        raise SystemExit(f"selftest: --dtypes must name some of {names}, got {', '.join(dtypes)}")
     print(f"pynorm {pynorm.__version__}: every op on every available backend vs the numpy reference")
     for info in pynorm.list_backends():
         state = "available" if info.available else f"unavailable: {info.reason}"
         print(f"  backend {info.name:6s} ({info.array_type}, priority {info.priority}): {state}")
     print(f"\ninput {rows}x{hidden}, N(0,1) + 3; errors are max|a - ref| / max|ref| per tensor;")
     print("ms = one forward + backward, including JIT compilation on a backend's first call of a dtype")
-    if len(_dtypes()) < 4:
+    if len(all_dtypes) < 4:
         print("(bfloat16 rows need ml_dtypes: pip install ml_dtypes)")
     header = (
         f"{'op':19s} {'backend':8s} {'dtype':9s} {'y':>9s} {'dx':>9s} {'dparams':>9s} {'ms':>7s}  gradcheck(float64)"
@@ -75,15 +93,17 @@ def selftest(rows: int = 64, hidden: int = 384) -> int:
     rng = np.random.default_rng(0)
     failures = 0
     for op, spec in SPECS.items():
+        if op_names is not None and op not in op_names:
+            continue
         fwd, bwd = spec.generic_forward(), getattr(pynorm, f"{op}_backward")
         # which arguments after x a gradient check perturbs (not integer ids)
         diff = [i.differentiable for i in spec.inputs] + [True] * len(spec.params)
         multi = len(spec.outputs) > 1
         for info in pynorm.list_backends():
-            if not info.available or op not in info.ops:
+            if not info.available or op not in info.ops or (backends is not None and info.name not in backends):
                 continue
             to_dev, to_host = _converters(info.name)
-            for dt in _dtypes():
+            for dt in chosen:
                 x = (rng.standard_normal((rows, hidden)) + 3).astype(dt)
                 args = spec.example_args(x.shape, -1, dt, rng)
                 yshape = spec.output_shape(x.shape, -1, dict(zip((*spec.input_names, *spec.param_names), args)))
@@ -128,8 +148,45 @@ def selftest(rows: int = 64, hidden: int = 384) -> int:
     return 1 if failures else 0
 
 
+#: the subcommands and what each does (``python -m pynorm --help``)
+COMMANDS = {
+    "demo": "the depth demo (the default): Post-LN, Pre-LN, Sandwich and DeepNorm stacks, gradient norms at "
+    "initialisation and training (demo --help)",
+    "selftest": "every op on every available backend and dtype against the numpy reference, with a float64 "
+    "gradient check of each backward",
+    "backends": "the backend registry: every backend, whether it runs here (and why not), its ops",
+    "bench": "the CPU benchmark of the numba backend against copy bandwidth, PyTorch and NumPy (bench --help)",
+    "check": "check your implementation of an op against the reference over the conformance grid, with "
+    "diagnoses (check --help)",
+    "vectors": "write golden vectors (inputs, outputs, gradients, a JSON Schema) for other languages (vectors --help)",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pynorm",
+        description="pynorm: LayerNorm, RMSNorm and their relatives with hand-written forward and backward. "
+        "Without a command: the depth demo.",
+    )
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, text in COMMANDS.items():
+        p = subs.add_parser(name, help=text, description=text, add_help=name in ("selftest", "backends"))
+        if name == "selftest":
+            p.add_argument("--rows", type=int, default=64, help="rows of each input (default 64)")
+            p.add_argument("--hidden", type=int, default=384, help="hidden size of each input (default 384)")
+            p.add_argument("--backends", default="", help="comma-separated backends (default: every available one)")
+            p.add_argument("--dtypes", default="", help="comma-separated dtypes (default: the four float dtypes)")
+            p.add_argument("--ops", default="", help="comma-separated ops (default: every op)")
+    return parser
+
+
+def _names(s: str) -> tuple[str, ...] | None:
+    return tuple(v.strip() for v in s.split(",") if v.strip()) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # demo, bench, check and vectors parse their own options (``<command> --help``)
     if argv and argv[0] in ("check", "vectors"):
         from .oracle import cli
 
@@ -142,17 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         from . import demo
 
         return int(demo.main(argv[1:] if argv and argv[0] == "demo" else argv) or 0)
-    parser = argparse.ArgumentParser(prog="python -m pynorm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["demo", "selftest", "backends", "bench", "check", "vectors"])
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=384)
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.command == "backends":
         for info in pynorm.list_backends():
             print(f"{info.name}: {info.array_type}, priority {info.priority}, available={info.available}", end="")
             print(f" ({info.reason})" if info.reason else "", f"ops: {', '.join(info.ops) or '-'}")
         return 0
-    return selftest(args.rows, args.hidden)
+    if args.rows < 1 or args.hidden < 1:
+        raise SystemExit("selftest: --rows and --hidden must be at least 1")
+    return selftest(args.rows, args.hidden, _names(args.backends), _names(args.dtypes), _names(args.ops))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,12 @@ For each placement (Post-LN, Pre-LN, Sandwich, DeepNorm) and depth, the demo
 2. trains the model with Adam (no warmup, no clipping) on the synthetic *sort* task (the target at
    position ``i`` is the ``i``-th smallest input token) and records the loss of every step; a run is
    *diverged* when its loss becomes NaN/inf or exceeds twice the chance level;
-3. checks the source documents' claims against the numbers and says which the run shows and which it
-   does not;
+3. checks common claims about placement and depth against the numbers (Post-LN's gradients grow toward
+   the top at initialisation and Pre-LN's stay level: Xiong et al. 2020, "On Layer Normalization in the
+   Transformer Architecture"; deep Post-LN fails to train and DeepNorm fixes it: Wang et al. 2022, "DeepNet:
+   Scaling Transformers to 1,000 Layers", and Liu et al. 2020, "Understanding the Difficulty of Training
+   Transformers"; shallow Post-LN trains: Vaswani et al. 2017, "Attention Is All You Need") and says which the
+   run shows and which it does not;
 4. writes ``demo.json`` (every number), ``demo.png`` (matplotlib, if installed: gradient norm per
    layer per placement, loss curves) and prints a table.
 
@@ -161,8 +165,19 @@ def _spread(g: list[float]) -> float:
     return float(max(g) / max(min(g), 1e-300))
 
 
+#: where each claim comes from
+SOURCES = {
+    "post_top": "Xiong et al. 2020",
+    "pre_level": "Xiong et al. 2020",
+    "post_deep": "Wang et al. 2022; Liu et al. 2020",
+    "deepnorm": "Wang et al. 2022",
+    "post_shallow": "Vaswani et al. 2017",
+}
+
+
 def claims(cfg: Config, res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The source documents' claims, each with the run's evidence and whether the run shows it."""
+    """The claims (:data:`SOURCES`), each with the paper it comes from, the run's evidence and whether the run
+    shows it."""
     out = []
     init = res["init"]
     for depth in cfg.init_depths:
@@ -170,11 +185,13 @@ def claims(cfg: Config, res: dict[str, Any]) -> list[dict[str, Any]]:
         rp, rq = _ratio(post), _ratio(pre)
         out.append({
             "claim": f"Post-LN's gradients concentrate at the top at init (L={depth})",
+            "source": SOURCES["post_top"],
             "evidence": f"top/bottom quarter gradient norm: Post-LN {rp:.2f}, Pre-LN {rq:.2f}",
             "shown": bool(rp > 1.5 and rp > 1.5 * rq),
         })  # fmt: skip
         out.append({
             "claim": f"Pre-LN's per-layer gradient norms are about equal (L={depth})",
+            "source": SOURCES["pre_level"],
             "evidence": f"max/min over layers: Pre-LN {_spread(pre):.2f}, Post-LN {_spread(post):.2f}",
             "shown": bool(_spread(pre) < 2.0),
         })  # fmt: skip
@@ -192,6 +209,7 @@ def claims(cfg: Config, res: dict[str, Any]) -> list[dict[str, Any]]:
         post_fails = p["diverged_at"] is not None or p["final_loss"] > 0.9 * chance
         out.append({
             "claim": f"Post-LN fails to train at depth (L={deepest}, {cfg.train_steps[deepest]} steps)",
+            "source": SOURCES["post_deep"],
             "evidence": f"Post-LN {desc(p)} (chance {chance:.3f}); Pre-LN {desc(q)}",
             "shown": bool(post_fails),
         })  # fmt: skip
@@ -199,6 +217,7 @@ def claims(cfg: Config, res: dict[str, Any]) -> list[dict[str, Any]]:
         better = p["diverged_at"] is not None or d["final_loss"] < p["final_loss"] - 0.05
         out.append({
             "claim": f"DeepNorm trains the deep Post-LN stack (L={deepest})",
+            "source": SOURCES["deepnorm"],
             "evidence": f"DeepNorm {desc(d)}; Post-LN {desc(p)}",
             "shown": bool(dn_ok and better),
         })  # fmt: skip
@@ -206,6 +225,7 @@ def claims(cfg: Config, res: dict[str, Any]) -> list[dict[str, Any]]:
         ps, qs = train[f"post/{shallow}"], train[f"pre/{shallow}"]
         out.append({
             "claim": f"Post-LN trains fine when shallow (L={shallow})",
+            "source": SOURCES["post_shallow"],
             "evidence": f"Post-LN {desc(ps)}, Pre-LN {desc(qs)} (chance {chance:.3f})",
             "shown": bool(ps["diverged_at"] is None and ps["final_loss"] < 0.9 * chance),
         })  # fmt: skip
@@ -241,7 +261,11 @@ def table(cfg: Config, res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(cfg: Config, res: dict[str, Any], path: str) -> bool:
+def plot(
+    cfg: Config, res: dict[str, Any], path: str, cl: list[dict[str, Any]] | None = None, backend: str = ""
+) -> bool:
+    """The figure: gradient norm per block at initialisation (top row, one panel per depth), training loss
+    (bottom row, one panel per trained depth) and the claims with what this run says of them (last panel)."""
     try:
         import matplotlib
 
@@ -251,25 +275,28 @@ def plot(cfg: Config, res: dict[str, Any], path: str) -> bool:
         return False
     depths = list(cfg.init_depths)
     tdepths = list(cfg.train_steps)
-    ncol = max(len(depths), len(tdepths))
-    fig, axes = plt.subplots(2, ncol, figsize=(4.2 * ncol, 7.5), squeeze=False)
+    ncol = max(len(depths), len(tdepths) + 1)
+    fig = plt.figure(figsize=(4.2 * ncol, 8.4), layout="constrained")
+    fig.suptitle(
+        f"Residual placement and depth: Post-LN, Pre-LN, Sandwich, DeepNorm (d_model {cfg.d_model}, "
+        f"{cfg.norm} norm, backend {backend or '?'})",
+        fontsize=13,
+    )
+    top, bottom = np.asarray(fig.subfigures(2, 1, height_ratios=(1.0, 1.05))).ravel()
     colors = {"post": "tab:red", "pre": "tab:blue", "sandwich": "tab:green", "deepnorm": "tab:purple"}
-    for j, depth in enumerate(depths):
-        ax = axes[0][j]
+    for j, (ax, depth) in enumerate(zip(np.atleast_1d(top.subplots(1, len(depths))), depths, strict=True)):
         for pl in PLACEMENTS:
             g = res["init"][f"{pl}/{depth}"]["grad_norm"]
             ax.plot(np.arange(1, depth + 1), g, label=LABELS[pl], color=colors[pl], lw=1.2)
         ax.set_yscale("log")
-        ax.set_title(f"gradient norm per layer at init, L={depth}")
-        ax.set_xlabel("layer (1 = bottom)")
+        ax.set_title(f"gradient norm per block at init, L={depth}", fontsize=10)
+        ax.set_xlabel("block (1 = bottom)")
         if j == 0:
-            ax.set_ylabel("||dL/dθ_layer||")
+            ax.set_ylabel("||dL/dθ_block||")
             ax.legend(fontsize=8)
-    for j in range(len(depths), ncol):
-        axes[0][j].axis("off")
     chance = math.log(cfg.vocab)
-    for j, depth in enumerate(tdepths):
-        ax = axes[1][j]
+    axes = np.atleast_1d(bottom.subplots(1, len(tdepths) + 1, width_ratios=[1.0] * len(tdepths) + [1.6]))
+    for j, (ax, depth) in enumerate(zip(axes[:-1], tdepths, strict=True)):
         for pl in PLACEMENTS:
             t = res["train"][f"{pl}/{depth}"]
             ls = np.asarray(t["losses"], dtype=float)
@@ -278,17 +305,29 @@ def plot(cfg: Config, res: dict[str, Any], path: str) -> bool:
             lab = LABELS[pl] + (f" (diverged @ {t['diverged_at']})" if t["diverged_at"] is not None else "")
             ax.plot(np.arange(len(sm)) + (len(ls) - len(sm)), sm, label=lab, color=colors[pl], lw=1.2)
         ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
-        ax.set_title(f"training loss (sort task), L={depth}")
+        ax.set_title(f"training loss (sort task), L={depth}", fontsize=10)
         ax.set_xlabel("Adam step")
         if j == 0:
             ax.set_ylabel("cross-entropy (10-step mean)")
         ax.legend(fontsize=7)
-    for j in range(len(tdepths), ncol):
-        axes[1][j].axis("off")
-    fig.tight_layout()
+    _claims_panel(axes[-1], cl or [])
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _claims_panel(ax: Any, cl: list[dict[str, Any]]) -> None:
+    import textwrap
+
+    ax.axis("off")
+    ax.set_title("what this run shows", fontsize=10)
+    y = 0.98
+    for c in cl:
+        mark, color = ("SHOWN", "tab:green") if c["shown"] else ("NOT SHOWN", "tab:red")
+        ax.text(0.0, y, mark, color=color, fontsize=8, fontweight="bold", va="top", transform=ax.transAxes)
+        body = textwrap.fill(f"{c['claim']} -- {c['source']}", 62)
+        ax.text(0.22, y, body, fontsize=7.5, va="top", transform=ax.transAxes)
+        y -= 0.045 * (body.count("\n") + 1) + 0.03
 
 
 class _Progress:
@@ -405,13 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loss end: mean of the last 20 (chance: log {cfg.vocab} = {math.log(cfg.vocab):.3f});")
     print("acc: share of the positions of 64 held-out sequences sorted right")
     print(table(cfg, res))
-    print("\nThe source documents' claims, as this run shows them:")
+    print("\nCommon claims about placement and depth, as this run shows them:")
     for c in cl:
-        print(f"  [{'SHOWN' if c['shown'] else 'NOT SHOWN'}] {c['claim']}: {c['evidence']}")
+        print(f"  [{'SHOWN' if c['shown'] else 'NOT SHOWN'}] {c['claim']} ({c['source']}): {c['evidence']}")
     not_shown = [c for c in cl if not c["shown"]]
     if not_shown:
         print(f"  {len(not_shown)} claim(s) NOT shown by this run; see docs/blocks.md for how to read them")
-    wrote = plot(cfg, res, ppath)
+    wrote = plot(cfg, res, ppath, cl, backend)
     print(
         f"\nwrote {jpath}"
         + (f" and {ppath}" if wrote else " (no figure: pip install matplotlib, or pip install 'pynorm[demo]')")

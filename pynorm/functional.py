@@ -156,9 +156,9 @@ def layer_norm_forward(
     eps : added to the variance inside the root (default 1e-5, PyTorch/ONNX); >= 0.
     backend : force a backend by name (see :func:`pynorm.list_backends`).
     correction : 0 (default) biased variance; 1 the unbiased ``x.std()`` of
-        ``torch.Tensor.std`` that the second source document's code uses.
+        ``torch.Tensor.std``, which tutorial LayerNorms often call.
     eps_mode : ``"var"`` (default) ``1/sqrt(v + eps)``; ``"std"`` ``1/(sqrt(v) + eps)``
-        as in both source documents' code.
+        as in many tutorial LayerNorms.
     weight_offset : ``o`` above; 1.0 gives the zero-centred ``(1 + w)`` of Gemma
         and TransformerEngine's ``zero_centered_gamma``.
     casting : where intermediate values are rounded (:mod:`pynorm.reference.casting`):
@@ -375,7 +375,7 @@ def scale_norm(
 
 
 # ---------------------------------------------------------------------------
-# PowerNorm (the source documents' signed power)
+# PowerNorm (the signed power)
 
 
 def power_norm_forward(
@@ -388,7 +388,7 @@ def power_norm_forward(
     backend: str | None = None,
     out: Array | None = None,
 ) -> tuple[Array, Context]:
-    r"""The second source document's "PowerNorm": ``y = w * sign(x) * |x|**p + b``, element-wise.
+    r"""The signed-power "PowerNorm" of normalization tutorials: ``y = w * sign(x) * |x|**p + b``, element-wise.
 
     ``axis`` only fixes the parameters' shape (``x.shape[axis:]``); ``p > 0`` is a finite
     hyperparameter (default 0.5). This is **not** Shen et al.'s 2020 PowerNorm (a batch norm with
@@ -868,7 +868,7 @@ def quant_layer_norm_forward(
     weight_offset: float = 0.0,
     out: Array | None = None,
 ) -> tuple[Any, Context]:
-    r"""Quantization-friendly LayerNorm forward (the second source document's ``QuantLayerNorm``).
+    r"""Quantization-friendly LayerNorm forward (int8 in and out, to sit between int8 matrix products).
 
     .. math::
 

@@ -175,7 +175,7 @@ class LayerNorm(_Norm):
     -----
     ``weight`` starts at ones (zeros when ``weight_offset=1``, so the effective
     scale ``w + 1`` starts at one) and ``bias`` at zeros — not the ones of the
-    first source document's code.
+    tutorial LayerNorms that circulate with that bug.
     """
 
     op = "layer_norm"
@@ -416,7 +416,7 @@ class ScaleNorm(_Norm):
 
 
 class PowerNorm(_Norm):
-    """The source documents' signed-power "PowerNorm" ``w * sign(x) * |x|**p + b`` (see
+    """The signed-power "PowerNorm" of normalization tutorials ``w * sign(x) * |x|**p + b`` (see
     :func:`pynorm.power_norm_forward`; not Shen et al.'s batch PowerNorm).
 
     Parameters
@@ -592,7 +592,7 @@ class AddNorm(_Norm):
 
 
 class ModalityNorm(_Norm):
-    """LayerNorm or RMSNorm with per-modality parameters (the second source document's 7.2).
+    """LayerNorm or RMSNorm with per-modality parameters (modality-specific normalization of multimodal Transformers).
 
     Parameters
     ----------

@@ -117,7 +117,7 @@ def layer_norm_conventions(x, weight, bias, eps=1e-5, eps_mode="var", correction
 
 
 def eps_on_std(x, weight, bias, eps=1e-5):
-    """Mistake: ``(x - mean) / (std + eps)`` (both source documents' code)."""
+    """Mistake: ``(x - mean) / (std + eps)`` (common in tutorials)."""
     return layer_norm(x, weight, bias, eps, _eps_std=True)
 
 

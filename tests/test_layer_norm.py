@@ -86,7 +86,7 @@ def test_eps_zero_constant_row_is_nan(backend):
 
 
 def test_source_document_conventions(backend):
-    # second source document: gamma * (x - mean) / (x.std() + eps) + beta, with torch's unbiased std
+    # a tutorial LayerNorm: gamma * (x - mean) / (x.std() + eps) + beta, with torch's unbiased std
     rng = np.random.default_rng(0)
     x, w, b = rng.standard_normal((5, 9)), rng.standard_normal(9), rng.standard_normal(9)
     eps = 1e-5
@@ -101,7 +101,7 @@ def test_source_document_conventions(backend):
         backend=backend.name,
     )
     np.testing.assert_allclose(_np(backend, got), expected, rtol=1e-12, atol=1e-12)
-    # first source document: biased std + eps
+    # another tutorial LayerNorm: biased std + eps
     expected = (x - x.mean(-1, keepdims=True)) / (x.std(-1, keepdims=True) + 1e-6)
     got = pynorm.layer_norm(backend.asarray(x), eps=1e-6, eps_mode="std", backend=backend.name)
     np.testing.assert_allclose(_np(backend, got), expected, rtol=1e-12, atol=1e-12)

@@ -56,7 +56,7 @@ class Block(Module):
     alpha, beta : DeepNorm's constants; default :func:`pynorm.deepnorm_constants` for ``n_layers``
         blocks (``"decoder"`` when ``causal``, else ``"encoder"``). Only for ``placement="deepnorm"``.
     learnable_alpha : make DeepNorm's ``alpha`` a trainable scalar (``params["alpha"]``) starting at the
-        paper's value -- the first source document's reading; the paper keeps it fixed (default).
+        paper's value -- as some write-ups describe it; the paper keeps it fixed (default).
     eps : the norms' eps (default: each norm's own). rng : Generator or seed. dtype, backend, xp.
 
     Notes

@@ -52,7 +52,7 @@ def deepnorm_constants(arch: str, N: int | None = None, M: int | None = None) ->
       the paper's 0.87 factor;
     * GLM-130B used :math:`\alpha = (2N)^{1/2}` and :math:`\beta = (2N)^{-1/2}`.
 
-    The first source document describes ``alpha`` and ``beta`` as *learnable* scalars weighting
+    Some write-ups describe ``alpha`` and ``beta`` as *learnable* scalars weighting
     ``alpha * x + beta * f(x)``; the paper fixes both (``beta`` is an initialisation gain, not a
     multiplier). :class:`pynorm.blocks.Block` follows the paper by default; ``learnable_alpha=True``
     makes ``alpha`` a trainable scalar starting at the paper's value.

@@ -1,7 +1,7 @@
 r"""Sublayers with hand-written backward passes: :class:`Linear`, :class:`FeedForward` (tanh GELU),
-:class:`MultiHeadAttention` (optional QK-norm, the second source document's ``ln_q``/``ln_kv``/``ln_out``
-variant, causal and padding masks), :class:`Norm` (any of pynorm's norms, optionally fused with the
-residual add) and :class:`Embedding`.
+:class:`MultiHeadAttention` (optional QK-norm, and the ``ln_q``/``ln_kv``/``ln_out`` norms of its inputs and
+output, causal and padding masks), :class:`Norm` (any of pynorm's norms, optionally fused with the residual
+add) and :class:`Embedding`.
 
 Every sublayer: ``forward(x, ...) -> (y, ctx)``, ``backward(dy, ctx) -> dx``, parameter gradients
 added into ``.grads``. Products and element-wise math run in float32 (float64 when the input or a
@@ -314,7 +314,7 @@ def masked_softmax_backward(dp: Any, p: Any) -> Any:
 
 
 class MultiHeadAttention(Module):
-    r"""Multi-head self-attention with optional QK-norm and the second source document's input/output norms.
+    r"""Multi-head self-attention with optional QK-norm and optional input/output norms.
 
     .. math::
 

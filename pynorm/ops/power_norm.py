@@ -1,4 +1,4 @@
-"""The (source documents') PowerNorm op: its spec (math in :mod:`pynorm.reference.power_norm`)."""
+"""The signed-power PowerNorm op: its spec (math in :mod:`pynorm.reference.power_norm`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-r"""Conditional LayerNorm / RMSNorm (the second source document's ``ConditionalLN``; adaLN), the reference.
+r"""Conditional LayerNorm / RMSNorm, the reference (adaLN: Peebles & Xie 2023, "Scalable Diffusion Models with
+Transformers").
 
 The affine parameters of each row come from a conditioning vector through a linear map: with ``cond``
 of ``(G, C)`` (cond row ``g`` serving the ``R / G`` consecutive rows ``g R/G ... (g+1) R/G - 1`` of the

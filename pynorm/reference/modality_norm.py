@@ -1,4 +1,4 @@
-r"""Modality-specific LayerNorm / RMSNorm (the second source document's 7.2), the reference definitions.
+r"""Modality-specific LayerNorm / RMSNorm (one set of norm parameters per modality), the reference definitions.
 
 Each row ``i`` of ``x`` is normalized as by :mod:`.layer_norm` / :mod:`.rms_norm`, with its
 affine parameters taken from row ``ids[i]`` of parameter tables: ``weight`` and ``bias`` have

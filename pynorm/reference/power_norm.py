@@ -1,4 +1,4 @@
-r"""The source documents' "PowerNorm", the reference definition: an element-wise signed power.
+r"""The signed-power "PowerNorm", the reference definition: an element-wise signed power.
 
 .. math::
 

@@ -1,6 +1,6 @@
 r"""Quantization-friendly LayerNorm, the reference definition (NumPy; also the ``numpy`` backend).
 
-The second source document's ``QuantLayerNorm``: a LayerNorm whose input may be int8 (with a scale)
+A ``QuantLayerNorm``: a LayerNorm whose input may be int8 (with a scale)
 and whose output may be int8 (with a scale), so that it sits between int8 matrix products.
 
 Input. Either a float array ``x`` (``x_scale`` None), or an int8 array with ``x_scale`` -- a scalar or

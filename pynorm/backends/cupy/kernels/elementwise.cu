@@ -6,7 +6,7 @@
 // The math of each op is defined in pynorm/reference/<op>.py; an op is one choice of the
 // function policy Fn (pynorm.ops.ElementwiseVariant, mapped by _loader.py):
 //
-//   SignedPower   f(x) = sign(x) |x|^p      the source documents' "PowerNorm" (p: a hyperparameter)
+//   SignedPower   f(x) = sign(x) |x|^p      the signed-power "PowerNorm" (p: a hyperparameter)
 //   Tanh          f(x) = tanh(alpha x)      DyT (alpha: a learnable scalar)
 //
 // Kernels (templates over T = x/y/dx dtype, W = parameter dtype, Fn):

@@ -248,8 +248,10 @@ def _seq_mean(xf, ax):
     f = xf.dtype.type
     n = int(np.prod([xf.shape[a] for a in ax]))
     flat = xf.reshape(*xf.shape[: xf.ndim - len(ax)], n)
-    return (np.cumsum(flat, axis=-1, dtype=xf.dtype)[..., -1:] / f(n)).astype(xf.dtype).reshape(
-        *xf.shape[: xf.ndim - len(ax)], *([1] * len(ax))
+    return (
+        (np.cumsum(flat, axis=-1, dtype=xf.dtype)[..., -1:] / f(n))
+        .astype(xf.dtype)
+        .reshape(*xf.shape[: xf.ndim - len(ax)], *([1] * len(ax)))
     )
 
 

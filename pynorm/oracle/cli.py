@@ -12,10 +12,11 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ArgumentError, PynormError
+from ..errors import ArgumentError, PynormError, PynormWarning
 
 __all__ = ["check_main", "load_target", "parse_conventions", "vectors_main"]
 
@@ -159,7 +160,7 @@ def check_main(argv: list[str]) -> int:
 
 def vectors_main(argv: list[str]) -> int:
     """``python -m pynorm vectors --out DIR [--format npz|json] [--ops ...]`` (or ``--verify DIR``)."""
-    from .vectors import verify_vectors, write_vectors
+    from .vectors import LARGE_HIDDEN, verify_vectors, write_vectors
 
     p = argparse.ArgumentParser(
         prog="python -m pynorm vectors",
@@ -172,6 +173,13 @@ def vectors_main(argv: list[str]) -> int:
     p.add_argument("--format", choices=["json", "npz"], default="json")
     p.add_argument("--ops", nargs="*", help="ops to write (default: every op)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--large-hidden",
+        type=int,
+        default=LARGE_HIDDEN,
+        metavar="H",
+        help=f"H of the large-H vectors, one offset row per dtype (default {LARGE_HIDDEN}; 0: none)",
+    )
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -183,7 +191,11 @@ def vectors_main(argv: list[str]) -> int:
                 print(line)
             print(f"{'OK' if not problems else 'DIFFERENT'}: {len(problems)} differences from the reference")
             return 1 if problems else 0
-        files = write_vectors(args.out, args.ops, fmt=args.format, seed=args.seed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PynormWarning)
+            files = write_vectors(args.out, args.ops, fmt=args.format, seed=args.seed, large_hidden=args.large_hidden)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
     except (PynormError, OSError, ArgumentError) as e:
         print(f"python -m pynorm vectors: error: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ unexplained failing cells.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -322,12 +323,14 @@ def run_diagnoses(
         hit: list[tuple[int, str, Any]] = []
         for i in failing:
             for name, o in evaluated[i].result.outputs.items():
-                if getattr(o, attr) is not None and (i, name) in left and o.ulps <= o.budget:
+                if getattr(o, attr) is not None:
                     hit.append((i, name, getattr(o, attr)))
         if not hit:
             continue
-        for i, name, _ in hit:
-            explain(i, name, code)
+        for i, name, _ in hit:  # the fact explains the output when its values are right; else a model must too
+            o = evaluated[i].result.outputs[name]
+            if math.isfinite(o.ulps) and o.ulps <= o.budget:
+                explain(i, name, code)
         i0, name0, got = hit[0]
         ev0 = evaluated[i0]
         want = dtype_name(ev0.dtypes[name0]) if attr == "dtype" else tuple(ev0.ref[name0].shape)

@@ -739,8 +739,7 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                 "eps_on_std",
                 "eps_on_std",
                 "eps is added to the std, not the variance: (x - mean) / (std + eps)",
-                "add it inside the root, sqrt(var + eps), as PyTorch, ONNX, Apex and TransformerEngine do "
-                "(if std + eps is your convention, check with it)",
+                "add it inside the root, sqrt(var + eps), as PyTorch, ONNX, Apex and TransformerEngine do",
                 _option_model({"eps_mode": "std"}),
                 convention={"eps_mode": "std"},
             )
@@ -751,7 +750,7 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                 "unbiased_variance",
                 "unbiased_variance",
                 "the variance is the unbiased estimator, divided by H - 1 (torch.Tensor.var/std's default)",
-                "LayerNorm divides by H (biased); if H - 1 is your convention, check with it",
+                "LayerNorm divides by H (biased)",
                 _option_model({"correction": 1}),
                 convention={"correction": 1},
             )
@@ -765,8 +764,7 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                 "eps_float32",
                 f"eps is rounded to float32 before it is used (an ONNX FLOAT attribute, a float32 scalar): "
                 f"{e32!r} instead of {eps!r}",
-                "keep eps in the input's precision; to check your implementation at the eps it actually uses, pass "
-                "it exactly",
+                "keep eps in the input's precision",
                 _eps_float32,
                 convention={"eps": e32} if e32 != eps else None,
             )

@@ -244,7 +244,7 @@ class _CellRunner:
         if cell.eps is not None:
             call["eps"] = cell.eps
             ref_opts["eps"] = float(self.ref_only.get("eps", cell.eps)) if cell.eps != 0.0 else 0.0
-            result.eps = cell.eps
+        result.eps = call.get("eps", spec.defaults().get("eps"))
         try:
             case.options = spec.validate(ref_opts, cell.hidden)
             with np.errstate(all="ignore"):

@@ -153,6 +153,32 @@ def _lattice(center: np.ndarray, k: int) -> np.ndarray:
     return np.stack([*reversed(lo[1:]), center, *hi[1:]], axis=-1)
 
 
+def _fused(x: np.ndarray, r: np.ndarray, c: np.ndarray, p: np.dtype[Any]) -> np.ndarray:
+    """``round_p(x * r - c)`` with one rounding (a fused multiply-add) for ``p`` values ``x``, ``r``, ``c``
+    (broadcasting): exact in float64 for float32; for float64 by Dekker's exact product ``x r = hi + lo``."""
+    if p.itemsize < 8:
+        return (x.astype(np.float64) * r.astype(np.float64) - c.astype(np.float64)).astype(p)
+    x, r, c = (np.asarray(a, np.float64) for a in (x, r, c))
+    split = 134217729.0  # 2^27 + 1 (Veltkamp)
+    with np.errstate(all="ignore"):
+        hi = x * r
+        xa = split * x
+        xh = xa - (xa - x)
+        xl = x - xh
+        ra = split * r
+        rh = ra - (ra - r)
+        rl = r - rh
+        lo = ((xh * rh - hi) + xh * rl + xl * rh) + xl * rl
+        return np.asarray((hi - c) + lo, np.float64)
+
+
+def _nearest_first(lat: np.ndarray) -> np.ndarray:
+    """The values of a ``_lattice`` row, the centre first, then its neighbours by distance (ties go to the centre)."""
+    k = (lat.shape[-1] - 1) // 2
+    order = [k] + [j for d in range(1, k + 1) for j in (k - d, k + d)]
+    return lat[..., order]
+
+
 def _gamma(n: int, u: float) -> float:
     return n * u / (1 - n * u)
 
@@ -565,9 +591,9 @@ def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emul
         if kind == "correct":  # exact centring: the reference's structure, with the statistics' roundings in p
             ms = np.asarray([m_ex[i, 0]], dtype=wide)
         elif kind == "xr":
-            ms = _lattice(np.asarray([mc]).astype(p), 2)[0]
+            ms = _nearest_first(_lattice(np.asarray([mc]).astype(p), 2)[0])
         else:
-            ms = _lattice(np.asarray([mc]).astype(p), 1 if fitted else 16 if kind == "mean" else 8)[0]
+            ms = _nearest_first(_lattice(np.asarray([mc]).astype(p), 1 if fitted else 16 if kind == "mean" else 8)[0])
             ms = ms[np.abs(ms.astype(wide) - m_ex[i, 0]) <= bsum[i, 0]]
             if not ms.size:
                 ms = np.asarray([m_ex[i, 0]]).astype(p)
@@ -575,6 +601,7 @@ def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emul
         cand_r: list[float] = []
         cand_v: list[float] = []
         cand_tv: list[bool] = []  # one_pass: the variance is out of a stable algorithm's reach
+        cand_fma: list[bool] = []  # xr: the fused form
         for m in ms.astype(wide):
             dm = m - m_ex[i, 0]
             var_m = (sdd[i, 0] + H * dm * dm) / n
@@ -588,10 +615,12 @@ def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emul
                 cand_r.append(r)
                 cand_v.append(float(var_m))
             elif kind == "xr":
-                for r in _lattice(np.asarray([r_m]).astype(p), 8)[0]:
-                    cand_m.append(float(m))
-                    cand_r.append(float(r))
-                    cand_v.append(float(var_m))
+                for r in _nearest_first(_lattice(np.asarray([r_m]).astype(p), 8)[0]):
+                    for form in (False, True):  # fl(x r) - fl(m r); or fused: fl(x r - fl(m r)) (PyTorch's CPU kernel)
+                        cand_m.append(float(m))
+                        cand_r.append(float(r))
+                        cand_v.append(float(var_m))
+                        cand_fma.append(form)
             else:  # one_pass: var = fl(fl(S2 / H) - fl(m^2)), S2 a p sum of the squares in any order
                 g1 = _gamma(H + 1, u)
                 lo = e2[i, 0] * (1 - g1) - m * m * (1 + u) - u * abs(e2[i, 0])
@@ -621,8 +650,10 @@ def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emul
         with np.errstate(all="ignore"):
             if kind == "xr":
                 xp = xi.astype(p)
-                xh = (xp[None, :] * Rr.astype(p)).astype(p) - (M.astype(p) * Rr.astype(p)).astype(p)
-                xh = xh.astype(p).astype(wide)
+                mr = (M.astype(p) * Rr.astype(p)).astype(p)
+                sub = ((xp[None, :] * Rr.astype(p)).astype(p) - mr).astype(p)
+                fused = _fused(xp[None, :], Rr.astype(p), mr, p)
+                xh = np.where(np.asarray(cand_fma)[:, None], fused, sub).astype(wide)
             else:
                 xh = (xi[None, :] - M) * Rr
             y = xh * we + bb
@@ -649,8 +680,7 @@ def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emul
         best_xh[i] = xh[k]
     if not np.isfinite(best_dist).any():
         return None
-    if kind in ("one_pass", "xr") and not distinct_rows.any():
-        return None  # no row needs this model's own error: its baseline is the explanation
+
     outputs = {"y": best_y.reshape(ev.ref["y"].shape)}
     if "dx" in ev.user and not std:
         g = rows.dy * we
@@ -661,9 +691,33 @@ def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emul
         outputs["dx"] = round_to(np.asarray(dx, np.float64), _measure_dtype(p, ev.dtypes["dx"])).astype(np.float64)
         outputs["dx"] = outputs["dx"].reshape(ev.ref["dx"].shape)
         if "dweight" in ev.user:
-            dw = np.asarray((rows.dy * best_xh).sum(axis=0), np.float64)
             dwt = _measure_dtype(p, ev.dtypes["dweight"])
-            outputs["dweight"] = round_to(dw, dwt).astype(np.float64).reshape(ev.ref["dweight"].shape)
+            dsc = ev.scales.get("dweight")
+            dsc = None if dsc is None or np.size(dsc) != H else np.asarray(dsc, np.float64).reshape(-1)
+
+            def dweight_of(xh: Any) -> np.ndarray:
+                return round_to(np.asarray((rows.dy * xh).sum(axis=0), np.float64), dwt).astype(np.float64)
+
+            dw = dweight_of(best_xh)
+            if kind == "xr":  # the backward is code of its own: either form, whichever the forward used
+                mb, rb = best_m.astype(wide)[:, None], best_r.astype(wide)[:, None]
+                with np.errstate(all="ignore"):
+                    mr = (mb.astype(p) * rb.astype(p)).astype(p)
+                    forms = [
+                        ((x.astype(p) * rb.astype(p)).astype(p) - mr).astype(p).astype(wide),
+                        _fused(x.astype(p), rb.astype(p), mr, p).astype(wide),
+                    ]
+                ud = ev.user["dweight"].reshape(-1)
+                dw = min((dweight_of(f) for f in forms), key=lambda a: float(ulp_error(ud, a, dwt, scale=dsc).max()))
+                if not distinct_rows.any() and "dweight" in ev.result.outputs:
+                    # the products' roundings may show in dweight alone (constant rows: the exact x̂ is 0)
+                    with np.errstate(all="ignore"):
+                        dwp = dweight_of((x - mb) * rb)
+                    eff = float(ulp_error(dw, dwp, dwt, scale=dsc).max())
+                    distinct_rows[:] = eff > ev.result.outputs["dweight"].budget
+            outputs["dweight"] = dw.reshape(ev.ref["dweight"].shape)
+    if kind in ("one_pass", "xr") and not distinct_rows.any():
+        return None  # no row needs this model's own error: its baseline is the explanation
     ulp_m = ulp(m_ex[:, 0].astype(np.float64), p)
     evidence = {
         "mean_off_ulps": float(np.nanmax(np.abs(best_m - m_ex[:, 0].astype(np.float64)) / ulp_m)),

@@ -444,8 +444,10 @@ def run_diagnoses(
             remaining -= set(mine)
             assigned.setdefault(best.key, {}).update(mine)
             evidence.setdefault(best.key, []).extend(found[best.key].evidence)
-            alts = [
-                m.key for m in order if m is not best and m.key in covered and set(covered[m.key]) == set(mine) and mine
+            alts = [  # the rounding orders that coincide here (t5 and apex give Llama's RMSNorm forward)
+                m.key
+                for m in order
+                if m is not best and m.reference and best.reference and set(covered.get(m.key, {})) == set(mine)
             ]
             info = {
                 "explained": len({i for i, _ in mine}),

@@ -719,9 +719,11 @@ def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emul
     if kind in ("one_pass", "xr") and not distinct_rows.any():
         return None  # no row needs this model's own error: its baseline is the explanation
     ulp_m = ulp(m_ex[:, 0].astype(np.float64), p)
+    off_m = np.abs(best_m - m_ex[:, 0].astype(np.float64))
+    known = np.isfinite(off_m)
     evidence = {
-        "mean_off_ulps": float(np.nanmax(np.abs(best_m - m_ex[:, 0].astype(np.float64)) / ulp_m)),
-        "mean_off": float(np.nanmax(np.abs(best_m - m_ex[:, 0].astype(np.float64)))),
+        "mean_off_ulps": float(np.max(off_m[known] / ulp_m[known])) if known.any() else np.nan,
+        "mean_off": float(np.max(off_m[known])) if known.any() else np.nan,
         "mean_bound": float(np.max(bsum)),
     }
     if kind == "one_pass":

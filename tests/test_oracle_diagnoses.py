@@ -305,6 +305,21 @@ def test_noise_at_zero_shows_as_such():
     assert f"{o.abs_error:.1e}" in noisy.table()
 
 
+def test_at_zero_instead_of_subnormal_ulps():
+    def noisy_dweight(dy, x, weight, bias, eps=1e-5):  # dweight 1e-6 off: 16 ulps on normal rows, noise where it is 0
+        dx, dw, db = T.layer_norm_backward(dy, x, weight, bias, eps)
+        return dx, (dw.astype(np.float64) + 1e-6).astype(dw.dtype), db
+
+    cells = [Cell("float32", (7,), (4,), kind, 1e-5) for kind in ("normal", "constant")]
+    report = check("layer_norm", T.layer_norm, noisy_dweight, grid=cells)
+    normal, constant = report.results
+    assert normal.verdict == "pass" and constant.verdict == "fail"
+    o = constant.outputs["dweight"]
+    assert o.at_zero and o.ulps > 1e30 and o.abs_error == pytest.approx(1e-6, rel=1e-3)
+    line = report.table().splitlines()[-1]
+    assert "at 0*" in line and "1.0e-06" in line and "e+3" not in line
+
+
 def test_reference_only_conventions_are_checked():
     with pytest.raises(ArgumentError, match="reference: layer_norm has no option 'colour'"):
         check("layer_norm", T.layer_norm, reference={"colour": "red"})

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import ArgumentError, PynormError
 from ..ops import OpSpec, get
+from ..testing import ulp
 from ._dtypes import DTYPE_NAMES, dtype_name, dtype_of, have_bfloat16
 from .diagnose import run_diagnoses
 from .evaluate import (
@@ -200,8 +201,6 @@ def _mark_stability(spec: OpSpec, ev: Evaluated) -> None:
     allow = allowances(spec, ev.case, ev.dtype, {n: ev.ref[n].shape for n in failing if n in ev.ref})
     if allow is None:
         return
-    from ..testing import ulp
-
     for n in failing:
         o = ev.result.outputs[n]
         if n not in allow or n not in ev.user or o.shape is not None or o.dtype is not None:

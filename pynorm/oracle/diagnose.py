@@ -127,11 +127,15 @@ def _signature(user: np.ndarray, ref: np.ndarray, precision: str, scale: Any) ->
     fin = np.isfinite(user)
     if not fin.any():
         return False  # NaN and inf say nothing about the precision they were computed in
-    u = user[fin]
+    # representability is evidence only where the exact values are not representable themselves (0, b at H = 1...)
+    telling = fin & np.isfinite(ref) & (round_to(ref, precision).astype(np.float64) != ref)
+    if not telling.any():
+        return False
+    u = user[telling]
     rep = np.mean(round_to(u, precision).astype(np.float64) == u)
     if rep >= 0.99:
         return True
-    err = ulp_error(user, ref, precision, scale=scale)[fin & np.isfinite(ref)]
+    err = ulp_error(user, ref, precision, scale=scale)[telling]
     return bool(err.size) and float(np.median(err)) >= 0.05
 
 

@@ -100,7 +100,8 @@ def from_dlpack(a: Any, name: str) -> Array:
     """A zero-copy NumPy (CPU memory) or CuPy (CUDA memory) view of an object implementing ``__dlpack__`` and
     ``__dlpack_device__`` (a PyTorch tensor, a JAX array...), without importing its library. bfloat16, which
     NumPy's DLPack import does not take, is imported as its 16-bit pattern (a view through the exporter's own
-    ``view(int16)``) and viewed as ``ml_dtypes.bfloat16``."""
+    ``view(int16)``, the ``int16`` of its library or of its ``__array_namespace__()`` -- JAX's) and viewed as
+    ``ml_dtypes.bfloat16``."""
     try:
         dev_type, _ = (int(v) for v in a.__dlpack_device__())
     except Exception as exc:
@@ -126,6 +127,11 @@ def from_dlpack(a: Any, name: str) -> Array:
     if str(getattr(a, "dtype", "")).rpartition(".")[2] == "bfloat16":
         lib = sys.modules.get(type(a).__module__.partition(".")[0])
         int16 = getattr(lib, "int16", None)
+        if int16 is None and hasattr(a, "__array_namespace__"):  # JAX: the type lives in jaxlib, int16 in jax.numpy
+            try:
+                int16 = getattr(a.__array_namespace__(), "int16", None)
+            except Exception:  # an exporter whose namespace cannot be had: the error below names the argument
+                int16 = None
         if int16 is None or not hasattr(a, "view"):
             raise DTypeError(f"{name} is bfloat16, which DLPack importers cannot read, and offers no view(int16)")
         try:

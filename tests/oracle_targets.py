@@ -214,3 +214,215 @@ def llama_rms_norm(x, weight, eps=1e-6):
         xs = xf / s
         n = (xs / np.sqrt((xs * xs).mean(axis=ax, keepdims=True) + eps / s / s)).astype(f).astype(x.dtype)
     return (weight.astype(f) * n.astype(f)).astype(x.dtype)
+
+
+# --- more stand-ins: the causes the diagnoses model, and correct-but-different implementations ---------------
+
+
+def _axes(x, weight):
+    return tuple(range(x.ndim - weight.ndim, x.ndim))
+
+
+def _ln_f(x, weight, bias, eps, f, *, mean=None, var=None, xhat=None, eps_cast=None):
+    """LayerNorm computed in the float dtype ``f`` with pluggable pieces (each a function of the ``f`` rows),
+    the result rounded to x's dtype. ``mean(xf) -> m``, ``var(xf, m) -> v``, ``xhat(xf, m, r) -> x̂``."""
+    ax = _axes(x, weight)
+    with np.errstate(all="ignore"):
+        xf = np.asarray(x).astype(f)
+        m = xf.mean(axis=ax, keepdims=True, dtype=f) if mean is None else mean(xf, ax)
+        d = (xf - m).astype(f)
+        v = (d * d).mean(axis=ax, keepdims=True, dtype=f) if var is None else var(xf, m, ax)
+        e = f(eps) if eps_cast is None else eps_cast(eps)
+        r = (1 / np.sqrt((v + e).astype(f))).astype(f)
+        xh = (d * r).astype(f) if xhat is None else xhat(xf, m, r)
+        y = (xh * weight.astype(f)).astype(f) + bias.astype(f)
+    return np.asarray(y).astype(x.dtype)
+
+
+def _work(x):
+    return np.float64 if x.dtype == np.float64 else np.float32
+
+
+def _seq_mean(xf, ax):
+    """A left-to-right sum in xf's dtype (a loop over the elements, as a naive kernel does), divided by H."""
+    f = xf.dtype.type
+    n = int(np.prod([xf.shape[a] for a in ax]))
+    flat = xf.reshape(*xf.shape[: xf.ndim - len(ax)], n)
+    return (
+        (np.cumsum(flat, axis=-1, dtype=xf.dtype)[..., -1:] / f(n))
+        .astype(xf.dtype)
+        .reshape(*xf.shape[: xf.ndim - len(ax)], *([1] * len(ax)))
+    )
+
+
+def two_pass_f32_mean(x, weight, bias, eps=1e-5):
+    """Correct but not exact (tinygrad-like): two passes in float32 (float64 for float64 input), the mean a
+    sequential float32 sum without a correction. Not one-pass: its variance is from the centred values."""
+    return _ln_f(x, weight, bias, eps, _work(x), mean=_seq_mean)
+
+
+def welford_f32(x, weight, bias, eps=1e-5):
+    """Correct but not exact: Welford's single-pass update of the mean and M2 in float32 (float64 for float64
+    input) -- a stable one-pass algorithm, which must not be taken for E[x^2] - E[x]^2."""
+    f = _work(x)
+    ax = _axes(x, weight)
+    h = int(np.prod([x.shape[a] for a in ax]))
+    xf = np.asarray(x).astype(f).reshape(-1, h)
+    m = np.zeros((xf.shape[0], 1), f)
+    m2 = np.zeros((xf.shape[0], 1), f)
+    with np.errstate(all="ignore"):
+        for k in range(h):
+            v = xf[:, k : k + 1]
+            dlt = (v - m).astype(f)
+            m = (m + dlt / f(k + 1)).astype(f)
+            m2 = (m2 + dlt * (v - m)).astype(f)
+        var = (m2 / f(h)).astype(f)
+        r = (1 / np.sqrt(var + f(eps))).astype(f)
+        xh = ((xf - m) * r).astype(f).reshape(x.shape)
+        y = xh * weight.astype(f) + bias.astype(f)
+    return y.astype(x.dtype)
+
+
+def keras_one_pass(x, weight, bias, eps=1e-5):
+    """Mistake (Keras' numpy backend): var = mean(x^2) - mean(x)^2 in float32 (float64 for float64 input), not
+    clipped: negative on offset rows, so sqrt(var + eps) is NaN there."""
+    return _ln_f(
+        x, weight, bias, eps, _work(x),
+        var=lambda xf, m, ax: ((xf * xf).mean(axis=ax, keepdims=True, dtype=xf.dtype) - m * m).astype(xf.dtype),
+    )  # fmt: skip
+
+
+def flax_one_pass(x, weight, bias, eps=1e-5):
+    """Mistake (Flax's use_fast_variance): var = max(0, mean(x^2) - mean(x)^2) in float32 (float64 for float64)."""
+    return _ln_f(
+        x, weight, bias, eps, _work(x),
+        var=lambda xf, m, ax: np.maximum(
+            (xf * xf).mean(axis=ax, keepdims=True, dtype=xf.dtype) - m * m, xf.dtype.type(0)
+        ).astype(xf.dtype),
+    )  # fmt: skip
+
+
+def xr_minus_mr(x, weight, bias, eps=1e-5):
+    """Mistake: x̂ = x * rstd - mean * rstd in float32 (a fused 'scale and shift' form), the statistics correct."""
+    f = _work(x)
+    return _ln_f(
+        x, weight, bias, eps, f,
+        mean=lambda xf, ax: np.asarray(x, np.float64).mean(axis=ax, keepdims=True).astype(f),
+        xhat=lambda xf, m, r: ((xf * r).astype(f) - (m * r).astype(f)).astype(f),
+    )  # fmt: skip
+
+
+def float32_for_float64(x, weight, bias, eps=1e-5):
+    """Mistake (x.float(), JAX without x64): every dtype computed in float32 by a careful algorithm (scaled,
+    corrected two-pass mean), the result cast back to x's dtype."""
+    if x.dtype != np.float64:
+        return layer_norm(x, weight, bias, eps)
+    x32 = np.asarray(x).astype(np.float32)
+    y = layer_norm(x32, weight.astype(np.float32), bias.astype(np.float32), float(np.float32(eps)))
+    return y.astype(np.float64)
+
+
+def float32_for_float64_returns_float32(x, weight, bias, eps=1e-5):
+    """Mistake (a float32 dtype policy): float64 input computed in float32 and *returned* as float32."""
+    y = float32_for_float64(x, weight, bias, eps)
+    return y.astype(np.float32) if x.dtype == np.float64 else y
+
+
+def eps_rounded_to_float32(x, weight, bias, eps=1e-5):
+    """Mistake (ONNX's FLOAT epsilon attribute): eps rounded to float32 before use; otherwise correct."""
+    return layer_norm(x, weight, bias, float(np.float32(eps)))
+
+
+def eps_fixed(x, weight, bias, eps=1e-5):
+    """Mistake: ignores the eps it is given and uses 1e-5."""
+    return layer_norm(x, weight, bias, 1e-5)
+
+
+def saved_stats_16bit_backward(dy, x, weight, bias, eps=1e-5):
+    """Mistake (PyTorch's float16/bfloat16 CPU LayerNorm): the backward from mean and rstd stored in x's 16-bit
+    dtype; the rest in float64."""
+    x2 = np.asarray(x, np.float64).reshape(-1, weight.size)
+    dy2 = np.asarray(dy, np.float64).reshape(-1, weight.size)
+    m = x2.mean(axis=1, keepdims=True)
+    m = m + (x2 - m).mean(axis=1, keepdims=True)
+    r = 1 / np.sqrt(((x2 - m) ** 2).mean(axis=1, keepdims=True) + eps)
+    if x.dtype.itemsize == 2:
+        m = m.astype(x.dtype).astype(np.float64)
+        r = r.astype(x.dtype).astype(np.float64)
+    xh = (x2 - m) * r
+    g = dy2 * weight.reshape(-1)
+    dx = r * (g - g.mean(axis=1, keepdims=True) - xh * (g * xh).mean(axis=1, keepdims=True))
+    dw = (dy2 * xh).sum(axis=0).reshape(weight.shape)
+    db = dy2.sum(axis=0).reshape(bias.shape)
+    return dx.reshape(x.shape).astype(x.dtype), dw.astype(weight.dtype), db.astype(bias.dtype)
+
+
+def backward_two_of_three(dy, x, weight, bias, eps=1e-5):
+    """Mistake: the backward returns (dx, dweight) and forgets dbias."""
+    return layer_norm_backward(dy, x, weight, bias, eps)[:2]
+
+
+def correct_but_float32_out(x, weight, bias, eps=1e-5):
+    """Mistake: correct values, returned as float32 whatever x's dtype (for 16-bit x more precise, wrong dtype)."""
+    y = layer_norm(x, weight, bias, eps)
+    return np.asarray(y, np.float64).astype(np.float32) if x.dtype.itemsize == 2 else y
+
+
+def flattened(x, weight, bias, eps=1e-5):
+    """Mistake: returns y flattened to one dimension (the values right)."""
+    return layer_norm(x, weight, bias, eps).reshape(-1)
+
+
+def nearly_correct_float64(x, weight, bias, eps=1e-5):
+    """Correct float64 math with a small error of its own (y * (1 + 1e-13) in float64): fails float64 cells by
+    ~450 ulps, and is not float32 math."""
+    y = layer_norm(x, weight, bias, eps)
+    return (y.astype(np.float64) * (1 + 1e-13)).astype(x.dtype) if x.dtype == np.float64 else y
+
+
+def strided_eps_on_std(x, weight, bias, eps=1e-5):
+    """Mistake: eps on the std; a strided x is read correctly (its failures there are eps's, not strides')."""
+    return eps_on_std(np.asarray(x), weight, bias, eps)
+
+
+def mixed_causes(x, weight, bias, eps=1e-5):
+    """Two causes in two dtypes: float64 input computed in float32; float32 input by Flax's one-pass variance;
+    16-bit input correct."""
+    if x.dtype == np.float64:
+        return float32_for_float64(x, weight, bias, eps)
+    if x.dtype == np.float32:
+        return flax_one_pass(x, weight, bias, eps)
+    return layer_norm(x, weight, bias, eps)
+
+
+# --- RMSNorm stand-ins --------------------------------------------------------------------------------------
+
+
+def llama_in_float16_only(x, weight, eps=1e-6):
+    """Llama's rounding order for float16 input, one rounding for the other dtypes (per-dtype naming)."""
+    return llama_rms_norm(x, weight, eps) if x.dtype == np.float16 else rms_norm(x, weight, eps)
+
+
+def rms_float32_for_float64(x, weight, eps=1e-6):
+    """Mistake (tinygrad's x.float()): RMSNorm of every dtype in float32, cast back to x's dtype."""
+    x32 = np.asarray(x).astype(np.float32)
+    ax = _axes(x, weight)
+    with np.errstate(all="ignore"):
+        ms = (x32 * x32).mean(axis=ax, keepdims=True, dtype=np.float32)
+        y = x32 * (1 / np.sqrt(ms + np.float32(eps))).astype(np.float32) * weight.astype(np.float32)
+    return y.astype(x.dtype)
+
+
+def rms_all_in_dtype(x, weight, eps=1e-6):
+    """Mistake for 16-bit input: every operation in x's dtype (sums accumulated in float32, rounded once), like
+    casting='none'; float32/float64 input computed correctly."""
+    if x.dtype.itemsize != 2:
+        return rms_norm(x, weight, eps)
+    t = x.dtype
+    ax = _axes(x, weight)
+    with np.errstate(all="ignore"):
+        sq = (x * x).astype(t)
+        ms = (sq.astype(np.float64).sum(axis=ax, keepdims=True) / np.prod([x.shape[a] for a in ax])).astype(t)
+        r = (1 / np.sqrt((ms.astype(np.float64) + eps).astype(t).astype(np.float64))).astype(t)
+        y = (x * r).astype(t)
+        return (y * weight.astype(t)).astype(t)

@@ -2,11 +2,19 @@
 
 * :func:`check` (``python -m pynorm check MODULE:FUNCTION --op OP``) runs your forward (and backward)
   over the conformance grid (:mod:`pynorm.oracle.grid`), measures each output's error in ulps of its dtype
-  at the magnitude of its terms, judges each cell against per-output budgets, and names the classic bugs
-  it recognizes (:mod:`pynorm.oracle.diagnose`).
+  at the magnitude of its terms and as an absolute error, judges each cell against per-output budgets, says
+  per failing cell whether the error is within what a backward-stable algorithm may lose
+  (:mod:`pynorm.oracle.stability`), and names the causes it can reproduce: each cause is a model of an
+  implementation (:mod:`pynorm.oracle.models`), named per dtype where its outputs match yours on the failing
+  cells (:mod:`pynorm.oracle.diagnose`).
 * :func:`write_vectors` / :func:`read_vectors` / :func:`verify_vectors` (``python -m pynorm vectors``) write
-  and read versioned golden vectors (inputs, outputs, gradients, conventions, tolerances) in JSON or NPZ,
-  described by the JSON Schema ``pynorm/oracle/vectors.schema.json`` (:func:`schema`).
+  and read versioned golden vectors (inputs, outputs, gradients, statistics, conventions, tolerances and the
+  constants of the ulp rule) in JSON or NPZ, described by the JSON Schema ``pynorm/oracle/vectors.schema.json``
+  (:func:`schema`).
+
+Module layout (no module imports one that imports it): ``_dtypes`` and ``grid`` at the bottom, then
+``evaluate`` (budgets, the reference, the yardsticks), ``stability``, ``models``, ``diagnose``, ``report``,
+``runner`` (:func:`check`), ``vectors`` and ``cli``.
 
 Documented in ``docs/oracle.md``.
 """
@@ -14,8 +22,11 @@ Documented in ``docs/oracle.md``.
 from __future__ import annotations
 
 from .diagnose import Diagnosis
+from .evaluate import DEFAULT_BUDGETS, Budgets, CellResult, OutputCheck, parse_budget
 from .grid import KINDS, Cell, default_grid, make_case, quick_grid
-from .runner import DEFAULT_BUDGETS, Budgets, CellResult, CheckReport, check, parse_budget
+from .models import Model, models_for
+from .report import CheckReport
+from .runner import check
 from .vectors import SCHEMA_VERSION, read_vectors, schema, verify_vectors, write_vectors
 
 __all__ = [
@@ -27,9 +38,12 @@ __all__ = [
     "CellResult",
     "CheckReport",
     "Diagnosis",
+    "Model",
+    "OutputCheck",
     "check",
     "default_grid",
     "make_case",
+    "models_for",
     "parse_budget",
     "quick_grid",
     "read_vectors",

@@ -12,10 +12,11 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ArgumentError, PynormError
+from ..errors import ArgumentError, PynormError, PynormWarning
 
 __all__ = ["check_main", "load_target", "parse_conventions", "vectors_main"]
 
@@ -54,14 +55,14 @@ def load_target(spec: str, what: str = "target") -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def parse_conventions(items: list[str] | None) -> dict[str, Any]:
+def parse_conventions(items: list[str] | None, flag: str = "--convention") -> dict[str, Any]:
     """``["eps=1e-6", "eps_mode=std", "residual_dtype=None"]`` as a dict (values as Python literals where they
     parse as one, else strings)."""
     out: dict[str, Any] = {}
     for item in items or []:
         for part in filter(None, (p.strip() for p in item.split(","))):
             if "=" not in part:
-                raise UsageError(f"--convention expects key=value, got {part!r}")
+                raise UsageError(f"{flag} expects key=value, got {part!r}")
             k, v = (s.strip() for s in part.split("=", 1))
             try:
                 out[k] = ast.literal_eval(v)
@@ -82,7 +83,16 @@ def _check_parser() -> argparse.ArgumentParser:
         "--backward", metavar="MODULE:FUNCTION", help="your backward: b(dy, x, *inputs, *params, **conventions)"
     )
     p.add_argument(
-        "--convention", action="append", metavar="KEY=VALUE", help="an option of the op (repeatable): eps=1e-6"
+        "--convention",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an option of the op, passed to your functions and to the reference (repeatable): eps=1e-6",
+    )
+    p.add_argument(
+        "--reference",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an option for the reference only, not passed to your functions (repeatable): casting=llama",
     )
     p.add_argument("--budget", metavar="NAME=ULPS,...", help="budgets in ulps, e.g. y=4,dx=16 or float16:y=2")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
@@ -97,7 +107,8 @@ def _check_parser() -> argparse.ArgumentParser:
 def check_main(argv: list[str]) -> int:
     """``python -m pynorm check ...``; returns the exit status."""
     from ..ops import SPECS
-    from .runner import check, parse_budget
+    from .evaluate import parse_budget
+    from .runner import check, validate_options
 
     parser = _check_parser()
     try:
@@ -109,7 +120,14 @@ def check_main(argv: list[str]) -> int:
             raise UsageError(f"--op: no op named {args.op!r} (ops: {', '.join(SPECS)})")
         budgets = parse_budget(args.budget)
         conv = parse_conventions(args.convention)
-        SPECS[args.op].validate(conv)
+        ref = parse_conventions(args.reference, "--reference")
+        spec = SPECS[args.op]
+        try:
+            validate_options(spec, conv, "--convention")
+            validate_options(spec, ref, "--reference")
+            validate_options(spec, {**conv, **ref}, "--reference")
+        except ArgumentError as e:
+            raise UsageError(str(e)) from None
         dtypes = [d.strip() for d in args.dtypes.split(",")] if args.dtypes else None
         if dtypes:
             bad = [d for d in dtypes if d not in ("float16", "bfloat16", "float32", "float64")]
@@ -125,6 +143,7 @@ def check_main(argv: list[str]) -> int:
         forward,
         backward,
         conventions=conv,
+        reference=ref,
         budget=budgets,
         grid="quick" if args.quick else "default",
         dtypes=dtypes,
@@ -132,10 +151,7 @@ def check_main(argv: list[str]) -> int:
         progress=not args.no_progress and sys.stderr.isatty(),
         target=args.target + (f", backward {args.backward}" if args.backward else ""),
     )
-    print(report.table(only_failures=args.failures_only))
-    for d in report.diagnoses:
-        print(f"diagnosis: {d.message}")
-    print(report.summary())
+    print("\n".join(report.lines(cli=True, only_failures=args.failures_only)))
     if args.json:
         report.write_json(args.json)
         print(f"wrote {args.json}")
@@ -144,7 +160,7 @@ def check_main(argv: list[str]) -> int:
 
 def vectors_main(argv: list[str]) -> int:
     """``python -m pynorm vectors --out DIR [--format npz|json] [--ops ...]`` (or ``--verify DIR``)."""
-    from .vectors import verify_vectors, write_vectors
+    from .vectors import LARGE_HIDDEN, verify_vectors, write_vectors
 
     p = argparse.ArgumentParser(
         prog="python -m pynorm vectors",
@@ -157,6 +173,13 @@ def vectors_main(argv: list[str]) -> int:
     p.add_argument("--format", choices=["json", "npz"], default="json")
     p.add_argument("--ops", nargs="*", help="ops to write (default: every op)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--large-hidden",
+        type=int,
+        default=LARGE_HIDDEN,
+        metavar="H",
+        help=f"H of the large-H vectors, one offset row per dtype (default {LARGE_HIDDEN}; 0: none)",
+    )
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -168,7 +191,11 @@ def vectors_main(argv: list[str]) -> int:
                 print(line)
             print(f"{'OK' if not problems else 'DIFFERENT'}: {len(problems)} differences from the reference")
             return 1 if problems else 0
-        files = write_vectors(args.out, args.ops, fmt=args.format, seed=args.seed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PynormWarning)
+            files = write_vectors(args.out, args.ops, fmt=args.format, seed=args.seed, large_hidden=args.large_hidden)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
     except (PynormError, OSError, ArgumentError) as e:
         print(f"python -m pynorm vectors: error: {e}", file=sys.stderr)
         return 2

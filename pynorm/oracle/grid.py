@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from ..ops import OpSpec
-from ..testing import _dtype, make_input
+from ..testing import make_input
+from ._dtypes import DTYPE_NAMES, dtype_of
 
 __all__ = [
     "DTYPES",
@@ -37,7 +38,7 @@ HIDDEN_SIZES = (1, 2, 3, 7, 64, 1000, 4096)
 LARGE_HIDDEN = 65536
 #: normalized shapes of the multi-dim cells (2 and 3 normalized dims)
 MULTI_SHAPES = ((4, 16), (2, 3, 5))
-DTYPES = ("float16", "bfloat16", "float32", "float64")
+DTYPES = DTYPE_NAMES
 ROWS = 4
 
 
@@ -164,7 +165,7 @@ def make_oracle_input(kind: str, rows: int, hidden: int, dtype: Any, rng: np.ran
     ``c`` and the others ``c + 1`` (a two-valued row, ``x̂ = ±1`` exactly), and ``noncontig``: N(0, 1)
     values (the layout is made by :func:`make_case`).
     """
-    dt = _dtype(dtype)
+    dt = dtype_of(dtype)
     if kind == "half_constant":
         c = np.round(rng.standard_normal((rows, 1)) * 3, 2)
         return (c + (np.arange(hidden) >= hidden // 2)).astype(dt)
@@ -195,7 +196,7 @@ def make_case(spec: OpSpec, cell: Cell, conventions: dict[str, Any] | None = Non
     N(0, 1) in the op's gradient dtype, of the first output's shape.
     """
     rng = np.random.default_rng(_seed(seed, cell, spec.name))
-    dt = _dtype(cell.dtype)
+    dt = dtype_of(cell.dtype)
     rows = math.prod(cell.lead)
     x2 = make_oracle_input(cell.kind, rows, cell.hidden, dt, rng)
     x = x2.reshape(cell.shape)
@@ -210,5 +211,5 @@ def make_case(spec: OpSpec, cell: Cell, conventions: dict[str, Any] | None = Non
     args = spec.example_args(cell.shape, axis, dt, rng, options=options)
     arrays = dict(zip((*spec.input_names, *spec.param_names), args, strict=True))
     yshape = spec.output_shape(cell.shape, axis, arrays)
-    dy = rng.standard_normal(yshape).astype(_dtype(spec.grad_dtype(dt)))
+    dy = rng.standard_normal(yshape).astype(dtype_of(spec.grad_dtype(dt)))
     return Case(x=x, args=args, dy=dy, axis=axis, options=options)

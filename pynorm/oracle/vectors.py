@@ -2,12 +2,16 @@
 
 :func:`write_vectors` writes one file per op (``<op>.json`` or ``<op>.npz``), an ``index.json`` and a copy
 of the JSON Schema (``vectors.schema.json``, also :func:`schema`) into a directory; :func:`read_vectors`
-reads them back; :func:`verify_vectors` recomputes every vector with the reference and reports differences.
+reads them back; :func:`verify_vectors` recomputes every vector with the reference and reports differences
+in representable steps of the dtype and in ulps at the terms' magnitude.
 
 Each vector holds the input ``x``, the op's extra inputs and parameters, a fixed upstream gradient ``dy``,
-the op's conventions (every option, resolved), the outputs and gradients, the term scales of each output
-and the tolerance in ulps that applies: an implementation passes a vector when, for every output,
-``|actual - expected| <= ulps * ulp(max(|expected|, scale))`` elementwise (``docs/oracle.md``).
+the op's conventions (every option, resolved), the outputs and gradients, the per-row statistics a correct
+implementation saves for its backward (``mean``, ``rstd``), the term scales of each output and the tolerance
+in ulps that applies: an implementation passes a vector when, for every output,
+``|actual - expected| <= ulps * ulp(max(|expected|, scale))`` elementwise (``docs/oracle.md``). Each file
+carries the constants of that ulp rule per dtype (``dtypes``: mantissa bits, smallest normal...), so no
+floating-point library is needed to apply it.
 
 Arrays (JSON): ``{"dtype": ..., "shape": [...], "data": [...]}``, data in C order; floats as the exact
 decimal value of the element (every float16/bfloat16/float32 value is a float64, and the shortest
@@ -21,23 +25,45 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, PynormError, PynormWarning
 from ..ops import SPECS, OpSpec, get
-from ..testing import _dtype, max_ulp_error
+from ..testing import max_ulp_error
+from ._dtypes import DTYPE_NAMES, constants, have_bfloat16, steps_apart
+from ._dtypes import dtype_of as _dtype
+from .evaluate import DEFAULT_BUDGETS, Budgets, reference, run_reference, scales_of
 from .grid import Case, Cell, make_case
-from .runner import DEFAULT_BUDGETS, Budgets, reference, scales_of
 
-__all__ = ["SCHEMA_VERSION", "default_cells", "read_vectors", "schema", "verify_vectors", "write_vectors"]
+__all__ = [
+    "LARGE_HIDDEN",
+    "SCHEMA_VERSION",
+    "default_cells",
+    "read_vectors",
+    "schema",
+    "verify_vectors",
+    "write_vectors",
+]
+
+#: the hidden size of the large-H vectors (one offset row per dtype): long enough that a sum loses digits
+LARGE_HIDDEN = 1024
+#: the input kinds of the vectors in every dtype
+VECTOR_KINDS = ("normal", "offset", "huge", "tiny", "constant", "half_constant")
+BFLOAT16_SKIPPED = "bfloat16 vectors left out: ml_dtypes is not installed (pip install ml_dtypes)"
 
 #: version of the vector format; bumped when a field changes meaning (readers check it)
 SCHEMA_VERSION = 1
 SCHEMA_NAME = "pynorm-golden-vectors"
+ULP_RULE = (
+    "ulp(v) = 2 ** (max(floor(log2 |v|), log2(smallest_normal)) - mantissa_bits), in the dtype of the expected "
+    "array (dtypes[...] gives its constants); an element passes when |actual - expected| <= ulps[name] * "
+    "ulp(max(|expected|, scale))"
+)
 CALLING_CONVENTION = (
     "y = op(x, *inputs, *params, **conventions) normalizing the trailing len(normalized_shape) axes of x; "
     "grads = d(sum(y * dy)) / d(x, differentiable inputs, params); tolerance: |actual - expected| <= "
@@ -51,19 +77,25 @@ def schema() -> dict[str, Any]:
     return json.loads(text)  # type: ignore[no-any-return]
 
 
-def default_cells(spec: OpSpec) -> list[tuple[Cell, dict[str, Any]]]:
-    """The vectors of an op: every dtype on normal rows and, in float32, the hard kinds (offset, huge, tiny,
-    constant) with the default conventions; each of the op's convention sets (``spec.cases``) in float32;
-    two normalized dims where the op has a per-feature parameter."""
-    eps = spec.defaults().get("eps") if "eps" in {o.name for o in spec.options} else None
+def default_cells(spec: OpSpec, large_hidden: int = LARGE_HIDDEN) -> list[tuple[Cell, dict[str, Any]]]:
+    """The vectors of an op, with the default conventions in every dtype (bfloat16 where ``ml_dtypes`` is
+    installed): each input kind of :data:`VECTOR_KINDS` (``normal``, ``offset``, ``huge``, ``tiny``,
+    ``constant``, ``half_constant``; 2 rows of H = 8), H = 1, eps = 0 (for an op with an eps), and one offset row
+    of H = ``large_hidden`` (0 leaves it out); then each of the op's convention sets (``spec.cases``) in float32,
+    and two normalized dims where the op has a per-feature parameter."""
+    has_eps = "eps" in {o.name for o in spec.options}
+    eps = spec.defaults().get("eps") if has_eps else None
     out: list[tuple[Cell, dict[str, Any]]] = []
-    from .runner import have_bfloat16
-
-    for dt in ("float16", "bfloat16", "float32", "float64"):
-        if dt != "bfloat16" or have_bfloat16():
-            out.append((Cell(dt, (8,), (3,), "normal", eps), {}))
-    for kind in ("offset", "huge", "tiny", "constant"):
-        out.append((Cell("float32", (8,), (2,), kind, eps), {}))
+    for dt in DTYPE_NAMES:
+        if dt == "bfloat16" and not have_bfloat16():
+            continue
+        for kind in VECTOR_KINDS:
+            out.append((Cell(dt, (8,), (2,), kind, eps), {}))
+        out.append((Cell(dt, (1,), (2,), "normal", eps), {}))
+        if has_eps:
+            out.append((Cell(dt, (8,), (2,), "normal", 0.0), {}))
+        if large_hidden:
+            out.append((Cell(dt, (int(large_hidden),), (1,), "offset", eps), {}))
     for conv in spec.cases:
         if conv:
             e = conv.get("eps", eps)
@@ -105,7 +137,8 @@ def _vector(spec: OpSpec, cell: Cell, conv: dict[str, Any], seed: int) -> tuple[
     options = spec.validate({**conv, **case.options}, cell.hidden)
     case.options = options
     with np.errstate(all="ignore"):
-        outs, grads = reference(spec, case)
+        run = run_reference(spec, case)
+        outs, grads = run.outputs, run.grads
         scales = scales_of(spec, case, outs)
     budgets = Budgets()
     n_in = len(spec.inputs)
@@ -116,6 +149,7 @@ def _vector(spec: OpSpec, cell: Cell, conv: dict[str, Any], seed: int) -> tuple[
         "outputs": dict(outs),
         "grads": dict(grads),
         "scales": {},
+        "statistics": _statistics(run.ctx, case),
     }
     for name, ref in {**outs, **grads}.items():
         sc = scales.get(name)
@@ -138,6 +172,20 @@ def _vector(spec: OpSpec, cell: Cell, conv: dict[str, Any], seed: int) -> tuple[
     return meta, arrays
 
 
+def _statistics(ctx: Any, case: Case) -> dict[str, np.ndarray]:
+    """The per-row statistics the reference's forward keeps for its backward (``mean``, ``rstd``), as float64
+    arrays of the row shape ``x.shape[:axis]`` (what a correct implementation saves, for debugging)."""
+    inner = getattr(ctx, "inner", ctx)
+    x = np.asarray(case.x)
+    lead = x.shape[: case.axis % x.ndim]
+    out: dict[str, np.ndarray] = {}
+    for name in ("mean", "rstd"):
+        v = getattr(inner, name, None)
+        if v is not None and np.size(v) == int(np.prod(lead)):
+            out[name] = np.asarray(v).astype(np.float64).reshape(lead)
+    return out
+
+
 def write_vectors(
     out_dir: str | os.PathLike[str],
     ops: Sequence[str] | None = None,
@@ -145,6 +193,7 @@ def write_vectors(
     fmt: str = "json",
     seed: int = 0,
     cells: dict[str, list[tuple[Cell, dict[str, Any]]]] | None = None,
+    large_hidden: int = LARGE_HIDDEN,
 ) -> list[str]:
     """Write golden vectors of ``ops`` (default: every op) to ``out_dir``; returns the files written.
 
@@ -155,20 +204,37 @@ def write_vectors(
     fmt : ``"json"`` or ``"npz"``.
     seed : seed of the inputs.
     cells : per op, the ``(cell, conventions)`` pairs to write (default :func:`default_cells`).
+    large_hidden : H of the large-H vectors of :func:`default_cells` (0: none).
+
+    Without ``ml_dtypes`` the bfloat16 vectors are left out, with a :class:`pynorm.errors.PynormWarning`; the
+    index and every file say so (``notes``). Vectors the reference rejects for an op (a convention set that
+    needs H > 1...) are left out and listed in the file's ``notes``.
     """
     if fmt not in ("json", "npz"):
         raise ArgumentError(f"fmt must be 'json' or 'npz', got {fmt!r}")
+    if isinstance(large_hidden, bool) or not isinstance(large_hidden, int) or large_hidden < 0:
+        raise ArgumentError(f"large_hidden must be an integer >= 0 (0: no large-H vectors), got {large_hidden!r}")
     from .. import __version__
 
     names = list(SPECS) if not ops else list(ops)
     specs = [get(n) for n in names]
     os.makedirs(out_dir, exist_ok=True)
     written: list[str] = []
+    notes: list[str] = []
+    if not have_bfloat16():
+        notes.append(BFLOAT16_SKIPPED)
+        warnings.warn(BFLOAT16_SKIPPED, PynormWarning, stacklevel=2)
     for spec in specs:
         records: list[dict[str, Any]] = []
         npz: dict[str, np.ndarray] = {}
-        for i, (cell, conv) in enumerate((cells or {}).get(spec.name) or default_cells(spec)):
-            meta, arrays = _vector(spec, cell, conv, seed)
+        file_notes = list(notes)
+        todo = (cells or {}).get(spec.name) or default_cells(spec, large_hidden)
+        for i, (cell, conv) in enumerate(todo):
+            try:
+                meta, arrays = _vector(spec, cell, conv, seed)
+            except PynormError as e:
+                file_notes.append(f"left out {cell.label} {conv or ''}: {e}")
+                continue
             for group, items in arrays.items():
                 enc: dict[str, Any] = {}
                 for name, a in items.items():
@@ -198,6 +264,9 @@ def write_vectors(
             "outputs": list(spec.outputs),
             "grad_names": list(spec.grad_names),
             "calling_convention": CALLING_CONVENTION,
+            "ulp_rule": ULP_RULE,
+            "dtypes": {dt: constants(dt) for dt in sorted({r["dtype"] for r in records}, key=DTYPE_NAMES.index)},
+            "notes": file_notes,
             "vectors": records,
         }
         path = os.path.join(out_dir, f"{spec.name}.{fmt}")
@@ -213,6 +282,7 @@ def write_vectors(
         "schema_version": SCHEMA_VERSION,
         "format": fmt,
         "files": [os.path.basename(p) for p in written],
+        "notes": notes,
     }
     with open(os.path.join(out_dir, "index.json"), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=1)
@@ -223,13 +293,16 @@ def write_vectors(
     return written
 
 
+_GROUPS = ("inputs", "params", "upstream", "outputs", "grads", "scales", "statistics")
+
+
 def _read_one(path: str) -> dict[str, Any]:
     if path.endswith(".npz"):
         with np.load(path, allow_pickle=False) as z:
             doc = json.loads(str(z["__meta__"]))
             for rec in doc["vectors"]:
-                for group in ("inputs", "params", "upstream", "outputs", "grads", "scales"):
-                    for name, d in rec[group].items():
+                for group in _GROUPS:
+                    for name, d in rec.get(group, {}).items():
                         if d is None:
                             continue
                         a = z[d["npz_key"]]
@@ -238,8 +311,9 @@ def _read_one(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
     for rec in doc["vectors"]:
-        for group in ("inputs", "params", "upstream", "outputs", "grads", "scales"):
-            rec[group] = {k: _decode_json(v) for k, v in rec[group].items()}
+        for group in _GROUPS:
+            if group in rec:
+                rec[group] = {k: _decode_json(v) for k, v in rec[group].items()}
     return doc  # type: ignore[no-any-return]
 
 
@@ -272,6 +346,8 @@ def verify_vectors(docs: Iterable[dict[str, Any]] | str | os.PathLike[str], *, e
     ``exact=False``: each output within the vector's own tolerance. ``exact=True`` (a change to the reference
     that alters a vector): 16- and 32-bit results bit for bit (each is one rounding of a wider computation),
     float64 results within 4 ulps at the scale (a float64 sum may differ in its last bits between platforms).
+    Each difference says how far apart the values are: in representable values of the dtype (1: neighbours)
+    and in ulps at the terms' magnitude (the tolerance's unit).
     """
     if isinstance(docs, (str, os.PathLike)):
         docs = read_vectors(docs)
@@ -299,20 +375,36 @@ def verify_vectors(docs: Iterable[dict[str, Any]] | str | os.PathLike[str], *, e
                             f"{rec['id']}: {name} is {a.dtype}{a.shape}, the vector {want.dtype}{want.shape}"
                         )
                         continue
-                    scale = rec["scales"].get(name)
-                    if exact and _dtype(want.dtype).itemsize < 8:
-                        a64, w64 = a.astype(np.float64), want.astype(np.float64)
-                        same = (a64 == w64) | (np.isnan(a64) & np.isnan(w64))
-                        err = 0.0 if same.all() else math.inf
-                        limit = 0.0
-                    else:
-                        limit = 4.0 if exact else float(rec["tolerance"]["ulps"].get(name, 0.0))
-                        err = max_ulp_error(a, want, want.dtype, scale=scale)
-                    if not err <= limit:
-                        problems.append(
-                            f"{rec['id']}: {name} differs from the vector by {err:.3g} ulps (limit {limit:g})"
-                        )
+                    problem = _difference(a, want, rec["scales"].get(name), exact, rec["tolerance"]["ulps"], name)
+                    if problem:
+                        problems.append(f"{rec['id']}: {name} {problem}")
     return problems
+
+
+def _difference(a: np.ndarray, want: np.ndarray, scale: Any, exact: bool, ulps: dict[str, float], name: str) -> str:
+    """How ``a`` (the reference now) differs from ``want`` (the vector), or "" within the limit."""
+    dt = _dtype(want.dtype)
+    if dt.kind in "iu":
+        levels = float(np.max(np.abs(a.astype(np.int64) - want.astype(np.int64)), initial=0))
+        limit = 0.0 if exact else float(ulps.get(name, 0.0))
+        return "" if levels <= limit else f"differs from the vector by {levels:g} levels (limit {limit:g})"
+    at_scale = max_ulp_error(a, want, dt, scale=scale)
+    steps = steps_apart(a, want, dt)
+    if exact and dt.itemsize < 8:
+        ok, limit_text = steps == 0, "limit: bit for bit"
+    else:
+        limit = 4.0 if exact else float(ulps.get(name, 0.0))
+        ok, limit_text = at_scale <= limit, f"limit {limit:g} ulps at the terms' magnitude"
+    if ok:
+        return ""
+    return (
+        f"differs from the vector by {_count(steps)} representable {dt.name} values "
+        f"({at_scale:.3g} ulps at the terms' magnitude; {limit_text})"
+    )
+
+
+def _count(v: float) -> str:
+    return "inf" if not math.isfinite(v) else f"{int(v):,}"
 
 
 def budgets_table() -> dict[str, dict[str, float]]:

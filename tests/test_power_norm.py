@@ -1,4 +1,4 @@
-"""The signed-power "PowerNorm" of the source documents: its own properties, on every backend."""
+"""The signed-power "PowerNorm" of normalization tutorials: its own properties, on every backend."""
 
 from __future__ import annotations
 

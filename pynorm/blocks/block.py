@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import functional as F
 from ..errors import ArgumentError
-from ._base import Module, choice, compute_dtype, positive_int
+from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int
 from .deepnorm import deepnorm_constants
 from .sublayers import FeedForward, MultiHeadAttention, Norm, _cast
 
@@ -57,7 +57,10 @@ class Block(Module):
         blocks (``"decoder"`` when ``causal``, else ``"encoder"``). Only for ``placement="deepnorm"``.
     learnable_alpha : make DeepNorm's ``alpha`` a trainable scalar (``params["alpha"]``) starting at the
         paper's value -- as some write-ups describe it; the paper keeps it fixed (default).
-    eps : the norms' eps (default: each norm's own). rng : Generator or seed. dtype, backend, xp.
+    eps : the norms' eps (None: each norm's own default).
+    rng : the initialisation's randomness (None, an int seed, a ``SeedSequence`` or a Generator), as for
+        every sublayer; the attention draws first, then the feed-forward.
+    dtype, backend, xp : parameter dtype and array module (:class:`~pynorm.blocks.Linear`).
 
     Notes
     -----
@@ -83,7 +86,7 @@ class Block(Module):
         n_layers: int | None = None,
         learnable_alpha: bool = False,
         eps: float | None = None,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -108,7 +111,7 @@ class Block(Module):
         self.learnable_alpha = bool(learnable_alpha)
         if self.learnable_alpha:
             self.add_param("alpha", np.full((1,), self.alpha))
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         g = self.beta
         self.attn = MultiHeadAttention(
             d_model, n_heads, qk_norm=qk_norm, io_norms=io_norms, causal=causal, v_gain=g, o_gain=g, eps=eps,

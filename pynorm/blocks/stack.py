@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, ShapeError
-from ._base import Module, choice, positive_int
+from ._base import Module, RngLike, as_rng, choice, positive_int
 from .block import PLACEMENTS, Block
 from .sublayers import Norm
 
@@ -54,7 +54,10 @@ class Stack(Module):
         is not normalized, False for ``post`` and ``deepnorm``).
     checkpoint : gradient checkpointing by default (``forward(checkpoint=...)`` overrides it).
     record : append per-layer gradient norms to ``history["grad_norm"]`` after each backward.
-    qk_norm, io_norms, causal, learnable_alpha, eps, seed, dtype, backend, xp : passed to each block.
+    qk_norm, io_norms, causal, learnable_alpha, eps : passed to each block.
+    rng : the initialisation's randomness (None, an int seed, a ``SeedSequence`` or a Generator), as for
+        every block; the blocks draw from it in order, bottom first.
+    dtype, backend, xp : parameter dtype and array module.
 
     Notes
     -----
@@ -81,7 +84,7 @@ class Stack(Module):
         eps: float | None = None,
         checkpoint: bool = False,
         record: bool = True,
-        seed: int | None = 0,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -98,7 +101,7 @@ class Stack(Module):
         self.hybrid_layers = int(hybrid_layers)
         self.checkpoint = bool(checkpoint)
         self.record = bool(record)
-        rng = np.random.default_rng(seed)
+        rng = as_rng(rng)
         self.blocks: list[Block] = []
         for i in range(self.n_layers):
             kind = "modality" if i < self.hybrid_layers else norm

@@ -19,7 +19,7 @@ import numpy as np
 from .. import functional as F
 from .. import layers as L
 from ..errors import ArgumentError, ShapeError
-from ._base import Module, choice, compute_dtype, positive_int, xavier_normal
+from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int, xavier_normal
 
 __all__ = [
     "NORM_KINDS",
@@ -58,7 +58,8 @@ class Linear(Module):
     ----------
     in_features, out_features : sizes. bias : create ``b`` (zeros).
     gain : Xavier-normal gain of ``W`` (``std = gain * sqrt(2 / (in + out))``; DeepNorm's ``beta``).
-    rng : ``numpy.random.Generator`` for the initialisation (or a seed).
+    rng : the initialisation's randomness: None (fresh entropy), an int seed, a ``SeedSequence`` or a
+        ``numpy.random.Generator`` (drawn from in place). The same argument on every block.
     dtype : parameter dtype (float32 master weights by default). backend, xp : array module.
 
     Notes
@@ -76,7 +77,7 @@ class Linear(Module):
         bias: bool = True,
         *,
         gain: float = 1.0,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -85,7 +86,7 @@ class Linear(Module):
         self.in_features = positive_int(in_features, "in_features")
         self.out_features = positive_int(out_features, "out_features")
         gain = F.check_real(gain, "gain")
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         self.add_param("W", xavier_normal(rng, self.out_features, self.in_features, gain))
         if bias:
             self.add_param("b", np.zeros(self.out_features))
@@ -143,8 +144,9 @@ class FeedForward(Module):
     r"""``y = fc2(gelu(fc1(x)))`` with the tanh GELU (:func:`gelu_tanh`; its exact derivative in backward).
 
     Gradient: :math:`du = dy_{fc2 \to a} \cdot \mathrm{gelu}'(u)` between the two :class:`Linear` backwards.
-    ``gain`` is the Xavier gain of both matrices (DeepNorm: ``beta``). ``ctx`` holds ``x``, the
-    pre-activation ``u`` and the activation ``a``.
+    ``d_ff`` defaults (None) to ``4 * d_model``; ``gain`` is the Xavier gain of both matrices (DeepNorm:
+    ``beta``); ``rng`` as for :class:`Linear` (``fc1`` draws first). ``ctx`` holds ``x``, the pre-activation
+    ``u`` and the activation ``a``.
     """
 
     def __init__(
@@ -153,7 +155,7 @@ class FeedForward(Module):
         d_ff: int | None = None,
         *,
         gain: float = 1.0,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -161,7 +163,7 @@ class FeedForward(Module):
         super().__init__(dtype, xp, backend)
         d_model = positive_int(d_model, "d_model")
         d_ff = 4 * d_model if d_ff is None else positive_int(d_ff, "d_ff")
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         kw = {"gain": gain, "rng": rng, "dtype": dtype, "backend": backend, "xp": self.xp}
         self.fc1 = Linear(d_model, d_ff, **kw)
         self.fc2 = Linear(d_ff, d_model, **kw)
@@ -363,7 +365,7 @@ class MultiHeadAttention(Module):
         v_gain: float = 1.0,
         o_gain: float = 1.0,
         eps: float | None = None,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -377,7 +379,7 @@ class MultiHeadAttention(Module):
         self.qk_norm = choice(qk_norm, "qk_norm", (None, "layer", "rms"))
         self.io_norms = bool(io_norms)
         self.causal = bool(causal)
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         kw = {"rng": rng, "dtype": dtype, "backend": backend, "xp": self.xp}
         d = self.d_model
         self.q = Linear(d, d, gain=qk_gain, **kw)
@@ -489,7 +491,7 @@ class Embedding(Module):
         d_model: int,
         max_len: int,
         *,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -497,7 +499,7 @@ class Embedding(Module):
         super().__init__(dtype, xp, backend)
         self.vocab, self.d_model = positive_int(vocab, "vocab"), positive_int(d_model, "d_model")
         self.max_len = positive_int(max_len, "max_len")
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         self.add_param("E", rng.standard_normal((self.vocab, self.d_model)))
         self.add_param("P", rng.standard_normal((self.max_len, self.d_model)))
 

@@ -331,7 +331,7 @@ def test_placement_formulas(backend, placement):
         ("deepnorm", "layer", {"learnable_alpha": True}),
         ("deepnorm", "rms", {}),
         ("deepnorm", "dyt", {"learnable_alpha": True}),
-        ("pre", "dyt", {"qk_norm": "rms"}),
+        ("pre", "dyt", {"qk_norm": "rms", "io_norms": True}),  # ln_q/ln_kv/ln_out follow norm: DyT
         ("post", "modality", {"io_norms": True}),
     ],
 )

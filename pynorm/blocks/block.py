@@ -30,7 +30,7 @@ from .. import functional as F
 from ..errors import ArgumentError
 from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int
 from .deepnorm import deepnorm_constants
-from .sublayers import FeedForward, MultiHeadAttention, Norm, _cast
+from .sublayers import NORM_KINDS, FeedForward, MultiHeadAttention, Norm, _cast
 
 __all__ = ["PLACEMENTS", "Block"]
 
@@ -53,6 +53,10 @@ class Block(Module):
         (per-modality parameter tables of kind ``modality_kind``, ``n_modalities`` of them; the
         forward then needs ``modality_ids``).
     qk_norm, io_norms, causal : the attention's options (:class:`~pynorm.blocks.MultiHeadAttention`).
+    io_norm_kind : the kind of the attention's ``ln_q``/``ln_kv``/``ln_out`` (``io_norms=True`` only):
+        ``"layer"``, ``"rms"``, ``"scale"`` or ``"dyt"``. None (default) follows ``norm`` -- a block asked
+        for RMSNorm has RMSNorm everywhere -- and, for ``norm="modality"``, ``modality_kind`` (the
+        attention sees no modality ids, so its io norms are shared by the modalities).
     alpha, beta : DeepNorm's constants; default :func:`pynorm.deepnorm_constants` for ``n_layers``
         blocks (``"decoder"`` when ``causal``, else ``"encoder"``). Only for ``placement="deepnorm"``.
     learnable_alpha : make DeepNorm's ``alpha`` a trainable scalar (``params["alpha"]``) starting at the
@@ -80,6 +84,7 @@ class Block(Module):
         n_modalities: int | None = None,
         qk_norm: str | None = None,
         io_norms: bool = False,
+        io_norm_kind: str | None = None,
         causal: bool = False,
         alpha: float | None = None,
         beta: float | None = None,
@@ -93,7 +98,9 @@ class Block(Module):
     ) -> None:
         super().__init__(dtype, xp, backend)
         self.placement = choice(placement, "placement", PLACEMENTS)
-        self.norm_kind = choice(norm, "norm", ("layer", "rms", "scale", "dyt", "modality"))
+        self.norm_kind = choice(norm, "norm", NORM_KINDS)
+        if io_norm_kind is None and io_norms:
+            io_norm_kind = choice(modality_kind, "modality_kind", ("layer", "rms")) if norm == "modality" else norm
         d_model = positive_int(d_model, "d_model")
         if placement == "deepnorm":
             if alpha is None or beta is None:
@@ -114,8 +121,8 @@ class Block(Module):
         rng = as_rng(rng)
         g = self.beta
         self.attn = MultiHeadAttention(
-            d_model, n_heads, qk_norm=qk_norm, io_norms=io_norms, causal=causal, v_gain=g, o_gain=g, eps=eps,
-            rng=rng, dtype=dtype, backend=backend, xp=self.xp,
+            d_model, n_heads, qk_norm=qk_norm, io_norms=io_norms, io_norm_kind=io_norm_kind, causal=causal,
+            v_gain=g, o_gain=g, eps=eps, rng=rng, dtype=dtype, backend=backend, xp=self.xp,
         )  # fmt: skip
         self.ffn = FeedForward(d_model, d_ff, gain=g, rng=rng, dtype=dtype, backend=backend, xp=self.xp)
         nkw = {"eps": eps, "modality_kind": modality_kind, "n_modalities": n_modalities, "dtype": dtype}

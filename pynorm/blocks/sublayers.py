@@ -22,6 +22,7 @@ from ..errors import ArgumentError, ShapeError
 from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int, xavier_normal
 
 __all__ = [
+    "IO_NORM_KINDS",
     "NORM_KINDS",
     "Embedding",
     "FeedForward",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 NORM_KINDS = ("layer", "rms", "scale", "dyt", "modality")
+#: the kinds of the attention's ``ln_q``/``ln_kv``/``ln_out`` (the attention takes no modality ids)
+IO_NORM_KINDS = ("layer", "rms", "scale", "dyt")
 
 
 def _cast(a: Any, dtype: Any) -> Any:
@@ -327,8 +330,8 @@ class MultiHeadAttention(Module):
         p = \mathrm{softmax}_{mask}(\tilde q \tilde k^T / \sqrt{d_k}),\quad o = p\,v,\quad
         y = \mathrm{norm}_{out}(\mathrm{merge}(o))\, W_o^T + b_o
 
-    with :math:`x_q = \mathrm{ln\_q}(x)`, :math:`x_{kv} = \mathrm{ln\_kv}(x)` when ``io_norms=True`` (the
-    document's ``ln_q``, ``ln_kv`` -- one norm shared by keys and values -- and ``ln_out``), else
+    with :math:`x_q = \mathrm{ln\_q}(x)`, :math:`x_{kv} = \mathrm{ln\_kv}(x)` when ``io_norms=True`` (``ln_q``,
+    ``ln_kv`` -- one norm shared by keys and values -- and ``ln_out``, a variant of multimodal write-ups), else
     :math:`x_q = x_{kv} = x` and no :math:`\mathrm{norm}_{out}`.
 
     Backward: :math:`dv = p^T do`, :math:`dp = do\, v^T`, :math:`ds = p \odot (dp - \sum dp \odot p)/\sqrt{d_k}`,
@@ -340,9 +343,13 @@ class MultiHeadAttention(Module):
     d_model, n_heads : ``d_model`` divisible by ``n_heads`` (``d_k = d_model / n_heads``).
     qk_norm : None, ``"layer"`` or ``"rms"``: a norm over each head's ``d_k`` features of queries and keys
         (one ``(d_k,)`` parameter set each for q and k, shared by the heads).
-    io_norms : add ``ln_q``, ``ln_kv``, ``ln_out`` (LayerNorms over ``d_model``; kind ``io_norm_kind``).
+    io_norms : add ``ln_q``, ``ln_kv``, ``ln_out`` (norms over ``d_model`` of kind ``io_norm_kind``).
+    io_norm_kind : ``"layer"``, ``"rms"``, ``"scale"`` or ``"dyt"``; None (default) means ``"layer"``.
+        Only with ``io_norms=True`` (an ArgumentError otherwise: it would have no effect).
     causal : position ``i`` attends to ``j <= i`` only.
-    v_gain, o_gain, qk_gain : Xavier gains of the projections (DeepNorm: ``beta`` for v and o, 1 for q, k).
+    qk_gain, v_gain, o_gain : Xavier gains of the projections (DeepNorm: ``beta`` for v and o, 1 for q, k).
+    eps : every norm's eps (None: each norm's own default). rng : as for :class:`Linear` (q, k, v, o
+        draw in that order). dtype, backend, xp : as for :class:`Linear`.
 
     Notes
     -----
@@ -359,7 +366,7 @@ class MultiHeadAttention(Module):
         *,
         qk_norm: str | None = None,
         io_norms: bool = False,
-        io_norm_kind: str = "layer",
+        io_norm_kind: str | None = None,
         causal: bool = False,
         qk_gain: float = 1.0,
         v_gain: float = 1.0,
@@ -393,9 +400,16 @@ class MultiHeadAttention(Module):
             self.q_norm = Norm(self.d_k, self.qk_norm, **nkw)
             self.k_norm = Norm(self.d_k, self.qk_norm, **nkw)
             self.children |= {"q_norm": self.q_norm, "k_norm": self.k_norm}
+        self.io_norm_kind = None
+        if io_norm_kind is not None:
+            choice(io_norm_kind, "io_norm_kind", IO_NORM_KINDS)
+            if not self.io_norms:
+                raise ArgumentError(
+                    f"io_norm_kind={io_norm_kind!r} needs io_norms=True (it sets the kind of ln_q, ln_kv and ln_out)"
+                )
         if self.io_norms:
-            choice(io_norm_kind, "io_norm_kind", ("layer", "rms", "scale", "dyt"))
-            self.ln_q, self.ln_kv, self.ln_out = (Norm(d, io_norm_kind, **nkw) for _ in range(3))
+            self.io_norm_kind = "layer" if io_norm_kind is None else io_norm_kind
+            self.ln_q, self.ln_kv, self.ln_out = (Norm(d, self.io_norm_kind, **nkw) for _ in range(3))
             self.children |= {"ln_q": self.ln_q, "ln_kv": self.ln_kv, "ln_out": self.ln_out}
 
     def _split(self, a: Any) -> Any:

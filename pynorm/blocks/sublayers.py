@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import functional as F
 from .. import layers as L
-from ..errors import ArgumentError, ShapeError
+from ..errors import ArgumentError, DTypeError, ShapeError
 from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int, xavier_normal
 
 __all__ = [
@@ -354,9 +354,16 @@ class MultiHeadAttention(Module):
     Notes
     -----
     ``forward(x, padding_mask=None) -> (y, ctx)``: ``x`` of shape ``(B, T, d_model)``; ``padding_mask``
-    (``(B, T)`` bool, True = a real token) hides padded *keys*. A query whose every key is hidden
-    (e.g. a sequence that is all padding, or a causal row whose visible keys are all padding) gets
-    attention weights 0: its context is zero (``y`` = ``b_o``) and it passes no gradient -- never NaN.
+    (``(B, T)`` bool, True = a real token) hides padded *keys*; a mask of another dtype (0/1 ints) is a
+    :class:`~pynorm.errors.DTypeError`, a wrong shape a :class:`~pynorm.errors.ShapeError`.
+
+    A query whose every key is hidden (e.g. a sequence that is all padding, or a causal row whose
+    visible keys are all padding) gets attention weights 0 and a zero merged context, never NaN. Its
+    output is then the output path applied to zero: ``y = b_o`` without ``io_norms``; with them
+    ``y = ln_out(0) W_o^T + b_o``, where ``ln_out(0)`` is ``ln_out``'s ``bias`` for LayerNorm and DyT
+    and 0 for RMSNorm and ScaleNorm (a zero row normalizes to zero; eps keeps it finite). Such a query
+    passes no gradient to ``x`` or to the q/k/v projections; the parameters that set its output
+    (``b_o``; with ``io_norms``, ``ln_out``'s bias and ``W_o``) get their gradient from it as from any row.
     """
 
     def __init__(
@@ -428,8 +435,14 @@ class MultiHeadAttention(Module):
             m = xp.tril(xp.ones((t, t), dtype=bool))[None, None]
         if padding_mask is not None:
             pm = xp.asarray(padding_mask)
-            if pm.dtype != bool or pm.ndim != 2 or pm.shape[1] != t or (batch is not None and pm.shape[0] != batch):
-                raise ShapeError(f"padding_mask must be a bool array of shape (B, {t}), got {pm.dtype} {pm.shape}")
+            if pm.dtype != bool:
+                raise DTypeError(
+                    f"padding_mask must be a bool array (True = a real token), got dtype {pm.dtype}; "
+                    "convert a 0/1 mask with mask.astype(bool)"
+                )
+            if pm.ndim != 2 or pm.shape[1] != t or (batch is not None and pm.shape[0] != batch):
+                want = f"({'B' if batch is None else batch}, {t})"
+                raise ShapeError(f"padding_mask must have shape {want}, got {tuple(pm.shape)}")
             keys = pm[:, None, None, :]
             m = keys if m is None else (m & keys)
         return m

@@ -69,7 +69,8 @@ class Block(Module):
     Notes
     -----
     ``forward(x, padding_mask=None, modality_ids=None) -> (y, ctx)`` with ``x`` of shape
-    ``(B, T, d_model)``; ``backward(dy, ctx) -> dx``.
+    ``(B, T, d_model)``; ``backward(dy, ctx) -> dx``. Parameter names (``attn.q.W``, ``norm1.norm.weight``,
+    ...) by placement and option: ``docs/blocks.md``, "Parameter names".
     """
 
     def __init__(

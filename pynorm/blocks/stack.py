@@ -66,7 +66,8 @@ class Stack(Module):
     Notes
     -----
     ``forward(x, padding_mask=None, modality_ids=None, checkpoint=None) -> (y, StackCtx)``;
-    ``backward(dy, ctx) -> dx``. Parameter names are ``layers.<i>.<...>`` and ``final_norm.<...>``.
+    ``backward(dy, ctx) -> dx``. Parameter names are ``layers.<i>.<Block's names>`` and
+    ``final_norm.norm.<...>`` (the table: ``docs/blocks.md``, "Parameter names").
     """
 
     def __init__(

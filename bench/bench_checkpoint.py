@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default=None, help="numpy or numba (default: the automatic choice)")
     args = ap.parse_args(argv)
     stack = Stack(args.layers, args.width, 4, 4 * args.width, placement=args.placement, qk_norm="layer",
-                  causal=True, seed=0, backend=args.backend, record=False)  # fmt: skip
+                  causal=True, rng=0, backend=args.backend, record=False)  # fmt: skip
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch, args.seq, args.width)).astype(np.float32)
     dy = rng.standard_normal(x.shape).astype(np.float32)

@@ -82,7 +82,7 @@ def pick_backend(requested: str, quick: bool) -> tuple[str, str]:
 def _model(cfg: Config, placement: str, depth: int, backend: str) -> SequenceModel:
     return SequenceModel(
         cfg.vocab, cfg.seq_len, depth, cfg.d_model, cfg.n_heads, cfg.d_ff, placement=placement, norm=cfg.norm,
-        seed=cfg.seed, backend=backend,
+        rng=cfg.seed, backend=backend,
     )  # fmt: skip
 
 

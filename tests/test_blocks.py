@@ -331,7 +331,7 @@ def test_placement_formulas(backend, placement):
         ("deepnorm", "layer", {"learnable_alpha": True}),
         ("deepnorm", "rms", {}),
         ("deepnorm", "dyt", {"learnable_alpha": True}),
-        ("pre", "dyt", {"qk_norm": "rms"}),
+        ("pre", "dyt", {"qk_norm": "rms", "io_norms": True}),  # ln_q/ln_kv/ln_out follow norm: DyT
         ("post", "modality", {"io_norms": True}),
     ],
 )
@@ -416,7 +416,7 @@ def test_block_bad_arguments():
 
 def test_stack_grads_and_records(backend):
     rng = np.random.default_rng(10)
-    st = Stack(2, D_, 2, 12, placement="pre", causal=True, seed=1, dtype=np.float64, backend=backend.name,
+    st = Stack(2, D_, 2, 12, placement="pre", causal=True, rng=1, dtype=np.float64, backend=backend.name,
                xp=backend.xp)  # fmt: skip
     assert st.final_norm is not None and Stack(2, D_, 2, placement="post").final_norm is None
     grad_check(backend, st, _x(rng), st.forward)
@@ -434,7 +434,7 @@ def test_stack_grads_and_records(backend):
 
 def test_hybrid_stack(backend):
     rng = np.random.default_rng(11)
-    st = Stack(3, D_, 2, 12, placement="pre", norm="rms", hybrid_layers=2, n_modalities=3, seed=2,
+    st = Stack(3, D_, 2, 12, placement="pre", norm="rms", hybrid_layers=2, n_modalities=3, rng=2,
                dtype=np.float64, backend=backend.name, xp=backend.xp)  # fmt: skip
     shapes = {n: tuple(o.params[k].shape) for n, o, k in st.named_parameters()}
     assert shapes["layers.0.norm1.norm.weight"] == (3, D_) and shapes["layers.1.norm2.norm.weight"] == (3, D_)
@@ -457,7 +457,7 @@ def test_hybrid_stack(backend):
 @pytest.mark.parametrize("placement", ["post", "sandwich", "deepnorm"])
 def test_checkpointing_is_bitwise_equal(backend, placement):
     rng = np.random.default_rng(12)
-    st = Stack(3, D_, 2, 12, placement=placement, qk_norm="layer", causal=True, seed=3, backend=backend.name,
+    st = Stack(3, D_, 2, 12, placement=placement, qk_norm="layer", causal=True, rng=3, backend=backend.name,
                xp=backend.xp)  # fmt: skip
     x = backend.asarray(_x(rng).astype(np.float32))
     dy = backend.asarray(rng.standard_normal((B_, T_, D_)).astype(np.float32))
@@ -522,7 +522,7 @@ def test_mixed_precision_overflow_skips_and_halves(backend, act):
     if act == "bfloat16":
         pytest.importorskip("ml_dtypes")
     rng = np.random.default_rng(13)
-    model = SequenceModel(8, 4, 2, 16, 2, 32, placement="pre", seed=0, backend=backend.name, xp=backend.xp)
+    model = SequenceModel(8, 4, 2, 16, 2, 32, placement="pre", rng=0, backend=backend.name, xp=backend.xp)
     tok, tgt = sort_task(rng, 4, 4, 8)
     before = {n: _np(backend, o.params[k]).copy() for n, o, k in model.named_parameters()}
     # a scale beyond the activation dtype's range: the scaled gradient overflows to inf
@@ -551,7 +551,7 @@ def test_mixed_precision_matches_fp32(backend):
     tok, tgt = sort_task(rng, 4, 6, 8)
     losses = {}
     for act in (None, "float16"):
-        model = SequenceModel(8, 6, 2, 16, 2, 32, placement="post", seed=5, backend=backend.name, xp=backend.xp)
+        model = SequenceModel(8, 6, 2, 16, 2, 32, placement="post", rng=5, backend=backend.name, xp=backend.xp)
         logits, ctx = model.forward(backend.asarray(tok), act)
         assert logits.dtype == (np.float32 if act is None else np.float16)
         assert ctx[1].saved[0][0][2].dtype == logits.dtype  # the first block's saved input: 16-bit
@@ -561,7 +561,7 @@ def test_mixed_precision_matches_fp32(backend):
 
 def test_training_reduces_the_loss(backend):
     rng = np.random.default_rng(15)
-    model = SequenceModel(6, 4, 2, 16, 2, 32, placement="pre", seed=1, backend=backend.name, xp=backend.xp)
+    model = SequenceModel(6, 4, 2, 16, 2, 32, placement="pre", rng=1, backend=backend.name, xp=backend.xp)
     opt = Adam(3e-3)
     tok, tgt = sort_task(rng, 16, 4, 6)
     losses = [train_step(model, backend.asarray(tok), tgt, opt).loss for _ in range(40)]
@@ -572,7 +572,7 @@ def test_training_reduces_the_loss(backend):
 def test_sequence_model_grads(backend):
     """Embedding + stack + head, end to end: every parameter's gradient against finite differences."""
     rng = np.random.default_rng(16)
-    model = SequenceModel(5, 3, 2, D_, 2, 12, placement="sandwich", seed=2, dtype=np.float64, backend=backend.name,
+    model = SequenceModel(5, 3, 2, D_, 2, 12, placement="sandwich", rng=2, dtype=np.float64, backend=backend.name,
                           xp=backend.xp)  # fmt: skip
     tok = backend.asarray(rng.integers(0, 5, (B_, T_)))
     named = list(model.named_parameters())

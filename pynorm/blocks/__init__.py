@@ -19,6 +19,7 @@ from .block import PLACEMENTS, Block
 from .deepnorm import deepnorm_constants
 from .stack import Stack, StackCtx
 from .sublayers import (
+    IO_NORM_KINDS,
     NORM_KINDS,
     Embedding,
     FeedForward,
@@ -33,6 +34,7 @@ from .sublayers import (
 from .train import Adam, LossScaler, SequenceModel, StepResult, cross_entropy, sort_task, train_step
 
 __all__ = [
+    "IO_NORM_KINDS",
     "NORM_KINDS",
     "PLACEMENTS",
     "Adam",

@@ -17,7 +17,12 @@ import numpy as np
 from .._registry import get_backend
 from ..errors import ArgumentError, DTypeError
 
-__all__ = ["Module", "compute_dtype", "positive_int", "resolve_xp", "to_dtype", "xavier_normal"]
+__all__ = ["Module", "RngLike", "as_rng", "compute_dtype", "positive_int", "resolve_xp", "to_dtype", "xavier_normal"]
+
+#: What every ``rng=`` argument of the blocks accepts (NumPy's ``rng`` convention, Scientific Python SPEC 7):
+#: None (fresh OS entropy), an int seed >= 0, a ``SeedSequence`` or a ``numpy.random.Generator`` (used as
+#: is, so modules built from one generator draw consecutive parts of its stream).
+RngLike = int | np.integer | np.random.Generator | np.random.SeedSequence | None
 
 
 def positive_int(v: Any, name: str) -> int:
@@ -25,6 +30,17 @@ def positive_int(v: Any, name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise ArgumentError(f"{name} must be a positive int, got {v!r}")
     return int(v)
+
+
+def as_rng(rng: Any, name: str = "rng") -> np.random.Generator:
+    """``numpy.random.default_rng(rng)`` for an :data:`RngLike` ``rng``, else ArgumentError naming ``name``."""
+    seed = isinstance(rng, (int, np.integer)) and not isinstance(rng, bool) and bool(rng >= 0)
+    if not (seed or rng is None or isinstance(rng, (np.random.Generator, np.random.SeedSequence))):
+        raise ArgumentError(
+            f"{name} must be None, an int seed >= 0, a numpy.random.SeedSequence or a numpy.random.Generator; "
+            f"got {rng!r}"
+        )
+    return np.random.default_rng(rng)
 
 
 def choice(v: Any, name: str, allowed: tuple[Any, ...]) -> Any:

@@ -28,9 +28,9 @@ import numpy as np
 
 from .. import functional as F
 from ..errors import ArgumentError
-from ._base import Module, choice, compute_dtype, positive_int
+from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int
 from .deepnorm import deepnorm_constants
-from .sublayers import FeedForward, MultiHeadAttention, Norm, _cast
+from .sublayers import NORM_KINDS, FeedForward, MultiHeadAttention, Norm, _cast
 
 __all__ = ["PLACEMENTS", "Block"]
 
@@ -53,16 +53,24 @@ class Block(Module):
         (per-modality parameter tables of kind ``modality_kind``, ``n_modalities`` of them; the
         forward then needs ``modality_ids``).
     qk_norm, io_norms, causal : the attention's options (:class:`~pynorm.blocks.MultiHeadAttention`).
+    io_norm_kind : the kind of the attention's ``ln_q``/``ln_kv``/``ln_out`` (``io_norms=True`` only):
+        ``"layer"``, ``"rms"``, ``"scale"`` or ``"dyt"``. None (default) follows ``norm`` -- a block asked
+        for RMSNorm has RMSNorm everywhere -- and, for ``norm="modality"``, ``modality_kind`` (the
+        attention sees no modality ids, so its io norms are shared by the modalities).
     alpha, beta : DeepNorm's constants; default :func:`pynorm.deepnorm_constants` for ``n_layers``
         blocks (``"decoder"`` when ``causal``, else ``"encoder"``). Only for ``placement="deepnorm"``.
     learnable_alpha : make DeepNorm's ``alpha`` a trainable scalar (``params["alpha"]``) starting at the
         paper's value -- as some write-ups describe it; the paper keeps it fixed (default).
-    eps : the norms' eps (default: each norm's own). rng : Generator or seed. dtype, backend, xp.
+    eps : the norms' eps (None: each norm's own default).
+    rng : the initialisation's randomness (None, an int seed, a ``SeedSequence`` or a Generator), as for
+        every sublayer; the attention draws first, then the feed-forward.
+    dtype, backend, xp : parameter dtype and array module (:class:`~pynorm.blocks.Linear`).
 
     Notes
     -----
     ``forward(x, padding_mask=None, modality_ids=None) -> (y, ctx)`` with ``x`` of shape
-    ``(B, T, d_model)``; ``backward(dy, ctx) -> dx``.
+    ``(B, T, d_model)``; ``backward(dy, ctx) -> dx``. Parameter names (``attn.q.W``, ``norm1.norm.weight``,
+    ...) by placement and option: ``docs/blocks.md``, "Parameter names".
     """
 
     def __init__(
@@ -77,20 +85,23 @@ class Block(Module):
         n_modalities: int | None = None,
         qk_norm: str | None = None,
         io_norms: bool = False,
+        io_norm_kind: str | None = None,
         causal: bool = False,
         alpha: float | None = None,
         beta: float | None = None,
         n_layers: int | None = None,
         learnable_alpha: bool = False,
         eps: float | None = None,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
     ) -> None:
         super().__init__(dtype, xp, backend)
         self.placement = choice(placement, "placement", PLACEMENTS)
-        self.norm_kind = choice(norm, "norm", ("layer", "rms", "scale", "dyt", "modality"))
+        self.norm_kind = choice(norm, "norm", NORM_KINDS)
+        if io_norm_kind is None and io_norms:
+            io_norm_kind = choice(modality_kind, "modality_kind", ("layer", "rms")) if norm == "modality" else norm
         d_model = positive_int(d_model, "d_model")
         if placement == "deepnorm":
             if alpha is None or beta is None:
@@ -108,11 +119,11 @@ class Block(Module):
         self.learnable_alpha = bool(learnable_alpha)
         if self.learnable_alpha:
             self.add_param("alpha", np.full((1,), self.alpha))
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         g = self.beta
         self.attn = MultiHeadAttention(
-            d_model, n_heads, qk_norm=qk_norm, io_norms=io_norms, causal=causal, v_gain=g, o_gain=g, eps=eps,
-            rng=rng, dtype=dtype, backend=backend, xp=self.xp,
+            d_model, n_heads, qk_norm=qk_norm, io_norms=io_norms, io_norm_kind=io_norm_kind, causal=causal,
+            v_gain=g, o_gain=g, eps=eps, rng=rng, dtype=dtype, backend=backend, xp=self.xp,
         )  # fmt: skip
         self.ffn = FeedForward(d_model, d_ff, gain=g, rng=rng, dtype=dtype, backend=backend, xp=self.xp)
         nkw = {"eps": eps, "modality_kind": modality_kind, "n_modalities": n_modalities, "dtype": dtype}

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, ShapeError
-from ._base import Module, choice, positive_int
+from ._base import Module, RngLike, as_rng, choice, positive_int
 from .block import PLACEMENTS, Block
 from .sublayers import Norm
 
@@ -45,21 +45,29 @@ class Stack(Module):
     placement : ``"pre"``, ``"post"``, ``"sandwich"`` or ``"deepnorm"`` (every block). DeepNorm's
         ``alpha``/``beta`` default to :func:`pynorm.deepnorm_constants` with ``N = n_layers``
         (``"decoder"`` with ``M = n_layers`` when ``causal``).
-    norm : the norm kind of every block (``"layer"``, ``"rms"``, ``"scale"``, ``"dyt"``, ``"modality"``).
+    norm : the norm kind of every block and of the final norm (``"layer"``, ``"rms"``, ``"scale"``,
+        ``"dyt"``, ``"modality"``).
+    modality_kind : the tables' kind (``"layer"`` or ``"rms"``) when ``norm="modality"`` (a hybrid
+        stack's tables are of kind ``norm``).
     hybrid_layers : ``k`` -- the multimodal *hybrid* configuration: the lowest ``k`` blocks use
         modality-specific norms (parameter tables of kind ``norm``, ``n_modalities`` rows; needs
         ``norm`` in ``"layer"``, ``"rms"``), the blocks above share one norm across modalities.
     n_modalities : number of modalities (for ``norm="modality"`` or ``hybrid_layers``).
-    final_norm : a norm after the last block (default: True for ``pre`` and ``sandwich``, whose output
-        is not normalized, False for ``post`` and ``deepnorm``).
+    final_norm : a norm after the last block (None, the default: True for ``pre`` and ``sandwich``,
+        whose output is not normalized, False for ``post`` and ``deepnorm``).
+    qk_norm, io_norms, io_norm_kind, causal, learnable_alpha, eps : passed to each block
+        (:class:`~pynorm.blocks.Block`; ``io_norm_kind=None`` follows ``norm``).
     checkpoint : gradient checkpointing by default (``forward(checkpoint=...)`` overrides it).
     record : append per-layer gradient norms to ``history["grad_norm"]`` after each backward.
-    qk_norm, io_norms, causal, learnable_alpha, eps, seed, dtype, backend, xp : passed to each block.
+    rng : the initialisation's randomness (None, an int seed, a ``SeedSequence`` or a Generator), as for
+        every block; the blocks draw from it in order, bottom first.
+    dtype, backend, xp : parameter dtype and array module.
 
     Notes
     -----
     ``forward(x, padding_mask=None, modality_ids=None, checkpoint=None) -> (y, StackCtx)``;
-    ``backward(dy, ctx) -> dx``. Parameter names are ``layers.<i>.<...>`` and ``final_norm.<...>``.
+    ``backward(dy, ctx) -> dx``. Parameter names are ``layers.<i>.<Block's names>`` and
+    ``final_norm.norm.<...>`` (the table: ``docs/blocks.md``, "Parameter names").
     """
 
     def __init__(
@@ -71,17 +79,19 @@ class Stack(Module):
         *,
         placement: str = "pre",
         norm: str = "layer",
+        modality_kind: str = "layer",
         hybrid_layers: int = 0,
         n_modalities: int | None = None,
         final_norm: bool | None = None,
         qk_norm: str | None = None,
         io_norms: bool = False,
+        io_norm_kind: str | None = None,
         causal: bool = False,
         learnable_alpha: bool = False,
         eps: float | None = None,
         checkpoint: bool = False,
         record: bool = True,
-        seed: int | None = 0,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -98,7 +108,7 @@ class Stack(Module):
         self.hybrid_layers = int(hybrid_layers)
         self.checkpoint = bool(checkpoint)
         self.record = bool(record)
-        rng = np.random.default_rng(seed)
+        rng = as_rng(rng)
         self.blocks: list[Block] = []
         for i in range(self.n_layers):
             kind = "modality" if i < self.hybrid_layers else norm
@@ -109,10 +119,11 @@ class Stack(Module):
                     d_ff,
                     placement=placement,
                     norm=kind,
-                    modality_kind=norm if kind == "modality" else "layer",
+                    modality_kind=modality_kind if i >= self.hybrid_layers else norm,
                     n_modalities=n_modalities,
                     qk_norm=qk_norm,
                     io_norms=io_norms,
+                    io_norm_kind=io_norm_kind,
                     causal=causal,
                     n_layers=self.n_layers if placement == "deepnorm" else None,
                     learnable_alpha=learnable_alpha,
@@ -129,8 +140,9 @@ class Stack(Module):
         self.final_norm = None
         if final_norm:
             self.final_norm = Norm(
-                d_model, norm, eps=eps, n_modalities=n_modalities, dtype=dtype, backend=backend, xp=self.xp
-            )
+                d_model, norm, eps=eps, modality_kind=modality_kind, n_modalities=n_modalities, dtype=dtype,
+                backend=backend, xp=self.xp,
+            )  # fmt: skip
             self.children["final_norm"] = self.final_norm
         self.history: dict[str, list[list[float]]] = {"grad_norm": [], "update_norm": []}
 

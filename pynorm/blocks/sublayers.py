@@ -18,10 +18,11 @@ import numpy as np
 
 from .. import functional as F
 from .. import layers as L
-from ..errors import ArgumentError, ShapeError
-from ._base import Module, choice, compute_dtype, positive_int, xavier_normal
+from ..errors import ArgumentError, DTypeError, ShapeError
+from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int, xavier_normal
 
 __all__ = [
+    "IO_NORM_KINDS",
     "NORM_KINDS",
     "Embedding",
     "FeedForward",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 NORM_KINDS = ("layer", "rms", "scale", "dyt", "modality")
+#: the kinds of the attention's ``ln_q``/``ln_kv``/``ln_out`` (the attention takes no modality ids)
+IO_NORM_KINDS = ("layer", "rms", "scale", "dyt")
 
 
 def _cast(a: Any, dtype: Any) -> Any:
@@ -58,7 +61,8 @@ class Linear(Module):
     ----------
     in_features, out_features : sizes. bias : create ``b`` (zeros).
     gain : Xavier-normal gain of ``W`` (``std = gain * sqrt(2 / (in + out))``; DeepNorm's ``beta``).
-    rng : ``numpy.random.Generator`` for the initialisation (or a seed).
+    rng : the initialisation's randomness: None (fresh entropy), an int seed, a ``SeedSequence`` or a
+        ``numpy.random.Generator`` (drawn from in place). The same argument on every block.
     dtype : parameter dtype (float32 master weights by default). backend, xp : array module.
 
     Notes
@@ -76,7 +80,7 @@ class Linear(Module):
         bias: bool = True,
         *,
         gain: float = 1.0,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -85,7 +89,7 @@ class Linear(Module):
         self.in_features = positive_int(in_features, "in_features")
         self.out_features = positive_int(out_features, "out_features")
         gain = F.check_real(gain, "gain")
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         self.add_param("W", xavier_normal(rng, self.out_features, self.in_features, gain))
         if bias:
             self.add_param("b", np.zeros(self.out_features))
@@ -143,8 +147,9 @@ class FeedForward(Module):
     r"""``y = fc2(gelu(fc1(x)))`` with the tanh GELU (:func:`gelu_tanh`; its exact derivative in backward).
 
     Gradient: :math:`du = dy_{fc2 \to a} \cdot \mathrm{gelu}'(u)` between the two :class:`Linear` backwards.
-    ``gain`` is the Xavier gain of both matrices (DeepNorm: ``beta``). ``ctx`` holds ``x``, the
-    pre-activation ``u`` and the activation ``a``.
+    ``d_ff`` defaults (None) to ``4 * d_model``; ``gain`` is the Xavier gain of both matrices (DeepNorm:
+    ``beta``); ``rng`` as for :class:`Linear` (``fc1`` draws first). ``ctx`` holds ``x``, the pre-activation
+    ``u`` and the activation ``a``.
     """
 
     def __init__(
@@ -153,7 +158,7 @@ class FeedForward(Module):
         d_ff: int | None = None,
         *,
         gain: float = 1.0,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -161,7 +166,7 @@ class FeedForward(Module):
         super().__init__(dtype, xp, backend)
         d_model = positive_int(d_model, "d_model")
         d_ff = 4 * d_model if d_ff is None else positive_int(d_ff, "d_ff")
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         kw = {"gain": gain, "rng": rng, "dtype": dtype, "backend": backend, "xp": self.xp}
         self.fc1 = Linear(d_model, d_ff, **kw)
         self.fc2 = Linear(d_ff, d_model, **kw)
@@ -325,8 +330,8 @@ class MultiHeadAttention(Module):
         p = \mathrm{softmax}_{mask}(\tilde q \tilde k^T / \sqrt{d_k}),\quad o = p\,v,\quad
         y = \mathrm{norm}_{out}(\mathrm{merge}(o))\, W_o^T + b_o
 
-    with :math:`x_q = \mathrm{ln\_q}(x)`, :math:`x_{kv} = \mathrm{ln\_kv}(x)` when ``io_norms=True`` (the
-    document's ``ln_q``, ``ln_kv`` -- one norm shared by keys and values -- and ``ln_out``), else
+    with :math:`x_q = \mathrm{ln\_q}(x)`, :math:`x_{kv} = \mathrm{ln\_kv}(x)` when ``io_norms=True`` (``ln_q``,
+    ``ln_kv`` -- one norm shared by keys and values -- and ``ln_out``, a variant of multimodal write-ups), else
     :math:`x_q = x_{kv} = x` and no :math:`\mathrm{norm}_{out}`.
 
     Backward: :math:`dv = p^T do`, :math:`dp = do\, v^T`, :math:`ds = p \odot (dp - \sum dp \odot p)/\sqrt{d_k}`,
@@ -338,16 +343,27 @@ class MultiHeadAttention(Module):
     d_model, n_heads : ``d_model`` divisible by ``n_heads`` (``d_k = d_model / n_heads``).
     qk_norm : None, ``"layer"`` or ``"rms"``: a norm over each head's ``d_k`` features of queries and keys
         (one ``(d_k,)`` parameter set each for q and k, shared by the heads).
-    io_norms : add ``ln_q``, ``ln_kv``, ``ln_out`` (LayerNorms over ``d_model``; kind ``io_norm_kind``).
+    io_norms : add ``ln_q``, ``ln_kv``, ``ln_out`` (norms over ``d_model`` of kind ``io_norm_kind``).
+    io_norm_kind : ``"layer"``, ``"rms"``, ``"scale"`` or ``"dyt"``; None (default) means ``"layer"``.
+        Only with ``io_norms=True`` (an ArgumentError otherwise: it would have no effect).
     causal : position ``i`` attends to ``j <= i`` only.
-    v_gain, o_gain, qk_gain : Xavier gains of the projections (DeepNorm: ``beta`` for v and o, 1 for q, k).
+    qk_gain, v_gain, o_gain : Xavier gains of the projections (DeepNorm: ``beta`` for v and o, 1 for q, k).
+    eps : every norm's eps (None: each norm's own default). rng : as for :class:`Linear` (q, k, v, o
+        draw in that order). dtype, backend, xp : as for :class:`Linear`.
 
     Notes
     -----
     ``forward(x, padding_mask=None) -> (y, ctx)``: ``x`` of shape ``(B, T, d_model)``; ``padding_mask``
-    (``(B, T)`` bool, True = a real token) hides padded *keys*. A query whose every key is hidden
-    (e.g. a sequence that is all padding, or a causal row whose visible keys are all padding) gets
-    attention weights 0: its context is zero (``y`` = ``b_o``) and it passes no gradient -- never NaN.
+    (``(B, T)`` bool, True = a real token) hides padded *keys*; a mask of another dtype (0/1 ints) is a
+    :class:`~pynorm.errors.DTypeError`, a wrong shape a :class:`~pynorm.errors.ShapeError`.
+
+    A query whose every key is hidden (e.g. a sequence that is all padding, or a causal row whose
+    visible keys are all padding) gets attention weights 0 and a zero merged context, never NaN. Its
+    output is then the output path applied to zero: ``y = b_o`` without ``io_norms``; with them
+    ``y = ln_out(0) W_o^T + b_o``, where ``ln_out(0)`` is ``ln_out``'s ``bias`` for LayerNorm and DyT
+    and 0 for RMSNorm and ScaleNorm (a zero row normalizes to zero; eps keeps it finite). Such a query
+    passes no gradient to ``x`` or to the q/k/v projections; the parameters that set its output
+    (``b_o``; with ``io_norms``, ``ln_out``'s bias and ``W_o``) get their gradient from it as from any row.
     """
 
     def __init__(
@@ -357,13 +373,13 @@ class MultiHeadAttention(Module):
         *,
         qk_norm: str | None = None,
         io_norms: bool = False,
-        io_norm_kind: str = "layer",
+        io_norm_kind: str | None = None,
         causal: bool = False,
         qk_gain: float = 1.0,
         v_gain: float = 1.0,
         o_gain: float = 1.0,
         eps: float | None = None,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -377,7 +393,7 @@ class MultiHeadAttention(Module):
         self.qk_norm = choice(qk_norm, "qk_norm", (None, "layer", "rms"))
         self.io_norms = bool(io_norms)
         self.causal = bool(causal)
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         kw = {"rng": rng, "dtype": dtype, "backend": backend, "xp": self.xp}
         d = self.d_model
         self.q = Linear(d, d, gain=qk_gain, **kw)
@@ -391,9 +407,16 @@ class MultiHeadAttention(Module):
             self.q_norm = Norm(self.d_k, self.qk_norm, **nkw)
             self.k_norm = Norm(self.d_k, self.qk_norm, **nkw)
             self.children |= {"q_norm": self.q_norm, "k_norm": self.k_norm}
+        self.io_norm_kind = None
+        if io_norm_kind is not None:
+            choice(io_norm_kind, "io_norm_kind", IO_NORM_KINDS)
+            if not self.io_norms:
+                raise ArgumentError(
+                    f"io_norm_kind={io_norm_kind!r} needs io_norms=True (it sets the kind of ln_q, ln_kv and ln_out)"
+                )
         if self.io_norms:
-            choice(io_norm_kind, "io_norm_kind", ("layer", "rms", "scale", "dyt"))
-            self.ln_q, self.ln_kv, self.ln_out = (Norm(d, io_norm_kind, **nkw) for _ in range(3))
+            self.io_norm_kind = "layer" if io_norm_kind is None else io_norm_kind
+            self.ln_q, self.ln_kv, self.ln_out = (Norm(d, self.io_norm_kind, **nkw) for _ in range(3))
             self.children |= {"ln_q": self.ln_q, "ln_kv": self.ln_kv, "ln_out": self.ln_out}
 
     def _split(self, a: Any) -> Any:
@@ -412,8 +435,14 @@ class MultiHeadAttention(Module):
             m = xp.tril(xp.ones((t, t), dtype=bool))[None, None]
         if padding_mask is not None:
             pm = xp.asarray(padding_mask)
-            if pm.dtype != bool or pm.ndim != 2 or pm.shape[1] != t or (batch is not None and pm.shape[0] != batch):
-                raise ShapeError(f"padding_mask must be a bool array of shape (B, {t}), got {pm.dtype} {pm.shape}")
+            if pm.dtype != bool:
+                raise DTypeError(
+                    f"padding_mask must be a bool array (True = a real token), got dtype {pm.dtype}; "
+                    "convert a 0/1 mask with mask.astype(bool)"
+                )
+            if pm.ndim != 2 or pm.shape[1] != t or (batch is not None and pm.shape[0] != batch):
+                want = f"({'B' if batch is None else batch}, {t})"
+                raise ShapeError(f"padding_mask must have shape {want}, got {tuple(pm.shape)}")
             keys = pm[:, None, None, :]
             m = keys if m is None else (m & keys)
         return m
@@ -489,7 +518,7 @@ class Embedding(Module):
         d_model: int,
         max_len: int,
         *,
-        rng: Any = None,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
@@ -497,7 +526,7 @@ class Embedding(Module):
         super().__init__(dtype, xp, backend)
         self.vocab, self.d_model = positive_int(vocab, "vocab"), positive_int(d_model, "d_model")
         self.max_len = positive_int(max_len, "max_len")
-        rng = np.random.default_rng(rng)
+        rng = as_rng(rng)
         self.add_param("E", rng.standard_normal((self.vocab, self.d_model)))
         self.add_param("P", rng.standard_normal((self.max_len, self.d_model)))
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError
-from ._base import Module, compute_dtype, positive_int, to_dtype
+from ._base import Module, RngLike, as_rng, compute_dtype, positive_int, to_dtype
 from .stack import Stack
 from .sublayers import Embedding, Linear, _cast
 
@@ -171,7 +171,10 @@ class SequenceModel(Module):
     ``forward(tokens, act_dtype=None, padding_mask=None, modality_ids=None, checkpoint=None) -> (logits, ctx)``
     runs the stack in ``act_dtype`` (default: the parameters' dtype; ``checkpoint=True`` keeps only the
     blocks' inputs, also the cheap way to run inference); ``backward(dlogits, ctx)``.
-    ``stack_kw`` are :class:`Stack`'s options (``placement``, ``norm``, ``checkpoint``...).
+    ``stack_kw`` are :class:`Stack`'s options (``placement``, ``norm``, ``checkpoint``...). ``rng`` (None,
+    an int seed, a ``SeedSequence`` or a Generator) initialises the embedding, then the stack (from one
+    int drawn from it), then the head. Parameter names: ``embed.E``, ``embed.P``, ``stack.<Stack's names>``,
+    ``head.W``, ``head.b``.
     """
 
     def __init__(
@@ -183,17 +186,17 @@ class SequenceModel(Module):
         n_heads: int,
         d_ff: int | None = None,
         *,
-        seed: int = 0,
+        rng: RngLike = None,
         dtype: Any = np.float32,
         backend: str | None = None,
         xp: Any = None,
         **stack_kw: Any,
     ) -> None:
         super().__init__(dtype, xp, backend)
-        rng = np.random.default_rng(seed)
+        rng = as_rng(rng)
         kw = {"dtype": dtype, "backend": backend, "xp": self.xp}
         self.embed = Embedding(vocab, d_model, seq_len, rng=rng, **kw)
-        self.stack = Stack(n_layers, d_model, n_heads, d_ff, seed=int(rng.integers(2**31)), **kw, **stack_kw)
+        self.stack = Stack(n_layers, d_model, n_heads, d_ff, rng=int(rng.integers(2**31)), **kw, **stack_kw)
         self.head = Linear(d_model, vocab, rng=rng, **kw)
         self.children = {"embed": self.embed, "stack": self.stack, "head": self.head}
 

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         fwd, bwd = spec.generic_forward(), getattr(pynorm, f"{op}_backward")
         multi = len(spec.outputs) > 1
         for dt_name in DTYPES:
-            dt = pynorm.testing._dtype(dt_name)
+            dt = pynorm._dtypes.dtype_of(dt_name)
             for group in ("ordinary", "hard"):
                 worst = {"y": 0.0, "dx": 0.0, "grads": 0.0}
                 worst_g = ""

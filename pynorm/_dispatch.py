@@ -27,14 +27,13 @@ from typing import Any
 import numpy as np
 
 from . import _registry
+from ._dtypes import FLOAT_DTYPES, dtype_name, round_to
 from .errors import ArgumentError, ArrayTypeError, ContextError, DTypeError, ShapeError
 from .ops import OpSpec
 
 __all__ = ["FLOAT_DTYPES", "Context", "backward", "check_axis", "forward"]
 
 Array = Any  # numpy.ndarray, cupy.ndarray, or another backend's array type
-
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,21 +161,6 @@ def as_array(a: Any, name: str) -> Array:
     if not (hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")):
         raise ArrayTypeError(f"{name} must be an array (numpy.ndarray, cupy.ndarray...), got {type(a).__name__}")
     return a
-
-
-_DTYPE_NAMES: dict[Any, str] = {}
-
-
-def dtype_name(dt: Any) -> str:
-    """``dt.name`` (``str(dt)`` for a dtype without one), cached: NumPy computes ``dtype.name`` in Python, which
-    costs microseconds on every call of a small op."""
-    try:
-        return _DTYPE_NAMES[dt]
-    except KeyError:
-        n = _DTYPE_NAMES[dt] = str(getattr(dt, "name", None) or dt)
-        return n
-    except TypeError:  # an unhashable dtype-like object
-        return str(getattr(dt, "name", None) or dt)
 
 
 def check_float_dtype(a: Array, name: str, allowed: tuple[str, ...] = FLOAT_DTYPES) -> None:
@@ -370,8 +354,6 @@ def _unflat_feature_grad(
     axes = tuple(range(lead)) + tuple(lead + i for i, d in enumerate(shape) if d == 1 and norm_shape[lead + i] != 1)
     summed = full.astype(xp.float64).sum(axis=axes).reshape(shape)
     if xp is np:
-        from .reference._common import round_to
-
         return round_to(summed, g.dtype)
     return summed.astype(g.dtype)
 

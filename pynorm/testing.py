@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ._dtypes import dtype_of, finfo
+
 __all__ = [
     "HARD_CASES",
     "ConformanceReport",
@@ -33,16 +35,6 @@ __all__ = [
     "ulp",
     "ulp_error",
 ]
-
-
-def finfo(dtype: Any) -> Any:
-    """``numpy.finfo`` that also knows ``ml_dtypes.bfloat16``."""
-    dt = np.dtype(dtype)
-    if dt.name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.finfo(dt)
-    return np.finfo(dt)
 
 
 def ulp(value: Any, dtype: Any) -> np.ndarray:
@@ -102,14 +94,6 @@ def assert_ulp_close(
 HARD_CASES = ("normal", "offset", "huge", "tiny", "constant")
 
 
-def _dtype(d: Any) -> np.dtype[Any]:
-    if isinstance(d, str) and d == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(d)
-
-
 def make_input(kind: str, shape: tuple[int, ...], dtype: Any, rng: np.random.Generator) -> np.ndarray:
     """A random input of one of the :data:`HARD_CASES` kinds, in ``dtype``.
 
@@ -120,7 +104,7 @@ def make_input(kind: str, shape: tuple[int, ...], dtype: Any, rng: np.random.Gen
     ``tiny``: 1e-30 (1e-4 for float16) times N(0, 1), below eps. ``constant``:
     every row constant, where the exact deviations are 0.
     """
-    dt = _dtype(dtype)
+    dt = dtype_of(dtype)
     n = rng.standard_normal(shape)
     if kind == "normal":
         a = n
@@ -359,7 +343,7 @@ class ConformanceReport:
     def max_ulps(self, dtype: Any = None) -> dict[str, float]:
         """Largest error per output over all rows (of one dtype, if given)."""
         out: dict[str, float] = {}
-        name = None if dtype is None else _dtype(dtype).name
+        name = None if dtype is None else dtype_of(dtype).name
         for r in self.rows:
             if name is None or r["dtype"] == name:
                 for k, v in r.items():
@@ -433,7 +417,7 @@ def check_conformance(
     rng = np.random.default_rng(seed)
     report = ConformanceReport(op)
     for dt_ in dtypes:
-        dt = _dtype(dt_)
+        dt = dtype_of(dt_)
         for kind in kinds:
             for h in hidden_sizes:
                 x = make_input(kind, (rows, h), dt, rng)

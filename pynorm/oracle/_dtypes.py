@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .._dtypes import dtype_name, dtype_of, finfo, have_bfloat16, round_to
+
 __all__ = [
     "DTYPE_NAMES",
     "constants",
@@ -29,47 +31,11 @@ __all__ = [
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
-def have_bfloat16() -> bool:
-    """Whether ``ml_dtypes`` (bfloat16) is installed; without it the bfloat16 cells and vectors are left out."""
-    try:
-        import ml_dtypes  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def dtype_of(d: Any) -> np.dtype[Any]:
-    """The NumPy dtype named ``d`` (``"bfloat16"`` through ``ml_dtypes``), or ``np.dtype(d)``."""
-    if isinstance(d, str) and d == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(d)
-
-
-def dtype_name(d: Any) -> str:
-    """The name of a dtype, a dtype-like object or an array's dtype (``torch.float16`` reads ``float16``)."""
-    if isinstance(d, str):
-        return d.rpartition(".")[2]
-    name = getattr(d, "name", None)
-    if isinstance(name, str):
-        return name
-    return str(d).rpartition(".")[2]
-
-
-def _finfo(dt: np.dtype[Any]) -> Any:
-    if dt.name == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.finfo(dt)
-    return np.finfo(dt)
-
-
 def constants(d: Any) -> dict[str, Any]:
     """The constants of the ulp rule for dtype ``d``: ``mantissa_bits`` (explicit bits ``p``), ``smallest_normal``
     (``2 ** emin``), ``smallest_subnormal`` (the spacing below it, ``2 ** (emin - p)``), ``max`` and
     ``unit_roundoff`` (``2 ** -(p + 1)``), as JSON-ready numbers (exact decimal values of the binary ones)."""
-    fi = _finfo(dtype_of(d))
+    fi = finfo(dtype_of(d))
     p = int(fi.nmant)
     tiny = float(fi.smallest_normal)
     return {
@@ -83,35 +49,13 @@ def constants(d: Any) -> dict[str, Any]:
 
 def unit_roundoff(d: Any) -> float:
     """``2 ** -(p + 1)`` for the dtype ``d``: half its spacing at 1, the relative error bound of one rounding."""
-    return math.ldexp(1.0, -(int(_finfo(dtype_of(d)).nmant) + 1))
+    return math.ldexp(1.0, -(int(finfo(dtype_of(d)).nmant) + 1))
 
 
 def working_precision(d: Any) -> np.dtype[Any]:
     """The precision a correct implementation computes in for input of dtype ``d``: float32 for float16, bfloat16
     and float32, float64 for float64 (what PyTorch, TransformerEngine, Apex and HF do)."""
     return np.dtype(np.float64) if dtype_of(d).itemsize >= 8 else np.dtype(np.float32)
-
-
-def round_to(a: Any, d: Any) -> np.ndarray:
-    """``a`` (float64 or wider) rounded once, correctly (to nearest, ties to even), to the dtype ``d``.
-
-    bfloat16 goes through float32 rounded *to odd*, which makes the second rounding exact whatever the version of
-    ``ml_dtypes`` (older ones converted float64 through float32 by two roundings to nearest).
-    """
-    dt = dtype_of(d)
-    a = np.asarray(a)
-    with np.errstate(over="ignore", invalid="ignore"):
-        if dt.name != "bfloat16":
-            return a.astype(dt)
-        src = a.astype(np.float64)
-        f = src.astype(np.float32)
-        back = f.astype(np.float64)
-        inexact = np.isfinite(src) & (back != src)
-        away = inexact & (np.abs(back) > np.abs(src))
-        f = np.where(away, np.nextafter(f, np.float32(0)), f).astype(np.float32)
-        bits = f.view(np.uint32).copy()
-        bits[inexact] |= np.uint32(1)
-        return bits.view(np.float32).astype(dt)
 
 
 def _ordered(a: np.ndarray, dt: np.dtype[Any]) -> np.ndarray:

@@ -1,19 +1,8 @@
 """Shared numerics of the reference backend: working precision, row statistics, rounding.
 
 The reference computes every op in a *working precision* ``wp`` wider than its
-inputs and rounds each result once to its output dtype:
-
-* float16, bfloat16 and float32 inputs are computed in float64 (53-bit
-  significand, 11-bit exponent: the squares of any float32 value cannot overflow
-  and sums of up to 2**29 products of two float32 numbers are exact);
-* float64 inputs are computed in ``numpy.longdouble`` where that type is wider
-  than float64 (x87 80-bit extended on x86-64: 64-bit significand, 15-bit
-  exponent; IEEE quad on aarch64 Linux). There the squares of any float64 value
-  cannot overflow either, so no row scaling is needed. Where ``longdouble`` is
-  plain float64 (Windows, macOS on Apple silicon) the reference falls back to
-  float64 and :data:`EXTENDED_FLOAT64` is False: results stay correct to a few
-  ulps on ordinary data but rows whose squares overflow float64 (|x| > 1e154)
-  are not guaranteed finite there.
+inputs and rounds each result once to its output dtype (:mod:`pynorm._dtypes`:
+:func:`~pynorm._dtypes.working_dtype`, :func:`~pynorm._dtypes.round_to`).
 """
 
 from __future__ import annotations
@@ -23,6 +12,18 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
+
+from .._dtypes import EXTENDED_FLOAT64, round_to, working_dtype
+
+__all__ = [
+    "EXTENDED_FLOAT64",
+    "center",
+    "finite_rows",
+    "round_to",
+    "row_mean",
+    "working_dtype",
+    "write_result",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,18 +41,6 @@ def _ieee(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
-
-
-_LD = np.finfo(np.longdouble)
-#: True when ``numpy.longdouble`` has more significand and exponent bits than float64.
-EXTENDED_FLOAT64: bool = bool(_LD.nmant > 52 and _LD.maxexp > 1024)
-_WP64 = np.dtype(np.longdouble) if EXTENDED_FLOAT64 else np.dtype(np.float64)
-
-
-def working_dtype(*dtypes: Any) -> np.dtype[Any]:
-    """The dtype the reference computes in for inputs of ``dtypes`` (None entries ignored)."""
-    widest = max(np.dtype(d).itemsize for d in dtypes if d is not None)
-    return _WP64 if widest >= 8 else np.dtype(np.float64)
 
 
 def row_mean(a: np.ndarray) -> np.ndarray:
@@ -93,31 +82,6 @@ def center(a: np.ndarray, mean: np.ndarray) -> np.ndarray:
     """
     d = a - mean[:, None]
     return d - (np.sum(d, axis=1) / a.shape[1])[:, None]
-
-
-def _to_bfloat16(a: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
-    # ml_dtypes before 0.7 converted float64 -> bfloat16 through float32, rounding twice.
-    # Rounding to float32 *to odd* first makes the second rounding exact-correct
-    # (float32 carries 24 bits, more than bfloat16's 8 + 2), whichever version is installed.
-    a = np.asarray(a)
-    f = a.astype(np.float32)
-    back = f.astype(a.dtype)
-    inexact = np.isfinite(a) & (back != a)
-    # truncate toward zero where round-to-nearest went away from zero
-    away = inexact & (np.abs(back) > np.abs(a))
-    f = np.where(away, np.nextafter(f, np.float32(0)), f)
-    bits = f.view(np.uint32).copy()
-    bits[inexact] |= np.uint32(1)
-    return bits.view(np.float32).astype(dtype)
-
-
-def round_to(a: np.ndarray, dtype: Any) -> np.ndarray:
-    """Round ``a`` (working precision) once, correctly, to ``dtype``."""
-    dtype = np.dtype(dtype)
-    with np.errstate(over="ignore"):  # beyond the dtype's range rounds to +-inf, as IEEE says
-        if dtype.name == "bfloat16":
-            return _to_bfloat16(a, dtype)
-        return np.asarray(a).astype(dtype)
 
 
 def write_result(value: np.ndarray, dtype: Any, out: np.ndarray | None) -> np.ndarray:

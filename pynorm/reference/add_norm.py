@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._dtypes import dtype_of
 from . import layer_norm as _ln
 from . import rms_norm as _rms
 from ._common import _ieee, round_to, working_dtype, write_result
@@ -97,9 +98,7 @@ class AddRMSNormGrads(NamedTuple):
 
 def h_dtype(x_dtype: Any, residual_dtype: Any) -> np.dtype[Any]:
     """The dtype of ``h``: ``residual_dtype``, or ``x``'s when None."""
-    from ..testing import _dtype
-
-    return np.dtype(x_dtype) if residual_dtype is None else _dtype(residual_dtype)
+    return np.dtype(x_dtype) if residual_dtype is None else dtype_of(residual_dtype)
 
 
 def _two_sum(a: Any, b: Any) -> tuple[Any, Any]:

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._dtypes import finfo
 from ._common import _ieee, round_to, working_dtype, write_result
 
 __all__ = ["PowerNormCtx", "PowerNormGrads", "backward", "forward", "saturate"]
@@ -56,7 +57,6 @@ class PowerNormGrads(NamedTuple):
 
 def saturate(v: np.ndarray, dtype: Any) -> np.ndarray:
     """``v`` clipped to the finite range of ``dtype`` (NaN stays NaN)."""
-    from ..testing import finfo
 
     big = float(finfo(dtype).max)
     return np.clip(v, -big, big)

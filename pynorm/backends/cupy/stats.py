@@ -294,7 +294,7 @@ class StatsOp:
 
 
 def _host_dtype(name: Any) -> np.dtype[Any]:
-    from ...testing import _dtype as dtype_of
+    from ..._dtypes import dtype_of
 
     return dtype_of(name)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._dispatch import dtype_name
+from ..._dtypes import dtype_name
 from ._layout import blocks, tiles
 from ._reduce import sum_blocks
 from ._threads import launch

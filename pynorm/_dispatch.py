@@ -47,7 +47,7 @@ class Context:
     x_shape, x_dtype : shape and dtype of the forward input.
     axis : first normalized axis (non-negative).
     param_shapes : shape of each parameter as given (None where absent).
-    inner : the backend's ctx (e.g. :class:`pynorm.reference.layer_norm.LayerNormCtx`):
+    inner : the backend's ctx (e.g. :class:`pynorm.ops.layer_norm.LayerNormCtx`):
         the flattened input, parameters and per-row statistics.
     input_dtypes : dtype of each differentiable extra input (a residual's), in order.
     output_dtypes : dtype of each output after the first (the upstream gradients' dtypes).

@@ -158,7 +158,7 @@ class Casting:
 
 def numpy_ops() -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], None]]:
     """``(cast, copy_into)`` for NumPy arrays: the reference's correct rounding, :func:`numpy.copyto`."""
-    from ..reference._common import round_to
+    from .._dtypes import round_to
 
     def cast(a: Any, dtype: Any) -> Any:
         return np.ascontiguousarray(round_to(a, dtype))

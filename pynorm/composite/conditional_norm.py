@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _registry
-from ..reference.conditional_norm import ConditionalLayerNormGrads, ConditionalRMSNormGrads
+from ..ops.conditional_norm import ConditionalLayerNormGrads, ConditionalRMSNormGrads
 from . import compute_dtype, ieee, widened, xp_of
 
 __all__ = ["ConditionalNormCtx", "bind"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .. import _registry
-from ..reference.norm_linear import LayerNormLinearCtx, LayerNormLinearGrads, RMSNormLinearCtx, RMSNormLinearGrads
+from ..ops.norm_linear import LayerNormLinearCtx, LayerNormLinearGrads, RMSNormLinearCtx, RMSNormLinearGrads
 from . import compute_dtype, ieee, widened
 
 __all__ = ["bind"]

@@ -3,15 +3,73 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._dtypes import dtype_of
 from ..errors import DTypeError
-from ..reference.add_norm import AddLayerNormCtx, AddLayerNormGrads, AddRMSNormCtx, AddRMSNormGrads, h_dtype
 from . import layer_norm as _ln
 from . import rms_norm as _rms
 from ._spec import Input, OpSpec, Option, StatsVariant, check_real
+
+
+@dataclass(frozen=True, eq=False)
+class AddLayerNormCtx:
+    """What the backward needs: the rounded sum ``h``, the parameters, ``h``'s per-row mean and rstd."""
+
+    h: Any
+    weight: Any
+    bias: Any
+    mean: Any
+    rstd: Any
+    eps: float
+    correction: int
+    eps_mode: str
+    weight_offset: float
+    alpha: float
+    x_dtype: Any
+    residual_in_dtype: Any
+    residual_dtype: Any
+
+
+@dataclass(frozen=True, eq=False)
+class AddRMSNormCtx:
+    """What the backward needs: the rounded sum ``h``, the weight and ``h``'s per-row rstd."""
+
+    h: Any
+    weight: Any
+    rstd: Any
+    eps: float
+    weight_offset: float
+    alpha: float
+    x_dtype: Any
+    residual_in_dtype: Any
+    residual_dtype: Any
+
+
+class AddLayerNormGrads(NamedTuple):
+    """Gradients of the fused add + LayerNorm."""
+
+    dx: Any
+    dresidual: Any
+    dweight: Any
+    dbias: Any
+
+
+class AddRMSNormGrads(NamedTuple):
+    """Gradients of the fused add + RMSNorm."""
+
+    dx: Any
+    dresidual: Any
+    dweight: Any
+
+
+def h_dtype(x_dtype: Any, residual_dtype: Any) -> np.dtype[Any]:
+    """The dtype of ``h``: ``residual_dtype``, or ``x``'s when None."""
+    return np.dtype(x_dtype) if residual_dtype is None else dtype_of(residual_dtype)
+
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 

@@ -4,22 +4,78 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import ArgumentError, ShapeError
-from ..reference.conditional_norm import (
-    ConditionalLayerNormCtx,
-    ConditionalLayerNormGrads,
-    ConditionalRMSNormCtx,
-    ConditionalRMSNormGrads,
-    expand,
-    reduce_rows,
-)
 from . import layer_norm as _ln
 from . import rms_norm as _rms
 from ._spec import Composite, Input, OpSpec, Option, Param
+
+
+@dataclass(frozen=True, eq=False)
+class ConditionalLayerNormCtx:
+    """What the reference backward needs: ``x``, ``cond``, ``W``, ``c``, per-row mean and rstd, the options."""
+
+    x: Any
+    cond: Any
+    W: Any
+    c: Any
+    mean: Any
+    rstd: Any
+    eps: float
+    correction: int
+    eps_mode: str
+    zero_centered: bool
+
+
+@dataclass(frozen=True, eq=False)
+class ConditionalRMSNormCtx:
+    """What the reference backward needs: ``x``, ``cond``, ``W``, ``c``, per-row rstd, the options."""
+
+    x: Any
+    cond: Any
+    W: Any
+    c: Any
+    rstd: Any
+    eps: float
+    shift: bool
+    zero_centered: bool
+
+
+class ConditionalLayerNormGrads(NamedTuple):
+    """Gradients of the conditional LayerNorm (``dc`` None without ``c``; ``dcond`` in ``cond``'s shape)."""
+
+    dx: Any
+    dcond: Any
+    dW: Any
+    dc: Any
+
+
+class ConditionalRMSNormGrads(NamedTuple):
+    """Gradients of the conditional RMSNorm."""
+
+    dx: Any
+    dcond: Any
+    dW: Any
+    dc: Any
+
+
+def expand(a: np.ndarray, rows: int) -> np.ndarray:
+    """Each of the ``G`` rows of ``a`` repeated for the ``rows / G`` rows of ``x`` it serves."""
+    g = a.shape[0]
+    return np.repeat(a, rows // g if g else 0, axis=0)
+
+
+def reduce_rows(a: np.ndarray, groups: int) -> np.ndarray:
+    """Sums of ``a``'s ``(R, H)`` rows over each cond row's block: ``(G, H)``."""
+    r, h = a.shape
+    if groups == 0:
+        return np.zeros((0, h), a.dtype)
+    return a.reshape(groups, r // groups, h).sum(axis=1)
+
 
 #: the conditioning dim of the example arguments (tests, demo)
 EXAMPLE_COND_DIM = 5

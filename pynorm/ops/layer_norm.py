@@ -3,14 +3,49 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import ArgumentError
-from ..reference.casting import CASTINGS
-from ..reference.layer_norm import LayerNormCtx, LayerNormGrads
 from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_offset, one_of
+
+#: the casting policies, the default first
+CASTINGS = ("fp32", "gemma", "llama", "t5", "apex", "none")
+
+
+@dataclass(frozen=True, eq=False)
+class LayerNormCtx:
+    """What :func:`backward` needs. Every backend fills the same fields.
+
+    Attributes
+    ----------
+    x : (R, H) array, the input as given to forward (not copied).
+    weight, bias : (H,) arrays or None.
+    mean, rstd : (R,) arrays, per-row mean and ``r`` (see module doc); float32 or
+        wider (the reference keeps its working precision).
+    eps, correction, eps_mode, weight_offset, casting : the conventions used.
+    """
+
+    x: Any
+    weight: Any
+    bias: Any
+    mean: Any
+    rstd: Any
+    eps: float
+    correction: int
+    eps_mode: str
+    weight_offset: float
+    casting: str = "fp32"
+
+
+class LayerNormGrads(NamedTuple):
+    """Gradients of LayerNorm; ``dweight``/``dbias`` are None when there was no weight/bias."""
+
+    dx: Any
+    dweight: Any
+    dbias: Any
 
 
 def _check(options: Mapping[str, Any], hidden: int) -> None:

@@ -4,15 +4,53 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import ShapeError
-from ..reference.norm_linear import LayerNormLinearCtx, LayerNormLinearGrads, RMSNormLinearCtx, RMSNormLinearGrads
 from . import layer_norm as _ln
 from . import rms_norm as _rms
 from ._spec import Composite, OpSpec, Param
+
+
+@dataclass(frozen=True, eq=False)
+class LayerNormLinearCtx:
+    """``norm``: the LayerNorm ctx (``x``, weight, bias, per-row mean and rstd); ``W``, ``c``."""
+
+    norm: Any
+    W: Any
+    c: Any
+
+
+@dataclass(frozen=True, eq=False)
+class RMSNormLinearCtx:
+    """``norm``: the RMSNorm ctx (``x``, weight, per-row rstd); ``W``, ``c``."""
+
+    norm: Any
+    W: Any
+    c: Any
+
+
+class LayerNormLinearGrads(NamedTuple):
+    """Gradients of the fused LayerNorm + Linear (None for absent parameters)."""
+
+    dx: Any
+    dweight: Any
+    dbias: Any
+    dW: Any
+    dc: Any
+
+
+class RMSNormLinearGrads(NamedTuple):
+    """Gradients of the fused RMSNorm + Linear."""
+
+    dx: Any
+    dweight: Any
+    dW: Any
+    dc: Any
+
 
 #: the output features of the example arguments (tests, demo): not H, so that a transposed W fails
 EXAMPLE_OUT_FEATURES = 6

@@ -4,13 +4,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import ArgumentError
-from ..reference.power_norm import PowerNormCtx, PowerNormGrads
 from ._spec import ElementwiseVariant, OpSpec, Option, Param, check_real
+
+
+@dataclass(frozen=True, eq=False)
+class PowerNormCtx:
+    """What :func:`backward` needs: ``x``, the parameters and ``p``."""
+
+    x: Any
+    weight: Any
+    bias: Any
+    p: float
+
+
+class PowerNormGrads(NamedTuple):
+    """Gradients of PowerNorm; ``dweight``/``dbias`` are None when there was no weight/bias."""
+
+    dx: Any
+    dweight: Any
+    dbias: Any
 
 
 def check_p(v: Any, name: str) -> float:

@@ -5,20 +5,80 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import ArgumentError, ShapeError
-from ..reference.quant_norm import (
-    MAX_INT8_HIDDEN,
-    QuantLayerNormCtx,
-    QuantLayerNormGrads,
-    grad_dtype,
-    output_dtype,
-)
 from . import layer_norm as _ln
 from ._spec import Input, OpSpec, Option, QuantizeVariant, one_of
+
+#: the largest magnitude of the symmetric int8 code
+QMAX = 127
+
+
+#: the largest hidden size of an int8 input (``H * S_2`` must fit in int64)
+MAX_INT8_HIDDEN = 1 << 24
+
+
+@dataclass(frozen=True, eq=False)
+class QuantLayerNormCtx:
+    """What :func:`backward` needs. Every backend fills the same fields.
+
+    Attributes
+    ----------
+    x : (R, H) array, the input as given (int8 or float).
+    x_scale : (R,) float64 array, the per-row scale of an int8 ``x`` (None for a float ``x``).
+    weight, bias : (H,) arrays or None.
+    mean, rstd : (R,) per-row statistics of the real input (float64 for an int8 ``x``; LayerNorm's
+        ctx values for a float ``x``).
+    eps, correction, eps_mode, weight_offset : the LayerNorm conventions.
+    quantize, out_scale : the output mode (None, ``"row"``, ``"tensor"``; the given scale or None).
+    scale : the scale ``s`` of a quantized output: (R,) float32 (``"row"``), (1,) float32 (``"tensor"``
+        or ``out_scale``), None for a float output.
+    keep : (R, H) bool, False where the output clipped (only with ``out_scale``; None: nowhere).
+    """
+
+    x: Any
+    x_scale: Any
+    weight: Any
+    bias: Any
+    mean: Any
+    rstd: Any
+    eps: float
+    correction: int
+    eps_mode: str
+    weight_offset: float
+    quantize: str | None
+    out_scale: float | None
+    scale: Any
+    keep: Any
+
+
+class QuantLayerNormGrads(NamedTuple):
+    """Gradients of the quantization-friendly LayerNorm: ``dx`` w.r.t. the real (dequantized) input."""
+
+    dx: Any
+    dweight: Any
+    dbias: Any
+
+
+def quantizing(quantize: str | None, out_scale: float | None) -> bool:
+    """Whether the output is int8."""
+    return quantize is not None or out_scale is not None
+
+
+def output_dtype(x_dtype: Any, quantize: str | None, out_scale: float | None) -> np.dtype[Any]:
+    """int8 when quantizing; float32 for an int8 input; else ``x``'s dtype."""
+    if quantizing(quantize, out_scale):
+        return np.dtype(np.int8)
+    return np.dtype(np.float32) if np.dtype(x_dtype) == np.int8 else np.dtype(x_dtype)
+
+
+def grad_dtype(x_dtype: Any) -> np.dtype[Any]:
+    """The dtype of ``dy`` and ``dx``: float32 for an int8 input, else ``x``'s dtype."""
+    return np.dtype(np.float32) if np.dtype(x_dtype) == np.int8 else np.dtype(x_dtype)
 
 
 def check_out_scale(v: Any, name: str) -> float | None:

@@ -3,13 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..reference.casting import CASTINGS
-from ..reference.rms_norm import RMSNormCtx, RMSNormGrads
 from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_offset, one_of
+from .layer_norm import CASTINGS
+
+
+@dataclass(frozen=True, eq=False)
+class RMSNormCtx:
+    """What :func:`backward` needs. Every backend fills the same fields.
+
+    Attributes
+    ----------
+    x : (R, H) array, the input as given to forward (not copied).
+    weight : (H,) array or None.
+    rstd : (R,) array, per-row ``r``; float32 or wider.
+    eps, weight_offset, casting : the conventions used.
+    """
+
+    x: Any
+    weight: Any
+    rstd: Any
+    eps: float
+    weight_offset: float
+    casting: str = "fp32"
+
+
+class RMSNormGrads(NamedTuple):
+    """Gradients of RMSNorm; ``dweight`` is None when there was no weight."""
+
+    dx: Any
+    dweight: Any
 
 
 def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:

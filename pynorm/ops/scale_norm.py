@@ -3,12 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..reference.scale_norm import ScaleNormCtx, ScaleNormGrads
 from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, one_of
+
+
+@dataclass(frozen=True, eq=False)
+class ScaleNormCtx:
+    """What :func:`backward` needs. Every backend fills the same fields.
+
+    Attributes
+    ----------
+    x : (R, H) array, the input as given to forward.
+    g : (1,) array or None.
+    rstd : (R,) array, per-row ``r``; float32 or wider.
+    floor : (R,) bool array, True where the floor branch (``norm < eps``) was taken.
+    eps, eps_mode : the conventions used.
+    """
+
+    x: Any
+    g: Any
+    rstd: Any
+    floor: Any
+    eps: float
+    eps_mode: str
+
+
+class ScaleNormGrads(NamedTuple):
+    """Gradients of ScaleNorm; ``dg`` is None when there was no ``g``."""
+
+    dx: Any
+    dg: Any
 
 
 def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:

@@ -22,12 +22,11 @@ Numerics: the working precision of :mod:`._common`; ``h``, ``y`` and each gradie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._dtypes import dtype_of
+from ..ops.add_norm import AddLayerNormCtx, AddLayerNormGrads, AddRMSNormCtx, AddRMSNormGrads, h_dtype
 from . import layer_norm as _ln
 from . import rms_norm as _rms
 from ._common import _ieee, round_to, working_dtype, write_result
@@ -43,62 +42,6 @@ __all__ = [
     "rms_norm_backward",
     "rms_norm_forward",
 ]
-
-
-@dataclass(frozen=True, eq=False)
-class AddLayerNormCtx:
-    """What the backward needs: the rounded sum ``h``, the parameters, ``h``'s per-row mean and rstd."""
-
-    h: Any
-    weight: Any
-    bias: Any
-    mean: Any
-    rstd: Any
-    eps: float
-    correction: int
-    eps_mode: str
-    weight_offset: float
-    alpha: float
-    x_dtype: Any
-    residual_in_dtype: Any
-    residual_dtype: Any
-
-
-@dataclass(frozen=True, eq=False)
-class AddRMSNormCtx:
-    """What the backward needs: the rounded sum ``h``, the weight and ``h``'s per-row rstd."""
-
-    h: Any
-    weight: Any
-    rstd: Any
-    eps: float
-    weight_offset: float
-    alpha: float
-    x_dtype: Any
-    residual_in_dtype: Any
-    residual_dtype: Any
-
-
-class AddLayerNormGrads(NamedTuple):
-    """Gradients of the fused add + LayerNorm."""
-
-    dx: Any
-    dresidual: Any
-    dweight: Any
-    dbias: Any
-
-
-class AddRMSNormGrads(NamedTuple):
-    """Gradients of the fused add + RMSNorm."""
-
-    dx: Any
-    dresidual: Any
-    dweight: Any
-
-
-def h_dtype(x_dtype: Any, residual_dtype: Any) -> np.dtype[Any]:
-    """The dtype of ``h``: ``residual_dtype``, or ``x``'s when None."""
-    return np.dtype(x_dtype) if residual_dtype is None else dtype_of(residual_dtype)
 
 
 def _two_sum(a: Any, b: Any) -> tuple[Any, Any]:

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from ..ops.layer_norm import CASTINGS
 from ._common import round_to, working_dtype, write_result
 
 __all__ = [
@@ -64,9 +65,6 @@ __all__ = [
     "rms_norm_backward_none",
     "rms_norm_forward_none",
 ]
-
-#: the casting policies, the default first
-CASTINGS = ("fp32", "gemma", "llama", "t5", "apex", "none")
 
 
 def _half(dtype: Any) -> bool:

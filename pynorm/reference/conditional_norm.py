@@ -29,11 +29,18 @@ rounded once. ``ctx`` keeps ``x``, ``cond``, ``W``, ``c`` and the per-row statis
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..ops.conditional_norm import (
+    ConditionalLayerNormCtx,
+    ConditionalLayerNormGrads,
+    ConditionalRMSNormCtx,
+    ConditionalRMSNormGrads,
+    expand,
+    reduce_rows,
+)
 from . import layer_norm as _ln
 from . import rms_norm as _rms
 from ._common import _ieee, round_to, working_dtype, write_result
@@ -50,72 +57,10 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, eq=False)
-class ConditionalLayerNormCtx:
-    """What the reference backward needs: ``x``, ``cond``, ``W``, ``c``, per-row mean and rstd, the options."""
-
-    x: Any
-    cond: Any
-    W: Any
-    c: Any
-    mean: Any
-    rstd: Any
-    eps: float
-    correction: int
-    eps_mode: str
-    zero_centered: bool
-
-
-@dataclass(frozen=True, eq=False)
-class ConditionalRMSNormCtx:
-    """What the reference backward needs: ``x``, ``cond``, ``W``, ``c``, per-row rstd, the options."""
-
-    x: Any
-    cond: Any
-    W: Any
-    c: Any
-    rstd: Any
-    eps: float
-    shift: bool
-    zero_centered: bool
-
-
-class ConditionalLayerNormGrads(NamedTuple):
-    """Gradients of the conditional LayerNorm (``dc`` None without ``c``; ``dcond`` in ``cond``'s shape)."""
-
-    dx: Any
-    dcond: Any
-    dW: Any
-    dc: Any
-
-
-class ConditionalRMSNormGrads(NamedTuple):
-    """Gradients of the conditional RMSNorm."""
-
-    dx: Any
-    dcond: Any
-    dW: Any
-    dc: Any
-
-
 def _modulation(cond: np.ndarray, W: np.ndarray, c: np.ndarray | None, wp: Any) -> np.ndarray:
     """``P = cond W^T + c``, ``(G, kH)`` in working precision."""
     p = cond.astype(wp) @ W.astype(wp).T
     return p + c.astype(wp) if c is not None else p
-
-
-def expand(a: np.ndarray, rows: int) -> np.ndarray:
-    """Each of the ``G`` rows of ``a`` repeated for the ``rows / G`` rows of ``x`` it serves."""
-    g = a.shape[0]
-    return np.repeat(a, rows // g if g else 0, axis=0)
-
-
-def reduce_rows(a: np.ndarray, groups: int) -> np.ndarray:
-    """Sums of ``a``'s ``(R, H)`` rows over each cond row's block: ``(G, H)``."""
-    r, h = a.shape
-    if groups == 0:
-        return np.zeros((0, h), a.dtype)
-    return a.reshape(groups, r // groups, h).sum(axis=1)
 
 
 def _param_grads(dp: np.ndarray, ctx: Any, wp: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

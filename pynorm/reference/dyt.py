@@ -26,39 +26,14 @@ Numerics: the working precision of :mod:`._common`; one rounding per output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
+from ..ops.dyt import DyTCtx, DyTGrads, sech2
 from ._common import _ieee, round_to, working_dtype, write_result
 
 __all__ = ["DyTCtx", "DyTGrads", "backward", "forward", "sech2"]
-
-
-@dataclass(frozen=True, eq=False)
-class DyTCtx:
-    """What :func:`backward` needs: ``x`` and the parameters (``alpha`` a ``(1,)`` array)."""
-
-    x: Any
-    alpha: Any
-    weight: Any
-    bias: Any
-
-
-class DyTGrads(NamedTuple):
-    """Gradients of DyT; ``dweight``/``dbias`` are None when there was no weight/bias."""
-
-    dx: Any
-    dalpha: Any
-    dweight: Any
-    dbias: Any
-
-
-def sech2(z: np.ndarray) -> np.ndarray:
-    """``1 - tanh(z)^2`` to full relative accuracy at every ``z``: ``4 s / (1 + s)^2``, ``s = exp(-2|z|)``."""
-    s = np.exp(-2 * np.abs(z))
-    return 4 * s / ((1 + s) * (1 + s))  # type: ignore[no-any-return]
 
 
 def _wp(x: Any, *params: Any) -> np.dtype[Any]:

@@ -38,48 +38,15 @@ precision, never the normalized activations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
+from ..ops.layer_norm import LayerNormCtx, LayerNormGrads
 from . import casting as _cast
 from ._common import _ieee, center, finite_rows, round_to, row_mean, working_dtype, write_result
 
 __all__ = ["LayerNormCtx", "LayerNormGrads", "backward", "forward"]
-
-
-@dataclass(frozen=True, eq=False)
-class LayerNormCtx:
-    """What :func:`backward` needs. Every backend fills the same fields.
-
-    Attributes
-    ----------
-    x : (R, H) array, the input as given to forward (not copied).
-    weight, bias : (H,) arrays or None.
-    mean, rstd : (R,) arrays, per-row mean and ``r`` (see module doc); float32 or
-        wider (the reference keeps its working precision).
-    eps, correction, eps_mode, weight_offset, casting : the conventions used.
-    """
-
-    x: Any
-    weight: Any
-    bias: Any
-    mean: Any
-    rstd: Any
-    eps: float
-    correction: int
-    eps_mode: str
-    weight_offset: float
-    casting: str = "fp32"
-
-
-class LayerNormGrads(NamedTuple):
-    """Gradients of LayerNorm; ``dweight``/``dbias`` are None when there was no weight/bias."""
-
-    dx: Any
-    dweight: Any
-    dbias: Any
 
 
 def _effective_weight(weight: np.ndarray | None, offset: float, wp: np.dtype[Any]) -> np.ndarray | None:

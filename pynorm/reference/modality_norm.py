@@ -20,11 +20,17 @@ Numerics: the working precision of :mod:`._common`; one rounding per output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..ops.modality_norm import (
+    ModalityLayerNormCtx,
+    ModalityLayerNormGrads,
+    ModalityRMSNormCtx,
+    ModalityRMSNormGrads,
+    scatter_rows,
+)
 from . import layer_norm as _ln
 from . import rms_norm as _rms
 from ._common import _ieee, round_to, working_dtype, write_result
@@ -40,63 +46,6 @@ __all__ = [
     "rms_norm_forward",
     "scatter_rows",
 ]
-
-
-@dataclass(frozen=True, eq=False)
-class ModalityLayerNormCtx:
-    """What the backward needs: ``x``, the ids, the tables, per-row mean and rstd, the conventions."""
-
-    x: Any
-    modality_ids: Any
-    weight: Any
-    bias: Any
-    mean: Any
-    rstd: Any
-    eps: float
-    correction: int
-    eps_mode: str
-    weight_offset: float
-
-
-@dataclass(frozen=True, eq=False)
-class ModalityRMSNormCtx:
-    """What the backward needs: ``x``, the ids, the weight table, per-row rstd, the conventions."""
-
-    x: Any
-    modality_ids: Any
-    weight: Any
-    rstd: Any
-    eps: float
-    weight_offset: float
-
-
-class ModalityLayerNormGrads(NamedTuple):
-    """Gradients of the modality LayerNorm (``(M, H)`` tables; ``dbias`` None without a bias)."""
-
-    dx: Any
-    dweight: Any
-    dbias: Any
-
-
-class ModalityRMSNormGrads(NamedTuple):
-    """Gradients of the modality RMSNorm."""
-
-    dx: Any
-    dweight: Any
-
-
-def scatter_rows(values: np.ndarray, ids: np.ndarray, m: int) -> np.ndarray:
-    """``out[k] = sum of values[i] over the rows i with ids[i] == k``, an ``(m, H)`` array.
-
-    Each modality's rows are summed by the same reduction as the plain norm's column sums (``np.sum``
-    over axis 0 of those rows, in order), so with one modality the result is bitwise the plain one.
-    """
-    out = np.zeros((m, values.shape[1]), dtype=values.dtype)
-    for k in range(m):
-        sel = ids == k
-        if sel.any():
-            out[k] = np.sum(values[sel], axis=0)
-    return out
 
 
 def _table_rows(table: np.ndarray | None, ids: np.ndarray, offset: float, wp: np.dtype[Any]) -> np.ndarray | None:

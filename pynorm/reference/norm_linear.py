@@ -20,11 +20,11 @@ backward recomputes (as flash-attention's fused dense modules do).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..ops.norm_linear import LayerNormLinearCtx, LayerNormLinearGrads, RMSNormLinearCtx, RMSNormLinearGrads
 from . import layer_norm as _ln
 from . import rms_norm as _rms
 from ._common import _ieee, round_to, working_dtype, write_result
@@ -35,43 +35,6 @@ __all__ = [
     "RMSNormLinearCtx",
     "RMSNormLinearGrads",
 ]
-
-
-@dataclass(frozen=True, eq=False)
-class LayerNormLinearCtx:
-    """``norm``: the LayerNorm ctx (``x``, weight, bias, per-row mean and rstd); ``W``, ``c``."""
-
-    norm: Any
-    W: Any
-    c: Any
-
-
-@dataclass(frozen=True, eq=False)
-class RMSNormLinearCtx:
-    """``norm``: the RMSNorm ctx (``x``, weight, per-row rstd); ``W``, ``c``."""
-
-    norm: Any
-    W: Any
-    c: Any
-
-
-class LayerNormLinearGrads(NamedTuple):
-    """Gradients of the fused LayerNorm + Linear (None for absent parameters)."""
-
-    dx: Any
-    dweight: Any
-    dbias: Any
-    dW: Any
-    dc: Any
-
-
-class RMSNormLinearGrads(NamedTuple):
-    """Gradients of the fused RMSNorm + Linear."""
-
-    dx: Any
-    dweight: Any
-    dW: Any
-    dc: Any
 
 
 def _product(n: np.ndarray, W: np.ndarray, c: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:

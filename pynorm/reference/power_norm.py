@@ -26,33 +26,15 @@ Numerics: the working precision of :mod:`._common`; one rounding per output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from .._dtypes import finfo
+from ..ops.power_norm import PowerNormCtx, PowerNormGrads
 from ._common import _ieee, round_to, working_dtype, write_result
 
 __all__ = ["PowerNormCtx", "PowerNormGrads", "backward", "forward", "saturate"]
-
-
-@dataclass(frozen=True, eq=False)
-class PowerNormCtx:
-    """What :func:`backward` needs: ``x``, the parameters and ``p``."""
-
-    x: Any
-    weight: Any
-    bias: Any
-    p: float
-
-
-class PowerNormGrads(NamedTuple):
-    """Gradients of PowerNorm; ``dweight``/``dbias`` are None when there was no weight/bias."""
-
-    dx: Any
-    dweight: Any
-    dbias: Any
 
 
 def saturate(v: np.ndarray, dtype: Any) -> np.ndarray:

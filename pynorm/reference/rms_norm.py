@@ -25,42 +25,13 @@ Numerics: working precision of :mod:`._common`, one rounding per output
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
-
 import numpy as np
 
+from ..ops.rms_norm import RMSNormCtx, RMSNormGrads
 from . import casting as _cast
 from ._common import _ieee, finite_rows, round_to, working_dtype, write_result
 
 __all__ = ["RMSNormCtx", "RMSNormGrads", "backward", "forward"]
-
-
-@dataclass(frozen=True, eq=False)
-class RMSNormCtx:
-    """What :func:`backward` needs. Every backend fills the same fields.
-
-    Attributes
-    ----------
-    x : (R, H) array, the input as given to forward (not copied).
-    weight : (H,) array or None.
-    rstd : (R,) array, per-row ``r``; float32 or wider.
-    eps, weight_offset, casting : the conventions used.
-    """
-
-    x: Any
-    weight: Any
-    rstd: Any
-    eps: float
-    weight_offset: float
-    casting: str = "fp32"
-
-
-class RMSNormGrads(NamedTuple):
-    """Gradients of RMSNorm; ``dweight`` is None when there was no weight."""
-
-    dx: Any
-    dweight: Any
 
 
 def statistics(xw: np.ndarray, *, eps: float) -> np.ndarray:

@@ -26,42 +26,12 @@ in which the squares of any finite input cannot overflow; one rounding per outpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
-
 import numpy as np
 
+from ..ops.scale_norm import ScaleNormCtx, ScaleNormGrads
 from ._common import _ieee, finite_rows, round_to, working_dtype, write_result
 
 __all__ = ["ScaleNormCtx", "ScaleNormGrads", "backward", "forward"]
-
-
-@dataclass(frozen=True, eq=False)
-class ScaleNormCtx:
-    """What :func:`backward` needs. Every backend fills the same fields.
-
-    Attributes
-    ----------
-    x : (R, H) array, the input as given to forward.
-    g : (1,) array or None.
-    rstd : (R,) array, per-row ``r``; float32 or wider.
-    floor : (R,) bool array, True where the floor branch (``norm < eps``) was taken.
-    eps, eps_mode : the conventions used.
-    """
-
-    x: Any
-    g: Any
-    rstd: Any
-    floor: Any
-    eps: float
-    eps_mode: str
-
-
-class ScaleNormGrads(NamedTuple):
-    """Gradients of ScaleNorm; ``dg`` is None when there was no ``g``."""
-
-    dx: Any
-    dg: Any
 
 
 @_ieee

@@ -18,8 +18,9 @@ import cupy
 import numpy as np
 
 from ...ops import SPECS
-from ...reference.layer_norm import LayerNormCtx
-from ...reference.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, output_scale, quantizing
+from ...ops.layer_norm import LayerNormCtx
+from ...ops.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, quantizing
+from ...reference.quant_norm import output_scale
 from . import _host, _launch
 from ._args import QuantDequantArgs, QuantFloatArgs, QuantInt8Args, QuantMaskArgs
 from ._loader import FAMILY_FILES, get_kernel, supports

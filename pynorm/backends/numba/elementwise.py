@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..._dtypes import finfo
+from ..._dtypes import finfo, round_to
 from ...ops import SPECS, OpSpec
-from ...reference._common import round_to
 from . import _common as cm
 from . import _ew_kernels as k
 from ._layout import EW_TILE, blocks, tiles

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ...reference._common import round_to
+from ..._dtypes import round_to
 from . import _common as cm
 from . import _intype_kernels as k
 from ._layout import tiles

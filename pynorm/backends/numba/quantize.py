@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from ...ops import SPECS
-from ...reference.layer_norm import LayerNormCtx
-from ...reference.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, output_scale, quantizing
+from ...ops.layer_norm import LayerNormCtx
+from ...ops.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, quantizing
+from ...reference.quant_norm import output_scale
 from . import _common as cm
 from . import _quant_kernels as k
 from ._threads import launch

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from ..._dtypes import round_to
 from ...ops import SPECS, OpSpec
-from ...reference._common import round_to
 from . import _common as cm
 from . import _stats_kernels as k
 from ._layout import CHUNK, ROW_BLOCK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
@@ -102,7 +102,7 @@ AFFINE_SOURCES = {"vector": _Vector(), "scalar": _Scalar(), "table": _Table()}
 
 
 def _h_dtype(x_dtype: Any, residual_dtype: Any) -> np.dtype[Any]:
-    from ...reference.add_norm import h_dtype
+    from ...ops.add_norm import h_dtype
 
     return h_dtype(x_dtype, residual_dtype)
 

@@ -257,6 +257,8 @@ def _check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
         if not spec_input.required:
             return None
         raise ArgumentError(f"{name} is required (got None)")
+    if spec_input.kind == "row_scale" and isinstance(a, numbers.Real) and not isinstance(a, bool):
+        a = xp_of(x).asarray(float(a), dtype=xp_of(x).float64)  # a Python number: in x's array module
     a = as_array(a, name)
     _same_family(a, name, x)
     if spec_input.kind == "row_scale":
@@ -412,7 +414,7 @@ def forward(
     inputs: tuple[Any, ...] = (),
 ) -> tuple[Any, Context]:
     """Validate, dispatch and run ``spec``'s forward; ``(y, ctx)`` (``((y, h, ...), ctx)`` for an op of
-    several outputs), in ``x``'s shape."""
+    several outputs), in ``x``'s shape, or ``(spec.result(outputs, ctx, options), ctx)``."""
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 1:
@@ -440,8 +442,9 @@ def forward(
     y_h = math.prod(y_shape[ax:])
     flat_in = tuple(_flat_input(si.kind, a, rows, h) for si, a in zip(spec.inputs, ins))
     flat_p = tuple(_flat_param(sp.kind, p, norm_shape) for sp, p in zip(spec.params, ps, strict=True))
+    to_backend = opts if len(spec.backend_options) == len(opts) else {k: opts[k] for k in spec.backend_options}
     res, inner = mod.forward(
-        x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, y_h), **opts
+        x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, y_h), **to_backend
     )
     outs = res if len(spec.outputs) > 1 else (res,)
     shaped = tuple(
@@ -461,6 +464,8 @@ def forward(
         None if y_shape == tuple(x.shape) else y_shape,
         tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins) if si.differentiable),
     )
+    if spec.result is not None:
+        return spec.result(shaped, ctx, opts), ctx
     return (shaped if len(spec.outputs) > 1 else shaped[0]), ctx
 
 

@@ -44,10 +44,12 @@ __all__ = [
     "BackendInfo",
     "array_family",
     "get_backend",
+    "get_num_threads",
     "list_backends",
     "list_ops",
     "register_backend",
     "resolve",
+    "set_num_threads",
     "use_backend",
 ]
 
@@ -68,6 +70,8 @@ class Backend:
     module : import path of the backend package (must define ``OPS``).
     probe : returns None when the backend can run here, else the reason it cannot.
         Called at most once (the answer is cached).
+    threads : import path of the module controlling the backend's CPU threads (``set_num_threads(n)``,
+        ``get_num_threads()``), for a backend that runs on a pool of threads; "" for none.
     """
 
     name: str
@@ -76,6 +80,7 @@ class Backend:
     priority: int
     module: str
     probe: Callable[[], str | None] = field(default=lambda: None, compare=False)
+    threads: str = ""
 
     @property
     def array_type_name(self) -> str:
@@ -388,6 +393,30 @@ def _probe_cupy() -> str | None:
     return None
 
 
+def _thread_controls() -> list[Any]:
+    """The thread-control modules of the registered backends that run here and have one."""
+    return [
+        importlib.import_module(b.threads)
+        for b in sorted(_all().values(), key=lambda b: (-b.priority, b.name))
+        if b.threads and unavailable_reason(b.name) is None
+    ]
+
+
+def set_num_threads(n: int | None) -> None:
+    """Cap the CPU threads every call of a threaded backend (``numba``) uses, from any Python thread; ``None``
+    removes the cap. ``n`` must be an int between 1 and the backend's limit (``NUMBA_NUM_THREADS``)."""
+    for control in _thread_controls():
+        control.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """The threads a large call of the first threaded backend (``numba``) would use; 1 where none runs here."""
+    controls = _thread_controls()
+    return int(controls[0].get_num_threads()) if controls else 1
+
+
 register_backend(Backend("numpy", "numpy", "ndarray", 0, "pynorm.reference"))
-register_backend(Backend("numba", "numpy", "ndarray", 10, "pynorm.backends.numba", _probe_numba))
+register_backend(
+    Backend("numba", "numpy", "ndarray", 10, "pynorm.backends.numba", _probe_numba, "pynorm.backends.numba._threads")
+)
 register_backend(Backend("cupy", "cupy", "ndarray", 10, "pynorm.backends.cupy", _probe_cupy))

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import functional as F
 from ..errors import ArgumentError
+from ..ops import check_real
 from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int
 from .deepnorm import deepnorm_constants
 from .sublayers import NORM_KINDS, FeedForward, MultiHeadAttention, Norm, _cast
@@ -111,7 +111,7 @@ class Block(Module):
                 a0, b0 = deepnorm_constants(arch, **{"M" if causal else "N": positive_int(n_layers, "n_layers")})
                 alpha = a0 if alpha is None else alpha
                 beta = b0 if beta is None else beta
-            self.alpha, self.beta = F.check_real(alpha, "alpha"), F.check_real(beta, "beta")
+            self.alpha, self.beta = check_real(alpha, "alpha"), check_real(beta, "beta")
         else:
             if learnable_alpha or alpha is not None or beta is not None:
                 raise ArgumentError(f"alpha, beta and learnable_alpha are DeepNorm's; placement is {placement!r}")

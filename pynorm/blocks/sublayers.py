@@ -19,6 +19,7 @@ import numpy as np
 from .. import functional as F
 from .. import layers as L
 from ..errors import ArgumentError, DTypeError, ShapeError
+from ..ops import check_real
 from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int, xavier_normal
 
 __all__ = [
@@ -88,7 +89,7 @@ class Linear(Module):
         super().__init__(dtype, xp, backend)
         self.in_features = positive_int(in_features, "in_features")
         self.out_features = positive_int(out_features, "out_features")
-        gain = F.check_real(gain, "gain")
+        gain = check_real(gain, "gain")
         rng = as_rng(rng)
         self.add_param("W", xavier_normal(rng, self.out_features, self.in_features, gain))
         if bias:
@@ -281,10 +282,10 @@ class Norm(Module):
         if how == "fused":
             if self.kind == "layer":
                 gl = F.add_layer_norm_backward(dy, c)
-                self.inner._accumulate(("weight", "bias"), (gl.dweight, gl.dbias))
+                self.inner.accumulate(gl)
                 return gl.dx, gl.dresidual
             gr = F.add_rms_norm_backward(dy, c)
-            self.inner._accumulate(("weight",), (gr.dweight,))
+            self.inner.accumulate(gr)
             return gr.dx, gr.dresidual
         dh = self.backward(dy, c)
         cdt = compute_dtype(dh.dtype)

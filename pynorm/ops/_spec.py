@@ -28,6 +28,7 @@ __all__ = [
     "Param",
     "QuantizeVariant",
     "StatsVariant",
+    "check_bool",
     "check_eps",
     "check_offset",
     "check_real",
@@ -110,12 +111,19 @@ class Param:
 
 @dataclass(frozen=True)
 class Option:
-    """A keyword option: its default and a validator returning the normalized value (or raising)."""
+    """A keyword option: its default and a validator returning the normalized value (or raising).
+
+    ``to_backend``: False for an option of the public functions only, which shapes what they return
+    (``return_norm``) and never reaches a backend. ``annotation``: its type in the signatures (default: the
+    default's type).
+    """
 
     name: str
     default: Any
     check: Callable[[Any, str], Any]
     doc: str = ""
+    to_backend: bool = True
+    annotation: str = ""
 
 
 @dataclass(frozen=True)
@@ -204,6 +212,13 @@ class OpSpec:
     x_dtypes : the dtypes ``x`` may have (default the four float dtypes; ``"int8"`` too for an op with
         a quantized input).
     dy_dtype : ``x_dtype -> dtype`` of ``dy`` and ``dx`` (default: ``x``'s dtype).
+    result : ``(outputs, ctx, options) -> result`` of the public ``<name>_forward`` (the backend's outputs, the
+        dispatcher's :class:`~pynorm._dispatch.Context`, the validated options): by default the first output
+        alone, or the tuple of every output; an op whose public result differs declares it here
+        (``quant_layer_norm``'s ``(q, s)``, a fused Linear's ``return_norm``).
+    result_doc, result_type : what that result is, for the docstring and the signatures (default: derived).
+    doc : the forward's description for its docstring: the formula (reST math), then what the parameters
+        section does not say. ``backward_doc``: the backward's formula and conventions.
     """
 
     name: str
@@ -226,6 +241,11 @@ class OpSpec:
     example_shapes: Callable[[tuple[int, ...], Mapping[str, Any]], dict[str, tuple[int, ...]]] | None = None
     x_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
     dy_dtype: Callable[[Any], Any] | None = None
+    result: Callable[[Any, Any, Mapping[str, Any]], Any] | None = None
+    result_doc: str = ""
+    result_type: str = ""
+    doc: str = ""
+    backward_doc: str = ""
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -307,13 +327,11 @@ class OpSpec:
     def generic_forward(self) -> Callable[..., Any]:
         """``pynorm.<name>_forward`` called as the generic tools (demo, benchmarks, tests) call every op:
         ``f(x, *inputs, *params, **kw)``; inputs the public signature takes by keyword (``Input.keyword``)
-        are passed by keyword."""
-        import pynorm
-
-        f = getattr(pynorm, f"{self.name}_forward")
+        are passed by keyword. (The public functions register here when :mod:`pynorm` builds them.)"""
+        f = PUBLIC_FORWARD[self.name]
         by_kw = [i for i, inp in enumerate(self.inputs) if inp.keyword]
         if not by_kw:
-            return f  # type: ignore[no-any-return]
+            return f
         n = len(self.inputs)
 
         def call(x: Any, *args: Any, **kw: Any) -> Any:
@@ -335,6 +353,11 @@ class OpSpec:
         return {o.name: o.default for o in self.options}
 
     @functools.cached_property
+    def backend_options(self) -> tuple[str, ...]:
+        """The names of the options a backend receives (every option but the public-only ones)."""
+        return tuple(o.name for o in self.options if o.to_backend)
+
+    @functools.cached_property
     def _known_options(self) -> dict[str, Any]:
         return {o.name: o for o in self.options}
 
@@ -348,6 +371,11 @@ class OpSpec:
         if self.check is not None and hidden is not None:
             self.check(out, hidden)
         return out
+
+
+#: ``pynorm.<name>_forward`` of every op, by name: filled by :mod:`pynorm._api` when it makes the public
+#: functions (the specs sit below the API and import nothing of it)
+PUBLIC_FORWARD: dict[str, Callable[..., Any]] = {}
 
 
 # ---------------------------------------------------------------------------
@@ -364,6 +392,15 @@ def check_eps(eps: Any, name: str = "eps") -> float:
     if math.isnan(e) or math.isinf(e) or e < 0:
         raise ArgumentError(f"{name} must be a finite number >= 0, got {eps!r}")
     return e
+
+
+def check_bool(v: Any, name: str) -> bool:
+    """A Python or NumPy bool."""
+    if isinstance(v, bool):
+        return v
+    if type(v).__name__ == "bool_" and type(v).__module__ == "numpy":
+        return bool(v)
+    raise ArgumentError(f"{name} must be True or False, got {v!r}")
 
 
 def check_real(v: Any, name: str) -> float:

@@ -118,8 +118,29 @@ def _with_add(term_scales: Any) -> Any:
     return scales
 
 
+_ADD_LAYER_NORM_DOC = r"""Fused residual add + LayerNorm: ``h = x + alpha * residual``, ``y = layer_norm(h)``; ``((y,
+h), ctx)``.
+
+``h`` is rounded once to ``residual_dtype`` (default ``x``'s dtype; ``"float32"`` keeps the
+residual stream in fp32 for half inputs, as flash-attention's ``residual_in_fp32``) and the
+norm is that of the rounded ``h`` -- bitwise what the unfused two steps give. ``alpha`` is a
+float (DeepNorm's up-weighted skip). Every LayerNorm convention applies (see
+:func:`layer_norm_forward`); ``residual`` has ``x``'s shape and any float dtype. ``y`` has
+``x``'s dtype; ``out`` receives ``y``.
+"""
+
+_ADD_LAYER_NORM_BACKWARD_DOC = r"""Backward of the fused add + LayerNorm: ``AddLayerNormGrads(dx, dresidual, dweight,
+dbias)``.
+
+``dh`` is the gradient arriving at ``h`` from later layers (None: none). With
+:math:`g_h = \mathrm{LN}'(h)^T dy + dh`: :math:`dx = g_h`, :math:`d\,\mathrm{residual} = \alpha\,g_h`
+(each rounded once to its input's dtype); ``dweight``/``dbias`` as for :func:`layer_norm_backward`.
+"""
+
 ADD_LAYER_NORM = OpSpec(
     name="add_layer_norm",
+    doc=_ADD_LAYER_NORM_DOC,
+    backward_doc=_ADD_LAYER_NORM_BACKWARD_DOC,
     inputs=(Input("residual", "like_x", "the residual stream added to x (scaled by alpha)"),),
     params=_ln.SPEC.params,
     options=(*_ln.CONVENTIONS, *_ADD_OPTIONS),
@@ -142,8 +163,21 @@ ADD_LAYER_NORM = OpSpec(
     summary="h = x + alpha * residual, y = layer_norm(h)",
 )
 
+
+_ADD_RMS_NORM_DOC = r"""Fused residual add + RMSNorm: ``h = x + alpha * residual``, ``y = rms_norm(h)``; ``((y, h),
+ctx)``.
+
+As :func:`add_layer_norm_forward`, with the RMSNorm conventions of :func:`rms_norm_forward`.
+"""
+
+_ADD_RMS_NORM_BACKWARD_DOC = r"""Backward of the fused add + RMSNorm: ``AddRMSNormGrads(dx, dresidual, dweight)``; see
+:func:`add_layer_norm_backward` for ``dh``.
+"""
+
 ADD_RMS_NORM = OpSpec(
     name="add_rms_norm",
+    doc=_ADD_RMS_NORM_DOC,
+    backward_doc=_ADD_RMS_NORM_BACKWARD_DOC,
     inputs=(Input("residual", "like_x", "the residual stream added to x (scaled by alpha)"),),
     params=_rms.SPEC.params,
     options=(*_rms.CONVENTIONS, *_ADD_OPTIONS),

@@ -9,10 +9,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import ArgumentError, ShapeError
+from ..errors import ShapeError
 from . import layer_norm as _ln
 from . import rms_norm as _rms
-from ._spec import Composite, Input, OpSpec, Option, Param
+from ._spec import Composite, Input, OpSpec, Option, Param, check_bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,13 +79,6 @@ def reduce_rows(a: np.ndarray, groups: int) -> np.ndarray:
 
 #: the conditioning dim of the example arguments (tests, demo)
 EXAMPLE_COND_DIM = 5
-
-
-def check_bool(v: Any, name: str) -> bool:
-    """A Python or NumPy bool."""
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    raise ArgumentError(f"{name} must be True or False, got {v!r}")
 
 
 def _k(options: Mapping[str, Any]) -> int:
@@ -164,8 +157,37 @@ _W = Param("W", "matrix", 0.0, "(2H, C) projection of cond onto [gamma, beta] (a
 _C = Param("c", "vector", 0.0, "(2H,) bias of the projection")
 _ZERO = Option("zero_centered", False, check_bool, "y = (1 + gamma) xhat + beta (adaLN) instead of gamma xhat + beta")
 
+
+_CONDITIONAL_LAYER_NORM_DOC = r"""Conditional LayerNorm forward (adaLN); returns ``(y, ctx)`` for
+:func:`conditional_layer_norm_backward`.
+
+.. math::
+
+    [\gamma, \beta] = \mathrm{cond}\,W^T + c, \qquad
+    y = \hat x\,(\gamma + o) + \beta, \quad \hat x = \frac{x - \mu}{\sqrt{v + \epsilon}}
+
+with ``o = 1`` for ``zero_centered=True`` (the ``(1 + scale)`` of diffusion transformers), else 0, and
+:math:`\hat x` LayerNorm's (:func:`layer_norm_forward`, its ``correction`` and ``eps_mode``).
+"""
+
+_CONDITIONAL_LAYER_NORM_BACKWARD_DOC = r"""Conditional LayerNorm backward: ``ConditionalLayerNormGrads(dx, dcond, dW,
+dc)``.
+
+``dx`` is LayerNorm's with the row's own scale :math:`\gamma + o`; with
+:math:`d\gamma_g = \sum_{i \in g} dy_i \hat x_i`, :math:`d\beta_g = \sum_{i \in g} dy_i` over the rows
+``i`` that cond row ``g`` serves and :math:`dP = [d\gamma, d\beta]`:
+
+.. math::
+
+    d\,\mathrm{cond} = dP\,W, \qquad dW = dP^T \mathrm{cond}, \qquad dc = \textstyle\sum_g dP_g
+
+so ``dcond`` has ``cond``'s shape (summed over the broadcast rows); ``dc`` is None without ``c``.
+"""
+
 CONDITIONAL_LAYER_NORM = OpSpec(
     name="conditional_layer_norm",
+    doc=_CONDITIONAL_LAYER_NORM_DOC,
+    backward_doc=_CONDITIONAL_LAYER_NORM_BACKWARD_DOC,
     inputs=(_COND,),
     params=(_W, _C),
     options=(*(o for o in _ln.CONVENTIONS if o.name != "weight_offset"), _ZERO),
@@ -182,8 +204,30 @@ CONDITIONAL_LAYER_NORM = OpSpec(
     example_shapes=_example_shapes,
 )
 
+
+_CONDITIONAL_RMS_NORM_DOC = r"""Conditional RMSNorm forward; returns ``(y, ctx)`` for
+:func:`conditional_rms_norm_backward`.
+
+.. math::
+
+    [\gamma, \beta] = \mathrm{cond}\,W^T + c, \qquad
+    y = \frac{x}{\sqrt{\mathrm{mean}(x^2) + \epsilon}}\,(\gamma + o) + \beta
+
+With ``shift=False`` ``W`` is ``(H, C)``, ``c`` ``(H,)`` and there is no :math:`\beta` (Liger's modulated
+RMSNorm). ``o``, ``cond``'s broadcast rule and the other arguments as for
+:func:`conditional_layer_norm_forward`.
+"""
+
+_CONDITIONAL_RMS_NORM_BACKWARD_DOC = r"""Conditional RMSNorm backward: ``ConditionalRMSNormGrads(dx, dcond, dW, dc)``.
+
+``dx`` is RMSNorm's with the row's scale :math:`\gamma + o`; ``dP = [d\gamma, d\beta]`` (``[d\gamma]`` with
+``shift=False``) summed per cond row, ``dcond = dP W``, ``dW = dP^T cond``, ``dc = sum_g dP_g``.
+"""
+
 CONDITIONAL_RMS_NORM = OpSpec(
     name="conditional_rms_norm",
+    doc=_CONDITIONAL_RMS_NORM_DOC,
+    backward_doc=_CONDITIONAL_RMS_NORM_BACKWARD_DOC,
     inputs=(_COND,),
     params=(
         Param("W", "matrix", 0.0, "(2H, C) projection of cond onto [gamma, beta] ((H, C) with shift=False)", True),

@@ -59,8 +59,25 @@ def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, opti
     return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
 
 
+_DYT_DOC = r"""DyT ("Transformers without Normalization", 2025): ``y = w * tanh(alpha * x) + b``, element-wise.
+
+``alpha`` is a learnable scalar (a 0-d or ``(1,)`` array, finite; the paper starts it at 0.5);
+``weight``/``bias`` per-feature (shape ``x.shape[axis:]``). Returns ``(y, ctx)`` for
+:func:`dyt_backward`.
+"""
+
+_DYT_BACKWARD_DOC = r"""DyT backward: ``DyTGrads(dx, dalpha, dweight, dbias)``.
+
+With :math:`z = \alpha x`, :math:`G = w\,dy`: :math:`dx = \alpha\,\mathrm{sech}^2(z)\,G`,
+:math:`d\alpha = \sum x\,\mathrm{sech}^2(z)\,G`, :math:`dw = \sum_{rows} dy\tanh z`,
+:math:`db = \sum_{rows} dy`; :math:`\mathrm{sech}^2 z` is computed without cancellation
+(:math:`4s/(1+s)^2`, :math:`s = e^{-2|z|}`), accurate where ``tanh`` saturates.
+"""
+
 SPEC = OpSpec(
     name="dyt",
+    doc=_DYT_DOC,
+    backward_doc=_DYT_BACKWARD_DOC,
     params=(
         Param("alpha", "scalar", 0.5, "learnable scalar inside the tanh (the paper starts it at 0.5)", True, True),
         Param("weight", "feature", 1.0, "per-feature scale"),

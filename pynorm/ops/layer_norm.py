@@ -105,8 +105,41 @@ OPTIONS = (
 #: the conventions the ops built on this one share (``casting`` is this op's own)
 CONVENTIONS = OPTIONS[:-1]
 
+
+_LAYER_NORM_DOC = r"""LayerNorm forward; returns ``(y, ctx)`` for :func:`layer_norm_backward`.
+
+.. math::
+
+    \mu = \mathrm{mean}(x), \quad v = \frac{\sum (x - \mu)^2}{H - c}, \quad
+    y = \frac{x - \mu}{\sqrt{v + \epsilon}}\,(w + o) + b
+
+over the normalized dims ``x.shape[axis:]`` (``H`` elements per row).
+
+Notes
+-----
+The reference backend computes in float64 (extended precision for float64
+input) and rounds once; see ``docs/numerics.md`` for the accuracy promise.
+"""
+
+_LAYER_NORM_BACKWARD_DOC = r"""LayerNorm backward: ``LayerNormGrads(dx, dweight, dbias)`` for upstream gradient ``dy``.
+
+With :math:`\hat x = (x - \mu) r`, :math:`g = dy\,(w + o)` and :math:`n = H - c`:
+
+.. math::
+
+    dx = r\,\big(g - \bar g - \hat x\, \textstyle\sum g \hat x / n\big), \quad
+    dw = \textstyle\sum_{rows} dy\, \hat x, \quad db = \textstyle\sum_{rows} dy
+
+(``eps_mode="std"`` divides the last term of ``dx`` by :math:`s r` instead;
+see :mod:`pynorm.reference.layer_norm`). ``dweight``/``dbias`` are None where
+forward had no weight/bias; they have the parameters' shapes and dtypes.
+``dy`` must have ``x``'s shape and dtype. ``dx_out`` optionally receives ``dx``.
+"""
+
 SPEC = OpSpec(
     name="layer_norm",
+    doc=_LAYER_NORM_DOC,
+    backward_doc=_LAYER_NORM_BACKWARD_DOC,
     params=(
         Param("weight", "feature", 1.0, "per-feature scale (effective scale w + weight_offset)"),
         Param("bias", "feature", 0.0, "per-feature shift"),

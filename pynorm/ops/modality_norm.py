@@ -94,8 +94,28 @@ def _per_row(term_scales: Any, names: tuple[str, ...]) -> Any:
 
 _IDS = Input("modality_ids", "row_index", "the modality of each row: an integer in [0, M)")
 
+
+_MODALITY_LAYER_NORM_DOC = r"""Modality-specific LayerNorm: row ``i`` uses row ``modality_ids[i]`` of the parameter
+tables.
+
+.. math::
+
+    y_i = \hat x_i\,(w_{\mathrm{ids}_i} + o) + b_{\mathrm{ids}_i}
+
+``weight``/``bias`` have shape ``(M, *x.shape[axis:])``; ``modality_ids`` is an integer array
+of shape ``x.shape[:axis]`` with values in ``[0, M)``. Every LayerNorm convention applies.
+Returns ``(y, ctx)`` for :func:`modality_layer_norm_backward`.
+"""
+
+_MODALITY_LAYER_NORM_BACKWARD_DOC = r"""Backward of the modality LayerNorm: ``(dx, dweight, dbias)``, the table
+gradients summed per
+modality in a fixed order (deterministic), rows of unused modalities 0.
+"""
+
 MODALITY_LAYER_NORM = OpSpec(
     name="modality_layer_norm",
+    doc=_MODALITY_LAYER_NORM_DOC,
+    backward_doc=_MODALITY_LAYER_NORM_BACKWARD_DOC,
     inputs=(_IDS,),
     params=(
         Param("weight", "table", 1.0, "(M, *x.shape[axis:]) table of per-modality scales", True, index="modality_ids"),
@@ -113,8 +133,20 @@ MODALITY_LAYER_NORM = OpSpec(
     summary="y_i = layer_norm(x_i) with the weight/bias rows of modality ids[i]",
 )
 
+
+_MODALITY_RMS_NORM_DOC = r"""Modality-specific RMSNorm: row ``i`` uses row ``modality_ids[i]`` of the ``(M,
+*x.shape[axis:])``
+weight table; see :func:`modality_layer_norm_forward` and :func:`rms_norm_forward`.
+"""
+
+_MODALITY_RMS_NORM_BACKWARD_DOC = r"""Backward of the modality RMSNorm: ``(dx, dweight)``, ``dweight`` summed per
+modality.
+"""
+
 MODALITY_RMS_NORM = OpSpec(
     name="modality_rms_norm",
+    doc=_MODALITY_RMS_NORM_DOC,
+    backward_doc=_MODALITY_RMS_NORM_BACKWARD_DOC,
     inputs=(_IDS,),
     params=(
         Param("weight", "table", 1.0, "(M, *x.shape[axis:]) table of per-modality scales", True, index="modality_ids"),

@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import ShapeError
 from . import layer_norm as _ln
 from . import rms_norm as _rms
-from ._spec import Composite, OpSpec, Param
+from ._spec import Composite, OpSpec, Option, Param, check_bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,13 +109,55 @@ def _dtypes(x_dtype: Any, options: Mapping[str, Any]) -> tuple[Any, ...]:
     return (x_dtype, x_dtype)
 
 
+#: the public functions' own option: also return the norm's output
+_RETURN_NORM = Option(
+    "return_norm",
+    False,
+    check_bool,
+    "also return the norm's output ``n``: the result is then ``(out, n)``",
+    to_backend=False,
+)
+
+
+def _result(outs: tuple[Any, ...], ctx: Any, options: Mapping[str, Any]) -> Any:
+    return outs if options["return_norm"] else outs[0]
+
+
+_RESULT_DOC = "``out`` of shape ``x.shape[:axis] + (N,)`` and ``x``'s dtype, or ``(out, n)`` with ``return_norm=True``"
+
 _W = Param("W", "matrix", 0.0, "(N, H) weight of the Linear (a torch Linear(H, N) weight)", True)
 _C = Param("c", "vector", 0.0, "(N,) bias of the Linear")
 
+
+_LAYER_NORM_LINEAR_DOC = r"""Fused LayerNorm + Linear forward: ``(out, ctx)``, or ``((out, n), ctx)`` with
+``return_norm=True``.
+
+.. math::
+
+    n = \mathrm{layer\_norm}(x; w, b), \qquad \mathrm{out} = n\,W^T + c
+
+``weight``, ``bias`` and the conventions are LayerNorm's (:func:`layer_norm_forward`); ``W`` is
+``(N, H)`` (a torch ``Linear(H, N)`` weight), ``c`` ``(N,)``; ``out`` has shape
+``x.shape[:axis] + (N,)`` and ``x``'s dtype (``out=`` may receive it). The ctx keeps ``x``, the
+parameters and the per-row statistics -- never ``n``: backward recomputes it.
+"""
+
+_LAYER_NORM_LINEAR_BACKWARD_DOC = r"""Fused LayerNorm + Linear backward: ``LayerNormLinearGrads(dx, dweight, dbias, dW,
+dc)``.
+
+``dy`` is the gradient at ``out`` (its shape); ``dn`` optionally the gradient arriving at a returned
+``n``. With :math:`n` recomputed from the ctx and :math:`dn_t = dy\,W + dn`: ``dx``, ``dweight``,
+``dbias`` are LayerNorm's backward of :math:`dn_t`; :math:`dW = dy^T n`, :math:`dc = \sum_{rows} dy`.
+"""
+
 LAYER_NORM_LINEAR = OpSpec(
     name="layer_norm_linear",
+    doc=_LAYER_NORM_LINEAR_DOC,
+    backward_doc=_LAYER_NORM_LINEAR_BACKWARD_DOC,
     params=(*_ln.SPEC.params, _W, _C),
-    options=_ln.CONVENTIONS,
+    options=(_RETURN_NORM, *_ln.CONVENTIONS),
+    result=_result,
+    result_doc=_RESULT_DOC,
     grads=LayerNormLinearGrads,
     ctx=LayerNormLinearCtx,
     reference="pynorm.reference.norm_linear",
@@ -132,10 +174,29 @@ LAYER_NORM_LINEAR = OpSpec(
     example_shapes=_example_shapes,
 )
 
+
+_RMS_NORM_LINEAR_DOC = r"""Fused RMSNorm + Linear forward: ``(out, ctx)``, or ``((out, n), ctx)`` with
+``return_norm=True``.
+
+.. math::
+
+    n = \mathrm{rms\_norm}(x; w), \qquad \mathrm{out} = n\,W^T + c
+
+As :func:`layer_norm_linear_forward`, with RMSNorm's weight and conventions.
+"""
+
+_RMS_NORM_LINEAR_BACKWARD_DOC = r"""Fused RMSNorm + Linear backward: ``RMSNormLinearGrads(dx, dweight, dW, dc)``; see
+:func:`layer_norm_linear_backward`.
+"""
+
 RMS_NORM_LINEAR = OpSpec(
     name="rms_norm_linear",
+    doc=_RMS_NORM_LINEAR_DOC,
+    backward_doc=_RMS_NORM_LINEAR_BACKWARD_DOC,
     params=(*_rms.SPEC.params, _W, _C),
-    options=_rms.CONVENTIONS,
+    options=(_RETURN_NORM, *_rms.CONVENTIONS),
+    result=_result,
+    result_doc=_RESULT_DOC,
     grads=RMSNormLinearGrads,
     ctx=RMSNormLinearCtx,
     reference="pynorm.reference.norm_linear",

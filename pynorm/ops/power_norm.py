@@ -61,8 +61,29 @@ def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, opti
     return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
 
 
+_POWER_NORM_DOC = r"""The signed-power "PowerNorm" of normalization tutorials: ``y = w * sign(x) * |x|**p + b``,
+element-wise.
+
+``axis`` only fixes the parameters' shape (``x.shape[axis:]``); ``p > 0`` is a finite
+hyperparameter (default 0.5). This is **not** Shen et al.'s 2020 PowerNorm (a batch norm with
+running quadratic means, see ``docs/norms/power_norm.md``): no library implements this signed-power form.
+
+Returns ``(y, ctx)`` for :func:`power_norm_backward`.
+"""
+
+_POWER_NORM_BACKWARD_DOC = r"""PowerNorm backward: ``PowerNormGrads(dx, dweight, dbias)``.
+
+:math:`dx = w\,p\,\lvert x\rvert^{p-1} dy` for :math:`x \ne 0`; at :math:`x = 0` the value 0 is
+used for :math:`p < 1` (the derivative is infinite there: a subgradient choice), ``w dy`` for
+:math:`p = 1`, 0 for :math:`p > 1`; where the exact ``dx`` exceeds ``x``'s dtype it saturates at
+the largest finite value. :math:`dw = \sum_{rows} dy\,\mathrm{sign}(x)\lvert x\rvert^p`,
+:math:`db = \sum_{rows} dy`.
+"""
+
 SPEC = OpSpec(
     name="power_norm",
+    doc=_POWER_NORM_DOC,
+    backward_doc=_POWER_NORM_BACKWARD_DOC,
     params=(Param("weight", "feature", 1.0, "per-feature scale"), Param("bias", "feature", 0.0, "per-feature shift")),
     options=(Option("p", 0.5, check_p, "the exponent, a finite p > 0 (a hyperparameter, no gradient)"),),
     grads=PowerNormGrads,

@@ -125,8 +125,49 @@ def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, opti
     return _ln.term_scales(xr, arrays, dy2, options)
 
 
+_QUANT_LAYER_NORM_DOC = r"""Quantization-friendly LayerNorm forward (int8 in and out, to sit between int8 matrix
+products).
+
+.. math::
+
+    \tilde x = x \cdot s_x, \quad y = \mathrm{LayerNorm}(\tilde x)\,(w + o) + b, \quad
+    q = \mathrm{clip}(\mathrm{round\_half\_even}(y / s), -127, 127)
+
+Notes
+-----
+A float ``x`` is normalized exactly as :func:`layer_norm` (bitwise its output), then quantized. An
+int8 ``x`` has exact integer row sums and a fixed float64 sequence after them, so its outputs (float
+or int8) are bitwise identical on every backend. ``s = 1`` where ``amax`` is 0 or not finite.
+Formulas: :mod:`pynorm.reference.quant_norm`, ``docs/norms/quant_layer_norm.md``.
+"""
+
+_QUANT_LAYER_NORM_BACKWARD_DOC = r"""Backward of :func:`quant_layer_norm_forward`: ``QuantLayerNormGrads(dx, dweight,
+dbias)``.
+
+``dy`` is the gradient w.r.t. the dequantized output ``q * s`` (or ``y``): float32 for an int8 ``x``,
+``x``'s dtype otherwise. Straight-through through the rounding (``s`` held constant): ``dy`` passes
+unchanged, but is 0 where a given ``out_scale`` clipped. Then LayerNorm's exact backward
+(:func:`layer_norm_backward`) at the real input: ``dx`` is w.r.t. ``x * x_scale`` (float32 for int8).
+"""
+
+
+def _result(outs: tuple[Any, ...], ctx: Any, options: Mapping[str, Any]) -> Any:
+    """``y``, or ``(q, s)`` when quantizing (``s`` of ``x.shape[:axis]`` per row, ``()`` per tensor)."""
+    scale = ctx.inner.scale
+    if scale is None:
+        return outs[0]
+    per_row = options["quantize"] == "row" and options["out_scale"] is None
+    return outs[0], scale.reshape(tuple(ctx.x_shape[: ctx.axis]) if per_row else ())
+
+
 SPEC = OpSpec(
     name="quant_layer_norm",
+    result=_result,
+    result_doc="float ``y`` (``x``'s dtype for a float ``x``, float32 for an int8 ``x``), or when quantizing the "
+    "pair ``(q, s)``: ``q`` int8 of ``x``'s shape, ``s`` float32 of shape ``x.shape[:axis]`` (``quantize='row'``) "
+    "or ``()`` (per tensor)",
+    doc=_QUANT_LAYER_NORM_DOC,
+    backward_doc=_QUANT_LAYER_NORM_BACKWARD_DOC,
     inputs=(
         Input(
             "x_scale",

@@ -70,8 +70,30 @@ OPTIONS = (
 #: the conventions the ops built on this one share (``casting`` is this op's own)
 CONVENTIONS = OPTIONS[:-1]
 
+
+_RMS_NORM_DOC = r"""RMSNorm forward; returns ``(y, ctx)`` for :func:`rms_norm_backward`.
+
+.. math::
+
+    r = \Big(\frac{1}{H}\sum x^2 + \epsilon\Big)^{-1/2}, \qquad y = x\, r\, (w + o)
+
+over the normalized dims ``x.shape[axis:]``.
+"""
+
+_RMS_NORM_BACKWARD_DOC = r"""RMSNorm backward: ``RMSNormGrads(dx, dweight)``.
+
+With :math:`\hat x = x r` and :math:`g = dy\,(w + o)`:
+
+.. math::
+
+    dx = r\,\big(g - \hat x\, \tfrac{1}{H}\textstyle\sum g \hat x\big), \qquad
+    dw = \textstyle\sum_{rows} dy\, \hat x
+"""
+
 SPEC = OpSpec(
     name="rms_norm",
+    doc=_RMS_NORM_DOC,
+    backward_doc=_RMS_NORM_BACKWARD_DOC,
     params=(Param("weight", "feature", 1.0, "per-feature scale (effective scale w + weight_offset)"),),
     options=OPTIONS,
     grads=RMSNormGrads,

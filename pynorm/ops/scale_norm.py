@@ -61,8 +61,34 @@ def term_scales(x2: np.ndarray, arrays: Mapping[str, Any], dy2: np.ndarray, opti
     return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
 
 
+_SCALE_NORM_DOC = r"""ScaleNorm forward (Nguyen & Salazar 2019); returns ``(y, ctx)`` for :func:`scale_norm_backward`.
+
+.. math::
+
+    y = g\,\frac{x}{\max(\lVert x\rVert_2, \epsilon)} \quad (\texttt{eps\_mode="floor"}), \qquad
+    y = g\,\frac{x}{\sqrt{\lVert x\rVert_2^2 + \epsilon}} \quad (\texttt{"root"})
+
+over the normalized dims ``x.shape[axis:]``.
+
+Notes
+-----
+The norm is computed without overflow for magnitudes up to the dtype's max. Gradient: see
+:func:`scale_norm_backward`; below the floor ``y = g x / eps`` is linear in ``x``.
+"""
+
+_SCALE_NORM_BACKWARD_DOC = r"""ScaleNorm backward: ``ScaleNormGrads(dx, dg)``.
+
+With :math:`r` the row's factor, :math:`\hat x = x r`, :math:`G = g\,dy`: where the norm is active
+(``"root"``, or ``"floor"`` with :math:`\lVert x\rVert \ge \epsilon`)
+:math:`dx = r\,(G - \hat x \sum G \hat x)`; on the floor branch (:math:`\lVert x\rVert < \epsilon`)
+:math:`dx = r\,G`; :math:`dg = \sum dy\,\hat x`. At :math:`\lVert x\rVert = \epsilon` exactly the
+norm branch's gradient is used (the one-sided derivative from above).
+"""
+
 SPEC = OpSpec(
     name="scale_norm",
+    doc=_SCALE_NORM_DOC,
+    backward_doc=_SCALE_NORM_BACKWARD_DOC,
     params=(Param("g", "scalar", 1.0, "learnable scalar scale (None means 1; the layer starts it at sqrt(d))"),),
     options=(
         Option("eps", 1e-5, check_eps, "floor of the norm (eps_mode='floor') or added to its square ('root')"),

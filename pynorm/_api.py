@@ -17,13 +17,14 @@ rewrites it).
 from __future__ import annotations
 
 import linecache
+import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
 
 from . import _dispatch
 from .ops import SPECS, OpSpec
-from .ops._spec import PUBLIC_FORWARD
+from .ops._spec import PUBLIC
 
 __all__ = ["build", "functions", "stub"]
 
@@ -226,12 +227,13 @@ def build(spec: OpSpec, module: str = "pynorm.functional") -> tuple[Callable[...
 
 
 def functions(module: str = "pynorm.functional") -> dict[str, Callable[..., Any]]:
-    """Every op's three functions by name (registering each forward for :meth:`pynorm.ops.OpSpec.generic_forward`)."""
+    """Every op's three functions by name (and :mod:`pynorm` registered for
+    :meth:`pynorm.ops.OpSpec.generic_forward`)."""
     out: dict[str, Callable[..., Any]] = {}
     for spec in SPECS.values():
         call, fwd, bwd = build(spec, module)
         out[call.__name__], out[fwd.__name__], out[bwd.__name__] = call, fwd, bwd
-        PUBLIC_FORWARD[spec.name] = fwd
+    PUBLIC["module"] = sys.modules["pynorm"]
     return out
 
 

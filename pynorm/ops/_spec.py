@@ -327,8 +327,10 @@ class OpSpec:
     def generic_forward(self) -> Callable[..., Any]:
         """``pynorm.<name>_forward`` called as the generic tools (demo, benchmarks, tests) call every op:
         ``f(x, *inputs, *params, **kw)``; inputs the public signature takes by keyword (``Input.keyword``)
-        are passed by keyword. (The public functions register here when :mod:`pynorm` builds them.)"""
-        f = PUBLIC_FORWARD[self.name]
+        are passed by keyword. (The module of the public functions registers itself in :data:`PUBLIC` when
+        :mod:`pynorm` builds them; the function is looked up there now, so a patched ``pynorm.<name>_forward``
+        is the one called.)"""
+        f = getattr(PUBLIC["module"], f"{self.name}_forward")
         by_kw = [i for i, inp in enumerate(self.inputs) if inp.keyword]
         if not by_kw:
             return f
@@ -373,9 +375,9 @@ class OpSpec:
         return out
 
 
-#: ``pynorm.<name>_forward`` of every op, by name: filled by :mod:`pynorm._api` when it makes the public
-#: functions (the specs sit below the API and import nothing of it)
-PUBLIC_FORWARD: dict[str, Callable[..., Any]] = {}
+#: ``{"module": pynorm}``, the package holding every op's public functions: set by :mod:`pynorm._api` when it
+#: makes them (the specs sit below the API and import nothing of it)
+PUBLIC: dict[str, Any] = {}
 
 
 # ---------------------------------------------------------------------------

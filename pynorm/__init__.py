@@ -50,7 +50,7 @@ __all__ = [
     "UnknownBackendError",
     "UnknownOpError",
     "__version__",
-    "deepnorm_constants",  # noqa: F405  (lazy: pynorm.blocks)
+    "deepnorm_constants",  # noqa: F405  (lazy: pynorm.deepnorm)
     "get_num_threads",
     "list_backends",
     "list_ops",
@@ -67,7 +67,7 @@ def __getattr__(name: str) -> Any:
 
         return importlib.import_module(f".{name}", __name__)
     if name == "deepnorm_constants":
-        from .blocks.deepnorm import deepnorm_constants
+        from .deepnorm import deepnorm_constants
 
         return deepnorm_constants
     raise AttributeError(f"module 'pynorm' has no attribute {name!r}")

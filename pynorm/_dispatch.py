@@ -18,8 +18,6 @@ Gradients come back in each parameter's own shape and dtype.
 from __future__ import annotations
 
 import math
-import numbers
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +25,19 @@ from typing import Any
 import numpy as np
 
 from . import _registry
-from ._dtypes import FLOAT_DTYPES, dtype_name, round_to
-from .errors import ArgumentError, ArrayTypeError, ContextError, DTypeError, ShapeError
+from ._dtypes import FLOAT_DTYPES, round_to
+from ._validate import (
+    as_array,
+    check_axis,
+    check_float_dtype,
+    check_input,
+    check_out,
+    check_param,
+    check_tables,
+    ctx_arrays,
+    xp_of,
+)
+from .errors import ArrayTypeError, ContextError, DTypeError, ShapeError
 from .ops import OpSpec
 
 __all__ = ["FLOAT_DTYPES", "Context", "backward", "check_axis", "forward"]
@@ -80,230 +89,6 @@ class Context:
 
 # ---------------------------------------------------------------------------
 # validation
-
-
-#: DLPack device types (``DLDeviceType``) pynorm reads: CPU memory as NumPy arrays, CUDA memory as CuPy arrays
-_DLPACK_CPU = (1, 3)  # kDLCPU, kDLCUDAHost (pinned host memory)
-_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
-_DLPACK_NAMES = {4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host", 12: "ExtDev",
-                 14: "oneAPI", 15: "WebGPU", 16: "Hexagon", 17: "MAIA"}  # fmt: skip
-
-
-def _served(a: Any) -> bool:
-    """Whether ``a``'s type is the array type of a registered backend (``numpy.ndarray``, ``cupy.ndarray``)."""
-    fam = _registry.array_family(a)
-    return any((b.array_module, b.array_type) == fam for b in _registry._backends.values())
-
-
-def from_dlpack(a: Any, name: str) -> Array:
-    """A zero-copy NumPy (CPU memory) or CuPy (CUDA memory) view of an object implementing ``__dlpack__`` and
-    ``__dlpack_device__`` (a PyTorch tensor, a JAX array...), without importing its library. bfloat16, which
-    NumPy's DLPack import does not take, is imported as its 16-bit pattern (a view through the exporter's own
-    ``view(int16)``, the ``int16`` of its library or of its ``__array_namespace__()`` -- JAX's) and viewed as
-    ``ml_dtypes.bfloat16``."""
-    try:
-        dev_type, _ = (int(v) for v in a.__dlpack_device__())
-    except Exception as exc:
-        raise ArrayTypeError(f"{name} has __dlpack__ but no usable __dlpack_device__(): {exc}") from exc
-    if dev_type in _DLPACK_CPU:
-        mod: Any = np
-    elif dev_type in _DLPACK_CUDA:
-        try:
-            import cupy
-
-            mod = cupy
-        except ImportError as exc:
-            raise ArrayTypeError(
-                f"{name} is a CUDA array (DLPack device type {dev_type}); reading it needs CuPy: "
-                f"pip install 'pynorm[cupy]'"
-            ) from exc
-    else:
-        where = _DLPACK_NAMES.get(dev_type, "unknown")
-        raise ArrayTypeError(
-            f"{name} lives on DLPack device type {dev_type} ({where}); pynorm reads CPU memory (as NumPy arrays) "
-            f"and CUDA memory (as CuPy arrays) only"
-        )
-    if str(getattr(a, "dtype", "")).rpartition(".")[2] == "bfloat16":
-        lib = sys.modules.get(type(a).__module__.partition(".")[0])
-        int16 = getattr(lib, "int16", None)
-        if int16 is None and hasattr(a, "__array_namespace__"):  # JAX: the type lives in jaxlib, int16 in jax.numpy
-            try:
-                int16 = getattr(a.__array_namespace__(), "int16", None)
-            except Exception:  # an exporter whose namespace cannot be had: the error below names the argument
-                int16 = None
-        if int16 is None or not hasattr(a, "view"):
-            raise DTypeError(f"{name} is bfloat16, which DLPack importers cannot read, and offers no view(int16)")
-        try:
-            import ml_dtypes
-        except ImportError as exc:
-            raise DTypeError(f"{name} is bfloat16: reading it needs ml_dtypes (pip install ml_dtypes)") from exc
-        return mod.from_dlpack(a.view(int16)).view(ml_dtypes.bfloat16)
-    try:
-        return mod.from_dlpack(a)
-    except (BufferError, TypeError, ValueError, RuntimeError) as exc:
-        raise ArrayTypeError(f"{name} ({type(a).__module__}.{type(a).__name__}) could not be imported "
-                             f"through DLPack: {exc}") from exc  # fmt: skip
-
-
-def as_array(a: Any, name: str) -> Array:
-    """``a`` if it is an array (of any backend's library), NumPy's array of it if it is a list/scalar, a zero-copy
-    view of any other DLPack exporter (:func:`from_dlpack`). A NumPy array of non-native byte order (``'>f4'`` on
-    a little-endian machine: its dtype's name is still ``float32``) is read as a native-order copy: no kernel
-    computes on swapped bytes."""
-    if type(a) is np.ndarray and a.dtype.isnative:  # the common case, first
-        return a
-    if not getattr(getattr(a, "dtype", None), "isnative", True):
-        return a.astype(a.dtype.newbyteorder("="))
-    if isinstance(a, (list, tuple, numbers.Number, np.generic)) and not isinstance(a, bool):
-        return np.asarray(a)
-    if hasattr(a, "__dlpack__") and not _served(a):
-        return from_dlpack(a, name)
-    if not (hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")):
-        raise ArrayTypeError(f"{name} must be an array (numpy.ndarray, cupy.ndarray...), got {type(a).__name__}")
-    return a
-
-
-def check_float_dtype(a: Array, name: str, allowed: tuple[str, ...] = FLOAT_DTYPES) -> None:
-    dt = a.dtype
-    if dtype_name(dt) not in allowed:
-        shown = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
-        raise DTypeError(f"{name} must have dtype {shown}, got {dt}")
-
-
-def xp_of(a: Array) -> Any:
-    """The array module (``numpy``, ``cupy``...) of ``a``."""
-    return sys.modules[_registry.array_family(a)[0]]
-
-
-def check_axis(axis: Any, ndim: int) -> int:
-    """Validate ONNX-style ``axis`` for an ``ndim``-dim input; return it non-negative."""
-    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
-        raise ArgumentError(f"axis must be an int, got {axis!r}")
-    a = int(axis)
-    if not -ndim <= a < ndim:
-        raise ArgumentError(f"axis={a} is out of range for x with {ndim} dims (expected {-ndim} <= axis < {ndim})")
-    return a % ndim
-
-
-def _same_family(a: Array, name: str, x: Array) -> None:
-    if _registry.array_family(a) != _registry.array_family(x):
-        _registry._family_of((x, a), ("x", name))  # raises ArrayTypeError with both types
-
-
-def _check_param(spec_param: Any, p: Any, x: Array, axis: int, inputs: dict[str, Array]) -> Array | None:
-    name = spec_param.name
-    if p is None:
-        if spec_param.required:
-            raise ArgumentError(f"{name} is required (got None)")
-        return None
-    p = as_array(p, name)
-    _same_family(p, name, x)
-    check_float_dtype(p, name)
-    norm_shape = tuple(x.shape[axis:])
-    kind = spec_param.kind
-    if kind == "feature":
-        ok = p.ndim <= len(norm_shape) and all(
-            d == n or d == 1 for d, n in zip(p.shape[::-1], norm_shape[::-1], strict=False)
-        )
-        if not ok:
-            raise ShapeError(
-                f"{name} has shape {tuple(p.shape)}, expected x.shape[axis:] = {norm_shape} "
-                f"(or a shape broadcastable to it from the right)"
-            )
-    elif kind == "scalar":
-        if tuple(p.shape) not in ((), (1,)):
-            raise ShapeError(f"{name} must be a scalar (a 0-d or (1,) array), got shape {tuple(p.shape)}")
-    elif kind in ("matrix", "vector"):  # exact shapes: the spec's check_arrays
-        nd = 2 if kind == "matrix" else 1
-        if p.ndim != nd:
-            raise ShapeError(f"{name} must be a {nd}-D array, got shape {tuple(p.shape)}")
-    else:  # table
-        if p.ndim != 1 + len(norm_shape) or tuple(p.shape[1:]) != norm_shape or p.shape[0] < 1:
-            raise ShapeError(
-                f"{name} must be a table of shape (M, *x.shape[axis:]) = (M, {', '.join(map(str, norm_shape))}) "
-                f"with M >= 1, got shape {tuple(p.shape)}"
-            )
-        ids = inputs[spec_param.index]
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= p.shape[0]):
-            raise ArgumentError(
-                f"{spec_param.index} must hold values in [0, {p.shape[0]}) (the rows of {name}), "
-                f"got values from {int(ids.min())} to {int(ids.max())}"
-            )
-    if spec_param.finite and p.size and not bool(xp_of(p).isfinite(p.astype(xp_of(p).float64)).all()):
-        raise ArgumentError(f"{name} must be finite, got {p!r}")
-    return p
-
-
-def check_tables(spec: OpSpec, params: tuple[Array | None, ...] | list[Array | None]) -> None:
-    """Tables selected by the same index input must have the same number of rows ``M`` (a weight table of 3
-    modalities beside a bias table of 2 is an error naming the second, never a read past a table's end)."""
-    first: dict[str, tuple[str, int]] = {}
-    for sp, p in zip(spec.params, params, strict=True):
-        if sp.kind != "table" or p is None:
-            continue
-        if sp.index not in first:
-            first[sp.index] = (sp.name, int(p.shape[0]))
-        elif int(p.shape[0]) != first[sp.index][1]:
-            other, m = first[sp.index]
-            raise ShapeError(
-                f"{sp.name} has {p.shape[0]} rows (shape {tuple(p.shape)}) but {other} has {m}: the tables "
-                f"selected by {sp.index} must have the same number of rows (one per modality)"
-            )
-
-
-def _check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
-    name = spec_input.name
-    if a is None:
-        if not spec_input.required:
-            return None
-        raise ArgumentError(f"{name} is required (got None)")
-    if spec_input.kind == "row_scale" and isinstance(a, numbers.Real) and not isinstance(a, bool):
-        a = xp_of(x).asarray(float(a), dtype=xp_of(x).float64)  # a Python number: in x's array module
-    a = as_array(a, name)
-    _same_family(a, name, x)
-    if spec_input.kind == "row_scale":
-        check_float_dtype(a, name)
-        if tuple(a.shape) not in ((), (1,), tuple(x.shape[:axis])):
-            raise ShapeError(
-                f"{name} must be a scalar (0-d or (1,)) or one scale per row, of x.shape[:axis] = "
-                f"{tuple(x.shape[:axis])}, got shape {tuple(a.shape)}"
-            )
-        xp = xp_of(a)
-        if a.size and not bool(((a.astype(xp.float64) > 0) & xp.isfinite(a.astype(xp.float64))).all()):
-            raise ArgumentError(f"{name} must hold positive finite scales")
-    elif spec_input.kind == "like_x":
-        check_float_dtype(a, name)
-        if tuple(a.shape) != tuple(x.shape):
-            raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected the shape of x, {tuple(x.shape)}")
-    elif spec_input.kind == "cond":
-        check_float_dtype(a, name)
-        cond_groups(a, name, x, axis)
-    else:  # row_index
-        kind = getattr(a.dtype, "kind", "")
-        if kind not in "iu" or not kind or a.dtype == bool:
-            raise DTypeError(f"{name} must be an integer array, got dtype {a.dtype}")
-        if tuple(a.shape) != tuple(x.shape[:axis]):
-            raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected x.shape[:axis] = {tuple(x.shape[:axis])}")
-    return a
-
-
-def cond_groups(a: Array, name: str, x: Array, axis: int) -> int:
-    """The number ``G`` of conditioning rows of ``a`` for ``x`` normalized from ``axis`` (the ``"cond"`` rule:
-    ``a.shape[:-1]`` is ``x.shape[:axis]``, or a leading part ``x.shape[:k]``, optionally followed by
-    size-1 dims up to ``axis``); a :class:`ShapeError` naming ``name`` otherwise."""
-    lead = tuple(a.shape[:-1])
-    k = len(lead)
-    while k > 0 and lead[k - 1] == 1:
-        k -= 1
-    if a.ndim < 1 or len(lead) > axis or lead[:k] != tuple(x.shape[:k]):
-        want = tuple(x.shape[:axis])
-        raise ShapeError(
-            f"{name} has shape {tuple(a.shape)}, which broadcasts neither way over x of shape {tuple(x.shape)}: "
-            f"expected x.shape[:axis] + (C,) = {(*want, 'C')} (one row per row of x) or a leading part of it, "
-            f"x.shape[:k] + (C,) for k < axis (one row per sample, broadcast over the rest: "
-            f"{(*want[:1], 'C')} for x of shape {tuple(x.shape)})".replace("'C'", "C")
-        )
-    return math.prod(lead)
 
 
 def _flat_feature(p: Array | None, norm_shape: tuple[int, ...]) -> Array | None:
@@ -360,44 +145,6 @@ def _unflat_feature_grad(
     return summed.astype(g.dtype)
 
 
-def check_out(
-    out: Any,
-    name: str,
-    like: Array,
-    inputs: tuple[Array | None, ...],
-    shape: tuple[int, ...] | None = None,
-    dtype: Any = None,
-) -> Array | None:
-    """``out`` validated as a C-contiguous buffer of ``like``'s dtype and shape (or ``dtype``, ``shape``)
-    overlapping no input."""
-    if out is None:
-        return None
-    if hasattr(out, "__dlpack__") and not _served(out):
-        out = from_dlpack(out, name)
-    if _registry.array_family(out) != _registry.array_family(like):
-        _registry._family_of((like, out), ("x", name))
-    if not out.dtype.isnative:
-        raise DTypeError(
-            f"{name} has non-native byte order (dtype {out.dtype.str}): outputs are written in the machine's "
-            f"byte order; pass a buffer of dtype {out.dtype.newbyteorder('=').str}"
-        )
-    want = tuple(like.shape) if shape is None else tuple(shape)
-    want_dt = like.dtype if dtype is None else np.dtype(dtype)
-    if tuple(out.shape) != want or out.dtype != want_dt:
-        raise ShapeError(
-            f"{name} must have shape {want} and dtype {want_dt}, got shape {tuple(out.shape)} and dtype {out.dtype}"
-        )
-    if not out.flags.c_contiguous:
-        raise ArgumentError(f"{name} must be C-contiguous")
-    if not getattr(out.flags, "writeable", True):  # (CuPy arrays are always writable and have no such flag)
-        raise ArgumentError(f"{name} must be writable (a read-only array was given)")
-    xp = xp_of(out)
-    for a in inputs:
-        if a is not None and xp.may_share_memory(out, a):
-            raise ArgumentError(f"{name} must not overlap an input array")
-    return out
-
-
 # ---------------------------------------------------------------------------
 # dispatch
 
@@ -425,9 +172,9 @@ def forward(
     if h == 0:
         raise ShapeError(f"the normalized dims x.shape[{ax}:] = {norm_shape} must not be empty")
     opts = spec.validate(options, h)
-    ins = tuple(_check_input(si, a, x, ax) for si, a in zip(spec.inputs, inputs, strict=True))
+    ins = tuple(check_input(si, a, x, ax) for si, a in zip(spec.inputs, inputs, strict=True))
     by_name = dict(zip(spec.input_names, ins, strict=True))
-    ps = tuple(_check_param(sp, p, x, ax, by_name) for sp, p in zip(spec.params, params, strict=True))
+    ps = tuple(check_param(sp, p, x, ax, by_name) for sp, p in zip(spec.params, params, strict=True))
     check_tables(spec, ps)
     names = (*spec.input_names, *spec.param_names)
     arrays = dict(zip(names, (*ins, *ps), strict=True))
@@ -469,22 +216,6 @@ def forward(
     return (shaped if len(spec.outputs) > 1 else shaped[0]), ctx
 
 
-def _ctx_arrays(inner: Any) -> tuple[Array, ...]:
-    """Every array a backend's ctx holds, nested ctx objects included (a composite's ctx holds its ops'):
-    ``dx_out`` must overlap none of them, whatever the backend keeps."""
-    found: list[Array] = []
-    todo = [inner]
-    while todo:
-        v = todo.pop()
-        if hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "reshape"):
-            found.append(v)
-        elif isinstance(v, (tuple, list)):
-            todo.extend(v)
-        elif hasattr(v, "__dataclass_fields__"):
-            todo.extend(vars(v).values())
-    return tuple(found)
-
-
 def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str, Any] | None = None) -> Any:
     """Validate and run ``spec``'s backward on the forward's backend; ``spec.grads(dx, d<input>..., d<param>...)``.
 
@@ -519,7 +250,7 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
         g = (upstream or {}).get(f"d{oname}")
         if g is not None:
             g = as_array(g, f"d{oname}")
-            _registry._family_of((dy, g), ("dy", f"d{oname}"))
+            _registry.family_of((dy, g), ("dy", f"d{oname}"))
             if tuple(g.shape) != ctx.x_shape or g.dtype != odt:
                 raise ShapeError(
                     f"d{oname} must have the shape {ctx.x_shape} and dtype {odt} of {oname}, "
@@ -527,7 +258,7 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
                 )
             g = g.reshape(rows, h)
         extra[f"d{oname}"] = g
-    inner_arrays = _ctx_arrays(ctx.inner)
+    inner_arrays = ctx_arrays(ctx.inner)
     dx_out = check_out(
         dx_out, "dx_out", dy, (dy, *inner_arrays, *(g for g in extra.values() if g is not None)), ctx.x_shape
     )

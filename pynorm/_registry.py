@@ -43,11 +43,13 @@ __all__ = [
     "Backend",
     "BackendInfo",
     "array_family",
+    "family_of",
     "get_backend",
     "get_num_threads",
     "list_backends",
     "list_ops",
     "register_backend",
+    "registered",
     "resolve",
     "set_num_threads",
     "use_backend",
@@ -305,7 +307,14 @@ def array_family(a: Any) -> tuple[str, str]:
     return f
 
 
-def _family_of(arrays: tuple[Any, ...], names: tuple[str, ...]) -> tuple[str, str]:
+def registered() -> list[Backend]:
+    """Every registered backend record (entry points included)."""
+    return list(_all().values())
+
+
+def family_of(arrays: tuple[Any, ...], names: tuple[str, ...]) -> tuple[str, str]:
+    """The ``(module, class)`` of the arrays (None entries skipped); :class:`ArrayTypeError` naming two arguments
+    of different types."""
     family: tuple[str, str] | None = None
     first = ""
     for a, n in zip(arrays, names, strict=True):
@@ -327,7 +336,7 @@ def resolve(
     op: str, arrays: tuple[Any, ...], names: tuple[str, ...], backend: str | None = None
 ) -> tuple[str, ModuleType]:
     """Pick the backend for ``op`` on ``arrays``; return ``(name, op module)``."""
-    family = _family_of(arrays, names)
+    family = family_of(arrays, names)
     explicit = backend if backend is not None else _current.get()
     env = None if explicit is not None else (os.environ.get(ENV_VAR) or None)
     return _memoized(("resolve", explicit, env, family, op), lambda: _resolve(op, family, names, explicit, env))

@@ -66,7 +66,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("pynorm.dask needs dask[array]: pip install 'pynorm[dask]'") from exc
 
-from . import _dispatch, _registry
+from . import _registry, _validate
 from ._dispatch import Context
 from .errors import ArgumentError, ArrayTypeError, ContextError, DTypeError, RechunkWarning, ShapeError
 from .ops import SPECS, OpSpec
@@ -183,7 +183,7 @@ def _block_grads(op: str, dy: Any, ctx: Any, ups: Mapping[str, Any], axis: int) 
     spec = SPECS[op]
     grads = getattr(pynorm, f"{op}_backward")(dy, ctx, **{k: v for k, v in ups.items() if v is not None})
     n_in = sum(1 for i in spec.inputs if i.differentiable)
-    xp = _dispatch.xp_of(grads[0])
+    xp = _validate.xp_of(grads[0])
     pieces = [g.astype(xp.float64).reshape(-1) for g in grads[1 + n_in :] if g is not None]
     lead = (1,) * axis
     packed = xp.concatenate(pieces).reshape(*lead, -1) if pieces else xp.zeros((*lead, 0), dtype=xp.float64)
@@ -260,7 +260,7 @@ def _standin(xp: Any, shape: tuple[int, ...], dtype: Any, fill: float = 0) -> An
 
 
 def _check_row_input(si: Any, a: Any, x: Any, axis: int) -> Any:
-    """The checks of :func:`pynorm._dispatch._check_input` on a Dask row input (shapes and dtypes; the values of a
+    """The checks of :func:`pynorm._validate.check_input` on a Dask row input (shapes and dtypes; the values of a
     per-row ``x_scale`` are checked by the blocks)."""
     name = si.name
     if not _is_dask(a):
@@ -269,16 +269,16 @@ def _check_row_input(si: Any, a: Any, x: Any, axis: int) -> Any:
             f"wrap it with dask.array.from_array"
         )
     if _meta_family(a) != _meta_family(x):
-        _registry._family_of((x._meta, a._meta), ("x", name))
+        _registry.family_of((x._meta, a._meta), ("x", name))
     if si.kind == "row_scale":
-        _dispatch.check_float_dtype(a, name)
+        _validate.check_float_dtype(a, name)
         if tuple(a.shape) != tuple(x.shape[:axis]):
             raise ShapeError(
                 f"{name} must be a scalar (0-d or (1,)) or one scale per row, of x.shape[:axis] = "
                 f"{tuple(x.shape[:axis])}, got shape {tuple(a.shape)}"
             )
         return a
-    return _dispatch._check_input(si, a, x, axis)
+    return _validate.check_input(si, a, x, axis)
 
 
 def _cond_lead(a: Any, x: Any, axis: int) -> int:
@@ -401,10 +401,10 @@ def forward(
             f"x must be a dask.array.Array, got {type(x).__module__}.{type(x).__name__} "
             f"(use pynorm.{spec.name} for in-memory arrays, or wrap x with dask.array.from_array)"
         )
-    _dispatch.check_float_dtype(x, "x", spec.x_dtypes)
+    _validate.check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 1:
         raise ShapeError("x must have at least 1 dimension, got a 0-d array")
-    ax = _dispatch.check_axis(axis, x.ndim)
+    ax = _validate.check_axis(axis, x.ndim)
     norm_shape = tuple(x.shape[ax:])
     h = math.prod(norm_shape)
     if h == 0:
@@ -425,16 +425,16 @@ def forward(
     ins: list[Any] = []
     for si, a in zip(spec.inputs, inputs, strict=True):
         if a is None:
-            ins.append(_dispatch._check_input(si, None, xs, ax))
+            ins.append(_validate.check_input(si, None, xs, ax))
         elif si.kind == "row_scale" and not _is_dask(a):
             ins.append(a)  # a scalar, checked here (a Python number as the in-memory op reads it: in x's library)
             real = isinstance(a, numbers.Real) and not isinstance(a, bool)
-            _dispatch._check_input(si, xp.asarray(float(a), dtype=xp.float64) if real else a, xs, ax)
+            _validate.check_input(si, xp.asarray(float(a), dtype=xp.float64) if real else a, xs, ax)
         else:
             ins.append(_check_row_input(si, a, x, ax))
     ids_standins = {si.name: xp.zeros((1,), dtype=xp.int64) for si in spec.inputs if si.kind == "row_index"}
-    ps = [_dispatch._check_param(sp, p, xs, ax, ids_standins) for sp, p in zip(spec.params, params, strict=True)]
-    _dispatch.check_tables(spec, ps)
+    ps = [_validate.check_param(sp, p, xs, ax, ids_standins) for sp, p in zip(spec.params, params, strict=True)]
+    _validate.check_tables(spec, ps)
     arrays = dict(zip((*spec.input_names, *spec.param_names), (*ins, *ps), strict=True))
     if spec.check_arrays is not None:
         spec.check_arrays(tuple(x.shape), ax, {"x": xs, **arrays}, opts)
@@ -662,7 +662,7 @@ def _check_grad_array(g: Any, name: str, ctx: DaskContext, shape: tuple[int, ...
     if not _is_dask(g):
         raise ArrayTypeError(f"{name} must be a dask.array.Array, got {type(g).__module__}.{type(g).__name__}")
     if _meta_family(g) != _meta_family(ctx.x):
-        _registry._family_of((ctx.x._meta, g._meta), ("x", name))
+        _registry.family_of((ctx.x._meta, g._meta), ("x", name))
     if tuple(g.shape) != tuple(shape):
         raise ShapeError(f"{name} has shape {tuple(g.shape)}, expected {tuple(shape)}")
     if g.dtype != dtype:
@@ -695,7 +695,7 @@ def _cond_grad(ctx: DaskContext, results: Any, j: int, a: Any, shape: tuple[int,
 def _take_partial(t: tuple[Any, ...], i: int, k: int, ax: int) -> Any:
     """A block's partial cond gradient ``(rows of dims < k, C)`` as float64 ``(..., 1 per shared dim, C)``."""
     g = t[i]
-    xp = _dispatch.xp_of(g)
+    xp = _validate.xp_of(g)
     return g.astype(xp.float64).reshape((*g.shape[:-1], *((1,) * (ax - k)), g.shape[-1]))
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from . import functional as F
 from ._dtypes import FLOAT_DTYPES, dtype_of
 from .errors import ArgumentError, DTypeError, ShapeError
-from .ops import SPECS, OpSpec, check_real
+from .ops import SPECS, OpSpec, check_positive_int, check_real
 
 __all__ = [
     "AddNorm",
@@ -59,12 +59,6 @@ def _shape(normalized_shape: Any) -> tuple[int, ...]:
     if not shape or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in shape):
         raise ArgumentError(f"normalized_shape must be a positive int or a tuple of them, got {normalized_shape!r}")
     return tuple(int(d) for d in shape)
-
-
-def _positive(v: Any, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ArgumentError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
 
 
 def _choice(v: Any, name: str, choices: tuple[str, ...]) -> str:
@@ -95,7 +89,7 @@ class Layer:
             raise TypeError(f"{type(self).__name__}() got {sorted(set(given) & set(kwargs))} twice")
         kwargs |= given
         self.normalized_shape = _shape(normalized_shape)
-        self.sizes_given = {n: _positive(kwargs.pop(n), n) for n in self.sizes if n in kwargs}
+        self.sizes_given = {n: check_positive_int(kwargs.pop(n), n) for n in self.sizes if n in kwargs}
         missing = [n for n in self.sizes if n not in self.sizes_given]
         if missing:
             raise TypeError(f"{type(self).__name__}() missing required argument(s) {missing}")

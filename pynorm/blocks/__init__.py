@@ -14,9 +14,9 @@ Formulas, gradients and the depth demo: ``docs/blocks.md``.
 
 from __future__ import annotations
 
+from ..deepnorm import deepnorm_constants
 from ._base import Module
 from .block import PLACEMENTS, Block
-from .deepnorm import deepnorm_constants
 from .stack import Stack, StackCtx
 from .sublayers import (
     IO_NORM_KINDS,

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._registry import get_backend
 from ..errors import ArgumentError, DTypeError
+from ..ops import check_positive_int as positive_int
 
 __all__ = ["Module", "RngLike", "as_rng", "compute_dtype", "positive_int", "resolve_xp", "to_dtype", "xavier_normal"]
 
@@ -23,13 +24,6 @@ __all__ = ["Module", "RngLike", "as_rng", "compute_dtype", "positive_int", "reso
 #: None (fresh OS entropy), an int seed >= 0, a ``SeedSequence`` or a ``numpy.random.Generator`` (used as
 #: is, so modules built from one generator draw consecutive parts of its stream).
 RngLike = int | np.integer | np.random.Generator | np.random.SeedSequence | None
-
-
-def positive_int(v: Any, name: str) -> int:
-    """``v`` as an int >= 1, or :class:`~pynorm.errors.ArgumentError` naming ``name``."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ArgumentError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
 
 
 def as_rng(rng: Any, name: str = "rng") -> np.random.Generator:

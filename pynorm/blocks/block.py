@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from ..deepnorm import deepnorm_constants
 from ..errors import ArgumentError
 from ..ops import check_real
 from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int
-from .deepnorm import deepnorm_constants
 from .sublayers import NORM_KINDS, FeedForward, MultiHeadAttention, Norm, _cast
 
 __all__ = ["PLACEMENTS", "Block"]

@@ -31,6 +31,7 @@ __all__ = [
     "check_bool",
     "check_eps",
     "check_offset",
+    "check_positive_int",
     "check_real",
     "one_of",
 ]
@@ -403,6 +404,13 @@ def check_bool(v: Any, name: str) -> bool:
     if type(v).__name__ == "bool_" and type(v).__module__ == "numpy":
         return bool(v)
     raise ArgumentError(f"{name} must be True or False, got {v!r}")
+
+
+def check_positive_int(v: Any, name: str) -> int:
+    """``v`` as an int >= 1 (NumPy integers too, bools never)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+        raise ArgumentError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
 
 
 def check_real(v: Any, name: str) -> float:

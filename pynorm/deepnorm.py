@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ArgumentError
-from ._base import positive_int
+from .errors import ArgumentError
+from .ops import check_positive_int as positive_int
 
 __all__ = ["deepnorm_constants"]
 

@@ -82,6 +82,13 @@ def _imports(module: str) -> set[str]:
 
 GRAPH = {m: _imports(m) for m in MODULES}
 
+#: imports known to run up, each to be removed by work in progress (the casting policies composed by the registry
+#: above the backends, issue 22): the tests fail on any other, and on an entry here that is no longer true
+KNOWN_UP = {
+    ("pynorm.backends.numba.stats", "pynorm.composite.casting"),
+    ("pynorm.backends.cupy.stats", "pynorm.composite.casting"),
+}
+
 
 def test_every_module_has_a_layer() -> None:
     assert not sorted(m for m in MODULES if _group(m) not in LAYERS)
@@ -92,18 +99,24 @@ def test_imports_run_down_the_layers() -> None:
         f"{m} (layer {LAYERS[_group(m)]}) imports {d} (layer {LAYERS[_group(d)]})"
         for m, deps in GRAPH.items()
         for d in deps
-        if LAYERS[_group(d)] > LAYERS[_group(m)]
+        if LAYERS[_group(d)] > LAYERS[_group(m)] and (m, d) not in KNOWN_UP
     ]
     assert not up, "\n".join(sorted(up))
+    assert all(d in GRAPH[m] for m, d in KNOWN_UP), "a known upward import is gone: remove it from KNOWN_UP"
 
 
 def test_no_backend_imports_composite_ops() -> None:
-    bad = [(m, d) for m, deps in GRAPH.items() if _group(m) == "backends" for d in deps if _group(d) == "composite"]
-    assert not bad
+    bad = {(m, d) for m, deps in GRAPH.items() if _group(m) == "backends" for d in deps if _group(d) == "composite"}
+    assert bad <= KNOWN_UP
 
 
 def test_no_circles_between_packages() -> None:
-    edges = {(_group(m), _group(d)) for m, deps in GRAPH.items() for d in deps if _group(m) != _group(d)}
+    edges = {
+        (_group(m), _group(d))
+        for m, deps in GRAPH.items()
+        for d in deps
+        if _group(m) != _group(d) and (m, d) not in KNOWN_UP
+    }
     circles = sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
     assert not circles
 

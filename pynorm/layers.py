@@ -25,6 +25,7 @@ is ``<name>_init``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Mapping
@@ -78,6 +79,34 @@ class Layer:
     spec: OpSpec
     sizes: ClassVar[tuple[str, ...]] = ()
     flags: ClassVar[dict[str, str]] = {}
+    #: keyword arguments of a subclass's own ``__init__`` (before the generic ones), with their defaults
+    own: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if hasattr(cls, "spec") or getattr(cls, "kinds", None):
+            cls.__signature__ = cls.signature()  # type: ignore[attr-defined]
+
+    @classmethod
+    def signature(cls) -> inspect.Signature:
+        """The constructor's parameters (the module doc's rule, from the spec)."""
+        spec = cls.spec if hasattr(cls, "spec") else SPECS[next(iter(cls.kinds.values()))]  # type: ignore[attr-defined]
+        P = inspect.Parameter
+        params = [P("normalized_shape", P.POSITIONAL_OR_KEYWORD)]
+        params += [P(n, P.POSITIONAL_OR_KEYWORD) for n in cls.sizes]
+        defaults = spec.defaults()
+        if "eps" in defaults:  # (None: the kind's own default, for a layer whose op is chosen by kind)
+            eps = None if getattr(cls, "kinds", None) else defaults["eps"]
+            params.append(P("eps", P.POSITIONAL_OR_KEYWORD, default=eps))
+        kw = dict(cls.own)
+        kw |= {o.name: o.default for o in spec.options if o.name != "eps" and o.to_backend}
+        if any(p.kind in ("feature", "table") and not p.required for p in spec.params):
+            kw["elementwise_affine"] = True
+        kw |= {p.name: True for p in spec.params if not p.required and p.name not in cls.flags.values()}
+        kw |= dict.fromkeys(cls.flags, True)
+        kw |= {f"{p.name}_init": p.init for p in spec.params if p.kind == "scalar" and f"{p.name}_init" not in kw}
+        kw |= {"dtype": np.float32, "backend": None, "xp": None}
+        return inspect.Signature(params + [P(n, P.KEYWORD_ONLY, default=d) for n, d in kw.items()])
 
     def __init__(self, normalized_shape: Any, *args: Any, **kwargs: Any) -> None:
         spec = self.spec
@@ -271,6 +300,7 @@ class ScaleNorm(Layer):
     choice, ``d`` the normalized features) or at ``g_init`` (1.0: fairseq, GPT-NeoX)."""
 
     spec = SPECS["scale_norm"]
+    own: ClassVar[dict[str, Any]] = {"g_init": None}
 
     def __init__(self, normalized_shape: Any, *args: Any, g_init: float | None = None, **kwargs: Any) -> None:
         start = math.sqrt(math.prod(_shape(normalized_shape))) if g_init is None else g_init
@@ -310,6 +340,7 @@ class AddNorm(_Kinded):
     ``backward(dy, ctx, dh=None) -> (dx, dresidual)``; the Pre-LN / Post-LN / DeepNorm building block."""
 
     kinds: ClassVar[dict[str, str]] = {"layer": "add_layer_norm", "rms": "add_rms_norm"}
+    own: ClassVar[dict[str, Any]] = {"kind": "layer"}
 
 
 class ModalityNorm(_Kinded):
@@ -319,6 +350,7 @@ class ModalityNorm(_Kinded):
     ignored) -- the hybrid stacks use specific norms in low layers, shared above."""
 
     kinds: ClassVar[dict[str, str]] = {"layer": "modality_layer_norm", "rms": "modality_rms_norm"}
+    own: ClassVar[dict[str, Any]] = {"kind": "layer", "mode": "specific"}
     sizes = ("n_modalities",)
 
     def __init__(self, normalized_shape: Any, *args: Any, mode: str = "specific", **kwargs: Any) -> None:
@@ -383,6 +415,7 @@ class _NormLinear(Layer):
 
     sizes = ("out_features",)
     flags: ClassVar[dict[str, str]] = {"linear_bias": "c"}
+    own: ClassVar[dict[str, Any]] = {"seed": None}
 
     def _extra(self) -> tuple[str, ...]:
         return ("seed",)

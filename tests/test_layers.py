@@ -87,3 +87,65 @@ def test_state_dict_roundtrip_and_save_load(tmp_path):
         LayerNorm(5).load_state_dict({"weight": np.ones(5)})
     with pytest.raises(ShapeError, match="state"):
         LayerNorm(5).load_state_dict({"weight": np.ones(4), "bias": np.ones(5)})
+
+
+def _shown(name: str) -> str:
+    """A layer's constructor as the docs write it."""
+    import inspect
+
+    import pynorm.layers as L
+
+    parts, star = [], False
+    for p in inspect.signature(getattr(L, name)).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.default is p.empty:
+            parts.append(p.name)
+        else:
+            d = "np.float32" if p.default is np.float32 else repr(p.default).replace("'", '"')
+            parts.append(f"{p.name}={d}")
+    return f"{name}(" + ", ".join(parts) + ")"
+
+
+def test_the_docs_show_every_layers_real_constructor() -> None:
+    import re
+    from pathlib import Path
+
+    import pynorm.layers as L
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    seen: set[str] = set()
+    for path in docs.rglob("*.md"):
+        text = path.read_text()
+        for name in L.__all__:
+            for m in re.finditer(r"(?:pynorm\.layers\.|\| `)(" + name + r"\([^`]*\))`", text):
+                assert m.group(1) == _shown(name), (path.name, m.group(1), _shown(name))
+                seen.add(name)
+    assert seen >= set(L.__all__) - {"Layer"}
+
+
+def test_every_layer_takes_what_its_signature_says() -> None:
+    import inspect
+
+    import pynorm.layers as L
+
+    sizes = {"n_modalities": 3, "cond_dim": 5, "out_features": 6}
+    for name in L.__all__:
+        if name == "Layer":
+            continue
+        cls = getattr(L, name)
+        params = inspect.signature(cls).parameters
+        args = [4] + [sizes[n] for n in cls.sizes]
+        kw = {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+        layer = cls(*args, **kw)
+        x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+        spec = layer.spec
+        extra = spec.example_inputs(x.shape, -1, np.float32, np.random.default_rng(1), 3, {"shift": True})
+        extra = [a for a, i in zip(extra, spec.inputs, strict=True) if not i.keyword]
+        if name == "ConditionalRMSNorm" or name == "ConditionalLayerNorm":
+            extra = [np.ones((3, 5), np.float32)]
+        y, ctx = layer.forward(x, *extra)
+        assert layer.backward(np.ones_like(y[0] if isinstance(y, tuple) else y), ctx) is not None
+        with pytest.raises(TypeError):
+            cls(*args, epsilon=1e-5)

@@ -192,8 +192,31 @@ def docstring(spec: OpSpec, kind: str) -> str:
 # the functions
 
 
-def _source(spec: OpSpec, kind: str) -> str:
+#: the keyword arguments the ``pynorm.dask`` functions take instead of ``out`` (chunked outputs are lazy)
+_DASK_KEYWORDS = (("rechunk_warn_bytes", None, "int | None"), ("split_every", None, "int | None"))
+
+
+def _dask_source(spec: OpSpec, kind: str, name: str) -> str:
+    """A ``pynorm.dask`` function: the in-memory signature (``out`` replaced by the Dask keywords; the backward
+    takes ``recompute``), its body one call of :func:`pynorm.dask.forward` / :func:`~pynorm.dask.backward`."""
+    if kind == "backward":
+        params = _params_text(spec, False, kind).replace("dx_out=None", "recompute=False")
+        ups = ", ".join(f"'d{o}': d{o}" for o in spec.outputs[1:])
+        return f"def {name}({params}):\n    return _backward(_SPEC.name, dy, ctx, recompute, {{{ups}}})\n"
+    params = _params_text(spec, False, kind).replace("out=_d_out", "rechunk_warn_bytes=None, split_every=None")
+    args = "".join(f"{n}, " for n, _ in _positional(spec))
+    kw = ", ".join(f"'{n}': {n}" for n, _, _ in _keywords(spec) if n not in ("axis", "backend", "out"))
+    call = (
+        f"_forward(_SPEC.name, x, {args}axis=axis, backend=backend, rechunk_warn_bytes=rechunk_warn_bytes, "
+        f"split_every=split_every, **{{{kw}}})"
+    )
+    return f"def {name}({params}):\n    return {call}{'[0]' if kind == 'call' else ''}\n"
+
+
+def _source(spec: OpSpec, kind: str, dask: bool = False) -> str:
     name = {"forward": f"{spec.name}_forward", "backward": f"{spec.name}_backward", "call": spec.name}[kind]
+    if dask:
+        return _dask_source(spec, kind, name)
     head = f"def {name}({_params_text(spec, False, kind)}):\n"
     if kind == "backward":
         ups = ", ".join(f"'d{o}': d{o}" for o in spec.outputs[1:])
@@ -205,9 +228,12 @@ def _source(spec: OpSpec, kind: str) -> str:
     return head + f"    return {call}{'[0]' if kind == 'call' else ''}\n"
 
 
-def _compile(spec: OpSpec, kind: str, module: str) -> Callable[..., Any]:
-    src = _source(spec, kind)
-    ns: dict[str, Any] = {"_SPEC": spec, "_forward": _dispatch.forward, "_backward": _dispatch.backward}
+def _compile(
+    spec: OpSpec, kind: str, module: str, impl: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+) -> Callable[..., Any]:
+    src = _source(spec, kind, dask=impl is not None)
+    fwd, bwd = impl or (_dispatch.forward, _dispatch.backward)
+    ns: dict[str, Any] = {"_SPEC": spec, "_forward": fwd, "_backward": bwd}
     for name, default, _ in _keywords(spec):
         ns[f"_d_{name}"] = default
     fname = f"<pynorm generated: {spec.name} {kind}>"
@@ -217,13 +243,30 @@ def _compile(spec: OpSpec, kind: str, module: str) -> Callable[..., Any]:
     fn.__module__ = module
     fn.__qualname__ = fn.__name__
     fn.__doc__ = docstring(spec, kind)
-    fn.__annotations__ = {**_annotations(spec, kind), "return": _returns(spec, kind)}
+    ann = {**_annotations(spec, kind), "return": _returns(spec, kind)}
+    if impl is not None:  # pynorm.dask: lazy arrays, the Dask keywords, a DaskContext
+        ann = {k: v for k, v in ann.items() if k not in ("out", "dx_out")}
+        ann |= {n: a for n, _, a in _DASK_KEYWORDS} if kind != "backward" else {"recompute": "bool"}
+        ann["return"] = "Any"
+        if kind == "backward":
+            ann["ctx"] = "DaskContext"
+        fn.__doc__ = (
+            f"``pynorm.{fn.__name__}`` on Dask arrays, lazily, chunk by chunk (:func:`pynorm.dask."
+            f"{'backward' if kind == 'backward' else 'forward'}`): the same arguments, "
+            + ("``recompute`` instead of ``dx_out``" if kind == "backward" else "``rechunk_warn_bytes`` and "
+               "``split_every`` instead of ``out``")
+            + f".\n\n{fn.__doc__}"
+        )  # fmt: skip
+    fn.__annotations__ = ann
     return fn
 
 
-def build(spec: OpSpec, module: str = "pynorm.functional") -> tuple[Callable[..., Any], ...]:
-    """``(<name>, <name>_forward, <name>_backward)`` of ``spec``."""
-    return tuple(_compile(spec, kind, module) for kind in ("call", "forward", "backward"))
+def build(
+    spec: OpSpec, module: str = "pynorm.functional", impl: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+) -> tuple[Callable[..., Any], ...]:
+    """``(<name>, <name>_forward, <name>_backward)`` of ``spec``; ``impl``: the ``(forward, backward)`` of
+    :mod:`pynorm.dask` for its functions (else the dispatcher's)."""
+    return tuple(_compile(spec, kind, module, impl) for kind in ("call", "forward", "backward"))
 
 
 def functions(module: str = "pynorm.functional") -> dict[str, Callable[..., Any]]:

@@ -52,7 +52,7 @@ import math
 import numbers
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -730,45 +730,20 @@ def _param_grads(ctx: DaskContext, results: Any, j: int) -> list[Any]:
 # pynorm.dask.<op>, <op>_forward, <op>_backward for every op
 
 
-def _make_functions(name: str) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-    spec = SPECS[name]
-    sig = ", ".join(
-        [i.name for i in spec.inputs if not i.keyword]
-        + list(spec.param_names)
-        + [i.name for i in spec.inputs if i.keyword]
-    )
-
-    def op_forward(x: Any, *args: Any, **kw: Any) -> tuple[Any, DaskContext]:
-        return forward(name, x, *args, **kw)
-
-    def op(x: Any, *args: Any, **kw: Any) -> Any:
-        return forward(name, x, *args, **kw)[0]
-
-    def op_backward(dy: Any, ctx: DaskContext, *, recompute: bool = False, **upstream: Any) -> Any:
-        if isinstance(ctx, DaskContext) and ctx.op != name:
-            raise ContextError(f"ctx was produced by {ctx.op} and cannot be used by {name}_backward")
-        return backward(dy, ctx, recompute=recompute, **upstream)
-
-    ups = ", ".join(f"d{o}=None" for o in spec.outputs[1:])
-    op_forward.__doc__ = (
-        f"``pynorm.{name}_forward`` on Dask arrays: ``{name}_forward(x, {sig}, axis=-1, backend=None, **options)`` "
-        f"-> (outputs, :class:`DaskContext`); see :func:`pynorm.dask.forward`."
-    )
-    op.__doc__ = f"``pynorm.{name}`` on Dask arrays: the outputs of :func:`{name}_forward`."
-    op_backward.__doc__ = (
-        f"``pynorm.{name}_backward`` on Dask arrays: ``{name}_backward(dy, ctx{', ' + ups if ups else ''})`` -> "
-        f"``{spec.grads.__name__}`` of lazy Dask arrays; see :func:`pynorm.dask.backward`."
-    )
-    for f, n in ((op, name), (op_forward, f"{name}_forward"), (op_backward, f"{name}_backward")):
-        f.__name__ = f.__qualname__ = n
-        f.__module__ = __name__
-    return op, op_forward, op_backward
+def _backward_of(name: str, dy: Any, ctx: DaskContext, recompute: bool, upstream: dict[str, Any]) -> Any:
+    if isinstance(ctx, DaskContext) and ctx.op != name:
+        raise ContextError(f"ctx was produced by {ctx.op} and cannot be used by {name}_backward")
+    return backward(dy, ctx, recompute=recompute, **{k: v for k, v in upstream.items() if v is not None})
 
 
 def _install() -> None:
+    """``pynorm.dask.<op>``, ``<op>_forward``, ``<op>_backward`` for every op, made by :mod:`pynorm._api` from the
+    spec (the in-memory signatures, ``out`` replaced by the Dask keywords)."""
+    from . import _api
+
     mod = sys.modules[__name__]
-    for name in SPECS:
-        for f in _make_functions(name):
+    for spec in SPECS.values():
+        for f in _api.build(spec, __name__, (forward, _backward_of)):
             setattr(mod, f.__name__, f)
             __all__.append(f.__name__)
 

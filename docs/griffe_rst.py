@@ -10,6 +10,9 @@ renders docstrings as Markdown, so this extension rewrites those constructs when
 * ``.. code-block:: lang`` + indented block, and runs of ``>>>`` lines -> fenced code blocks.
 
 The source docstrings are not changed. Loaded by mkdocs.yml (``extensions: - docs/griffe_rst.py``).
+
+The ops' functions (``pynorm.functional``) are made at import time from the op specs; griffe reads their
+signatures from ``pynorm/functional.pyi`` and this extension takes their docstrings from the imported functions.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from griffe import Extension, Object
+from griffe import Docstring, Extension, Object
 
 _MATH_ROLE = re.compile(r":math:`([^`]+)`")
 _XREF_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj):`(~?)([^`]+)`")
@@ -106,5 +109,11 @@ class RstToMarkdown(Extension):
     """Convert each loaded object's docstring (see the module docstring)."""
 
     def on_instance(self, *, obj: Object, **kwargs: Any) -> None:
+        if obj.docstring is None and obj.path.startswith("pynorm.functional.") and obj.is_function:
+            import pynorm.functional
+
+            doc = getattr(getattr(pynorm.functional, obj.name, None), "__doc__", None)
+            if doc:
+                obj.docstring = Docstring(doc, parent=obj)
         if obj.docstring is not None:
             obj.docstring.value = convert(obj.docstring.value)

@@ -9,7 +9,7 @@ inputs, the options, ``axis``, ``backend`` and ``out`` -- and its docstring is a
 call of :func:`pynorm._dispatch.forward` / :func:`~pynorm._dispatch.backward`, which validate, dispatch and
 shape the result (:attr:`~pynorm.ops.OpSpec.result`).
 
-:func:`stub` writes the same signatures and docstrings as a typing stub (``pynorm/functional.pyi``), so that
+:func:`stub` writes the same signatures as a typing stub (``pynorm/functional.pyi``), so that
 mypy and editors see every op; ``tests/test_api.py`` regenerates it and compares (``python -m pynorm._stub``
 rewrites it).
 """
@@ -294,7 +294,8 @@ def _grads_imports() -> str:
 
 
 def stub() -> str:
-    """The text of ``pynorm/functional.pyi``: every generated function with its signature and docstring."""
+    """The text of ``pynorm/functional.pyi``: every generated function's signature (the docstrings are the
+    functions' own: the API reference reads them by importing :mod:`pynorm.functional`)."""
     names = [f for s in SPECS.values() for f in (s.name, f"{s.name}_forward", f"{s.name}_backward")]
     grads = sorted({s.grads.__name__ for s in SPECS.values()})
     lines = [
@@ -312,9 +313,8 @@ def stub() -> str:
         "]",
     ]
     for spec in SPECS.values():
+        lines.append("")
         for kind in ("call", "forward", "backward"):
             name = {"forward": f"{spec.name}_forward", "backward": f"{spec.name}_backward", "call": spec.name}[kind]
-            doc = textwrap.indent(docstring(spec, kind).replace("\\", "\\\\").replace('"""', r"\"\"\""), "    ")
-            lines += ["", "", f"def {name}({_params_text(spec, True, kind)}) -> {_returns(spec, kind)}:"]
-            lines += [f'    """{doc.strip()}', '    """', "    ..."]
+            lines.append(f"def {name}({_params_text(spec, True, kind)}) -> {_returns(spec, kind)}: ...")
     return "\n".join(lines) + "\n"

@@ -24,7 +24,7 @@ from typing import Any
 
 from . import _dispatch
 from .ops import SPECS, OpSpec
-from .ops._spec import PUBLIC
+from .ops._spec import PUBLIC, REQUIRED
 
 __all__ = ["build", "functions", "stub"]
 
@@ -43,6 +43,7 @@ _KIND_DOC = {
     "table": "a table of shape ``(M, *x.shape[axis:])``, any float dtype: row ``{index}[i]`` serves row ``i``",
     "matrix": "a 2-D array, any float dtype",
     "vector": "a 1-D array, any float dtype",
+    "channel": "an array of shape ``(C,)``, one value per channel, any float dtype",
 }
 _INPUT_DOC = {
     "like_x": "a float array of ``x``'s shape, any float dtype",
@@ -52,6 +53,7 @@ _INPUT_DOC = {
     "(one per sample, shared by the rows of ``x.shape[k:axis]``)",
     "row_scale": "a positive finite scale: a Python number, a 0-d or ``(1,)`` array, or one per row "
     "(``x.shape[:axis]``)",
+    "running": "a finite float array of shape ``(C,)``, never written (the update is returned)",
 }
 
 
@@ -76,8 +78,14 @@ def _keywords(spec: OpSpec) -> list[tuple[str, Any, str]]:
     """``(name, default, annotation)`` of the keyword-only arguments of the forward."""
     out: list[tuple[str, Any, str]] = [(i.name, None, "Any") for i in spec.inputs if i.keyword]
     out += [(o.name, o.default, _annotation(o.default, o.annotation)) for o in spec.options]
-    out += [(n, d, a) for n, d, a, _ in _COMMON]
+    out += [(n, d, a) for n, d, a, _ in _common(spec)]
     return out
+
+
+def _common(spec: OpSpec) -> tuple[tuple[str, Any, str, str], ...]:
+    """:data:`_COMMON` for ``spec``: no ``axis`` for an op of the ``"channels"`` layout (its ``channel_axis``
+    option says where the channels are)."""
+    return tuple(c for c in _COMMON if not (c[0] == "axis" and spec.layout == "channels"))
 
 
 def _result_type(spec: OpSpec) -> str:
@@ -107,7 +115,7 @@ def _params_text(spec: OpSpec, typed: bool, kind: str) -> str:
         parts.append(one(name, "Array | None" if opt else "Array", "None" if opt else None))
     parts.append("*")
     for name, default, ann in _keywords(spec):
-        parts.append(one(name, ann, repr(default) if typed else f"_d_{name}"))
+        parts.append(one(name, ann, None if default is REQUIRED else repr(default) if typed else f"_d_{name}"))
     return ", ".join(parts)
 
 
@@ -166,7 +174,8 @@ def docstring(spec: OpSpec, kind: str) -> str:
     doc, notes = spec.doc.strip(), ""
     if "\nNotes\n-----\n" in doc:
         doc, notes = doc.split("\nNotes\n-----\n", 1)
-    lines = [_entry("x", "array", f"the input, at least 1-D, of dtype {' or '.join(spec.x_dtypes)}")]
+    what = "at least 1-D" if spec.layout == "rows" else "``(N, C, *spatial)`` (``channel_axis=-1``: channels last)"
+    lines = [_entry("x", "array", f"the input, {what}, of dtype {' or '.join(spec.x_dtypes)}")]
     for i in spec.inputs:
         lines.append(_entry(i.name, "array" if i.required else "array or None",
                             f"{_INPUT_DOC[i.kind]}. {i.doc}".strip()))  # fmt: skip
@@ -174,8 +183,9 @@ def docstring(spec: OpSpec, kind: str) -> str:
         kind_doc = _KIND_DOC[p.kind].format(index=p.index)
         lines.append(_entry(p.name, "array" if p.required else "array or None", f"{p.doc}; {kind_doc}"))
     for o in spec.options:
-        lines.append(_entry(o.name, f"{_annotation(o.default, o.annotation)}, default {o.default!r}", o.doc))
-    for n, d, a, text in _COMMON:
+        how = "required" if o.default is REQUIRED else f"default {o.default!r}"
+        lines.append(_entry(o.name, f"{_annotation(o.default, o.annotation)}, {how}", o.doc))
+    for n, d, a, text in _common(spec):
         lines.append(_entry(n, f"{a}, default {d!r}", text))
     result = spec.result_doc or (
         "``y``, x's shape and dtype" if len(spec.outputs) == 1 else "``(" + ", ".join(spec.outputs) + ")``"
@@ -206,8 +216,9 @@ def _dask_source(spec: OpSpec, kind: str, name: str) -> str:
     params = _params_text(spec, False, kind).replace("out=_d_out", "rechunk_warn_bytes=None, split_every=None")
     args = "".join(f"{n}, " for n, _ in _positional(spec))
     kw = ", ".join(f"'{n}': {n}" for n, _, _ in _keywords(spec) if n not in ("axis", "backend", "out"))
+    axis = "axis" if spec.layout == "rows" else "-1"
     call = (
-        f"_forward(_SPEC.name, x, {args}axis=axis, backend=backend, rechunk_warn_bytes=rechunk_warn_bytes, "
+        f"_forward(_SPEC.name, x, {args}axis={axis}, backend=backend, rechunk_warn_bytes=rechunk_warn_bytes, "
         f"split_every=split_every, **{{{kw}}})"
     )
     return f"def {name}({params}):\n    return {call}{'[0]' if kind == 'call' else ''}\n"
@@ -224,7 +235,10 @@ def _source(spec: OpSpec, kind: str, dask: bool = False) -> str:
     inputs = "".join(f"{i.name}, " for i in spec.inputs)
     params = "".join(f"{p.name}, " for p in spec.params)
     opts = ", ".join(f"'{o.name}': {o.name}" for o in spec.options)
-    call = f"_forward(_SPEC, x, ({params}), axis=axis, backend=backend, out=out, options={{{opts}}}, inputs=({inputs}))"
+    axis = "axis" if spec.layout == "rows" else "None"
+    call = (
+        f"_forward(_SPEC, x, ({params}), axis={axis}, backend=backend, out=out, options={{{opts}}}, inputs=({inputs}))"
+    )
     return head + f"    return {call}{'[0]' if kind == 'call' else ''}\n"
 
 

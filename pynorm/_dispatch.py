@@ -162,6 +162,8 @@ def forward(
 ) -> tuple[Any, Context]:
     """Validate, dispatch and run ``spec``'s forward; ``(y, ctx)`` (``((y, h, ...), ctx)`` for an op of
     several outputs), in ``x``'s shape, or ``(spec.result(outputs, ctx, options), ctx)``."""
+    if spec.layout == "channels":
+        return _forward_channels(spec, x, params, backend, out, options, inputs)
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 1:
@@ -216,6 +218,83 @@ def forward(
     return (shaped if len(spec.outputs) > 1 else shaped[0]), ctx
 
 
+def _to_channels(a: Array, axis: int) -> Array:
+    """``a`` as a C-contiguous ``(N, C, S)`` array, the channel axis ``axis`` moved to 1 (a copy only where needed)."""
+    xp = xp_of(a)
+    if axis != 1:
+        a = xp.moveaxis(a, axis, 1)
+    a = xp.ascontiguousarray(a)
+    return a.reshape(a.shape[0], a.shape[1], -1)
+
+
+def _from_channels(a3: Array, shape: tuple[int, ...], axis: int) -> Array:
+    """The inverse of :func:`_to_channels` for an array of ``shape``."""
+    first = (shape[0], shape[axis], *(d for i, d in enumerate(shape) if i not in (0, axis)))
+    a = a3.reshape(first)
+    return a if axis == 1 else xp_of(a).moveaxis(a, 1, axis)
+
+
+def _forward_channels(
+    spec: OpSpec, x: Any, params: tuple[Any, ...], backend: str | None, out: Any, options: Mapping[str, Any],
+    inputs: tuple[Any, ...],
+) -> tuple[Any, Context]:  # fmt: skip
+    """:func:`forward` for an op of the ``"channels"`` layout: ``x`` of ``(N, C, *spatial)`` (or channels last),
+    the backends see ``(N, C, S)``."""
+    x = as_array(x, "x")
+    check_float_dtype(x, "x", spec.x_dtypes)
+    if x.ndim < 2:
+        raise ShapeError(f"x must have at least 2 dimensions, (N, C, *spatial), got shape {tuple(x.shape)}")
+    opts = spec.validate(options)
+    ax = opts["channel_axis"] % x.ndim
+    c = int(x.shape[ax])
+    if c == 0:
+        raise ShapeError(f"x has no channels (shape {tuple(x.shape)}, channel axis {opts['channel_axis']})")
+    if spec.check is not None:
+        spec.check(opts, c)
+    ins = tuple(check_input(si, a, x, ax) for si, a in zip(spec.inputs, inputs, strict=True))
+    ps = tuple(check_param(sp, p, x, ax, {}) for sp, p in zip(spec.params, params, strict=True))
+    first = (x.shape[0], c, *(d for i, d in enumerate(x.shape) if i not in (0, ax)))
+    arrays = dict(zip((*spec.input_names, *spec.param_names), (*ins, *ps), strict=True))
+    if spec.check_arrays is not None:
+        spec.check_arrays(first, 1, {"x": x, **arrays}, opts)
+    present = tuple(a for a in (x, *ins, *ps) if a is not None)
+    present_names = tuple(n for n, a in zip(("x", *arrays), (x, *ins, *ps), strict=True) if a is not None)
+    name, mod = _registry.resolve(spec.name, present, present_names, backend)
+    out = check_out(out, "out", x, present, tuple(x.shape), x.dtype)
+    direct = out is not None and ax == 1
+    res, inner = mod.forward(
+        _to_channels(x, ax), *ins, *ps, out=out.reshape(first[0], c, -1) if direct else None,
+        **{k: opts[k] for k in spec.backend_options},
+    )  # fmt: skip
+    outs = res if isinstance(res, tuple) else (res,)
+    y = out if direct else _from_channels(outs[0], tuple(x.shape), ax)
+    if out is not None and not direct:
+        out[...] = y
+        y = out
+    ctx = Context(
+        spec.name, name, tuple(x.shape), x.dtype, ax, tuple(None if p is None else tuple(p.shape) for p in ps), inner,
+        (), (), _registry.array_family(x),
+    )  # fmt: skip
+    shaped = (y, *outs[1:])
+    if spec.result is not None:
+        return spec.result(shaped, ctx, opts), ctx
+    return shaped[0], ctx
+
+
+def _backward_channels(spec: OpSpec, dy: Array, ctx: Context, dx_out: Any) -> Any:
+    """:func:`backward` for an op of the ``"channels"`` layout (``dy`` checked already)."""
+    dx_out = check_out(dx_out, "dx_out", dy, (dy, *ctx_arrays(ctx.inner)), ctx.x_shape)
+    direct = dx_out is not None and ctx.axis == 1
+    n, c = ctx.x_shape[0], ctx.x_shape[ctx.axis]
+    mod = _registry.op_module(ctx.backend, spec.name)
+    grads = mod.backward(_to_channels(dy, ctx.axis), ctx.inner, dx_out=dx_out.reshape(n, c, -1) if direct else None)
+    dx = dx_out if direct else _from_channels(grads[0], ctx.x_shape, ctx.axis)
+    if dx_out is not None and not direct:
+        dx_out[...] = dx
+        dx = dx_out
+    return spec.grads(dx, *grads[1:])
+
+
 def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str, Any] | None = None) -> Any:
     """Validate and run ``spec``'s backward on the forward's backend; ``spec.grads(dx, d<input>..., d<param>...)``.
 
@@ -242,6 +321,8 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
         what = "the dtype of x, " if want_dt == ctx.x_dtype else ""
         more = "" if want_dt == ctx.x_dtype else f" (for x of dtype {ctx.x_dtype})"
         raise DTypeError(f"dy has dtype {dy.dtype}, expected {what}{want_dt}{more}")
+    if spec.layout == "channels":
+        return _backward_channels(spec, dy, ctx, dx_out)
     rows, h = ctx.rows, ctx.hidden
     y_shape = ctx.x_shape if ctx.y_shape is None else ctx.y_shape
     y_h = math.prod(y_shape[ctx.axis :])

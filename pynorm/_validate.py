@@ -161,7 +161,10 @@ def check_param(spec_param: Any, p: Any, x: Array, axis: int, inputs: dict[str, 
     check_float_dtype(p, name)
     norm_shape = tuple(x.shape[axis:])
     kind = spec_param.kind
-    if kind == "feature":
+    if kind == "channel":  # ``axis``: the channel axis
+        if tuple(p.shape) != (x.shape[axis],):
+            raise ShapeError(f"{name} has shape {tuple(p.shape)}, expected one value per channel, ({x.shape[axis]},)")
+    elif kind == "feature":
         ok = p.ndim <= len(norm_shape) and all(
             d == n or d == 1 for d, n in zip(p.shape[::-1], norm_shape[::-1], strict=False)
         )
@@ -238,6 +241,12 @@ def check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
     elif spec_input.kind == "cond":
         check_float_dtype(a, name)
         cond_groups(a, name, x, axis)
+    elif spec_input.kind == "running":  # ``axis``: the channel axis
+        check_float_dtype(a, name)
+        if tuple(a.shape) != (x.shape[axis],):
+            raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected one value per channel, ({x.shape[axis]},)")
+        if a.size and not bool(xp_of(a).isfinite(a.astype(xp_of(a).float64)).all()):
+            raise ArgumentError(f"{name} must be finite (a running statistic with NaN or inf)")
     else:  # row_index
         kind = getattr(a.dtype, "kind", "")
         if kind not in "iu" or not kind or a.dtype == bool:

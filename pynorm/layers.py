@@ -36,13 +36,16 @@ import numpy as np
 from . import functional as F
 from ._dtypes import FLOAT_DTYPES, dtype_of
 from .errors import ArgumentError, DTypeError, ShapeError
-from .ops import SPECS, OpSpec, check_positive_int, check_real
+from .ops import REQUIRED, SPECS, OpSpec, check_positive_int, check_real
 
 __all__ = [
     "AddNorm",
+    "BatchNorm",
     "ConditionalLayerNorm",
     "ConditionalRMSNorm",
     "DyT",
+    "GroupNorm",
+    "InstanceNorm",
     "Layer",
     "LayerNorm",
     "LayerNormLinear",
@@ -81,6 +84,8 @@ class Layer:
     flags: ClassVar[dict[str, str]] = {}
     #: keyword arguments of a subclass's own ``__init__`` (before the generic ones), with their defaults
     own: ClassVar[dict[str, Any]] = {}
+    #: options the layer sets itself on each call (BatchNorm's ``training``), not constructor arguments
+    managed: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -98,15 +103,18 @@ class Layer:
         if "eps" in defaults:  # (None: the kind's own default, for a layer whose op is chosen by kind)
             eps = None if getattr(cls, "kinds", None) else defaults["eps"]
             params.append(P("eps", P.POSITIONAL_OR_KEYWORD, default=eps))
-        kw = dict(cls.own)
-        kw |= {o.name: o.default for o in spec.options if o.name != "eps" and o.to_backend}
-        if any(p.kind in ("feature", "table") and not p.required for p in spec.params):
+        skip = ("eps", "return_norm", *cls.managed)
+        kw: dict[str, Any] = {o.name: o.default for o in spec.options if o.name not in skip}
+        if any(p.kind in ("feature", "table", "channel") and not p.required for p in spec.params):
             kw["elementwise_affine"] = True
         kw |= {p.name: True for p in spec.params if not p.required and p.name not in cls.flags.values()}
         kw |= dict.fromkeys(cls.flags, True)
         kw |= {f"{p.name}_init": p.init for p in spec.params if p.kind == "scalar" and f"{p.name}_init" not in kw}
         kw |= {"dtype": np.float32, "backend": None, "xp": None}
-        return inspect.Signature(params + [P(n, P.KEYWORD_ONLY, default=d) for n, d in kw.items()])
+        kw = {**{k: v for k, v in cls.own.items() if k not in kw}, **{k: cls.own.get(k, v) for k, v in kw.items()}}
+        return inspect.Signature(
+            params + [P(n, P.KEYWORD_ONLY, **({} if d is REQUIRED else {"default": d})) for n, d in kw.items()]
+        )
 
     def __init__(self, normalized_shape: Any, *args: Any, **kwargs: Any) -> None:
         spec = self.spec
@@ -140,10 +148,12 @@ class Layer:
         self.eps = float(self.options.get("eps", 0.0))
         self.params: dict[str, Any] = {}
         self.grads: dict[str, Any] = {}
+        self.state: dict[str, Any] = {}  # buffers that are not parameters (BatchNorm's running statistics)
+        self.training = True
         self.wanted: set[str] = set()  # the matrix and vector parameters to create (by :meth:`_start`)
         offset = self.options.get("weight_offset", 0.0)
         for p in spec.params:
-            feature_like = p.kind in ("feature", "table")
+            feature_like = p.kind in ("feature", "table", "channel")
             if not p.required and (not create[p.name] or (feature_like and not affine)):
                 continue
             if p.kind in ("matrix", "vector"):
@@ -183,6 +193,7 @@ class Layer:
         (``return_norm``) of this call."""
         spec = self.spec
         kw = {i.name for i in spec.inputs if i.keyword} | {o.name for o in spec.options if not o.to_backend}
+        kw |= set(self.managed)
         if set(call) - kw:
             raise TypeError(
                 f"{type(self).__name__}.forward() got unexpected keyword argument(s) {sorted(set(call) - kw)}"
@@ -190,7 +201,19 @@ class Layer:
         params = [self.params.get(p.name) for p in spec.params]
         fwd = getattr(F, f"{spec.name}_forward")
         options = {**self.options, **call}
-        return fwd(x, *inputs, *params, axis=self._axis(x), backend=self.backend, out=out, **options)  # type: ignore[no-any-return]
+        if spec.layout == "rows":
+            options["axis"] = self._axis(x)
+        return fwd(x, *inputs, *params, backend=self.backend, out=out, **options)  # type: ignore[no-any-return]
+
+    def train(self, mode: bool = True) -> Layer:
+        """Training mode (``mode=True``) or evaluation mode; returns the layer. Only layers with running
+        statistics behave differently (:class:`BatchNorm`, :class:`InstanceNorm`)."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> Layer:
+        """Evaluation mode: ``train(False)``."""
+        return self.train(False)
 
     def backward(self, dy: Any, ctx: F.Context, *upstream: Any, **upstream_kw: Any) -> Any:
         """Add the parameter gradients into ``grads``; return ``dx``, or ``(dx, d<input>...)`` for an op with
@@ -217,27 +240,30 @@ class Layer:
             self.grads[n] = self.xp.zeros_like(self.grads[n])
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the parameters, by name."""
-        return {n: p.copy() for n, p in self.params.items()}
+        """Copies of the parameters and the buffers (:attr:`state`), by name."""
+        return {n: p.copy() for n, p in {**self.params, **self.state}.items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Replace the parameters; names and shapes must match exactly (values are cast to the layer dtype)."""
-        missing, unexpected = set(self.params) - set(state), set(state) - set(self.params)
+        """Replace the parameters and buffers; names and shapes must match exactly (each value cast to the dtype
+        of what it replaces)."""
+        have = {**self.params, **self.state}
+        missing, unexpected = set(have) - set(state), set(state) - set(have)
         if missing or unexpected:
             raise ArgumentError(
                 f"state dict does not match the layer: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
             )
         new = {}
         for n, v in state.items():
-            if tuple(v.shape) != tuple(self.params[n].shape):
-                raise ShapeError(f"state[{n!r}] has shape {tuple(v.shape)}, expected {tuple(self.params[n].shape)}")
-            new[n] = self.xp.asarray(v).astype(self.dtype, copy=True)
-        self.params.update(new)
+            if tuple(getattr(v, "shape", ())) != tuple(getattr(have[n], "shape", ())):
+                raise ShapeError(f"state[{n!r}] has shape {tuple(v.shape)}, expected {tuple(have[n].shape)}")
+            new[n] = self.xp.asarray(v).astype(have[n].dtype, copy=True)
+        self.params.update({n: v for n, v in new.items() if n in self.params})
+        self.state.update({n: v for n, v in new.items() if n in self.state})
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the parameters to an ``.npz`` file (bfloat16 stored as its raw 16-bit pattern)."""
+        """Write the parameters and buffers to an ``.npz`` file (bfloat16 stored as its raw 16-bit pattern)."""
         arrays: dict[str, Any] = {"__dtype__": np.array(self.dtype.name)}
-        for n, p in self.params.items():
+        for n, p in {**self.params, **self.state}.items():
             a = p.get() if hasattr(p, "get") else np.asarray(p)  # cupy -> numpy
             arrays[n] = a.view(np.uint16) if a.dtype.name == "bfloat16" else a
         np.savez(path, **arrays)
@@ -437,3 +463,77 @@ class LayerNormLinear(_NormLinear):
 class RMSNormLinear(_NormLinear):
     __doc__ = f"RMSNorm, then ``@ W.T + c`` (:func:`pynorm.rms_norm_linear_forward`). {_NormLinear.__doc__}"
     spec = SPECS["rms_norm_linear"]
+
+
+class GroupNorm(Layer):
+    """GroupNorm over ``x`` of ``(N, C, *spatial)`` (:func:`pynorm.group_norm_forward`):
+    ``GroupNorm(num_channels, num_groups=G)``; ``weight`` ``(C,)`` starts at ones, ``bias`` at zeros."""
+
+    spec = SPECS["group_norm"]
+
+
+class _Running(Layer):
+    """A norm with running statistics in :attr:`state` (``running_mean`` zeros, ``running_var`` ones, of the
+    layer's dtype), used in evaluation mode (:meth:`eval`) and updated in training mode; ``forward(x)``."""
+
+    def __init__(self, normalized_shape: Any, *args: Any, track_running_stats: bool = True, **kwargs: Any) -> None:
+        super().__init__(normalized_shape, *args, **kwargs)
+        self.track_running_stats = bool(track_running_stats)
+        if self.track_running_stats:
+            self.state["running_mean"] = self.xp.zeros(self.normalized_shape, dtype=self.dtype)
+            self.state["running_var"] = self.xp.ones(self.normalized_shape, dtype=self.dtype)
+
+    def _call(self, x: Any, out: Any, use_batch: bool, **kw: Any) -> tuple[Any, F.Context]:
+        running = {k: self.state[k] for k in ("running_mean", "running_var")} if self.track_running_stats else {}
+        res, ctx = super().forward(x, out=out, **running, **kw)
+        if self.track_running_stats and use_batch:
+            y, self.state["running_mean"], self.state["running_var"] = res
+            return y, ctx
+        return res, ctx
+
+    def _conventions(self) -> dict[str, Any]:
+        return {"track_running_stats": self.track_running_stats, "training": self.training}
+
+
+class InstanceNorm(_Running):
+    """InstanceNorm over ``x`` of ``(N, C, *spatial)`` (:func:`pynorm.instance_norm_forward`): PyTorch's
+    ``InstanceNorm1d/2d/3d`` defaults, ``elementwise_affine=False`` and ``track_running_stats=False``; with running
+    statistics, training mode updates them and evaluation mode normalizes with them."""
+
+    spec = SPECS["instance_norm"]
+    own: ClassVar[dict[str, Any]] = {"track_running_stats": False, "elementwise_affine": False}
+    managed = ("use_input_stats",)
+
+    def __init__(self, normalized_shape: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("elementwise_affine", False)
+        kwargs.setdefault("track_running_stats", False)
+        super().__init__(normalized_shape, *args, **kwargs)
+
+    def forward(self, x: Any, *, out: Any = None) -> tuple[Any, F.Context]:  # type: ignore[override]
+        """``(y, ctx)``; see the class doc for the running statistics."""
+        use_batch = self.training or not self.track_running_stats
+        return self._call(x, out, use_batch, use_input_stats=use_batch)
+
+
+class BatchNorm(_Running):
+    """BatchNorm over ``x`` of ``(N, C, *spatial)`` (:func:`pynorm.batch_norm_forward`), PyTorch's
+    ``BatchNorm1d/2d/3d``: training mode (the default; :meth:`train`) normalizes with the batch's statistics and
+    updates the running ones in :attr:`state` (``num_batches_tracked`` counts the batches, for ``momentum=None``);
+    evaluation mode (:meth:`eval`) normalizes with the running ones. ``track_running_stats=False``: always the
+    batch's."""
+
+    spec = SPECS["batch_norm"]
+    own: ClassVar[dict[str, Any]] = {"track_running_stats": True}
+    managed = ("training", "num_batches_tracked")
+
+    def __init__(self, normalized_shape: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(normalized_shape, *args, training=True, **kwargs)
+        self.num_batches_tracked = 0
+
+    def forward(self, x: Any, *, out: Any = None) -> tuple[Any, F.Context]:  # type: ignore[override]
+        """``(y, ctx)``; in training mode the running statistics are updated."""
+        use_batch = self.training or not self.track_running_stats
+        y, ctx = self._call(x, out, use_batch, training=use_batch, num_batches_tracked=self.num_batches_tracked)
+        if self.track_running_stats and use_batch:
+            self.num_batches_tracked += 1
+        return y, ctx

@@ -8,6 +8,8 @@ kernel family and variant from them. Adding an op: ``docs/adding_an_op.md``.
 from __future__ import annotations
 
 from ._spec import (
+    REQUIRED,
+    ColumnVariant,
     Composite,
     ElementwiseVariant,
     Input,
@@ -23,8 +25,10 @@ from ._spec import (
     one_of,
 )
 from .add_norm import ADD_LAYER_NORM, ADD_RMS_NORM
+from .batch_norm import SPEC as BATCH_NORM
 from .conditional_norm import CONDITIONAL_LAYER_NORM, CONDITIONAL_RMS_NORM
 from .dyt import SPEC as DYT
+from .group_norm import GROUP_NORM, INSTANCE_NORM
 from .layer_norm import SPEC as LAYER_NORM
 from .modality_norm import MODALITY_LAYER_NORM, MODALITY_RMS_NORM
 from .norm_linear import LAYER_NORM_LINEAR, RMS_NORM_LINEAR
@@ -36,19 +40,24 @@ from .scale_norm import SPEC as SCALE_NORM
 __all__ = [
     "ADD_LAYER_NORM",
     "ADD_RMS_NORM",
+    "BATCH_NORM",
     "CONDITIONAL_LAYER_NORM",
     "CONDITIONAL_RMS_NORM",
     "DYT",
+    "GROUP_NORM",
+    "INSTANCE_NORM",
     "LAYER_NORM",
     "LAYER_NORM_LINEAR",
     "MODALITY_LAYER_NORM",
     "MODALITY_RMS_NORM",
     "POWER_NORM",
     "QUANT_LAYER_NORM",
+    "REQUIRED",
     "RMS_NORM",
     "RMS_NORM_LINEAR",
     "SCALE_NORM",
     "SPECS",
+    "ColumnVariant",
     "Composite",
     "ElementwiseVariant",
     "Input",
@@ -83,6 +92,9 @@ SPECS: dict[str, OpSpec] = {
         QUANT_LAYER_NORM,
         LAYER_NORM_LINEAR,
         RMS_NORM_LINEAR,
+        GROUP_NORM,
+        INSTANCE_NORM,
+        BATCH_NORM,
     )
 }
 

@@ -20,6 +20,8 @@ from typing import Any, Literal
 from ..errors import ArgumentError
 
 __all__ = [
+    "REQUIRED",
+    "ColumnVariant",
     "Composite",
     "ElementwiseVariant",
     "Input",
@@ -47,9 +49,11 @@ __all__ = [
 #:   ``(M, H)`` array and return an ``(M, H)`` gradient;
 #: * ``"matrix"``: a 2-D weight of a matrix product (a torch ``Linear``'s ``(out, in)``), ``"vector"``: the
 #:   1-D bias of one; their exact shapes are the op's rule (``OpSpec.check_arrays``, ``OpSpec.example_shapes``);
-#:   backends see them as given and return gradients of their shapes.
-ParamKind = Literal["feature", "scalar", "table", "matrix", "vector"]
-PARAM_KINDS: tuple[str, ...] = ("feature", "scalar", "table", "matrix", "vector")
+#:   backends see them as given and return gradients of their shapes;
+#: * ``"channel"``: one value per channel, shape ``(C,)``, of an op of the ``"channels"`` layout (GroupNorm's
+#:   weight); backends see it as given and return a ``(C,)`` gradient.
+ParamKind = Literal["feature", "scalar", "table", "matrix", "vector", "channel"]
+PARAM_KINDS: tuple[str, ...] = ("feature", "scalar", "table", "matrix", "vector", "channel")
 
 #: kinds of extra array input (after ``x``): ``"like_x"``, a float array of ``x``'s shape (a residual
 #: stream), differentiable; ``"row_index"``, an integer array of ``x.shape[:axis]`` (one index per row);
@@ -61,8 +65,10 @@ PARAM_KINDS: tuple[str, ...] = ("feature", "scalar", "table", "matrix", "vector"
 #: ``"row_scale"``, a positive finite float scale per row: a scalar (0-d or ``(1,)``) or an array of
 #: ``x.shape[:axis]``, not differentiable; backends see it as a ``(rows,)`` float64 array (or None when it is
 #: optional and absent).
-InputKind = Literal["like_x", "row_index", "cond", "row_scale"]
-INPUT_KINDS: tuple[str, ...] = ("like_x", "row_index", "cond", "row_scale")
+#: ``"running"``: a running statistic of a ``"channels"``-layout op (BatchNorm's ``running_mean``): a finite float
+#: array of shape ``(C,)``, not differentiable, never written (the op returns its update).
+InputKind = Literal["like_x", "row_index", "cond", "row_scale", "running"]
+INPUT_KINDS: tuple[str, ...] = ("like_x", "row_index", "cond", "row_scale", "running")
 
 
 @dataclass(frozen=True)
@@ -110,13 +116,18 @@ class Param:
             raise ValueError(f"parameter {self.name!r}: a table names its index input, other kinds none")
 
 
+#: the default of an option a caller must give (``num_groups``, ``training``): the signatures show no default
+REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
+
+
 @dataclass(frozen=True)
 class Option:
     """A keyword option: its default and a validator returning the normalized value (or raising).
 
     ``to_backend``: False for an option of the public functions only, which shapes what they return
-    (``return_norm``) and never reaches a backend. ``annotation``: its type in the signatures (default: the
-    default's type).
+    (``return_norm``) or how the dispatcher reads ``x`` (``channel_axis``) and never reaches a backend.
+    ``annotation``: its type in the signatures (default: the default's type). A ``default`` of
+    :data:`REQUIRED`: the caller must give it.
     """
 
     name: str
@@ -141,8 +152,16 @@ class StatsVariant:
 
     statistic: Literal["centered", "mean_square", "l2"]
     prologue: Literal["plain", "residual"] = "plain"
-    affine: Literal["vector", "scalar", "table"] = "vector"
+    affine: Literal["vector", "scalar", "table", "channel"] = "vector"
     epilogue: Literal["plain", "prenorm", "quantize"] = "plain"
+
+
+@dataclass(frozen=True)
+class ColumnVariant:
+    """A variant of the column-statistics family: statistics per channel over the ``N x S`` values of
+    ``(N, C, S)`` input (BatchNorm), then an element-wise pass; ``statistic`` as :class:`StatsVariant`'s."""
+
+    statistic: Literal["centered"]
 
 
 @dataclass(frozen=True)
@@ -213,6 +232,10 @@ class OpSpec:
     x_dtypes : the dtypes ``x`` may have (default the four float dtypes; ``"int8"`` too for an op with
         a quantized input).
     dy_dtype : ``x_dtype -> dtype`` of ``dy`` and ``dx`` (default: ``x``'s dtype).
+    layout : how the dispatcher reads ``x``: ``"rows"`` (the normalized dims ``x.shape[axis:]``, the backends see
+        ``(rows, H)``) or ``"channels"`` (``x`` of ``(N, C, *spatial)``, the channel axis an option
+        ``channel_axis``; the backends see a C-contiguous ``(N, C, S)`` array, parameters of kind ``"channel"``
+        and inputs of kind ``"running"`` as ``(C,)`` arrays).
     result : ``(outputs, ctx, options) -> result`` of the public ``<name>_forward`` (the backend's outputs, the
         dispatcher's :class:`~pynorm._dispatch.Context`, the validated options): by default the first output
         alone, or the tuple of every output; an op whose public result differs declares it here
@@ -228,8 +251,8 @@ class OpSpec:
     grads: type
     ctx: type
     reference: str
-    family: Literal["stats", "elementwise", "quantize", "composite"]
-    variant: StatsVariant | ElementwiseVariant | QuantizeVariant | Composite
+    family: Literal["stats", "elementwise", "quantize", "composite", "column"]
+    variant: StatsVariant | ElementwiseVariant | QuantizeVariant | Composite | ColumnVariant
     term_scales: Callable[..., dict[str, Any]]
     check: Callable[[Mapping[str, Any], int], None] | None = None
     cases: tuple[dict[str, Any], ...] = field(default=({},))
@@ -242,6 +265,7 @@ class OpSpec:
     example_shapes: Callable[[tuple[int, ...], Mapping[str, Any]], dict[str, tuple[int, ...]]] | None = None
     x_dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
     dy_dtype: Callable[[Any], Any] | None = None
+    layout: Literal["rows", "channels"] = "rows"
     result: Callable[[Any, Any, Mapping[str, Any]], Any] | None = None
     result_doc: str = ""
     result_type: str = ""
@@ -370,6 +394,9 @@ class OpSpec:
         unknown = options.keys() - known.keys() if options else ()
         if unknown:
             raise TypeError(f"{self.name}() got unexpected keyword argument(s) {sorted(unknown)}")
+        missing = [n for n, o in known.items() if o.default is REQUIRED and n not in (options or {})]
+        if missing:
+            raise TypeError(f"{self.name}() missing required keyword argument(s) {missing}")
         out = {n: o.check(options.get(n, o.default), n) for n, o in known.items()}
         if self.check is not None and hidden is not None:
             self.check(out, hidden)

@@ -23,4 +23,7 @@ OPS = {
     "quant_layer_norm": "quant_norm",
     "layer_norm_linear": "norm_linear",
     "rms_norm_linear": "norm_linear",
+    "group_norm": "group_norm",
+    "instance_norm": "group_norm",
+    "batch_norm": "batch_norm",
 }

@@ -99,19 +99,25 @@ def selftest(
         # which arguments after x a gradient check perturbs (not integer ids)
         diff = [i.differentiable for i in spec.inputs] + [True] * len(spec.params)
         multi = len(spec.outputs) > 1
+        # the "channels" ops read x as (N, C, *spatial), with their first test case's options (num_groups...)
+        channels = spec.layout == "channels"
+        opts = dict(spec.cases[0]) if channels else {}
+        shape = (max(rows // 8, 2), 8, max(hidden // 8, 2)) if channels else (rows, hidden)
+        small_shape = (3, 4, 5) if channels else (3, 7)
+        ax = 1 if channels else -1
         for info in pynorm.list_backends():
             if not info.available or op not in info.ops or (backends is not None and info.name not in backends):
                 continue
             to_dev, to_host = _converters(info.name)
             for dt in chosen:
-                x = (rng.standard_normal((rows, hidden)) + 3).astype(dt)
-                args = spec.example_args(x.shape, -1, dt, rng)
-                yshape = spec.output_shape(x.shape, -1, dict(zip((*spec.input_names, *spec.param_names), args)))
+                x = (rng.standard_normal(shape) + 3).astype(dt)
+                args = spec.example_args(x.shape, ax, dt, rng)
+                yshape = spec.output_shape(x.shape, ax, dict(zip((*spec.input_names, *spec.param_names), args)))
                 dy = rng.standard_normal(yshape).astype(dt)
-                y_ref, c_ref = fwd(x, *args, backend="numpy")
+                y_ref, c_ref = fwd(x, *args, backend="numpy", **opts)
                 g_ref = bwd(dy, c_ref)
                 t0 = time.perf_counter()
-                y, c = fwd(to_dev(x), *map(to_dev, args), backend=info.name)
+                y, c = fwd(to_dev(x), *map(to_dev, args), backend=info.name, **opts)
                 g = bwd(to_dev(dy), c)
                 ms = (time.perf_counter() - t0) * 1e3
                 if multi and isinstance(y, tuple):  # (y, h, ...): y is compared, the others are checked by the tests
@@ -121,17 +127,18 @@ def selftest(
                 ep = max((_rel(to_host(a), b) for a, b in pairs), default=0.0)
                 grad = ""
                 if np.dtype(dt) == np.float64:
-                    xs = rng.standard_normal((3, 7))
-                    small = spec.example_args(xs.shape, -1, np.float64, rng)
+                    xs = rng.standard_normal(small_shape)
+                    small = spec.example_args(xs.shape, ax, np.float64, rng)
                     fixed = {i: a for i, (a, d) in enumerate(zip(small, diff, strict=True)) if not d}
 
                     def f(
                         x_: Any, *free: Any, _fwd: Any = fwd, _n: str = info.name, _d: Any = to_dev,
                         _h: Any = to_host, _fixed: dict = fixed, _k: int = len(small), _multi: bool = multi,
+                        _o: dict = opts,
                     ) -> Any:  # fmt: skip
                         it = iter(free)
                         full = [_fixed[i] if i in _fixed else next(it) for i in range(_k)]
-                        yy, cc = _fwd(_d(x_), *map(_d, full), backend=_n)
+                        yy, cc = _fwd(_d(x_), *map(_d, full), backend=_n, **_o)
                         return _h(yy[0] if _multi and isinstance(yy, tuple) else yy), cc
 
                     def b(dyy: Any, cc: Any, _bwd: Any = bwd, _d: Any = to_dev, _h: Any = to_host) -> Any:

@@ -4,8 +4,10 @@ from typing import Any
 
 from ._dispatch import Context as Context
 from .ops.add_norm import AddLayerNormGrads as AddLayerNormGrads, AddRMSNormGrads as AddRMSNormGrads
+from .ops.batch_norm import BatchNormGrads as BatchNormGrads
 from .ops.conditional_norm import ConditionalLayerNormGrads as ConditionalLayerNormGrads, ConditionalRMSNormGrads as ConditionalRMSNormGrads
 from .ops.dyt import DyTGrads as DyTGrads
+from .ops.group_norm import GroupNormGrads as GroupNormGrads, InstanceNormGrads as InstanceNormGrads
 from .ops.layer_norm import LayerNormGrads as LayerNormGrads
 from .ops.modality_norm import ModalityLayerNormGrads as ModalityLayerNormGrads, ModalityRMSNormGrads as ModalityRMSNormGrads
 from .ops.norm_linear import LayerNormLinearGrads as LayerNormLinearGrads, RMSNormLinearGrads as RMSNormLinearGrads
@@ -20,9 +22,12 @@ __all__ = [
     "Context",
     "AddLayerNormGrads",
     "AddRMSNormGrads",
+    "BatchNormGrads",
     "ConditionalLayerNormGrads",
     "ConditionalRMSNormGrads",
     "DyTGrads",
+    "GroupNormGrads",
+    "InstanceNormGrads",
     "LayerNormGrads",
     "LayerNormLinearGrads",
     "ModalityLayerNormGrads",
@@ -74,6 +79,15 @@ __all__ = [
     "rms_norm_linear",
     "rms_norm_linear_forward",
     "rms_norm_linear_backward",
+    "group_norm",
+    "group_norm_forward",
+    "group_norm_backward",
+    "instance_norm",
+    "instance_norm_forward",
+    "instance_norm_backward",
+    "batch_norm",
+    "batch_norm_forward",
+    "batch_norm_backward",
 ]
 
 def layer_norm(x: Array, weight: Array | None = None, bias: Array | None = None, *, eps: float = 1e-05, correction: int = 0, eps_mode: str = 'var', weight_offset: float = 0.0, casting: str = 'fp32', axis: int = -1, backend: str | None = None, out: Array | None = None) -> Array: ...
@@ -131,3 +145,15 @@ def layer_norm_linear_backward(dy: Array, ctx: Context, dn: Array | None = None,
 def rms_norm_linear(x: Array, weight: Array, W: Array, c: Array | None = None, *, return_norm: bool = False, eps: float = 1e-06, weight_offset: float = 0.0, axis: int = -1, backend: str | None = None, out: Array | None = None) -> Any: ...
 def rms_norm_linear_forward(x: Array, weight: Array, W: Array, c: Array | None = None, *, return_norm: bool = False, eps: float = 1e-06, weight_offset: float = 0.0, axis: int = -1, backend: str | None = None, out: Array | None = None) -> tuple[Any, Context]: ...
 def rms_norm_linear_backward(dy: Array, ctx: Context, dn: Array | None = None, *, dx_out: Array | None = None) -> RMSNormLinearGrads: ...
+
+def group_norm(x: Array, weight: Array | None = None, bias: Array | None = None, *, num_groups: int, eps: float = 1e-05, channel_axis: int = 1, backend: str | None = None, out: Array | None = None) -> Array: ...
+def group_norm_forward(x: Array, weight: Array | None = None, bias: Array | None = None, *, num_groups: int, eps: float = 1e-05, channel_axis: int = 1, backend: str | None = None, out: Array | None = None) -> tuple[Array, Context]: ...
+def group_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> GroupNormGrads: ...
+
+def instance_norm(x: Array, weight: Array | None = None, bias: Array | None = None, *, running_mean: Any = None, running_var: Any = None, use_input_stats: bool = True, momentum: float = 0.1, eps: float = 1e-05, channel_axis: int = 1, backend: str | None = None, out: Array | None = None) -> Any: ...
+def instance_norm_forward(x: Array, weight: Array | None = None, bias: Array | None = None, *, running_mean: Any = None, running_var: Any = None, use_input_stats: bool = True, momentum: float = 0.1, eps: float = 1e-05, channel_axis: int = 1, backend: str | None = None, out: Array | None = None) -> tuple[Any, Context]: ...
+def instance_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> InstanceNormGrads: ...
+
+def batch_norm(x: Array, weight: Array | None = None, bias: Array | None = None, *, running_mean: Any = None, running_var: Any = None, training: bool, momentum: float | None = 0.1, num_batches_tracked: int = 0, eps: float = 1e-05, channel_axis: int = 1, backend: str | None = None, out: Array | None = None) -> Any: ...
+def batch_norm_forward(x: Array, weight: Array | None = None, bias: Array | None = None, *, running_mean: Any = None, running_var: Any = None, training: bool, momentum: float | None = 0.1, num_batches_tracked: int = 0, eps: float = 1e-05, channel_axis: int = 1, backend: str | None = None, out: Array | None = None) -> tuple[Any, Context]: ...
+def batch_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> BatchNormGrads: ...

@@ -93,7 +93,11 @@ class OpSpec:
 
 
 #: the one op table of the tests: every op pynorm has, from its spec
-OPS = {name: OpSpec(s) for name, s in ops.SPECS.items()}
+#: (the ops of the ``"rows"`` layout: the ``"channels"`` ones -- GroupNorm, InstanceNorm, BatchNorm -- read ``x`` as
+#: ``(N, C, *spatial)`` and have their generic suite in ``tests/test_channel_norms.py``)
+OPS = {name: OpSpec(s) for name, s in ops.SPECS.items() if s.layout == "rows"}
+#: the ops of the ``"channels"`` layout
+CHANNEL_OPS = {name: OpSpec(s) for name, s in ops.SPECS.items() if s.layout == "channels"}
 
 #: modalities of the table parameters the tests make
 N_MODALITIES = 3

@@ -25,9 +25,12 @@ def test_every_op_has_its_three_functions_with_the_specs_signature(op: str) -> N
         assert names[: 1 + len(positional)] == ["x", *positional]
         for o in spec.options:
             p = sig.parameters[o.name]
-            assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == o.default, (op, o.name)
-        for n in ("axis", "backend", "out", *(i.name for i in spec.inputs if i.keyword)):
+            default = inspect.Parameter.empty if o.default is ops.REQUIRED else o.default
+            assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default == default, (op, o.name)
+        common = ("axis", "backend", "out") if spec.layout == "rows" else ("backend", "out")
+        for n in (*common, *(i.name for i in spec.inputs if i.keyword)):
             assert sig.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY
+        assert ("axis" in sig.parameters) == (spec.layout == "rows")
         required = [p.name for p in spec.params if p.required] + [i.name for i in spec.inputs if i.required]
         for n in required:
             assert sig.parameters[n].default is inspect.Parameter.empty, (op, n)
@@ -41,7 +44,8 @@ def test_every_op_has_its_three_functions_with_the_specs_signature(op: str) -> N
 def test_docstrings_name_every_argument(op: str) -> None:
     spec = ops.SPECS[op]
     doc = getattr(pynorm, f"{op}_forward").__doc__
-    for n in ("x", *spec.input_names, *spec.param_names, *(o.name for o in spec.options), "axis", "backend", "out"):
+    common = ("axis", "backend", "out") if spec.layout == "rows" else ("backend", "out")
+    for n in ("x", *spec.input_names, *spec.param_names, *(o.name for o in spec.options), *common):
         assert f"\n{n} : " in doc, (op, n)
     assert "Returns\n-------" in doc
     bdoc = getattr(pynorm, f"{op}_backward").__doc__

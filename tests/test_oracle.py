@@ -108,7 +108,7 @@ def _pynorm_as_user(op):
 SMALL = [Cell(dt, (7,), (4,), kind, None) for dt in ("float16", "float32") for kind in ("normal", "offset")]
 
 
-@pytest.mark.parametrize("op", sorted(pynorm.list_ops()))
+@pytest.mark.parametrize("op", sorted(o for o in pynorm.list_ops() if SPECS[o].layout == "rows"))
 def test_every_op_can_be_checked(op):
     spec = SPECS[op]
     eps = spec.defaults().get("eps")
@@ -245,7 +245,7 @@ def test_budget_changes_the_verdict():
 
 def test_unknown_op_and_bad_convention():
     with pytest.raises(UnknownOpError):
-        check("batch_norm", T.layer_norm)
+        check("no_such_norm", T.layer_norm)
     with pytest.raises(ArgumentError, match="eps_mode"):
         check("layer_norm", T.layer_norm, conventions={"eps_mode": "sqrt"})
 
@@ -300,7 +300,7 @@ def test_cli_exit_codes(tmp_path, capsys):
         ["check", "no_such_module_xyz:f", "--op", "layer_norm"],
         ["check", "tests.oracle_targets:no_such_function", "--op", "layer_norm"],
         ["check", "tests.oracle_targets", "--op", "layer_norm"],
-        ["check", "tests.oracle_targets:layer_norm", "--op", "batch_norm"],
+        ["check", "tests.oracle_targets:layer_norm", "--op", "no_such_norm"],
         ["check", "tests.oracle_targets:layer_norm", "--op", "layer_norm", "--budget", "y=lots"],
         ["check", "tests.oracle_targets:layer_norm", "--op", "layer_norm", "--convention", "eps=-1"],
         ["check", "tests.oracle_targets:layer_norm", "--op", "layer_norm", "--convention", "colour=red"],
@@ -311,7 +311,7 @@ def test_cli_exit_codes(tmp_path, capsys):
     ):
         assert main(argv) == 2, argv
     err = capsys.readouterr().err
-    assert "cannot import 'no_such_module_xyz'" in err and "no op named 'batch_norm'" in err
+    assert "cannot import 'no_such_module_xyz'" in err and "no op named 'no_such_norm'" in err
     assert "--reference: layer_norm has no option 'colour'" in err and "--reference expects key=value" in err
 
 
@@ -330,7 +330,7 @@ def test_cli_vectors(tmp_path, fmt, capsys):
     assert main(["vectors", "--out", str(tmp_path), "--format", fmt, "--ops", "rms_norm", "dyt"]) == 0
     assert (tmp_path / f"rms_norm.{fmt}").exists() and (tmp_path / "vectors.schema.json").exists()
     assert main(["vectors", "--verify", str(tmp_path)]) == 0
-    assert main(["vectors", "--out", str(tmp_path), "--ops", "batch_norm"]) == 2
+    assert main(["vectors", "--out", str(tmp_path), "--ops", "no_such_norm"]) == 2
 
 
 # --- golden vectors ---------------------------------------------------------------------------------
@@ -364,12 +364,12 @@ def _validate(doc):
 
 def test_vectors_round_trip_every_op(tmp_path):
     files = write_vectors(tmp_path, fmt="json", large_hidden=0)
-    assert len(files) == len(SPECS)
+    assert len(files) == sum(1 for s in SPECS.values() if s.layout == "rows")
     for f in files:
         with open(f) as fh:
             _validate(json.load(fh))
     docs = read_vectors(tmp_path)
-    assert [d["op"] for d in docs] == list(SPECS)
+    assert [d["op"] for d in docs] == [n for n, s in SPECS.items() if s.layout == "rows"]
     assert verify_vectors(docs, exact=True) == []
     ln = docs[0]
     rec = ln["vectors"][0]

@@ -308,8 +308,8 @@ class OpSpec:
                 out.append(rng.standard_normal(x_shape).astype(dtype))
             elif i.kind == "cond":
                 out.append(rng.standard_normal((*x_shape[:ax], *shapes[i.name])).astype(dtype))
-            elif i.kind == "row_scale":
-                out.append(None)  # only an int8 x has one; the example x is float
+            elif i.kind in ("row_scale", "running"):
+                out.append(None)  # optional: only an int8 x has a scale; running statistics are for their tests
             else:
                 n = int(np.prod(x_shape[:ax]))
                 out.append(rng.permutation(np.arange(n) % modalities).reshape(x_shape[:ax]).astype(np.int64))
@@ -328,7 +328,8 @@ class OpSpec:
             if p.kind in ("matrix", "vector"):
                 pshape = shapes[p.name]
             else:
-                pshape = {"feature": shape, "scalar": (1,), "table": (modalities, *shape)}[p.kind]
+                kinds = {"feature": shape, "scalar": (1,), "table": (modalities, *shape), "channel": tuple(shape[:1])}
+                pshape = kinds[p.kind]
             out.append((p.init + 0.5 * rng.standard_normal(pshape)).astype(dtype))
         return out
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError, PynormError
+from ..errors import ArgumentError, PynormError, UnknownOpError
 from ..ops import OpSpec, get
 from ..testing import ulp
 from ._dtypes import DTYPE_NAMES, dtype_name, dtype_of, have_bfloat16
@@ -144,6 +144,11 @@ def check(
         ``dtypes`` or ``budget``.
     """
     spec = get(op)
+    if spec.layout != "rows":
+        raise UnknownOpError(
+            f"the conformance grid does not cover {op} yet (an op of the channels layout, x of (N, C, *spatial)): "
+            f"compare your implementation with pynorm.{op}_forward/_backward directly"
+        )
     user_conv = validate_options(spec, conventions, "conventions")
     ref_only = validate_options(spec, reference, "reference")
     validate_options(spec, {**user_conv, **ref_only}, "reference")

@@ -216,7 +216,7 @@ def write_vectors(
         raise ArgumentError(f"large_hidden must be an integer >= 0 (0: no large-H vectors), got {large_hidden!r}")
     from .. import __version__
 
-    names = list(SPECS) if not ops else list(ops)
+    names = [n for n, s in SPECS.items() if s.layout == "rows"] if not ops else list(ops)
     specs = [get(n) for n in names]
     os.makedirs(out_dir, exist_ok=True)
     written: list[str] = []

@@ -137,9 +137,11 @@ def test_every_layer_takes_what_its_signature_says() -> None:
         cls = getattr(L, name)
         params = inspect.signature(cls).parameters
         args = [4] + [sizes[n] for n in cls.sizes]
-        kw = {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+        kw = {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+        kw |= {n: 2 for n, p in params.items() if p.kind is p.KEYWORD_ONLY and p.default is p.empty}  # num_groups
         layer = cls(*args, **kw)
-        x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+        shape = (3, 4) if layer.spec.layout == "rows" else (3, 4, 5)
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
         spec = layer.spec
         extra = spec.example_inputs(x.shape, -1, np.float32, np.random.default_rng(1), 3, {"shift": True})
         extra = [a for a, i in zip(extra, spec.inputs, strict=True) if not i.keyword]

@@ -3,7 +3,8 @@
 ``python bench/chart.py`` reads ``bench/published/`` (``bench_results.json``, ``op_table.json``,
 ``small_calls.json``: the files ``python -m pynorm bench --all --out DIR`` writes; copy them there to refresh
 it), writes the benchmark's charts to ``docs/figures/`` (``bench.png``, ``bench_ops.png``, ``bench_small.png``)
-and prints the Markdown that ``docs/benchmarks.md`` shows: the machine, its load, and the three tables.
+and prints the Markdown that ``docs/benchmarks.md`` shows: the machine, its load, the three tables and the
+PyTorch baselines.
 ``--dir`` and ``--figures`` choose other directories; ``--table-only`` skips the charts (no matplotlib needed).
 ``tests/test_docs.py`` checks that the page holds this script's output, so the page cannot drift from the
 committed results.
@@ -49,6 +50,11 @@ def small_table(report_: dict[str, Any]) -> str:
     return report.markdown_small(report_)
 
 
+def torch_table(report_: dict[str, Any]) -> str:
+    """The PyTorch baselines of the run (``op_table.json``)."""
+    return report.markdown_torch(report_)
+
+
 def machine_line(report_: dict[str, Any]) -> str:
     """The machine and library versions of a result file."""
     return report.machine_line(report_["meta"])
@@ -70,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, make in (("shapes", markdown_table), ("ops", ops_table), ("small", small_table)):
         print(f"Load: {load_line(runs[key])}\n")
         print(make(runs[key]) + "\n")
+    print(torch_table(runs["ops"]) + "\n")
     if not args.table_only:
         args.figures.mkdir(parents=True, exist_ok=True)
         ok = (

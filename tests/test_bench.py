@@ -230,3 +230,13 @@ def test_report_tables_read_the_results() -> None:
     assert md.splitlines()[-1] == "| `dyt` | 2.0 | 50% | 4.0 | 60% | - | 2.0 / 3.0 | composition |"
     meta = {"loadavg_start": [1.0, 2.0, 3.0], "loadavg_end": [0.5, 0.25, 0.125], "threads": 2}
     assert report.load_line(meta).startswith("load average (1, 5, 15 min) 1.00, 2.00, 3.00 at the start, 0.50")
+
+
+@needs_numba
+def test_a_baseline_that_dies_is_dropped_not_fatal() -> None:
+    with runner.Workers(1, ["numpy"]) as w:
+        w.procs["numpy"].p.kill()
+        w.procs["numpy"].p.wait()
+        res = runner.interleave(w, (4, 8), ["rms_norm"], runner.LIB_PHASES, repeat=2, base_repeat=2, budget_s=10.0)
+        assert list(w.procs) == ["pynorm"] and "died" in w.unavailable["numpy"]
+    assert list(res["times"]) == ["pynorm"] and len(res["times"]["pynorm"]["rms_norm:fwd"]) == 2

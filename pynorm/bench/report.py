@@ -27,6 +27,7 @@ __all__ = [
     "markdown_ops",
     "markdown_shapes",
     "markdown_small",
+    "markdown_torch",
     "meta",
     "ops_text",
     "shapes_text",
@@ -265,6 +266,15 @@ def markdown_ops(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown_torch(report: dict[str, Any]) -> str:
+    """The PyTorch baselines of a run (``torch_baselines`` of ``op_table.json``): each op's PyTorch code."""
+    lines = ["| op | PyTorch (autograd, CPU) | kind |", "|---|---|---|"]
+    for op, b in report.get("torch_baselines", {}).items():
+        kind = "function" if b["native"] else "composition"
+        lines.append(f"| `{op}` | `{b['expr']}` | {kind}{': ' + b['why'] if b['why'] else ''} |")
+    return "\n".join(lines)
+
+
 def chart_ops(rows: list[dict[str, Any]], path: Path) -> bool:
     """Two panels: each op's forward and forward + backward as % of copy; its speed-ups over the baselines (log
     scale). False (nothing written) without matplotlib."""
@@ -337,15 +347,18 @@ def small_text(res: dict[str, Any]) -> str:
 def markdown_small(report: dict[str, Any]) -> str:
     """The docs table of ``--small`` (``small_calls.json``)."""
     head = (
-        "| op | numba fwd / bwd µs | reference fwd / bwd µs | PyTorch fwd / bwd µs "
+        "| op | numba fwd / bwd µs | numba fwd / numpy.copyto | reference fwd / bwd µs | PyTorch fwd / bwd µs "
         "| x reference (fwd+bwd) | x PyTorch (fwd+bwd) |"
     )
-    lines = [head, "|" + "---|" * 6]
+    lines = [head, "|" + "---|" * 7]
     for r in report["rows"]:
         cells = []
+        fwd = _us(r, "pynorm", "fwd")
         for lib in ("pynorm", "numpy", "torch"):
             f, b = _us(r, lib, "fwd"), _us(r, lib, "bwd")
             cells.append("-" if f is None else f"{f:.1f} / {_r(b)}")
+            if lib == "pynorm":
+                cells.append("-" if fwd is None else f"{fwd / report['copyto_us']:.0f}x")
         for lib in ("numpy", "torch"):
             cells.append(_r(r["ratio"].get(lib, {}).get("fwd+bwd"), "{:.2f}"))
         lines.append(f"| `{r['op']}` | " + " | ".join(cells) + " |")

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -160,7 +160,9 @@ class Workers:
                 self.procs[lib] = proc
                 proc.send({"cmd": "hello"})
             for lib, proc in list(self.procs.items()):
-                reply = proc.recv()
+                reply = self.guard(lib, proc.recv)
+                if reply is None:
+                    continue
                 if "unavailable" in reply:
                     if lib == "pynorm":
                         raise WorkerError(f"the numba backend does not import: {reply['unavailable']}")
@@ -172,6 +174,21 @@ class Workers:
         except BaseException:
             self.close()
             raise
+
+    def guard(self, lib: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` (a command to worker ``lib``); a baseline worker that fails is closed and dropped from
+        the run (its reason in :attr:`unavailable`; None returned), pynorm's failure is raised."""
+        try:
+            return fn(*args)
+        except WorkerError as e:
+            if lib == "pynorm":
+                raise
+            log(f"dropping the {lib} baseline for the rest of the run: {e}")
+            self.unavailable[lib] = f"failed during the run: {str(e)[-500:]}"
+            proc = self.procs.pop(lib, None)
+            if proc is not None:
+                proc.close()
+            return None
 
     def close(self) -> None:
         for proc in self.procs.values():
@@ -218,7 +235,7 @@ def interleave(
     repeat : rounds; pynorm's calls and the copies are timed in every round.
     base_repeat : rounds in which each baseline is timed (spread over the ``repeat``), fewer where the
         baseline's warm-up calls take longer than ``budget_s`` in all.
-    budget_s : the seconds one baseline may take per case, about.
+    budget_s : the seconds one baseline's samples may take in all, about (its warm-up call times the rounds).
     copies : same-size copies timed in the pynorm worker: ``"copy"`` (the backend's thread pool), ``"copyto"``
         (``numpy.copyto``, one thread).
     buffers : pynorm's forward and backward get output buffers (``fwd_alloc``: the allocating forward).
@@ -236,35 +253,41 @@ def interleave(
     cmd_base = {"cmd": "prepare", "shape": list(shape), "ops": ops, "seed": seed, "buffers": buffers}
     cmd_base["sample_s"] = sample_s
     replies: dict[str, dict[str, Any]] = {}
-    for lib, proc in workers.procs.items():  # the workers compile and warm up at once (nothing is timed yet)
-        proc.send({**cmd_base, "phases": list(phases.get(lib, ())), "copies": list(copies) if lib == "pynorm" else []})
-    for lib, proc in workers.procs.items():
-        replies[lib] = proc.recv()
+    for lib, proc in list(workers.procs.items()):  # the workers compile and warm up at once (nothing is timed)
+        copies_here = list(copies) if lib == "pynorm" else []
+        workers.guard(lib, proc.send, {**cmd_base, "phases": list(phases.get(lib, ())), "copies": copies_here})
+    for lib, proc in list(workers.procs.items()):
+        reply = workers.guard(lib, proc.recv)
+        if reply is not None:
+            replies[lib] = reply
+    if replies["pynorm"]["errors"]:
+        raise WorkerError(f"the numba backend failed: {replies['pynorm']['errors']}")
     keys = {lib: list(r["warm_s"]) for lib, r in replies.items()}
     when: dict[str, set[int]] = {"pynorm": set(range(repeat))}
-    for lib in workers.procs:
+    for lib in replies:
         if lib != "pynorm":
             warm = sum(replies[lib]["warm_s"].values()) if sample_s <= 0 else 0.0
             n = base_repeat if warm * base_repeat <= budget_s else max(2, int(budget_s / max(warm, 1e-9)))
             when[lib] = _rounds(repeat, min(n, base_repeat))
-    times: dict[str, dict[str, list[float]]] = {lib: {k: [] for k in keys[lib]} for lib in workers.procs}
+    times: dict[str, dict[str, list[float]]] = {lib: {k: [] for k in keys[lib]} for lib in replies}
     for r in range(repeat):
-        for lib, proc in workers.procs.items():
-            if r not in when[lib] or not keys[lib]:
+        for lib, proc in list(workers.procs.items()):
+            if lib not in replies or r not in when[lib] or not keys[lib]:
                 continue
-            for k, t in proc.ask({"cmd": "time", "keys": keys[lib]}).items():
+            sample = workers.guard(lib, proc.ask, {"cmd": "time", "keys": keys[lib]})
+            for k, t in (sample or {}).items():
                 times[lib][k].append(t)
             if len(workers.procs) > 1:
                 time.sleep(SETTLE_S)
-    for proc in workers.procs.values():
-        proc.send({"cmd": "release"})
-    for proc in workers.procs.values():
-        proc.recv()
+    for lib, proc in list(workers.procs.items()):
+        workers.guard(lib, proc.send, {"cmd": "release"})
+    for lib, proc in list(workers.procs.items()):
+        workers.guard(lib, proc.recv)
     return {
         "times": times,
         "bytes": replies["pynorm"]["bytes"],
         "errors": {lib: r["errors"] for lib, r in replies.items() if r["errors"]},
-        "rounds": {lib: len(when[lib]) for lib in workers.procs},
+        "rounds": {lib: len(when[lib]) for lib in replies},
         "calls_per_sample": {lib: r["calls_per_sample"] for lib, r in replies.items()},
     }
 
@@ -280,8 +303,8 @@ def _baseline(times: dict[str, list[float]], op: str, lib: str) -> dict[str, Any
         return None
     if med["fwd+bwd"] is None and med["bwd"] is not None:
         med["fwd+bwd"] = med["fwd"] + med["bwd"]
-    if med["bwd"] is None and med["fwd+bwd"] is not None:
-        med["bwd"] = max(med["fwd+bwd"] - med["fwd"], 0.0)
+    if med["bwd"] is None and med["fwd+bwd"] is not None and med["fwd+bwd"] > med["fwd"]:
+        med["bwd"] = med["fwd+bwd"] - med["fwd"]  # (none where noise made the forward's median the larger)
     return {**med, "repeats": len(times[f"{op}:fwd"])}
 
 
@@ -297,7 +320,8 @@ def shapes_table(
     workers: Workers, shapes: list[tuple[int, int]], ops: list[str], repeat: int, base_repeat: int, budget_s: float
 ) -> list[dict[str, Any]]:
     """pynorm's forward, backward, forward + backward and allocating forward of ``ops`` on each shape, all timed
-    in every round with the same-size copies; the baselines in their processes in ``base_repeat`` of the rounds.
+    in every round with the same-size copies; the baselines in their processes in ``base_repeat`` of the rounds
+    (fewer where that would take more than ``budget_s`` per op).
 
     Returns
     -------
@@ -314,7 +338,9 @@ def shapes_table(
         log(f"[{k}/{len(shapes)}] {shape[0]}x{shape[1]}: {', '.join(ops)}; {repeat} rounds, in "
             f"{len(workers.procs)} processes ({', '.join(workers.procs)})")  # fmt: skip
         load = _load()
-        res = interleave(workers, shape, ops, phases, repeat, base_repeat, budget_s, copies=("copy", "copyto"))
+        res = interleave(
+            workers, shape, ops, phases, repeat, base_repeat, budget_s * len(ops), copies=("copy", "copyto")
+        )
         t = res["times"]["pynorm"]
         n2 = 2 * shape[0] * shape[1] * 4
         copy_t = statistics.median(t["copy"])
@@ -434,9 +460,9 @@ def small_calls(
         row: dict[str, Any] = {"op": op}
         for lib in workers.procs:
             if (b := _baseline(res["times"][lib], op, lib)) is not None:
-                row[lib] = {ph: 1e6 * b[ph] for ph in ("fwd", "bwd", "fwd+bwd")}
+                row[lib] = {ph: None if b[ph] is None else 1e6 * b[ph] for ph in ("fwd", "bwd", "fwd+bwd")}
         row["ratio"] = {
-            lib: {ph: row[lib][ph] / row["pynorm"][ph] for ph in ("fwd", "bwd", "fwd+bwd")}
+            lib: {ph: row[lib][ph] / row["pynorm"][ph] for ph in ("fwd", "bwd", "fwd+bwd") if row[lib][ph] is not None}
             for lib in workers.procs
             if lib != "pynorm" and lib in row
         }

@@ -71,27 +71,28 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pynorm bench", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", default="bench-results", help="output directory (default: ./bench-results)")
     p.add_argument("--quick", action="store_true", help="1/8 of the rows, fewer repeats, no cold start")
-    p.add_argument("--repeat", type=_positive, default=None,
+    p.add_argument("--repeat", type=_positive, default=None, metavar="N",
                    help="rounds per measurement (default 21; --quick 7; --ops 11)")  # fmt: skip
-    p.add_argument("--threads", type=_positive, default=2, help="threads for numba (and torch), default 2")
+    p.add_argument("--threads", type=_positive, default=2, metavar="N", help="threads for numba (and torch), default 2")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the NumPy baseline (the reference backend)")  # fmt: skip
     p.add_argument("--no-cold", action="store_true", help="skip the cold-cache first-call measurement")
-    p.add_argument("--only", default="", help="comma-separated ops (default: layer_norm,rms_norm for the default "
-                   "run; every op of the numba backend for --ops, --small and --compile)")  # fmt: skip
+    p.add_argument("--only", default="", metavar="OPS",
+                   help="comma-separated ops (default: layer_norm,rms_norm for the default run; every op of the numba "
+                   "backend for --ops, --small and --compile)")  # fmt: skip
     p.add_argument(
         "--ops",
         action="store_true",
         help="the op table: forward and forward+backward of every op the numba backend serves on a float32 "
         "input (--ops-shape), as a fraction of the same-size copy timed in the same rounds",
     )
-    p.add_argument("--ops-shape", type=_shape, default=(4096, 4096),
+    p.add_argument("--ops-shape", type=_shape, default=(4096, 4096), metavar="RxH",
                    help="with --ops: the input's ROWSxHIDDEN (default 4096x4096)")  # fmt: skip
     p.add_argument("--small", action="store_true",
                    help="the small-call table: microseconds per call of every op on numba, the reference and "
                    "PyTorch (the fixed costs)")  # fmt: skip
-    p.add_argument("--small-shape", type=_shape, default=(4, 8),
+    p.add_argument("--small-shape", type=_shape, default=(4, 8), metavar="RxH",
                    help="with --small: the input's ROWSxHIDDEN (default 4x8)")  # fmt: skip
     p.add_argument("--all", action="store_true", help="the default run, --ops and --small in one run")
     p.add_argument(
@@ -100,12 +101,12 @@ def _parser() -> argparse.ArgumentParser:
         help="only the compile times: the first forward+backward of every op and dtype in a fresh process, "
         "with an empty numba cache and then with the cache it filled (no throughput benchmark)",
     )
-    p.add_argument("--compile-ops", default="",
+    p.add_argument("--compile-ops", default="", metavar="OPS",
                    help="with --compile: comma-separated ops (default: --only, or every op of the numba "
                    "backend)")  # fmt: skip
     from .runner import COMPILE_DTYPES
 
-    p.add_argument("--compile-dtypes", default=",".join(COMPILE_DTYPES),
+    p.add_argument("--compile-dtypes", default=",".join(COMPILE_DTYPES), metavar="DTYPES",
                    help=f"with --compile: comma-separated dtypes (default: {','.join(COMPILE_DTYPES)})")  # fmt: skip
     return p
 

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -228,8 +229,25 @@ def test_report_tables_read_the_results() -> None:
     assert "dyt" in text and "2.0*" in text and "3.0*" in text and " 50%" in text
     md = report.markdown_ops({"rows": [row], "torch_baselines": {"dyt": {"native": False}}})
     assert md.splitlines()[-1] == "| `dyt` | 2.0 | 50% | 4.0 | 60% | - | 2.0 / 3.0 | composition |"
-    meta = {"loadavg_start": [1.0, 2.0, 3.0], "loadavg_end": [0.5, 0.25, 0.125], "threads": 2}
-    assert report.load_line(meta).startswith("load average (1, 5, 15 min) 1.00, 2.00, 3.00 at the start, 0.50")
+    meta = {"loadavg_start": [1.0, 2.0, 3.0], "loadavg_end": [0.5, 0.25, 0.125], "threads": 2, "cpu_count": 2,
+            "cpu_others": {"others_cores": 0.25, "steal_cores": 0.0, "seconds": 61.0}}  # fmt: skip
+    line = report.load_line(meta)
+    assert line.startswith("other processes kept 0.25 of the 2 cores busy on average (steal 0.00) over the 61 s")
+    assert "load average (1, 5, 15 min) 1.00, 2.00, 3.00 at the start, 0.50" in line
+
+
+def test_cpu_meter_subtracts_the_benchmarks_own_time() -> None:
+    """A busy loop in this process is the benchmark's own time, not the others' (Linux; elsewhere None)."""
+    meter = runner.CpuMeter()
+    meter.start()
+    t = time.process_time()
+    while time.process_time() - t < 0.3:
+        pass
+    got = meter.read()
+    if got is None:
+        pytest.skip("no /proc/stat here")
+    assert got["seconds"] >= 0.3 and got["ours_cores"] * got["seconds"] >= 0.28
+    assert 0 <= got["others_cores"] <= (os.cpu_count() or 1)
 
 
 @needs_numba

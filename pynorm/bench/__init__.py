@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = modes or ["shapes"]
     baselines = [b for b, skip in (("numpy", args.no_reference), ("torch", args.no_torch)) if not skip]
     runner.log(f"pynorm {pynorm.__version__} benchmark ({', '.join(modes)}): {args.threads} threads, out={out_dir}")
+    load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     with runner.Workers(args.threads, baselines) as workers:
         for lib, why in workers.unavailable.items():
             print(f"no {report.LIB_NAMES[lib]} baseline: it does not import here ({why})")
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         wrote: list[Path] = []
         for mode in modes:
             meta = report.meta(args.threads, workers.versions, workers.unavailable)
+            meta["loadavg_before_run"] = load_before
+            meta["_meter"] = runner.CpuMeter(workers)
+            meta["_meter"].start()
             if mode == "shapes":
                 wrote += _shapes_mode(args, workers, meta, only, out_dir, torch_note)
             elif mode == "ops":
@@ -193,10 +198,11 @@ def _torch_baselines() -> dict[str, Any]:
 
 
 def _finish(meta: dict[str, Any]) -> None:
-    import os
-
+    """The load at the end of a table, and the cores the machine's other processes kept busy during it."""
     if hasattr(os, "getloadavg"):
         meta["loadavg_end"] = list(os.getloadavg())
+    meter = meta.pop("_meter", None)
+    meta["cpu_others"] = meter.read() if meter is not None else None
 
 
 def _shapes_mode(

@@ -89,15 +89,23 @@ def machine_line(m: dict[str, Any]) -> str:
 
 
 def load_line(m: dict[str, Any]) -> str:
-    """The 1-, 5- and 15-minute load averages before and after the run."""
-    if not m.get("loadavg_start"):
-        return "load average: not available on this system"
-    s = m["loadavg_start"]
-    e = m.get("loadavg_end") or s
-    return (
-        f"load average (1, 5, 15 min) {s[0]:.2f}, {s[1]:.2f}, {s[2]:.2f} at the start, {e[0]:.2f}, {e[1]:.2f}, "
-        f"{e[2]:.2f} at the end (the benchmark itself keeps up to {m['threads']} cores busy)"
-    )
+    """The machine's load while a table was measured: the cores the other processes kept busy (and the
+    hypervisor's steal), and the load averages at its start and end (which count the benchmark's own threads)."""
+    parts = []
+    c = m.get("cpu_others")
+    if c:
+        parts.append(
+            f"other processes kept {c['others_cores']:.2f} of the {m['cpu_count']} cores busy on average "
+            f"(steal {c['steal_cores']:.2f}) over the {c['seconds']:.0f} s of this table"
+        )
+    if m.get("loadavg_start"):
+        s = m["loadavg_start"]
+        e = m.get("loadavg_end") or s
+        parts.append(
+            f"load average (1, 5, 15 min) {s[0]:.2f}, {s[1]:.2f}, {s[2]:.2f} at the start, {e[0]:.2f}, {e[1]:.2f}, "
+            f"{e[2]:.2f} at the end (it counts the benchmark's own threads, up to {m['threads']} cores)"
+        )
+    return "; ".join(parts) if parts else "load: not measurable on this system"
 
 
 def _r(v: float | None, fmt: str = "{:.1f}") -> str:

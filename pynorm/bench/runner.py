@@ -27,6 +27,7 @@ from typing import IO, Any
 __all__ = [
     "SETTLE_S",
     "SHAPES",
+    "CpuMeter",
     "Workers",
     "compile_times",
     "first_calls",
@@ -239,7 +240,8 @@ def interleave(
     copies : same-size copies timed in the pynorm worker: ``"copy"`` (the backend's thread pool), ``"copyto"``
         (``numpy.copyto``, one thread).
     buffers : pynorm's forward and backward get output buffers (``fwd_alloc``: the allocating forward).
-    sample_s : > 0: a sample is as many calls as fill about ``sample_s`` seconds, timed per call (small calls).
+    sample_s : > 0: a sample is the median of as many calls as fill about ``sample_s`` seconds, each timed
+        alone (small calls).
     seed : the seed of every worker's arrays.
 
     Returns
@@ -310,6 +312,60 @@ def _baseline(times: dict[str, list[float]], op: str, lib: str) -> dict[str, Any
 
 def _load() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+class CpuMeter:
+    """How busy the machine's other processes kept its cores while a table was measured (Linux).
+
+    The load average counts the benchmark's own threads; this takes the CPU time of every process from
+    ``/proc/stat`` and subtracts the benchmark's (this process, its finished children, the running workers):
+    :meth:`read` gives the cores the others kept busy on average since :meth:`start`, and the cores the
+    hypervisor took (steal).
+    """
+
+    def __init__(self, workers: Workers | None = None) -> None:
+        self.workers = workers
+        self._t0: dict[str, float] | None = None
+
+    def _sample(self) -> dict[str, float] | None:
+        try:
+            import resource
+
+            hz = os.sysconf("SC_CLK_TCK")
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+            ours = 0
+            for proc in self.workers.procs.values() if self.workers else ():
+                with open(f"/proc/{proc.p.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ours += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, ValueError, IndexError, ImportError):
+            return None
+        ru = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        return {
+            "t": time.perf_counter(),
+            "busy": (v[0] + v[1] + v[2] + v[5] + v[6]) / hz,  # user, nice, system, irq, softirq
+            "steal": v[7] / hz,
+            "ours": ours / hz + sum(r.ru_utime + r.ru_stime for r in ru),
+        }
+
+    def start(self) -> None:
+        self._t0 = self._sample()
+
+    def read(self) -> dict[str, float] | None:
+        """``{"ours_cores", "others_cores", "steal_cores", "seconds"}`` since :meth:`start` (None where not
+        measurable)."""
+        t1 = self._sample()
+        if self._t0 is None or t1 is None or t1["t"] <= self._t0["t"]:
+            return None
+        dt = t1["t"] - self._t0["t"]
+        others = (t1["busy"] - self._t0["busy"]) - (t1["ours"] - self._t0["ours"])
+        return {
+            "ours_cores": (t1["ours"] - self._t0["ours"]) / dt,
+            "others_cores": max(others, 0.0) / dt,
+            "steal_cores": (t1["steal"] - self._t0["steal"]) / dt,
+            "seconds": dt,
+        }
 
 
 # ---------------------------------------------------------------------------
@@ -442,8 +498,8 @@ def small_calls(
     ``shape`` (default 4x8) on the numba backend, the reference backend and PyTorch, each in its process, and
     ``numpy.copyto`` of ``x`` (the cost of the smallest NumPy call, in the pynorm process) in the same rounds.
 
-    A sample is as many calls as fill about ``sample_s`` seconds; the figure is the median over ``repeat``
-    rounds of the time per call.
+    A sample is as many calls as fill about ``sample_s`` seconds, each timed alone, and their median (a call
+    the scheduler interrupted does not move it); the figure is the median of the ``repeat`` rounds' samples.
 
     Returns
     -------

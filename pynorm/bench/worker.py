@@ -12,7 +12,8 @@ worker per library and sends it one JSON command per line on stdin; the worker a
   ``sample_s`` > 0 (small calls), count how many calls of each phase fill ``sample_s``; answers ``{"warm_s",
   "calls_per_sample", "bytes", "errors"}`` (an op the library cannot run is in ``errors``, not timed);
 * ``{"cmd": "time", "keys"}``: one sample of each key (``"op:phase"``, or ``"copy"``/``"copyto"``), seconds
-  per call: ``{key: seconds}`` (a call shorter than :data:`LEAD_S` is called once untimed first);
+  per call: ``{key: seconds}`` (a call shorter than :data:`LEAD_S` is called once untimed first; a small call's
+  sample is the median of the calls that fill ``sample_s``, each timed alone);
 * ``{"cmd": "release"}``: drop the cases.
 
 A command that fails answers ``{"error": traceback}``; the process ends at the end of its stdin.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -155,20 +157,26 @@ class Worker:
         return {"warm_s": warm, "calls_per_sample": self.per_sample, "bytes": nbytes, "errors": errors}
 
     def time(self, keys: list[str]) -> dict[str, float]:
+        """One sample per key: the time of one call, or, for keys calibrated to several calls per sample (small
+        calls), the median of that many calls each timed alone (a call the scheduler interrupts on a shared
+        machine is an outlier, not a share of an average)."""
         out = {}
+        clock = time.perf_counter
         for key in keys:
             fn, n = self.calls[key], self.per_sample[key]
             if key in self.lead:
                 fn()
             if n == 1:
-                t = time.perf_counter()
+                t = clock()
                 fn()
-                out[key] = time.perf_counter() - t
+                out[key] = clock() - t
                 continue
-            t = time.perf_counter()
+            ts = []
             for _ in range(n):
+                t = clock()
                 fn()
-            out[key] = (time.perf_counter() - t) / n
+                ts.append(clock() - t)
+            out[key] = statistics.median(ts)
         return out
 
     def release(self) -> dict[str, Any]:

@@ -347,7 +347,7 @@ def small_text(res: dict[str, Any]) -> str:
     lines.append(
         f"(microseconds per call, {res['shape'][0]}x{res['shape'][1]} float32, allocating calls; numpy.copyto of x: "
         f"{res['copyto_us']:.2f} us in the same rounds; x ref / x torch: that library's time over numba's; "
-        f"PyTorch's bwd is its fwd+bwd minus its fwd)"
+        f"PyTorch on {res.get('torch_threads', 1)} thread, its bwd is its fwd+bwd minus its fwd)"
     )
     return "\n".join(lines)
 

@@ -224,6 +224,7 @@ def interleave(
     buffers: bool = True,
     sample_s: float = 0.0,
     seed: int = 0,
+    torch_threads: int | None = None,
 ) -> dict[str, Any]:
     """Time ``ops`` on ``shape`` in every worker, interleaved round by round.
 
@@ -243,6 +244,7 @@ def interleave(
     sample_s : > 0: a sample is the median of as many calls as fill about ``sample_s`` seconds, each timed
         alone (small calls).
     seed : the seed of every worker's arrays.
+    torch_threads : PyTorch's threads for this case (default: the run's).
 
     Returns
     -------
@@ -253,7 +255,7 @@ def interleave(
         ``calls_per_sample``.
     """
     cmd_base = {"cmd": "prepare", "shape": list(shape), "ops": ops, "seed": seed, "buffers": buffers}
-    cmd_base["sample_s"] = sample_s
+    cmd_base.update(sample_s=sample_s, torch_threads=torch_threads)
     replies: dict[str, dict[str, Any]] = {}
     for lib, proc in list(workers.procs.items()):  # the workers compile and warm up at once (nothing is timed)
         copies_here = list(copies) if lib == "pynorm" else []
@@ -498,6 +500,10 @@ def small_calls(
     ``shape`` (default 4x8) on the numba backend, the reference backend and PyTorch, each in its process, and
     ``numpy.copyto`` of ``x`` (the cost of the smallest NumPy call, in the pynorm process) in the same rounds.
 
+    PyTorch runs on one thread here, as the numba backend runs calls this small (below its serial threshold):
+    on more, its LayerNorm kernel forks its threads even for 4 rows, and on a shared machine waits for a busy
+    core (milliseconds a call), which measures the machine's load rather than a fixed cost.
+
     A sample is as many calls as fill about ``sample_s`` seconds, each timed alone, and their median (a call
     the scheduler interrupted does not move it); the figure is the median of the ``repeat`` rounds' samples.
 
@@ -510,7 +516,7 @@ def small_calls(
     log(f"small calls {shape[0]}x{shape[1]}: {len(ops)} ops, {repeat} rounds in {', '.join(workers.procs)}")
     load = _load()
     res = interleave(workers, shape, ops, SMALL_PHASES, repeat, repeat, float("inf"), copies=("copyto",),
-                     buffers=False, sample_s=sample_s)  # fmt: skip
+                     buffers=False, sample_s=sample_s, torch_threads=1)  # fmt: skip
     rows = []
     for op in ops:
         row: dict[str, Any] = {"op": op}
@@ -525,6 +531,7 @@ def small_calls(
         rows.append(row)
     return {
         "shape": list(shape),
+        "torch_threads": 1,
         "copyto_us": 1e6 * statistics.median(res["times"]["pynorm"]["copyto"]),
         "rows": rows,
         "errors": res["errors"],

@@ -7,8 +7,9 @@ worker per library and sends it one JSON command per line on stdin; the worker a
 
 * ``{"cmd": "hello"}``: ``{"lib", "versions"}``, or ``{"unavailable": reason}`` when the library does not
   import;
-* ``{"cmd": "prepare", "shape", "ops", "seed", "phases", "buffers", "sample_s"}``: build the cases
-  (:func:`pynorm.bench.cases.make_case`) and their calls, run each twice (compiling on the first), and, when
+* ``{"cmd": "prepare", "shape", "ops", "seed", "phases", "buffers", "sample_s", "torch_threads"}``: build the cases
+  (:func:`pynorm.bench.cases.make_case`) and their calls (PyTorch on ``torch_threads``, default ``THREADS``), run
+  each twice (compiling on the first), and, when
   ``sample_s`` > 0 (small calls), count how many calls of each phase fill ``sample_s``; answers ``{"warm_s",
   "calls_per_sample", "bytes", "errors"}`` (an op the library cannot run is in ``errors``, not timed);
 * ``{"cmd": "time", "keys"}``: one sample of each key (``"op:phase"``, or ``"copy"``/``"copyto"``), seconds
@@ -113,6 +114,10 @@ class Worker:
         from .cases import op_bytes
 
         self.release()
+        if self.lib == "torch":
+            import torch
+
+            torch.set_num_threads(int(cmd.get("torch_threads") or self.threads))
         shape = (int(cmd["shape"][0]), int(cmd["shape"][1]))
         self.big = shape[0] * shape[1] >= 1 << 22  # 16 MiB of float32 per array: collect at release
         phases: list[str] = cmd["phases"]

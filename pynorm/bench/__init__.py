@@ -205,6 +205,21 @@ def _finish(meta: dict[str, Any]) -> None:
     meta["cpu_others"] = meter.read() if meter is not None else None
 
 
+def _emit(out_dir: Path, name: str, data: dict[str, Any], text: list[str], chart: Any, chart_data: Any) -> list[Path]:
+    """Write ``name.json`` (``data``, its meta finished now), print ``text`` and the load line, draw
+    ``chart(chart_data, name.png)``; the paths written."""
+    from . import report
+
+    _finish(data["meta"])
+    wrote = [_write(out_dir, f"{name}.json", data)]
+    print("\n".join(text))
+    print(report.load_line(data["meta"]))
+    png = out_dir / f"{name}.png"
+    if chart(chart_data, png):
+        wrote.append(png)
+    return wrote
+
+
 def _shapes_mode(
     args: argparse.Namespace, workers: Any, meta: dict[str, Any], only: list[str] | None, out_dir: Path,
     extra: dict[str, Any],
@@ -218,27 +233,23 @@ def _shapes_mode(
     cold = not (args.no_cold or args.quick)
     runner.log("first calls in fresh processes" + (" (warm and cold cache)" if cold else " (warm cache)"))
     first = runner.first_calls(ops, cold=cold)
-    _finish(meta)
-    data = {"meta": meta, "byte_model": report.BYTE_MODEL, "targets": report.TARGETS, **extra, "results": results,
-            "first_call": first}  # fmt: skip
-    wrote = [_write(out_dir, "bench_results.json", data)]
-    print(report.shapes_text(results))
+    text = [report.shapes_text(results)]
     w = first.get("warm", {})
     if w and "error" not in w:
-        print(f"\nfresh process, warm cache: import pynorm {w['import_pynorm_s']:.3f} s; first call (fwd+bwd) "
-              + ", ".join(f"{op} {w[op]['first_call_s']:.3f} s" for op in ops))  # fmt: skip
+        calls = ", ".join(f"{op} {w[op]['first_call_s']:.3f} s" for op in ops)
+        text.append(
+            f"\nfresh process, warm cache: import pynorm {w['import_pynorm_s']:.3f} s; first call (fwd+bwd) {calls}"
+        )
     c = first.get("cold")
     if c and "error" not in c:
         times = ", ".join(f"{op} {c[op]['first_call_s']:.1f} s" for op in ops)
-        print(f"fresh process, empty cache (compiles): {times}")
+        text.append(f"fresh process, empty cache (compiles): {times}")
     for kind in ("warm", "cold"):
         if first.get(kind, {}).get("error"):
             print(f"first-call measurement ({kind}) failed:\n{first[kind]['error']}", file=sys.stderr)
-    print(report.load_line(meta))
-    png = out_dir / "bench_results.png"
-    if report.chart_shapes(results, png):
-        wrote.append(png)
-    return wrote
+    data = {"meta": meta, "byte_model": report.BYTE_MODEL, "targets": report.TARGETS, **extra, "results": results,
+            "first_call": first}  # fmt: skip
+    return _emit(out_dir, "bench_results", data, text, report.chart_shapes, results)
 
 
 def _ops_mode(
@@ -249,20 +260,13 @@ def _ops_mode(
 
     shape = args.ops_shape
     rows = runner.op_table(workers, shape, ops, args.repeat or 11, 3 if args.quick else 5, 1.5 if args.quick else 4.0)
-    _finish(meta)
-    wrote = [_write(out_dir, "op_table.json", {"meta": meta, "byte_model": report.BYTE_MODEL, **extra, "rows": rows})]
     native = {op: b["native"] for op, b in extra["torch_baselines"].items()}
-    print(f"\n{shape[0]}x{shape[1]} float32, {args.threads} threads; fraction of the same-size copy on the backend's "
-          f"threads, timed in the same rounds")  # fmt: skip
-    print(report.ops_text(rows, native or None))
-    for r in rows:
-        for lib, why in r["errors"].items():
-            print(f"  {r['op']}: no {report.LIB_NAMES[lib]} figure ({why.splitlines()[-1]})")
-    print(report.load_line(meta))
-    png = out_dir / "op_table.png"
-    if report.chart_ops(rows, png):
-        wrote.append(png)
-    return wrote
+    text = [f"\n{shape[0]}x{shape[1]} float32, {args.threads} threads; fraction of the same-size copy on the "
+            f"backend's threads, timed in the same rounds", report.ops_text(rows, native or None)]  # fmt: skip
+    text += [f"  {r['op']}: no {report.LIB_NAMES[lib]} figure ({why.splitlines()[-1]})" for r in rows
+             for lib, why in r["errors"].items()]  # fmt: skip
+    data = {"meta": meta, "byte_model": report.BYTE_MODEL, **extra, "rows": rows}
+    return _emit(out_dir, "op_table", data, text, report.chart_ops, rows)
 
 
 def _small_mode(
@@ -272,12 +276,6 @@ def _small_mode(
     from . import report, runner
 
     res = runner.small_calls(workers, args.small_shape, ops, args.repeat or (7 if args.quick else 21))
-    _finish(meta)
-    wrote = [_write(out_dir, "small_calls.json", {"meta": meta, **extra, **res})]
-    print(f"\nsmall calls, {args.small_shape[0]}x{args.small_shape[1]} float32, {args.threads} threads")
-    print(report.small_text(res))
-    print(report.load_line(meta))
-    png = out_dir / "small_calls.png"
-    if report.chart_small(res, png):
-        wrote.append(png)
-    return wrote
+    head = f"\nsmall calls, {args.small_shape[0]}x{args.small_shape[1]} float32, {args.threads} threads for numba"
+    return _emit(out_dir, "small_calls", {"meta": meta, **extra, **res}, [head, report.small_text(res)],
+                 report.chart_small, res)  # fmt: skip

@@ -122,8 +122,9 @@ def _ratio(r: dict[str, Any], lib: str, op: str, phase: str) -> float | None:
 
 def shapes_text(results: list[dict[str, Any]]) -> str:
     """The terminal table of :func:`pynorm.bench.runner.shapes_table`."""
+    w = max([10, *(len(op) for r in results for op in r["numba"])])
     head = (
-        f"{'shape':>11s} {'op':10s} {'copy GB/s':>9s} {'copyto':>6s} | {'fwd GB/s':>8s} {'%copy':>5s}"
+        f"{'shape':>11s} {'op':{w}s} {'copy GB/s':>9s} {'copyto':>6s} | {'fwd GB/s':>8s} {'%copy':>5s}"
         f" | {'bwd GB/s':>8s} {'%copy':>5s} | {'f+b GB/s':>8s} {'%copy':>5s} | {'alloc/out':>9s}"
         f" | {'x numpy':>7s} {'x torch':>7s} (fwd+bwd; fwd: {'numpy':>5s} {'torch':>5s})"
     )
@@ -132,7 +133,7 @@ def shapes_text(results: list[dict[str, Any]]) -> str:
         shape = f"{r['shape'][0]}x{r['shape'][1]}"
         for op, nb in r["numba"].items():
             lines.append(
-                f"{shape:>11s} {op:10s} {r['limits']['copy_gbs']:9.1f} {r['limits']['numpy_copyto_gbs']:6.1f} | "
+                f"{shape:>11s} {op:{w}s} {r['limits']['copy_gbs']:9.1f} {r['limits']['numpy_copyto_gbs']:6.1f} | "
                 f"{nb['fwd']['gbs']:8.1f} {100 * nb['fwd']['frac_copy']:4.0f}% | "
                 f"{nb['bwd']['gbs']:8.1f} {100 * nb['bwd']['frac_copy']:4.0f}% | "
                 f"{nb['fwd+bwd']['gbs']:8.1f} {100 * nb['fwd+bwd']['frac_copy']:4.0f}% | "

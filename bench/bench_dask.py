@@ -13,7 +13,7 @@ In one run, for float32 LayerNorm (weight and bias) over ``hidden`` features:
 * **dask, generation only**: the same graph without the op (``x[:, 0].sum()``), the floor set by generating
   the data.
 
-GB/s uses the byte model of ``pynorm.benchmark``: forward moves ``2N`` elements (read x, write y), forward +
+GB/s uses the byte model of ``pynorm.bench``: forward moves ``2N`` elements (read x, write y), forward +
 backward ``5N`` (+ read dy, x again, write dx), ``N = rows * hidden``, 4 bytes each, divided by the wall time of
 the whole ``compute`` (generation, scheduling and the Dask path's recomputed forward in the backward included).
 Each time is the median of ``--repeat`` runs after a warm-up on a small array. The machine is not assumed idle:

@@ -1,10 +1,13 @@
-"""The benchmark page's chart and table, from a committed ``python -m pynorm bench`` result.
+"""The benchmark page's tables and charts, from one committed ``python -m pynorm bench --all`` run.
 
-``python bench/chart.py`` reads ``bench/published/cpu_quick.json`` (written by
-``python -m pynorm bench --quick --out DIR``; copy DIR/bench_results.json there to refresh it),
-writes ``docs/figures/bench.png`` (the benchmark's own two-panel chart) and prints the Markdown table
-that ``docs/benchmarks.md`` shows. ``--json``, ``--png`` choose other files; ``--table-only`` skips the
-chart (no matplotlib needed). ``tests/test_docs.py`` checks that the page's table is this script's output.
+``python bench/chart.py`` reads ``bench/published/`` (``bench_results.json``, ``op_table.json``,
+``small_calls.json``: the files ``python -m pynorm bench --all --out DIR`` writes; copy them there to refresh
+it), writes the benchmark's charts to ``docs/figures/`` (``bench.png``, ``bench_ops.png``, ``bench_small.png``)
+and prints the Markdown that ``docs/benchmarks.md`` shows: the machine, its load, the three tables and the
+PyTorch baselines.
+``--dir`` and ``--figures`` choose other directories; ``--table-only`` skips the charts (no matplotlib needed).
+``tests/test_docs.py`` checks that the page holds this script's output, so the page cannot drift from the
+committed results.
 """
 
 from __future__ import annotations
@@ -16,56 +19,75 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_JSON = ROOT / "bench" / "published" / "cpu_quick.json"
-DEFAULT_PNG = ROOT / "docs" / "figures" / "bench.png"
-OPS = ("layer_norm", "rms_norm")
+sys.path.insert(0, str(ROOT))
+
+from pynorm.bench import report  # noqa: E402
+
+DEFAULT_DIR = ROOT / "bench" / "published"
+DEFAULT_FIGURES = ROOT / "docs" / "figures"
+#: the run's files, and the chart each one's section shows
+FILES = {"shapes": "bench_results.json", "ops": "op_table.json", "small": "small_calls.json"}
+CHARTS = {"shapes": "bench.png", "ops": "bench_ops.png", "small": "bench_small.png"}
 
 
-def markdown_table(report: dict[str, Any]) -> str:
-    """One row per shape and op: numba GB/s and % of copy per phase, and the fwd+bwd speed-ups."""
-    head = (
-        "| shape | op | copy GB/s | fwd GB/s (% copy) | bwd GB/s (% copy) | fwd+bwd GB/s (% copy) "
-        "| x naive NumPy | x reference | x PyTorch |"
-    )
-    lines = [head, "|" + "---|" * 9]
-    for r in report["results"]:
-        shape = f"{r['shape'][0]}x{r['shape'][1]}"
-        for op in OPS:
-            nb = r["numba"][op]
-            cells = [f"{nb[ph]['gbs']:.1f} ({100 * nb[ph]['frac_copy']:.0f}%)" for ph in ("fwd", "bwd", "fwd+bwd")]
-            ratios = []
-            for kind in ("naive_numpy", "reference", "torch"):
-                rat = r["ratios"].get(kind)
-                ratios.append(f"{rat[op]['fwd+bwd']:.1f}" if rat and "fwd+bwd" in rat[op] else "-")
-            lines.append(f"| {shape} | `{op}` | {r['limits']['copy_gbs']:.1f} | " + " | ".join(cells + ratios) + " |")
-    return "\n".join(lines)
+def load(directory: Path = DEFAULT_DIR) -> dict[str, dict[str, Any]]:
+    """The committed results by section (``shapes``, ``ops``, ``small``)."""
+    return {k: json.loads((directory / f).read_text()) for k, f in FILES.items()}
 
 
-def machine_line(report: dict[str, Any]) -> str:
-    m = report["meta"]
-    return (
-        f"{m['cpu']}, {m['cpu_count']} cores, {m['threads']} threads; Python {m['python']}, NumPy {m['numpy']}, "
-        f"Numba {m['numba']}, PyTorch {m.get('torch') or 'not installed'}; {m['date']}"
-    )
+def markdown_table(report_: dict[str, Any]) -> str:
+    """The default run's table (``bench_results.json``)."""
+    return report.markdown_shapes(report_)
+
+
+def ops_table(report_: dict[str, Any]) -> str:
+    """The ``--ops`` table (``op_table.json``)."""
+    return report.markdown_ops(report_)
+
+
+def small_table(report_: dict[str, Any]) -> str:
+    """The ``--small`` table (``small_calls.json``)."""
+    return report.markdown_small(report_)
+
+
+def torch_table(report_: dict[str, Any]) -> str:
+    """The PyTorch baselines of the run (``op_table.json``)."""
+    return report.markdown_torch(report_)
+
+
+def machine_line(report_: dict[str, Any]) -> str:
+    """The machine and library versions of a result file."""
+    return report.machine_line(report_["meta"])
+
+
+def load_line(report_: dict[str, Any]) -> str:
+    """The load averages at the start and end of a result file's part of the run."""
+    return report.load_line(report_["meta"])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    parser.add_argument("--png", type=Path, default=DEFAULT_PNG)
-    parser.add_argument("--table-only", action="store_true", help="print the table; write no chart")
+    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="the result files (default bench/published)")
+    parser.add_argument("--figures", type=Path, default=DEFAULT_FIGURES, help="where the charts go")
+    parser.add_argument("--table-only", action="store_true", help="print the tables; write no chart")
     args = parser.parse_args(argv)
-    report = json.loads(args.json.read_text())
-    print(f"Machine: {machine_line(report)}\n")
-    print(markdown_table(report))
+    runs = load(args.dir)
+    print(f"Machine: {machine_line(runs['shapes'])}\n")
+    for key, make in (("shapes", markdown_table), ("ops", ops_table), ("small", small_table)):
+        print(f"Load: {load_line(runs[key])}\n")
+        print(make(runs[key]) + "\n")
+    print(torch_table(runs["ops"]) + "\n")
     if not args.table_only:
-        from pynorm.benchmark import _chart
-
-        args.png.parent.mkdir(parents=True, exist_ok=True)
-        if not _chart(report["results"], args.png):
+        args.figures.mkdir(parents=True, exist_ok=True)
+        ok = (
+            report.chart_shapes(runs["shapes"]["results"], args.figures / CHARTS["shapes"])
+            and report.chart_ops(runs["ops"]["rows"], args.figures / CHARTS["ops"])
+            and report.chart_small(runs["small"], args.figures / CHARTS["small"])
+        )
+        if not ok:
             print("matplotlib is not installed: no chart", file=sys.stderr)
             return 1
-        print(f"\nwrote {args.png}")
+        print("wrote " + ", ".join(str(args.figures / c) for c in CHARTS.values()))
     return 0
 
 

@@ -10,7 +10,7 @@ Subcommands:
   the largest reference value of that tensor), and a float64 gradient check of
   the backend's backward against finite differences;
 * ``backends`` -- the registry: every backend, its availability and its ops;
-* ``bench`` -- the CPU benchmark (:mod:`pynorm.benchmark`; ``bench --help``);
+* ``bench`` -- the CPU benchmark (:mod:`pynorm.bench`; ``bench --help``);
 * ``check MODULE:FUNCTION --op OP`` -- check your implementation of an op against the reference over the
   conformance grid, with diagnoses (:mod:`pynorm.oracle`; ``check --help``, ``docs/oracle.md``);
 * ``vectors --out DIR`` -- write golden vectors (``vectors --help``).
@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli.check_main(argv[1:]) if argv[0] == "check" else cli.vectors_main(argv[1:])
     if argv and argv[0] == "bench":
-        from . import benchmark
+        from . import bench
 
-        return int(benchmark.main(argv[1:]) or 0)
+        return int(bench.main(argv[1:]) or 0)
     if not argv or argv[0] == "demo" or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         from . import demo
 

@@ -111,6 +111,12 @@ def test_bench_ops_covers_every_op(tmp_path: Path) -> None:
     assert sorted(r["op"] for r in rows) == sorted(pynorm._registry.backend_ops("numba"))
     assert all(r["fwd_s"] > 0 and r["fwd+bwd_s"] > 0 for r in rows)
     assert "conditional_layer_norm" in out and "layer_norm_linear" in out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed: no charts" in out
+    else:
+        assert (tmp_path / "b" / "op_table.png").stat().st_size > 5000
 
 
 def test_bench_without_numba_says_what_it_needs(tmp_path: Path) -> None:

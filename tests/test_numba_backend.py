@@ -717,7 +717,7 @@ def test_half_conversions_match_numpy(target: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# output buffer pool and benchmark baselines
+# output buffer pool
 
 
 def test_output_pool_reuses_only_dropped_buffers() -> None:
@@ -739,20 +739,6 @@ def test_output_pool_reuses_only_dropped_buffers() -> None:
     y1, _ = nln.forward(x, w, bias, eps=1e-5)
     y2, _ = nln.forward(x, w, bias, eps=1e-5)
     assert not np.shares_memory(y1, y2) and np.array_equal(y1, y2)
-
-
-def test_benchmark_naive_baselines_match_reference() -> None:
-    from pynorm import benchmark
-
-    x, dy, w, b = data((16, 40), np.float32)
-    y, cache = benchmark.naive_layer_norm(x, w, b)
-    g = benchmark.naive_layer_norm_backward(dy, cache)
-    yr, gr = ln_both(x, dy, w, b, eps=benchmark.LN_EPS)[2:]
-    assert rel(y, yr) < 1e-5 and all(rel(a, r) < 1e-4 for a, r in zip(g, gr))
-    y, cache = benchmark.naive_rms_norm(x, w)
-    g = benchmark.naive_rms_norm_backward(dy, cache)
-    yr, gr = rms_both(x, dy, w, eps=benchmark.RMS_EPS)[2:]
-    assert rel(y, yr) < 1e-5 and all(rel(a, r) < 1e-4 for a, r in zip(g, gr))
 
 
 def test_no_fallback_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,7 @@ def _rel(a: Any, b: Any) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
-@pytest.mark.parametrize("op", list(SPECS))
+@pytest.mark.parametrize("op", [n for n, s in SPECS.items() if s.layout == "rows"])
 def test_case_is_the_specs_example(op: str) -> None:
     spec = SPECS[op]
     case = cases.make_case(op, (6, 16), seed=3)
@@ -78,7 +78,7 @@ def test_byte_model_counts_every_array_of_the_spec() -> None:
     assert cases.op_bytes(mod)["fwd"] == 2 * n + ids.nbytes + 2 * 4 * 3 * h
 
 
-@pytest.mark.parametrize("op", list(SPECS))
+@pytest.mark.parametrize("op", [n for n, s in SPECS.items() if s.layout == "rows"])
 def test_call_args_split_keyword_inputs(op: str) -> None:
     spec = SPECS[op]
     case = cases.make_case(op, (4, 8))

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import UnknownOpError
 from ..ops import SPECS, OpSpec
 
 __all__ = ["TORCH_BASELINES", "Case", "TorchBaseline", "call_args", "make_case", "op_bytes", "pynorm_calls"]
@@ -82,6 +83,11 @@ def make_case(op: str, shape: tuple[int, int], seed: int = 0) -> Case:
         ``x``, the spec's example arguments, an output buffer and ``dy``.
     """
     spec = SPECS[op]
+    if spec.layout != "rows":
+        raise UnknownOpError(
+            f"the benchmark times the ops of the rows layout (the numba backend's); {op} reads x as (N, C, *spatial) "
+            f"and has no fast kernels yet"
+        )
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(shape, dtype=np.float32) + 3).astype(DTYPE)
     args = spec.example_args(shape, -1, DTYPE, rng)

@@ -31,8 +31,10 @@ from ._validate import (
     check_axis,
     check_float_dtype,
     check_input,
+    check_input_values,
     check_out,
     check_param,
+    check_param_values,
     check_tables,
     ctx_arrays,
     xp_of,
@@ -164,6 +166,18 @@ def forward(
     several outputs), in ``x``'s shape, or ``(spec.result(outputs, ctx, options), ctx)``."""
     if spec.layout == "channels":
         return _forward_channels(spec, x, params, backend, out, options, inputs)
+    key = _plan_key(spec, x, inputs, params, axis, backend, out, options)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:  # the same call shape as before: only what depends on the values is checked again
+        by_name = dict(zip(spec.input_names, inputs, strict=True))
+        for si, a in zip(spec.inputs, inputs, strict=True):
+            check_input_values(si, a)
+        for sp, p in zip(spec.params, params, strict=True):
+            if p is not None:
+                check_param_values(sp, p, by_name)
+        if out is not None:
+            check_out(out, "out", x, tuple(a for a in (x, *inputs, *params) if a is not None), plan.y_shape, out.dtype)
+        return _run(spec, plan, x, tuple(inputs), tuple(params), out, backend)
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 1:
@@ -184,37 +198,103 @@ def forward(
         spec.check_arrays(tuple(x.shape), ax, {"x": x, **arrays}, opts)
     y_shape = spec.output_shape(tuple(x.shape), ax, arrays)
     present = tuple(a for a in (x, *ins, *ps) if a is not None)
-    present_names = tuple(n for n, a in zip(("x", *names), (x, *ins, *ps), strict=True) if a is not None)
-    name, mod = _registry.resolve(spec.name, present, present_names, backend)
     out = check_out(out, "out", x, present, y_shape, spec.dtypes_of_outputs(x.dtype, opts)[0])
-    rows = math.prod(x.shape[:ax])
-    y_h = math.prod(y_shape[ax:])
-    flat_in = tuple(_flat_input(si.kind, a, rows, h) for si, a in zip(spec.inputs, ins))
-    flat_p = tuple(_flat_param(sp.kind, p, norm_shape) for sp, p in zip(spec.params, ps, strict=True))
     to_backend = opts if len(spec.backend_options) == len(opts) else {k: opts[k] for k in spec.backend_options}
+    plan = _Plan(
+        ax, math.prod(x.shape[:ax]), h, norm_shape, y_shape, math.prod(y_shape[ax:]), opts, to_backend,
+        tuple(n for n, a in zip(("x", *names), (x, *ins, *ps), strict=True) if a is not None),
+    )  # fmt: skip
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return _run(spec, plan, x, ins, ps, out, backend)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the checks of one call shape established (:func:`_plan_key`): the flattening, the validated options,
+    the names of the arrays present (for the backend's resolution)."""
+
+    axis: int
+    rows: int
+    h: int
+    norm_shape: tuple[int, ...]
+    y_shape: tuple[int, ...]
+    y_h: int
+    options: dict[str, Any]
+    to_backend: dict[str, Any]
+    present_names: tuple[str, ...]
+
+
+#: the plans of recent call shapes (at most :data:`_MAX_PLANS`, the oldest dropped first)
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_MAX_PLANS = 512
+
+
+def _array_key(a: Any) -> Any:
+    """What a plan depends on of an argument: None, or an exact ``numpy.ndarray``'s dtype (its byte order
+    included), shape, strides and writability; anything else (a list, a DLPack exporter, a Python number, a CuPy
+    array) takes the full path every time (``Ellipsis``)."""
+    if a is None:
+        return None
+    if type(a) is not np.ndarray or not a.dtype.isnative:  # (a non-native array is read as a native copy)
+        return ...
+    return (a.dtype, a.shape, a.strides, a.flags.writeable)
+
+
+def _plan_key(
+    spec: OpSpec, x: Any, inputs: tuple[Any, ...], params: tuple[Any, ...], axis: Any, backend: str | None, out: Any,
+    options: Mapping[str, Any],
+) -> tuple[Any, ...] | None:  # fmt: skip
+    """The key of a call's plan: the op, every array's :func:`_array_key`, ``axis``, ``backend`` and the options
+    (None -- no plan -- for arguments a plan cannot stand for: a non-array, an unhashable option)."""
+    arrays = tuple(_array_key(a) for a in (x, *inputs, *params, out))
+    if ... in arrays or type(axis) is not int:
+        return None
+    try:
+        opts = tuple(options.items())
+        hash(opts)
+    except TypeError:
+        return None
+    return (spec.name, arrays, axis, backend, opts)
+
+
+def _run(
+    spec: OpSpec, plan: _Plan, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...], out: Any, backend: str | None
+) -> tuple[Any, Context]:
+    """Resolve the backend, flatten, call it and wrap its ctx, for arguments ``plan`` holds for."""
+    present = tuple(a for a in (x, *ins, *ps) if a is not None)
+    name, mod = _registry.resolve(spec.name, present, plan.present_names, backend)
+    rows, h = plan.rows, plan.h
+    flat_in = tuple(_flat_input(si.kind, a, rows, h) for si, a in zip(spec.inputs, ins, strict=True))
+    flat_p = tuple(_flat_param(sp.kind, p, plan.norm_shape) for sp, p in zip(spec.params, ps, strict=True))
     res, inner = mod.forward(
-        x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, y_h), **to_backend
-    )
+        x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, plan.y_h),
+        **plan.to_backend,
+    )  # fmt: skip
     outs = res if len(spec.outputs) > 1 else (res,)
     shaped = tuple(
-        out if (i == 0 and out is not None) else o.reshape(y_shape if i == 0 else x.shape) for i, o in enumerate(outs)
+        out if (i == 0 and out is not None) else o.reshape(plan.y_shape if i == 0 else x.shape)
+        for i, o in enumerate(outs)
     )
+    x_shape = tuple(x.shape)
     ctx = Context(
         spec.name,
         name,
-        tuple(x.shape),
+        x_shape,
         x.dtype,
-        ax,
+        plan.axis,
         tuple(None if p is None else tuple(p.shape) for p in ps),
         inner,
-        tuple(a.dtype for si, a in zip(spec.inputs, ins) if si.differentiable),
+        tuple(a.dtype for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
         tuple(o.dtype for o in shaped[1:]),
         _registry.array_family(x),
-        None if y_shape == tuple(x.shape) else y_shape,
-        tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins) if si.differentiable),
+        None if plan.y_shape == x_shape else plan.y_shape,
+        tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
     )
     if spec.result is not None:
-        return spec.result(shaped, ctx, opts), ctx
+        return spec.result(shaped, ctx, plan.options), ctx
     return (shaped if len(spec.outputs) > 1 else shaped[0]), ctx
 
 

@@ -28,8 +28,10 @@ __all__ = [
     "check_axis",
     "check_float_dtype",
     "check_input",
+    "check_input_values",
     "check_out",
     "check_param",
+    "check_param_values",
     "check_tables",
     "cond_groups",
     "ctx_arrays",
@@ -186,15 +188,35 @@ def check_param(spec_param: Any, p: Any, x: Array, axis: int, inputs: dict[str, 
                 f"{name} must be a table of shape (M, *x.shape[axis:]) = (M, {', '.join(map(str, norm_shape))}) "
                 f"with M >= 1, got shape {tuple(p.shape)}"
             )
+    check_param_values(spec_param, p, inputs)
+    return p
+
+
+def check_param_values(spec_param: Any, p: Array, inputs: dict[str, Array]) -> None:
+    """The checks of a parameter that depend on its values (and on its index input's): a table's ids in
+    ``[0, M)``, finiteness where the spec asks. Run on every call, also when the shapes were checked before."""
+    if spec_param.kind == "table":
         ids = inputs[spec_param.index]
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= p.shape[0]):
             raise ArgumentError(
-                f"{spec_param.index} must hold values in [0, {p.shape[0]}) (the rows of {name}), "
+                f"{spec_param.index} must hold values in [0, {p.shape[0]}) (the rows of {spec_param.name}), "
                 f"got values from {int(ids.min())} to {int(ids.max())}"
             )
     if spec_param.finite and p.size and not bool(xp_of(p).isfinite(p.astype(xp_of(p).float64)).all()):
-        raise ArgumentError(f"{name} must be finite, got {p!r}")
-    return p
+        raise ArgumentError(f"{spec_param.name} must be finite, got {p!r}")
+
+
+def check_input_values(spec_input: Any, a: Array | None) -> None:
+    """The checks of an input that depend on its values: a row scale positive and finite, a running statistic
+    finite. Run on every call, also when the shapes were checked before."""
+    if a is None or not a.size or spec_input.kind not in ("row_scale", "running"):
+        return
+    xp = xp_of(a)
+    a64 = a.astype(xp.float64)
+    if spec_input.kind == "row_scale" and not bool(((a64 > 0) & xp.isfinite(a64)).all()):
+        raise ArgumentError(f"{spec_input.name} must hold positive finite scales")
+    if spec_input.kind == "running" and not bool(xp.isfinite(a64).all()):
+        raise ArgumentError(f"{spec_input.name} must be finite (a running statistic with NaN or inf)")
 
 
 def check_tables(spec: OpSpec, params: tuple[Array | None, ...] | list[Array | None]) -> None:
@@ -231,9 +253,6 @@ def check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
                 f"{name} must be a scalar (0-d or (1,)) or one scale per row, of x.shape[:axis] = "
                 f"{tuple(x.shape[:axis])}, got shape {tuple(a.shape)}"
             )
-        xp = xp_of(a)
-        if a.size and not bool(((a.astype(xp.float64) > 0) & xp.isfinite(a.astype(xp.float64))).all()):
-            raise ArgumentError(f"{name} must hold positive finite scales")
     elif spec_input.kind == "like_x":
         check_float_dtype(a, name)
         if tuple(a.shape) != tuple(x.shape):
@@ -245,14 +264,13 @@ def check_input(spec_input: Any, a: Any, x: Array, axis: int) -> Array:
         check_float_dtype(a, name)
         if tuple(a.shape) != (x.shape[axis],):
             raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected one value per channel, ({x.shape[axis]},)")
-        if a.size and not bool(xp_of(a).isfinite(a.astype(xp_of(a).float64)).all()):
-            raise ArgumentError(f"{name} must be finite (a running statistic with NaN or inf)")
     else:  # row_index
         kind = getattr(a.dtype, "kind", "")
         if kind not in "iu" or not kind or a.dtype == bool:
             raise DTypeError(f"{name} must be an integer array, got dtype {a.dtype}")
         if tuple(a.shape) != tuple(x.shape[:axis]):
             raise ShapeError(f"{name} has shape {tuple(a.shape)}, expected x.shape[:axis] = {tuple(x.shape[:axis])}")
+    check_input_values(spec_input, a)
     return a
 
 

@@ -1,0 +1,76 @@
+"""The dispatcher's plan cache (``pynorm._dispatch._PLANS``): a repeated call shape skips the shape checks but
+never the checks that depend on the values, and every argument that changes the plan makes a new one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pynorm
+from pynorm import _dispatch
+from pynorm.errors import ArgumentError, ShapeError
+
+
+def test_a_repeated_call_reuses_its_plan_and_gives_the_same_result() -> None:
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    _dispatch._PLANS.clear()
+    y1, _ = pynorm.layer_norm_forward(x, eps=1e-3, backend="numpy")
+    assert len(_dispatch._PLANS) == 1
+    y2, _ = pynorm.layer_norm_forward(x, eps=1e-3, backend="numpy")
+    assert len(_dispatch._PLANS) == 1 and np.array_equal(y1, y2)
+    pynorm.layer_norm_forward(x, eps=1e-4, backend="numpy")  # another option value: another plan
+    pynorm.layer_norm_forward(x[:, :4], backend="numpy")  # another shape
+    pynorm.layer_norm_forward(x.astype(np.float64), backend="numpy")  # another dtype
+    assert len(_dispatch._PLANS) == 4
+
+
+def test_value_checks_run_on_every_call() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    w = np.ones((3, 4), np.float32)
+    ids = np.array([0, 1, 2, 0, 1, 2])
+    pynorm.modality_layer_norm(x, ids, w, backend="numpy")
+    bad = ids.copy()
+    bad[3] = 7  # same dtype, shape and strides: the cached plan, but the ids are out of range
+    with pytest.raises(ArgumentError, match=r"modality_ids must hold values in \[0, 3\)"):
+        pynorm.modality_layer_norm(x, bad, w, backend="numpy")
+    q = rng.integers(-100, 100, (6, 4)).astype(np.int8)
+    scales = np.full(6, 0.1)
+    pynorm.quant_layer_norm(q, x_scale=scales, backend="numpy")
+    scales[2] = -1.0
+    with pytest.raises(ArgumentError, match="x_scale must hold positive finite scales"):
+        pynorm.quant_layer_norm(q, x_scale=scales, backend="numpy")
+    alpha = np.array([0.5], np.float32)
+    pynorm.dyt(x, alpha, backend="numpy")
+    with pytest.raises(ArgumentError, match="alpha must be finite"):
+        pynorm.dyt(x, np.array([np.inf], np.float32), backend="numpy")
+
+
+def test_out_overlap_is_checked_on_every_call() -> None:
+    x = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
+    buf = np.empty_like(x)
+    pynorm.rms_norm(x, out=buf, backend="numpy")
+    pynorm.rms_norm(x, out=buf, backend="numpy")
+    with pytest.raises(ArgumentError, match="out must not overlap"):
+        pynorm.rms_norm(buf, out=buf, backend="numpy")
+
+
+def test_the_backend_is_resolved_on_every_call() -> None:
+    x = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)
+    _, c1 = pynorm.rms_norm_forward(x, backend="numpy")
+    with pynorm.use_backend("numpy"):
+        _, c2 = pynorm.rms_norm_forward(x)
+    assert c1.backend == c2.backend == "numpy"
+
+
+def test_a_call_that_cannot_have_a_plan_takes_the_full_path() -> None:
+    _dispatch._PLANS.clear()
+    pynorm.layer_norm([[1.0, 2.0, 3.0]], backend="numpy")  # a list
+    pynorm.quant_layer_norm(np.ones((2, 4), np.int8), x_scale=0.5, backend="numpy")  # a Python number
+    big = np.random.default_rng(4).standard_normal((2, 4)).astype(">f4")  # read as a native copy every time
+    y1 = pynorm.layer_norm(big, backend="numpy")
+    assert not _dispatch._PLANS
+    assert np.array_equal(pynorm.layer_norm(big, backend="numpy"), y1)
+    assert np.array_equal(y1, pynorm.layer_norm(big.astype("<f4"), backend="numpy"))
+    with pytest.raises(ShapeError):
+        pynorm.layer_norm(np.ones((2, 0)), backend="numpy")

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import ArgumentError, ShapeError
-from ._spec import REQUIRED, ColumnVariant, Input, OpSpec, Option, check_bool
-from .group_norm import BIAS, CHANNEL_AXIS, EPS, WEIGHT, check_momentum
+from ._spec import REQUIRED, ColumnVariant, OpSpec, Option, check_bool
+from .group_norm import BIAS, CHANNEL_AXIS, EPS, RUNNING, WEIGHT, check_momentum
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,10 +123,7 @@ SPEC = OpSpec(
     name="batch_norm",
     doc=_BATCH_NORM_DOC,
     backward_doc=_BATCH_NORM_BACKWARD_DOC,
-    inputs=(
-        Input("running_mean", "running", "running mean per channel, ``(C,)``", required=False, keyword=True),
-        Input("running_var", "running", "running variance per channel, ``(C,)``", required=False, keyword=True),
-    ),
+    inputs=RUNNING,
     params=(WEIGHT, BIAS),
     options=(
         Option(
@@ -140,7 +137,7 @@ SPEC = OpSpec(
             "momentum",
             0.1,
             check_optional_momentum,
-            "the weight of the batch's statistics in the running ones; None: the cumulative average",
+            f"{MOMENTUM_DOC}; None: the cumulative average",
             annotation="float | None",
         ),
         Option(

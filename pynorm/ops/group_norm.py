@@ -78,6 +78,12 @@ CHANNEL_AXIS = Option(
 )  # fmt: skip
 EPS = Option("eps", 1e-5, check_eps, "added to the variance inside the root (>= 0; PyTorch's 1e-5)")
 WEIGHT = Param("weight", "channel", 1.0, "per-channel scale, ``(C,)``")
+#: the running statistics of InstanceNorm and BatchNorm (keyword inputs; the updated ones are returned)
+RUNNING = (
+    Input("running_mean", "running", "running mean per channel, ``(C,)``", required=False, keyword=True),
+    Input("running_var", "running", "running variance per channel, ``(C,)``", required=False, keyword=True),
+)
+MOMENTUM_DOC = "the weight of the batch's statistics in the running ones"
 BIAS = Param("bias", "channel", 0.0, "per-channel shift, ``(C,)``")
 
 
@@ -212,10 +218,7 @@ INSTANCE_NORM = OpSpec(
     name="instance_norm",
     doc=_INSTANCE_NORM_DOC,
     backward_doc=_INSTANCE_NORM_BACKWARD_DOC,
-    inputs=(
-        Input("running_mean", "running", "running mean per channel, ``(C,)``", required=False, keyword=True),
-        Input("running_var", "running", "running variance per channel, ``(C,)``", required=False, keyword=True),
-    ),
+    inputs=RUNNING,
     params=(WEIGHT, BIAS),
     options=(
         Option(
@@ -224,7 +227,7 @@ INSTANCE_NORM = OpSpec(
             check_bool,
             "normalize with each instance's own statistics (True) or with the running ones (False)",
         ),
-        Option("momentum", 0.1, check_momentum, "the weight of the batch's statistics in the running ones"),
+        Option("momentum", 0.1, check_momentum, MOMENTUM_DOC),
         EPS,
         CHANNEL_AXIS,
     ),

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import ArgumentError, ShapeError
 from ._spec import REQUIRED, ColumnVariant, OpSpec, Option, check_bool
-from .group_norm import BIAS, CHANNEL_AXIS, EPS, RUNNING, WEIGHT, check_momentum
+from .group_norm import BIAS, CHANNEL_AXIS, EPS, MOMENTUM_DOC, RUNNING, WEIGHT, check_momentum
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,11 +1,10 @@
 """Stateful layers around the functional ops, with torch-like names: one generic :class:`Layer` made from an op's
 spec, and one small class per op.
 
-A layer holds ``params`` and ``grads`` dicts of arrays. ``forward(x, *inputs)`` returns ``(y, ctx)``;
-``backward(dy, ctx)`` *adds* the parameter gradients into ``grads`` and returns ``dx`` (``(dx, d<input>...)`` for
-an op with differentiable inputs: a residual, a conditioning vector). Nothing about a call is kept in ``self``, so
-one layer can be applied several times in one graph (each call's ``ctx`` is independent) and its gradients
-accumulate as in a framework.
+A layer holds ``params`` and ``grads`` dicts of arrays (and buffers in ``state``). ``forward(x, *inputs)`` returns
+``(y, ctx)``; ``backward(dy, ctx)`` *adds* the parameter gradients into ``grads`` and returns ``dx`` (``(dx,
+d<input>...)`` for an op with differentiable inputs). Nothing about a call is kept in ``self``: one layer can be
+applied several times in one graph and its gradients accumulate as in a framework.
 
 The constructor of every layer: ``Layer(normalized_shape, *sizes, eps, **options, dtype=np.float32,
 backend=None, xp=None)`` -- ``sizes`` the op's own sizes (``n_modalities``, ``cond_dim``, ``out_features``),
@@ -37,25 +36,6 @@ from . import functional as F
 from ._dtypes import FLOAT_DTYPES, dtype_of
 from .errors import ArgumentError, DTypeError, ShapeError
 from .ops import REQUIRED, SPECS, OpSpec, check_positive_int, check_real
-
-__all__ = [
-    "AddNorm",
-    "BatchNorm",
-    "ConditionalLayerNorm",
-    "ConditionalRMSNorm",
-    "DyT",
-    "GroupNorm",
-    "InstanceNorm",
-    "Layer",
-    "LayerNorm",
-    "LayerNormLinear",
-    "ModalityNorm",
-    "PowerNorm",
-    "QuantLayerNorm",
-    "RMSNorm",
-    "RMSNormLinear",
-    "ScaleNorm",
-]
 
 
 def _shape(normalized_shape: Any) -> tuple[int, ...]:
@@ -141,10 +121,10 @@ class Layer:
         for alias, param in self.flags.items():
             create[param] = bool(kwargs.pop(alias, True))
         starts = {f"{p.name}_init": kwargs.pop(f"{p.name}_init", p.init) for p in spec.params if p.kind == "scalar"}
-        if kwargs.get("eps") is None and "eps" in kwargs:
-            kwargs.pop("eps")
-        self.options = spec.validate({k: v for k, v in kwargs.items() if k not in self._extra()})
-        self.extra = {k: kwargs[k] for k in self._extra() if k in kwargs}
+        if "eps" in kwargs and kwargs["eps"] is None:  # the spec's (or the kind's) default
+            del kwargs["eps"]
+        self.options = spec.validate({k: v for k, v in kwargs.items() if k not in self.own})
+        self.extra = {k: kwargs[k] for k in self.own if k in kwargs}
         self.eps = float(self.options.get("eps", 0.0))
         self.params: dict[str, Any] = {}
         self.grads: dict[str, Any] = {}
@@ -167,10 +147,6 @@ class Layer:
                     shape = (self.sizes_given["n_modalities"], *shape)
                 self._set(p.name, self.xp.full(shape, p.init - (offset if p.name == "weight" else 0.0), self.dtype))
         self._start()
-
-    def _extra(self) -> tuple[str, ...]:
-        """Constructor arguments of the subclass beyond the spec's options (``seed``...)."""
-        return ()
 
     def _start(self) -> None:
         """Start the parameters the spec cannot (matrices: the subclasses)."""
@@ -443,9 +419,6 @@ class _NormLinear(Layer):
     flags: ClassVar[dict[str, str]] = {"linear_bias": "c"}
     own: ClassVar[dict[str, Any]] = {"seed": None}
 
-    def _extra(self) -> tuple[str, ...]:
-        return ("seed",)
-
     def _start(self) -> None:
         n, h = self.sizes_given["out_features"], self.num_features
         bound = 1.0 / math.sqrt(h)
@@ -537,3 +510,8 @@ class BatchNorm(_Running):
         if self.track_running_stats and use_batch:
             self.num_batches_tracked += 1
         return y, ctx
+
+
+#: every layer class (the generic one first)
+__all__ = ["Layer", *sorted(n for n, v in dict(globals()).items() if isinstance(v, type) and issubclass(v, Layer)
+                            and v is not Layer and not n.startswith("_"))]  # fmt: skip

@@ -252,8 +252,8 @@ def _plan_key(
     arrays = tuple(_array_key(a) for a in (x, *inputs, *params, out))
     if ... in arrays or type(axis) is not int:
         return None
-    try:
-        opts = tuple(options.items())
+    try:  # (the types too: True == 1 and hash(True) == hash(1), but True is no eps)
+        opts = tuple((k, type(v), v) for k, v in options.items())
         hash(opts)
     except TypeError:
         return None

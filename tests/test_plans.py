@@ -24,6 +24,13 @@ def test_a_repeated_call_reuses_its_plan_and_gives_the_same_result() -> None:
     assert len(_dispatch._PLANS) == 4
 
 
+def test_an_option_of_another_type_is_another_plan() -> None:
+    x = np.ones((2, 4), np.float32)
+    pynorm.layer_norm(x, eps=1, backend="numpy")  # a valid eps
+    with pytest.raises(ArgumentError, match="eps must be a real number"):
+        pynorm.layer_norm(x, eps=True, backend="numpy")  # True == 1, but a bool is no eps
+
+
 def test_value_checks_run_on_every_call() -> None:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((6, 4)).astype(np.float32)

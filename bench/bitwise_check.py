@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,11 @@ def run_case(
     return out
 
 
+def _put(zf: zipfile.ZipFile, name: str, a: np.ndarray) -> None:
+    with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array(f, np.asanyarray(a), allow_pickle=False)
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8)
 
@@ -334,15 +340,16 @@ def main(argv: list[str] | None = None) -> int:
             f"--ops: {', '.join(unknown)}: only the ops of the kernel families ({', '.join(FAMILIES)}) are recorded"
         )
     if args.mode == "save":
-        record: dict[str, np.ndarray] = {}
-        n = 0
-        for key, op, shape, dt, kind, conv, ps in cases(args.quick, ops):
-            for out_name, a in run_case(args.backend, op, shape, dt, kind, conv, ps).items():
-                record[f"{key}|{out_name}"] = a.view(np.uint16) if a.dtype == BF16 else a
-                record[f"{key}|{out_name}|dtype"] = np.array(_name(a.dtype))
-            n += 1
-        np.savez(args.file, **record)
-        print(f"saved {n} cases ({len(record) // 2} outputs) to {args.file} in {time.perf_counter() - t0:.0f} s")
+        n = outputs = 0
+        # written as it goes (the layout of numpy.savez: one .npy member per array), not held in memory
+        with zipfile.ZipFile(args.file, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for key, op, shape, dt, kind, conv, ps in cases(args.quick, ops):
+                for out_name, a in run_case(args.backend, op, shape, dt, kind, conv, ps).items():
+                    _put(zf, f"{key}|{out_name}", a.view(np.uint16) if a.dtype == BF16 else a)
+                    _put(zf, f"{key}|{out_name}|dtype", np.array(_name(a.dtype)))
+                    outputs += 1
+                n += 1
+        print(f"saved {n} cases ({outputs} outputs) to {args.file} in {time.perf_counter() - t0:.0f} s")
         return 0
     rec = np.load(args.file)
     n = same = 0

@@ -55,6 +55,7 @@ __all__ = [
     "R_FLOOR",
     "R_INSIDE",
     "R_OUTSIDE",
+    "R_RULES",
     "STATISTICS",
     "Affine",
     "ElementwiseArgs",
@@ -108,10 +109,13 @@ class Statistic:
     eps : takes the ``eps`` option (its r rules use it; then every spec of the statistic declares it).
     normalizes : ``r`` brings the row to unit magnitude (``xhat = O(1)``): the kernels may keep sums of
         ``xhat`` terms (the parameter-gradient partials, the backward's ``sum(u)``) in the math type. False: the
-        centred values keep the input's magnitude, and those sums are float64.
+        centred values keep the input's magnitude; the numba kernels then keep those sums in float64, the cupy
+        kernels (whose sums are in the accumulation type) do not offer the statistic.
     cuda : the statistic's policy type in ``kernels/stats.cu`` ("" where the cupy backend has none).
     numba : ``"module:attribute"`` of its pieces for the numba kernels (a mapping from each piece of
         :mod:`pynorm.backends.numba._rowstats` to its implementation; "" where the numba backend has none).
+        numba's disk cache is stamped with the backend's own sources only: pieces kept elsewhere should give
+        their statistic a name that changes with them.
     """
 
     name: str

@@ -475,7 +475,10 @@ class _Reader:
 
     def __call__(self, source: Any) -> StatsArgs | ElementwiseArgs:
         d = self.defaults
-        get: Any = source.get if isinstance(source, Mapping) else lambda name, default: getattr(source, name, default)
+        if type(source) is dict or isinstance(source, Mapping):
+            get: Any = source.get
+        else:
+            get = lambda name, default: getattr(source, name, default)  # noqa: E731  (a ctx)
 
         if self.elementwise:
             n = self.constant

@@ -14,7 +14,11 @@ the ctx's per-row statistics (``mean``/``rstd``), ``dx`` and every parameter gra
   column tiles for few rows of many elements), plus a 16 MiB float32 case per convention (streamed);
 * hard inputs in every dtype: rows offset by 1e4 (100 for half types), huge (near the dtype's max),
   tiny, constant rows, H = 1 and 3, rows of NaN/Inf beside normal ones, and float64 extreme rows
-  (+-max, offsets near the max, offsets 1e10 times the spread, 1e-200 rows).
+  (+-max, offsets near the max, offsets 1e10 times the spread, 1e-200 rows);
+* the quantize family (``quant_layer_norm``): every output mode (float, per-tensor and per-row int8, a given
+  ``out_scale``, clipping) in every convention, for float inputs of every dtype and int8 inputs (per-row and
+  scalar ``x_scale``, scales far from 1), on the reduced shapes and the hard inputs (and, for int8, constant,
+  saturated and all-zero rows); its records also hold the output scale ``s`` and the clip mask.
 
 ``save`` writes every output to ``FILE`` (a ``.npz`` archive); ``compare`` recomputes them and
 reports, per output, whether it is bitwise identical and otherwise the largest difference in ulps
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +61,22 @@ STREAM_SHAPE = (1024, 4096)  # 16 MiB of float32: streamed y and dx
 HARD_KINDS = ("offset", "huge", "tiny", "constant", "mixed")
 HARD_SHAPES = [(300, 257), (9, 4000), (4, 1), (7, 3), (16, 65536), (130, 1024)]
 F64_EXTREME = ("near_max", "max_offset", "huge_offset", "very_tiny")
+#: the families recorded (every op of these, or those of ``--ops``)
+FAMILIES = ("stats", "elementwise", "quantize")
+#: the quantize family's output modes (options beside the convention)
+QUANT_MODES: list[dict[str, Any]] = [
+    {},
+    {"quantize": "tensor"},
+    {"quantize": "row"},
+    {"out_scale": 0.02},  # clips where |y| > 127.5 * 0.02
+    {"quantize": "tensor", "out_scale": 0.05},
+]
+INT8 = np.dtype(np.int8)
+#: int8 inputs: random codes, then rows the int8 path treats apart (constant, saturated at +-127, all zero)
+INT8_KINDS = ("bench", "int8_constant", "int8_saturated", "int8_zero")
+#: the int8 inputs' scales: one per row near 0.01, one scalar, per-row scales far from 1 (the float32 dequantize
+#: and the float64 fallback of the backward)
+INT8_SCALES = ("row", "scalar", "wide")
 
 
 def _name(dt: Any) -> str:
@@ -65,6 +86,8 @@ def _name(dt: Any) -> str:
 def _data(shape: tuple[int, int], dt: Any, seed: int, kind: str = "bench") -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng(seed)
     rows, h = shape
+    if dt == INT8:
+        return _int8_data(shape, rng, kind)
     if kind == "bench":
         x = rng.standard_normal(shape) + 3
     elif kind in ("offset", "huge", "tiny", "constant"):
@@ -106,6 +129,31 @@ def _data(shape: tuple[int, int], dt: Any, seed: int, kind: str = "bench") -> tu
         return x.astype(dt), dy.astype(dt), w.astype(dt), b.astype(dt)
 
 
+def _int8_data(shape: tuple[int, int], rng: Any, kind: str) -> tuple[np.ndarray, ...]:
+    rows, h = shape
+    x = rng.integers(-127, 128, shape)
+    if kind == "int8_constant":
+        x[:] = rng.integers(-127, 128, (rows, 1))
+    elif kind == "int8_saturated":
+        x = np.where(rng.random(shape) < 0.5, -127, 127)
+    elif kind == "int8_zero":
+        x[::2] = 0
+    elif kind != "bench":
+        raise KeyError(kind)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(h)).astype(np.float32)
+    b = (0.5 * rng.standard_normal(h)).astype(np.float32)
+    return x.astype(np.int8), dy, w, b
+
+
+def _x_scale(rows: int, how: str, rng: Any) -> Any:
+    if how == "row":
+        return rng.uniform(0.005, 0.02, rows)
+    if how == "scalar":
+        return 0.0125
+    return np.exp2(rng.integers(-80, 80, rows).astype(np.float64)) * rng.uniform(0.5, 1.0, rows)
+
+
 def _param_subsets(names: tuple[str, ...]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = [names]
     for n in names:
@@ -114,45 +162,80 @@ def _param_subsets(names: tuple[str, ...]) -> list[tuple[str, ...]]:
     return list(dict.fromkeys(out))
 
 
-def cases(
-    quick: bool = False, ops: tuple[str, ...] = ()
-) -> Iterator[tuple[str, str, tuple[int, int], Any, str, dict[str, Any], tuple[str, ...]]]:
+Case = tuple[str, str, tuple[int, int], Any, str, dict[str, Any], tuple[str, ...]]
+
+
+def cases(quick: bool = False, ops: tuple[str, ...] = ()) -> Iterator[Case]:
     """``(key, op, shape, dtype, data kind, options, parameters given)`` of every recorded case (of ``ops``, or of
-    every op)."""
-    f32 = np.dtype(np.float32)
+    every op of :data:`FAMILIES`). The quantize family's data kind of an int8 ``x`` ends in ``@<x_scale kind>``
+    (:data:`INT8_SCALES`)."""
     for op, spec in SPECS.items():
-        if (op not in ops) if ops else (spec.family not in ("stats", "elementwise")):
+        if (op not in ops) if ops else (spec.family not in FAMILIES):
             continue
-        full = spec.param_names
-        for shape in BENCH_SHAPES if not quick else []:
-            yield f"{op}/bench/{shape[0]}x{shape[1]}", op, shape, f32, "bench", {}, full
-        for dt in DTYPES:
-            for shape in SMALL_SHAPES:
+        if spec.family == "quantize":
+            yield from _quant_cases(op, spec)
+        else:
+            yield from _norm_cases(op, spec, quick)
+
+
+def _norm_cases(op: str, spec: Any, quick: bool) -> Iterator[Case]:
+    f32 = np.dtype(np.float32)
+    full = spec.param_names
+    for shape in BENCH_SHAPES if not quick else []:
+        yield f"{op}/bench/{shape[0]}x{shape[1]}", op, shape, f32, "bench", {}, full
+    for dt in DTYPES:
+        for shape in SMALL_SHAPES:
+            for ci, conv in enumerate(spec.cases):
+                if conv.get("correction", 0) >= shape[1]:
+                    continue
+                subsets = _param_subsets(full) if ci == 0 else [full]
+                for ps in subsets:
+                    key = f"{op}/small/{_name(dt)}/{shape[0]}x{shape[1]}/c{ci}/{'+'.join(ps) or 'none'}"
+                    yield key, op, shape, dt, "bench", conv, ps
+        for kind in HARD_KINDS:
+            for shape in HARD_SHAPES:
                 for ci, conv in enumerate(spec.cases):
                     if conv.get("correction", 0) >= shape[1]:
                         continue
-                    subsets = _param_subsets(full) if ci == 0 else [full]
+                    key = f"{op}/hard/{_name(dt)}/{kind}/{shape[0]}x{shape[1]}/c{ci}"
+                    yield key, op, shape, dt, kind, conv, full
+    for ci, conv in enumerate(spec.cases):
+        if not quick:
+            key = f"{op}/stream/{STREAM_SHAPE[0]}x{STREAM_SHAPE[1]}/c{ci}"
+            yield key, op, STREAM_SHAPE, f32, "bench", conv, full
+    f64 = np.dtype(np.float64)
+    for kind in F64_EXTREME:
+        for shape in [(4, 1), (4, 3), (131, 257), (9, 4096), (4, 65536)]:
+            for ci, conv in enumerate(spec.cases):
+                if conv.get("correction", 0) >= shape[1]:
+                    continue
+                yield f"{op}/f64x/{kind}/{shape[0]}x{shape[1]}/c{ci}", op, shape, f64, kind, conv, full
+
+
+def _quant_cases(op: str, spec: Any) -> Iterator[Case]:
+    full = spec.param_names
+    for dt in [*DTYPES, INT8]:
+        for shape in SMALL_SHAPES:
+            for ci, conv in enumerate(spec.cases):
+                if conv.get("correction", 0) >= shape[1]:
+                    continue
+                for qi, qm in enumerate(QUANT_MODES if ci == 0 else QUANT_MODES[:3]):
+                    subsets = _param_subsets(full) if ci == 0 and qi == 2 else [full]
                     for ps in subsets:
-                        key = f"{op}/small/{_name(dt)}/{shape[0]}x{shape[1]}/c{ci}/{'+'.join(ps) or 'none'}"
-                        yield key, op, shape, dt, "bench", conv, ps
-            for kind in HARD_KINDS:
-                for shape in HARD_SHAPES:
-                    for ci, conv in enumerate(spec.cases):
-                        if conv.get("correction", 0) >= shape[1]:
-                            continue
-                        key = f"{op}/hard/{_name(dt)}/{kind}/{shape[0]}x{shape[1]}/c{ci}"
-                        yield key, op, shape, dt, kind, conv, full
-        for ci, conv in enumerate(spec.cases):
-            if not quick:
-                key = f"{op}/stream/{STREAM_SHAPE[0]}x{STREAM_SHAPE[1]}/c{ci}"
-                yield key, op, STREAM_SHAPE, f32, "bench", conv, full
-        f64 = np.dtype(np.float64)
-        for kind in F64_EXTREME:
-            for shape in [(4, 1), (4, 3), (131, 257), (9, 4096), (4, 65536)]:
+                        tag = "+".join(ps) or "none"
+                        kinds = [f"bench@{how}" for how in INT8_SCALES] if dt == INT8 else ["bench"]
+                        for kind in kinds if (ci == 0 and ps == full) else kinds[:1]:
+                            key = f"{op}/small/{_name(dt)}/{shape[0]}x{shape[1]}/c{ci}/q{qi}/{tag}/{kind}"
+                            yield key, op, shape, dt, kind, {**conv, **qm}, ps
+        hard = [f"{k}@row" for k in INT8_KINDS[1:]] if dt == INT8 else list(HARD_KINDS)
+        for kind in hard:
+            for shape in HARD_SHAPES:
                 for ci, conv in enumerate(spec.cases):
                     if conv.get("correction", 0) >= shape[1]:
                         continue
-                    yield f"{op}/f64x/{kind}/{shape[0]}x{shape[1]}/c{ci}", op, shape, f64, kind, conv, full
+                    for qi in (0, 1, 2, 3) if ci == 0 else (2,):
+                        key = f"{op}/hard/{_name(dt)}/{kind}/{shape[0]}x{shape[1]}/c{ci}/q{qi}"
+                        yield key, op, shape, dt, kind, {**conv, **QUANT_MODES[qi]}, full
 
 
 def run_case(
@@ -160,14 +243,19 @@ def run_case(
 ) -> dict[str, np.ndarray]:
     spec = SPECS[op]
     seed = sum(ord(c) * (i + 1) for i, c in enumerate(f"{op}{shape}{_name(dt)}{kind}")) % (1 << 31)
+    kind, _, scale_kind = kind.partition("@")
     x, dy, w, b = _data(shape, dt, seed, kind)
     rng = np.random.default_rng(seed + 1)
-    inputs = spec.example_inputs(shape, 1, dt, rng, options=conv)
-    others = dict(zip(spec.param_names, spec.example_params(shape[1:], dt, rng, options=conv), strict=True))
+    pdt = np.dtype(np.float32) if dt == INT8 else dt
+    inputs = spec.example_inputs(shape, 1, pdt, rng, options=conv)
+    if scale_kind:  # an int8 x: its row_scale input
+        inputs = [_x_scale(shape[0], scale_kind, rng) if i.kind == "row_scale" else a
+                  for i, a in zip(spec.inputs, inputs, strict=True)]  # fmt: skip
+    others = dict(zip(spec.param_names, spec.example_params(shape[1:], pdt, rng, options=conv), strict=True))
     pool = {**others, **{p.name: {"weight": w, "bias": b}[p.name] for p in spec.params
                          if p.kind == "feature" and p.name in ("weight", "bias")}}  # fmt: skip
     params = [pool[p.name] if (p.name in ps or p.required) else None for p in spec.params]
-    fwd = getattr(pynorm, f"{op}_forward")
+    fwd = spec.generic_forward()
     bwd = getattr(pynorm, f"{op}_backward")
     with np.errstate(all="ignore"):
         y, ctx = fwd(x, *inputs, *params, backend=backend, **conv)
@@ -176,15 +264,21 @@ def run_case(
         if ys[0].shape != x.shape or gdt != x.dtype:
             dy = rng.standard_normal(ys[0].shape).astype(gdt)
         grads = bwd(dy, ctx)
-    out = {("y" if i == 0 else spec.outputs[i]): np.asarray(a) for i, a in enumerate(ys)}
+    out = {("y" if i == 0 else spec.outputs[i] if i < len(spec.outputs) else f"out{i}"): np.asarray(a)
+           for i, a in enumerate(ys)}  # fmt: skip
     inner = ctx.inner
-    for st in ("mean", "rstd"):
-        if hasattr(inner, st):
+    for st in ("mean", "rstd", "scale", "keep"):
+        if getattr(inner, st, None) is not None:
             out[st] = np.asarray(getattr(inner, st))
     for gname, g in zip(spec.grad_names, grads, strict=True):
         if g is not None:
             out[gname] = np.asarray(g)
     return out
+
+
+def _put(zf: zipfile.ZipFile, name: str, a: np.ndarray) -> None:
+    with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array(f, np.asanyarray(a), allow_pickle=False)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -226,9 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         "with a record of the plain kernels)",
     )
     p.add_argument("--only", default="", help="compare: only the cases whose key contains this string")
-    p.add_argument(
-        "--ops", default="", help="comma-separated ops (default: the ops of the stats and elementwise kernel families)"
-    )
+    p.add_argument("--ops", default="", help="comma-separated ops (default: the ops of the kernel families, FAMILIES)")
     args = p.parse_args(argv)
     if args.threads is not None:
         pynorm.set_num_threads(args.threads)
@@ -239,22 +331,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pynorm from {pynorm.__file__}; backend {args.backend}; threads {pynorm.get_num_threads()}", flush=True)
     t0 = time.perf_counter()
     ops = tuple(o for o in args.ops.split(",") if o)
-    unknown = [o for o in ops if o not in SPECS or SPECS[o].family not in ("stats", "elementwise")]
-    if unknown:
-        p.error(f"--ops: {', '.join(unknown)}: only the ops of the stats and elementwise families are recorded")
     unknown = [o for o in ops if o not in SPECS]
     if unknown:
         p.error(f"unknown op(s) {unknown}; known: {', '.join(SPECS)}")
+    unknown = [o for o in ops if SPECS[o].family not in FAMILIES]
+    if unknown:
+        p.error(
+            f"--ops: {', '.join(unknown)}: only the ops of the kernel families ({', '.join(FAMILIES)}) are recorded"
+        )
     if args.mode == "save":
-        record: dict[str, np.ndarray] = {}
-        n = 0
-        for key, op, shape, dt, kind, conv, ps in cases(args.quick, ops):
-            for out_name, a in run_case(args.backend, op, shape, dt, kind, conv, ps).items():
-                record[f"{key}|{out_name}"] = a.view(np.uint16) if a.dtype == BF16 else a
-                record[f"{key}|{out_name}|dtype"] = np.array(_name(a.dtype))
-            n += 1
-        np.savez(args.file, **record)
-        print(f"saved {n} cases ({len(record) // 2} outputs) to {args.file} in {time.perf_counter() - t0:.0f} s")
+        n = outputs = 0
+        # written as it goes (the layout of numpy.savez: one .npy member per array), not held in memory
+        with zipfile.ZipFile(args.file, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for key, op, shape, dt, kind, conv, ps in cases(args.quick, ops):
+                for out_name, a in run_case(args.backend, op, shape, dt, kind, conv, ps).items():
+                    _put(zf, f"{key}|{out_name}", a.view(np.uint16) if a.dtype == BF16 else a)
+                    _put(zf, f"{key}|{out_name}|dtype", np.array(_name(a.dtype)))
+                    outputs += 1
+                n += 1
+        print(f"saved {n} cases ({outputs} outputs) to {args.file} in {time.perf_counter() - t0:.0f} s")
         return 0
     rec = np.load(args.file)
     n = same = 0

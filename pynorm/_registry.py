@@ -215,9 +215,10 @@ def op_module(name: str, op: str) -> Any:
 
     ``OPS[op]`` names a submodule of the backend package. That module is the implementation
     itself (``forward``/``backward`` functions), or -- for a module serving several ops, such as
-    a kernel family -- it maps op names to implementations in ``OP_IMPLS``. A composite op the package
-    does not list is the composite's shared implementation bound to the backend
-    (``<Composite.impl>.bind(op, name)``: it runs the ops it builds on, on this backend).
+    a kernel family -- it maps op names to implementations in ``OP_IMPLS``; options the backend leaves to a
+    composite above it (``COMPOSED`` of its package: the casting policies) are bound around that implementation
+    (:func:`_composed`). A composite op the package does not list is the composite's shared implementation bound
+    to the backend (``<Composite.impl>.bind(op, name)``: it runs the ops it builds on, on this backend).
     """
     return _memoized(("op", name, op), lambda: (name, _op_module(name, op)))[1]
 
@@ -254,7 +255,25 @@ def _op_module(name: str, op: str) -> Any:
             return _bound[(name, op)]
     mod = importlib.import_module(f"{pkg.__name__}.{pkg.OPS[op]}")
     impls = getattr(mod, "OP_IMPLS", None)
-    return impls[op] if impls is not None else mod
+    return _composed(name, op, pkg, impls[op] if impls is not None else mod)
+
+
+def _composed(name: str, op: str, pkg: ModuleType, impl: Any) -> Any:
+    """``impl`` with the options composed above the backends bound around it: for each option of ``op``'s spec in
+    :data:`pynorm.ops.families.COMPOSED` (``casting``) that the backend's package lists in its ``COMPOSED``
+    (option -> the submodule of the backend's pieces for that composite), the composite's
+    ``bind(op, name, impl, pieces)`` -- it runs the option's non-default values from the backend's own ops (the
+    default goes straight to ``impl``). A backend implementing the option itself (the reference) lists nothing."""
+    composed = getattr(pkg, "COMPOSED", None)
+    if not composed:
+        return impl
+    from .ops import SPECS, families
+
+    for option in families.composed_options(SPECS[op]):
+        if option in composed:
+            pieces = importlib.import_module(f"{pkg.__name__}.{composed[option]}")
+            impl = importlib.import_module(families.COMPOSED[option][1]).bind(op, name, impl, pieces)
+    return impl
 
 
 def list_backends() -> list[BackendInfo]:

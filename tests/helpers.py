@@ -15,6 +15,7 @@ import numpy as np
 import pynorm
 from pynorm import ops
 from pynorm import testing as _testing
+from pynorm.ops import families
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -78,8 +79,9 @@ class OpSpec:
 
     @property
     def centered(self) -> bool:
-        """Output rows have mean 0 without affine (the centred statistic: LayerNorm)."""
-        return getattr(self.spec.variant, "statistic", None) == "centered"
+        """Output rows have mean 0 without affine (a statistic centring the row: LayerNorm; its family record)."""
+        statistic = getattr(self.spec.variant, "statistic", None)
+        return statistic is not None and families.STATISTICS[statistic].mean
 
     @property
     def differentiable(self) -> tuple[bool, ...]:

@@ -267,6 +267,25 @@ def _signature(src: str, kernel: str) -> list[tuple[str, str]]:
 _FAMILY_FILES = ("stats.cu", "elementwise.cu", "quantize.cu", "intype.cu")
 
 
+def test_the_kernels_offer_what_the_records_name(monkeypatch):
+    """``_loader.supports`` and ``variant_args`` follow the families' records: a statistic is offered when its
+    record names a policy and normalizes the row (the kernels keep sums of the centred values in A), its policy is
+    the record's, and every statistic's r is its policy's ``rstd`` (no kernel forms r itself)."""
+    import dataclasses
+
+    from pynorm import ops
+    from pynorm.ops import families
+
+    src = (Path(str(_loader.kernel_dir())) / "stats.cu").read_text()
+    assert src.count("Stat::rstd(") == 1 and "finalize_rstd(" not in src.replace("return finalize_rstd(", "")
+    st = families.STATISTICS["mean_square"]
+    for changes, offered in (({}, True), ({"normalizes": False}, False), ({"cuda": ""}, False)):
+        monkeypatch.setitem(families.STATISTICS, "mean_square", dataclasses.replace(st, **changes))
+        assert _loader.supports(ops.RMS_NORM) is offered, changes
+    monkeypatch.setitem(families.STATISTICS, "mean_square", dataclasses.replace(st, cuda="pynorm::Other"))
+    assert _loader.variant_args(ops.RMS_NORM)[0] == "pynorm::Other"
+
+
 @pytest.mark.parametrize(("file", "kernel"), [(f, k) for f in _FAMILY_FILES for k in _loader.KERNELS[f]])
 def test_argument_dataclasses_mirror_the_kernel_signatures(file, kernel):
     """The host passes each kernel's arguments from one dataclass; its fields must be the kernel's

@@ -9,10 +9,14 @@ backward, streaming stores, slow rows) for every variant of the statistics famil
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+import math
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -21,7 +25,9 @@ numba = pytest.importorskip("numba", reason="numba is not installed: the numba b
 
 from pynorm.backends.numba import _layout, _storage, _threads, stats  # noqa: E402
 from pynorm.backends.numba import _stats_kernels as kern  # noqa: E402
+from pynorm.backends.numba._args import Affine, Conventions, Grad, Partials, Rows, RowStats, plain  # noqa: E402
 from pynorm.ops import SPECS  # noqa: E402
+from pynorm.ops.families import affine_of, composed_options, kernel_args  # noqa: E402
 from pynorm.reference import layer_norm as rln  # noqa: E402
 from pynorm.reference import rms_norm as rrms  # noqa: E402
 from pynorm.testing import make_input, max_ulp_error, term_scales  # noqa: E402
@@ -105,7 +111,7 @@ def assert_close(g: Any, gr: Any, dt: Any, what: str = "") -> None:
 VARIANTS = [
     (op, conv)
     for op, impl in stats.OP_IMPLS.items()
-    if not impl.residual and SPECS[op].variant.affine != "table"  # type: ignore[union-attr]
+    if not impl.residual and not affine_of(SPECS[op]).index
     for conv in SPECS[op].cases
 ]
 VARIANT_IDS = [f"{op}-{','.join(f'{k}={v}' for k, v in c.items()) or 'default'}" for op, c in VARIANTS]
@@ -117,19 +123,21 @@ def _storage_of(a: Any) -> Any:
     return storage(a)
 
 
-def _kernel_args(op: str, conv: dict[str, Any], x: Any, w: Any, b: Any) -> tuple[Any, ...]:
-    """``(stat, w_eff, b, eps, corr, std_mode, mean, rstd)`` of the family's kernels for ``op``/``conv``."""
-    from pynorm.backends.numba import _common as cm
+def _kernel_args(op: str, conv: dict[str, Any], x: Any, w: Any, b: Any) -> tuple[Any, Affine, Conventions, RowStats]:
+    """``(stat, affine, conventions, row_stats)`` of the family's kernels for ``op``/``conv`` (the bundles of
+    :mod:`pynorm.backends.numba._args`; ``x`` in storage form): the conventions as the host reads them
+    (:func:`pynorm.ops.families.kernel_args`), the weight and bias as the host prepares them, fresh per-row
+    outputs (an aux array where the statistic's record has an aux value)."""
+    from pynorm.backends.numba import _common as common
 
     impl = stats.OP_IMPLS[op]
-    o = {**SPECS[op].defaults(), **conv}
-    mode = stats.EPS_MODES[o.get("eps_mode", "var")]
-    mdt = cm.math_dtype(x.dtype if x.dtype.kind == "f" else np.float32)
+    ka = kernel_args(SPECS[op], {**SPECS[op].defaults(), **conv})
+    mdt = common.math_dtype(x.dtype if x.dtype.kind == "f" else np.float32)
     rows = x.shape[0]
-    we = cm.effective_weight(w, float(o.get("weight_offset", 0.0)), mdt)
-    be = cm.param(b, mdt) if "bias" in SPECS[op].param_names else None
-    mean = np.empty(rows) if impl.centered or impl.floors else None
-    return impl.stat, we, be, float(o["eps"]), int(o.get("correction", 0)), mode, mean, np.empty(rows)
+    we = common.effective_weight(w, ka.weight_offset, mdt)
+    be = common.param(b, mdt) if impl.bias_name else None
+    aux = np.empty(rows) if impl.statistic.aux else None
+    return impl.stat, Affine(we, be), Conventions.of(ka), RowStats(aux, np.empty(rows))
 
 
 # ---------------------------------------------------------------------------
@@ -590,34 +598,17 @@ def test_float64_extreme_rows_take_the_slow_path(variant: tuple[str, dict[str, A
             continue
         x = extreme_f64(kind, (5, 300), rng)
         dy = rng.standard_normal(x.shape)
-        stat, _, _, eps, corr, std, mean, rstd = _kernel_args(op, conv, x, None, None)
-        stats.forward_rows(stat, x, None, None, None, None, eps, corr, std, np.empty_like(x), mean, rstd, False)
+        stat, aff, conv_k, row_stats = _kernel_args(op, conv, x, None, None)
+        stats.forward_rows(stat, Rows(x), aff, conv_k, np.empty_like(x), row_stats, False)
         scale = np.empty(5, np.int64)
-        cs = np.empty(5) if stats.OP_IMPLS[op].centered else None
-        pending = kern.bwd_rows(
-            stat, x, dy, None, None, mean, rstd, corr, std, None, np.empty_like(x), scale, cs, None, 0, x.shape[0]
-        )
+        cs = np.empty(5) if stats.OP_IMPLS[op].statistic.mean else None
+        aff_, rs_, conv_, grad_ = (plain(b) for b in (aff, row_stats, conv_k, Grad(np.empty_like(x))))
+        pending = kern.bwd_rows(stat, x, dy, aff_, rs_, conv_, grad_, scale, cs, None, 0, x.shape[0])
         assert pending == 5 and np.all(scale == kern.PENDING), kind
         if kind not in ("huge_offset", "very_tiny"):  # ... and so do the forward's rows
-            left = kern.fwd(
-                stat,
-                x,
-                None,
-                None,
-                None,
-                None,
-                eps,
-                corr,
-                std,
-                np.empty_like(x),
-                mean,
-                rstd,
-                None,
-                0,
-                x.shape[0],
-            )
+            left = kern.fwd(stat, plain(Rows(x)), aff_, conv_, np.empty_like(x), rs_, None, 0, x.shape[0])
             assert left == 5, kind
-            assert np.all(rstd == -1.0)
+            assert np.all(row_stats.rstd == -1.0)
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=name)
@@ -792,9 +783,9 @@ def test_streaming_stores_match_plain_stores(variant: tuple[str, dict[str, Any]]
         for stream in (False, True):
             buf = np.full(rows * h + 16, np.float32(7.0))
             y = buf[off : off + rows * h].reshape(rows, h)
-            stat, we, be, eps, corr, std, mean, rstd = _kernel_args(op, conv, x, w, b)
-            stats.forward_rows(stat, x, None, we, be, None, eps, corr, std, y, mean, rstd, stream)
-            outs.append((buf.copy(), mean, rstd))
+            stat, aff, conv_k, row_stats = _kernel_args(op, conv, x, w, b)
+            stats.forward_rows(stat, Rows(x), aff, conv_k, y, row_stats, stream)
+            outs.append((buf.copy(), *row_stats))
         for a, c in zip(outs[0], outs[1], strict=True):
             np.testing.assert_array_equal(a, c)
     assert _layout.use_stream(np.empty((4096, 1024), np.float32))
@@ -817,8 +808,8 @@ def test_streaming_backward_matches_plain_stores(variant: tuple[str, dict[str, A
     dy = rng.standard_normal((rows, h)).astype(np.float32)
     w = rng.standard_normal(h).astype(np.float32) if "w" in params else None
     b = rng.standard_normal(h).astype(np.float32) if "b" in params and "bias" in SPECS[op].param_names else None
-    stat, we, be, eps, corr, std, mean, rstd = _kernel_args(op, conv, x, w, b)
-    stats.forward_rows(stat, x, None, we, be, None, eps, corr, std, np.empty_like(x), mean, rstd, False)
+    stat, aff, conv_k, row_stats = _kernel_args(op, conv, x, w, b)
+    stats.forward_rows(stat, Rows(x), aff, conv_k, np.empty_like(x), row_stats, False)
     nb = -(-rows // _layout.ROW_BLOCK)
     streamed = []
     for off in (0, 5):
@@ -831,7 +822,7 @@ def test_streaming_backward_matches_plain_stores(variant: tuple[str, dict[str, A
                 pw = np.empty((nb, h), np.float32) if w is not None else None
                 pb = np.empty((nb, h), np.float32) if b is not None else None
                 scale, cs = stats.backward_rows(
-                    stat, path, x, dy, we, None, mean, rstd, corr, std, None, dx, pw, pb, stream
+                    stat, path, x, dy, aff._replace(bias=None), row_stats, conv_k, Grad(dx), Partials(pw, pb), stream
                 )
                 res += [buf.copy(), pw, pb, scale, cs]
             got.append(res)
@@ -875,15 +866,17 @@ def test_backward_paths_agree(variant: tuple[str, dict[str, Any]], dt: Any, shap
     x[-1, ::2] = np.asarray(float(np.finfo(dt).max) / 3, dtype=dt)
     xs, dys = _storage_of(x), _storage_of(dy)
     bias = b if "bias" in SPECS[op].param_names else None
-    stat, we, be, eps, corr, std, mean, rstd = _kernel_args(op, conv, xs, w, bias)
-    stats.forward_rows(stat, xs, None, we, be, None, eps, corr, std, np.empty_like(xs), mean, rstd, False)
+    stat, aff, conv_k, row_stats = _kernel_args(op, conv, xs, w, bias)
+    stats.forward_rows(stat, Rows(xs), aff, conv_k, np.empty_like(xs), row_stats, False)
     nb = -(-shape[0] // _layout.ROW_BLOCK)
     mdt = np.float64 if np.dtype(dt) == np.float64 else np.float32
     out = {}
     for path in ("fused", "rows"):
         dx = np.empty_like(xs)
         pw, pb = np.empty((nb, shape[1]), mdt), (np.empty((nb, shape[1]), mdt) if bias is not None else None)
-        scale, _ = stats.backward_rows(stat, path, xs, dys, we, None, mean, rstd, corr, std, None, dx, pw, pb, False)
+        scale, _ = stats.backward_rows(
+            stat, path, xs, dys, aff._replace(bias=None), row_stats, conv_k, Grad(dx), Partials(pw, pb), False
+        )
         out[path] = (dx, scale, pw.astype(np.float64).sum(0), None if pb is None else pb.astype(np.float64).sum(0))
     (dx_f, sc_f, w_f, b_f), (dx_r, sc_r, w_r, b_r) = out["fused"], out["rows"]
     np.testing.assert_array_equal(dx_f, dx_r)
@@ -893,7 +886,7 @@ def test_backward_paths_agree(variant: tuple[str, dict[str, Any]], dt: Any, shap
     assert rel(w_f, w_r) <= tol and (b_f is None or rel(b_f, b_r) <= tol)
 
 
-RESIDUAL_TABLE_OPS = [n for n, impl in stats.OP_IMPLS.items() if impl.residual or SPECS[n].variant.affine == "table"]
+RESIDUAL_TABLE_OPS = [n for n, impl in stats.OP_IMPLS.items() if impl.residual or affine_of(SPECS[n]).index]
 
 
 @pytest.mark.parametrize("shape", [(9, 4000), (_layout.FUSED_MIN_ROWS + 5, 70)], ids=str)
@@ -964,7 +957,8 @@ def test_op_impls_follow_the_specs() -> None:
     for n, spec in kernel_ops.items():
         assert nb.OPS[n] == spec.family
         impl = _registry.op_module("numba", n)
-        assert impl is families[spec.family][n]
+        # (with the casting policies composed above the backend where the op has them: pynorm.composite.casting)
+        assert (impl.impl if composed_options(spec) else impl) is families[spec.family][n]
         x = rng.standard_normal((4, 6)).astype(np.float32)
         inputs = [
             x.copy() if i.kind == "like_x" else None if i.kind == "row_scale" else np.arange(4) % 2 for i in spec.inputs
@@ -1122,3 +1116,107 @@ def test_split_rows_with_streaming_stores(op: str, monkeypatch: pytest.MonkeyPat
     plain = _split_case(op, shape, np.float32, {})
     monkeypatch.setattr(stats, "FORCE_SPLIT", True)
     _assert_bitwise(_split_case(op, shape, np.float32, {}), plain)
+
+
+# ---------------------------------------------------------------------------
+# a statistic defined here, at run time: its record and pieces, no kernel edited
+
+
+_tcast = _storage.tcast
+
+
+def _centre_only_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, aux):  # type: ignore[no-untyped-def]
+    # y = x - mean: dx = g - mean(g), no xhat term (r = 1 does not depend on x)
+    return math.isfinite(sg), _tcast(xr, sg / xr.shape[0]), _tcast(xr, 0.0)
+
+
+def _centre_only_pieces() -> dict[Any, Any]:
+    from pynorm.backends.numba import _rowstats as rs
+
+    return {
+        **rs.CENTERED,
+        rs.rfactor: lambda stat, v, eps, mode: 1.0,  # r = 1: the row is centred, not scaled
+        rs.scaled_rstd: lambda stat, v_s, e, eps, mode: (1.0, math.ldexp(1.0, e)),
+        rs.eps_outside: lambda stat, mode: False,
+        rs.bwd_finish: _centre_only_bwd_finish,
+        rs.slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: 0.0,
+    }
+
+
+#: its pieces (named by its record as "module:attribute")
+CENTRE_ONLY = _centre_only_pieces()
+#: its name carries a hash of this file: numba's disk cache stamps the backend's own sources only, and kernels of
+#: this statistic compiled from an older version of these pieces must not be found under the same type
+CENTRE_ONLY_NAME = "centre_only_" + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _CentreCtx:
+    x: Any
+    weight: Any
+    bias: Any
+    mean: Any
+    rstd: Any
+    weight_offset: float
+
+
+class _CentreGrads(NamedTuple):
+    dx: Any
+    dweight: Any
+    dbias: Any
+
+
+def test_a_statistic_without_normalization_is_its_record_and_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # y = (x - mean) (w + o) + b: a statistic whose r is 1 -- its own r rule in its pieces, no eps -- and which does
+    # not normalize, so xhat keeps the input's magnitude: the kernels run unchanged, and the parameter-gradient
+    # partials are float64 (float32 ones overflow on the rows of 1e37 here)
+    from pynorm.backends.cupy import _loader
+    from pynorm.ops import OpSpec, Option, Param, StatsVariant, families
+    from pynorm.ops._spec import check_offset
+
+    record = families.Statistic(
+        CENTRE_ONLY_NAME, "the row centred, not scaled", mean=True, floor=False, rules={None: 3}, correction=False,
+        eps=False, normalizes=False, numba=f"{__name__}:CENTRE_ONLY",
+    )  # fmt: skip
+    monkeypatch.setitem(families.STATISTICS, record.name, record)
+    spec = OpSpec(
+        name="centre_norm", params=(Param("weight"), Param("bias", init=0.0)),
+        options=(Option("weight_offset", 0.0, check_offset),), grads=_CentreGrads, ctx=_CentreCtx,
+        reference="", family="stats", variant=StatsVariant(record.name),  # type: ignore[arg-type]
+        term_scales=lambda *a: {},
+    )  # fmt: skip
+    assert not _loader.supports(spec)  # the CUDA kernels keep sums of u = O(1) in the accumulation type
+    op = stats.StatsOp(spec)
+    assert op._partials_dtype(np.dtype(np.float32)) == np.float64
+    rng = np.random.default_rng(5)
+    rows, h = 2 * _layout.ROW_BLOCK, 257  # two row blocks, a ragged row
+    x = (rng.standard_normal((rows, h)) * 3 + 1).astype(np.float32)
+    # huge rows, alike: their sums of squares overflow float32 (the slow path), and so would a row block's sum of
+    # dy * xhat in float32 partials -- dy > 0 in the first block, < 0 in the second: the total stays finite
+    x[::3] = ((rng.standard_normal(h) * 3 + 1) * 5e36).astype(np.float32)
+    x[1] = 2.5  # a constant row
+    w = (1 + 0.5 * rng.standard_normal(h)).astype(np.float32)
+    b = rng.standard_normal(h).astype(np.float32)
+    dy = (np.abs(rng.standard_normal((rows, h))) + 0.5).astype(np.float32)
+    dy[_layout.ROW_BLOCK :] *= -1
+    for offset, fused in ((0.0, True), (1.0, True), (1.0, False)):  # row blocks; rows then column tiles
+        monkeypatch.setattr(stats, "use_fused", lambda r, hh, f=fused: f)
+        y, ctx = op.forward(x, w, b, weight_offset=offset)
+        grads = op.backward(dy, ctx)
+        x64, dy64, we = x.astype(np.float64), dy.astype(np.float64), w.astype(np.float64) + offset
+        d = x64 - x64.mean(axis=1, keepdims=True)
+        g = dy64 * we
+        want = {
+            "y": d * we + b, "dx": g - g.mean(axis=1, keepdims=True), "dweight": (dy64 * d).sum(0),
+            "dbias": dy64.sum(0),
+        }  # fmt: skip
+        got = {"y": y, "dx": grads.dx, "dweight": grads.dweight, "dbias": grads.dbias}
+        np.testing.assert_array_equal(ctx.rstd, 1.0)
+        np.testing.assert_allclose(ctx.mean, x64.mean(axis=1), rtol=1e-6)
+        for name, ref in want.items():
+            a = got[name].astype(np.float64)
+            assert np.all(np.isfinite(a)), name
+            # (the two backward paths agree to rounding here, not bitwise: float64 partials beside float32 sums
+            # vectorize the fused loop differently)
+            scale = np.abs(ref).max(axis=-1, keepdims=True) if ref.ndim == 2 else np.abs(dy64 * d).sum(0) + 1
+            assert np.all(np.abs(a - ref) <= 2e-6 * scale), (name, fused)

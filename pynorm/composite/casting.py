@@ -1,8 +1,11 @@
-"""The casting policies of LayerNorm and RMSNorm on a fast backend, built from its own kernels.
+"""The casting policies of LayerNorm and RMSNorm on a fast backend, built from its own kernels, composed above it.
 
 The rounding sequences are defined once, in :mod:`pynorm.reference.casting` (the ``numpy`` backend
-computes them literally). A fast backend's statistics op hands every non-default ``casting`` to
-:class:`Casting`, which runs it from two kernel-family instances of that backend:
+computes them literally). A fast backend implements ``casting="fp32"`` only; the registry composes the other
+policies around it (:func:`bind`, for every op with a ``casting`` option on a backend whose package lists
+``"casting"`` in ``COMPOSED``: :data:`pynorm.ops.families.COMPOSED`), so no backend imports this module.
+:class:`Casting` runs them from two kernel-family instances of that backend and its *pieces* module (the
+package's ``COMPOSED["casting"]``: ``cast``, ``copy_into`` and ``InType``):
 
 * ``"gemma"``: the ``"fp32"`` kernels with the effective weight ``rnd_f32(rnd_f32(w) + rnd_f32(o))``
   prepared once per call (an ``(H,)`` vector; where the kernels' math type is float32 they already
@@ -16,8 +19,8 @@ computes them literally). A fast backend's statistics op hands every non-default
   ``"fp32"`` (its backward recomputes ``xhat`` unrounded). For ``"t5"`` with a weight dtype other than
   ``x``'s, ``q``, ``y`` and ``dy`` are converted on the device in between (``cast``).
 
-* ``"none"``: the backend's in-dtype kernels (``intype``: every operation rounded to ``x``'s dtype;
-  the numba backend's ``_intype_kernels``, the cupy backend's ``intype.cu``).
+* ``"none"``: the backend's in-dtype kernels (``InType`` of its pieces module: every operation rounded to ``x``'s
+  dtype; the numba backend's ``_intype_kernels``, the cupy backend's ``intype.cu``).
 
 The cost: one more pass over the activations each way (``q`` is written and read back) than the
 fused ``"fp32"`` kernel for ``"llama"``/``"t5"``; ``"none"`` is a plain row-by-row kernel.
@@ -25,16 +28,20 @@ fused ``"fp32"`` kernel for ``"llama"``/``"t5"``; ``"none"`` is a plain row-by-r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
 from ..errors import ArgumentError
+from ..ops.families import CASTING, COMPOSED
 from ..reference.casting import quantized_dtype
 
-__all__ = ["Casting"]
+__all__ = ["Casting", "Composed", "bind"]
+
+#: the policy the backends implement themselves
+DEFAULT = COMPOSED[CASTING][0]
 
 
 def _fp32_math(x_dtype: Any, w_dtype: Any) -> bool:
@@ -79,7 +86,7 @@ class Casting:
         """``rnd_f32(rnd_f32(w) + rnd_f32(o))`` as float64 values (exact), for kernels computing in float64."""
         return (self.cast(weight, np.float32) + np.float32(offset)).astype(np.float64)
 
-    def forward(self, x: Any, params: dict[str, Any], out: Any, options: dict[str, Any]) -> tuple[Any, Any]:
+    def forward(self, x: Any, params: dict[str, Any], out: Any, options: Mapping[str, Any]) -> tuple[Any, Any]:
         casting = options["casting"]
         names = self.norm.spec.param_names
         weight, bias = params.get("weight"), params.get("bias")
@@ -156,14 +163,47 @@ class Casting:
         return norm.spec.grads(gn.dx, *(rest[n] for n in names))
 
 
-def numpy_ops() -> tuple[Callable[[Any, Any], Any], Callable[[Any, Any], None]]:
-    """``(cast, copy_into)`` for NumPy arrays: the reference's correct rounding, :func:`numpy.copyto`."""
-    from .._dtypes import round_to
+class Composed:
+    """An op's implementation on a fast backend (``impl``, ``casting="fp32"`` only) with the other casting
+    policies composed around it: the same ``forward``/``backward`` contract, every non-default ``casting`` run by
+    :class:`Casting` (made on first use by ``make``)."""
 
-    def cast(a: Any, dtype: Any) -> Any:
-        return np.ascontiguousarray(round_to(a, dtype))
+    def __init__(self, impl: Any, make: Callable[[], Casting]) -> None:
+        self.impl = impl
+        self.spec = impl.spec
+        self._make = make
+        self._policies: Casting | None = None
+        self._n_inputs = len(self.spec.inputs)
 
-    def copy_into(dst: Any, src: Any) -> None:
-        np.copyto(dst, src, casting="no")
+    def __repr__(self) -> str:
+        return f"<{self.impl!r} with its casting policies composed>"
 
-    return cast, copy_into
+    @property
+    def policies(self) -> Casting:
+        if self._policies is None:
+            self._policies = self._make()
+        return self._policies
+
+    def forward(self, x: Any, *args: Any, out: Any = None, **options: Any) -> Any:
+        if options.get(CASTING, DEFAULT) == DEFAULT:
+            return self.impl.forward(x, *args, out=out, **options)
+        params = dict(zip(self.spec.param_names, args[self._n_inputs :], strict=True))
+        return self.policies.forward(x, params, out, {**self.spec.defaults(), **options})
+
+    def backward(self, dy: Any, ctx: Any, dx_out: Any = None, **upstream: Any) -> Any:
+        if getattr(ctx, CASTING, DEFAULT) == DEFAULT:
+            return self.impl.backward(dy, ctx, dx_out=dx_out, **upstream)
+        return self.policies.backward(dy, ctx, dx_out)
+
+
+def bind(op: str, backend: str, impl: Any, pieces: Any) -> Composed:
+    """``impl`` (op ``op`` on ``backend``) with the casting policies composed around it, run on the backend's
+    own ops (its PowerNorm as the identity) and ``pieces`` (the backend's module of ``cast(a, dtype)``,
+    ``copy_into(dst, src)`` and the in-dtype kernels ``InType(spec)``). Called by the registry."""
+    from .. import _registry
+
+    def make() -> Casting:
+        identity = _registry.op_module(backend, "power_norm")
+        return Casting(impl, identity, pieces.cast, pieces.copy_into, pieces.InType(impl.spec))
+
+    return Composed(impl, make)

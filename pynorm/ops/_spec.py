@@ -208,7 +208,9 @@ class OpSpec:
         after ``x``, the parameters, the per-row statistics and the options).
     reference : import path of the reference module (``forward``/``backward`` on ``(R, H)`` arrays).
     family, variant : the kernel family of the fast backends and the variant implementing the op;
-        ``"composite"`` with a :class:`Composite` for an op built from other ops.
+        ``"composite"`` with a :class:`Composite` for an op built from other ops. The spec is checked against
+        the family's records when it is made (:func:`pynorm.ops.families.check_spec`: the options, ctx
+        fields, parameters and inputs the variant's choices need).
     term_scales : ``term_scales(x2, arrays, dy2, options) -> {output: scale}``, float64 arrays of the
         magnitude of the terms each output and gradient is computed from
         (:func:`pynorm.testing.term_scales`); ``arrays`` maps the names of the extra inputs, the
@@ -271,6 +273,11 @@ class OpSpec:
     result_type: str = ""
     doc: str = ""
     backward_doc: str = ""
+
+    def __post_init__(self) -> None:
+        from .families import check_spec
+
+        check_spec(self)  # the spec against its kernel family's contract (FamilyError)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -487,4 +494,5 @@ def one_of(*choices: Any, doc: str = "") -> Callable[[Any, str], Any]:
         shown = " or ".join(repr(c) for c in choices)
         raise ArgumentError(f"{name} must be {shown}{f' ({doc})' if doc else ''}, got {v!r}")
 
+    check.choices = choices  # type: ignore[attr-defined]  # read by the family check (pynorm.ops.families)
     return check

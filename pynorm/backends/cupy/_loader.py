@@ -63,25 +63,30 @@ KERNELS: dict[str, tuple[str, ...]] = {
 #: kernel family -> the source file implementing it
 FAMILY_FILES = {"stats": "stats.cu", "elementwise": "elementwise.cu", "quantize": "quantize.cu"}
 
-#: C++ policy of each variant axis value (pynorm.ops.StatsVariant / ElementwiseVariant)
-STAT_POLICIES = {"centered": "pynorm::Centered", "mean_square": "pynorm::MeanSquare", "l2": "pynorm::SumSquare"}
-FUNCTION_POLICIES = {"signed_power": "pynorm::SignedPower", "tanh": "pynorm::Tanh"}
-_PROLOGUES = {("plain", "plain"), ("residual", "prenorm")}
+#: the C++ policies of each variant axis value are in their records (:mod:`pynorm.ops.families`: ``cuda``)
 
 
 def supports(spec: Any) -> bool:
-    """Whether the kernels implement ``spec``'s family and variant."""
+    """Whether the kernels implement ``spec``'s family and variant: every choice's record names a policy here (a
+    statistic's also says it normalizes the row: the kernels keep the sums of ``xhat`` terms -- the backward's
+    ``sum(u)``, the parameter-gradient partials -- in the accumulation type, which holds them only for ``xhat =
+    O(1)``)."""
+    from ...ops import families
+
     v = spec.variant
     if spec.family == "stats":
+        st = families.STATISTICS.get(v.statistic)
+        pro = families.PROLOGUES.get(v.prologue)
+        aff = families.AFFINES.get(v.affine)
         return (
-            v.statistic in STAT_POLICIES
-            and v.affine in ("vector", "scalar", "table")
-            and (v.prologue, v.epilogue) in _PROLOGUES
-        )
+            st is not None and bool(st.cuda) and st.normalizes and pro is not None and aff is not None
+            and pro.epilogue == v.epilogue
+        )  # fmt: skip
     if spec.family == "elementwise":
-        return v.function in FUNCTION_POLICIES
+        fn = families.FUNCTIONS.get(v.function)
+        return fn is not None and bool(fn.cuda)
     if spec.family == "quantize":
-        return v.statistic == "centered"
+        return v.statistic in families.QUANTIZE_STATISTICS
     return False
 
 
@@ -107,22 +112,18 @@ def residual_types(t: str, w: str) -> tuple[tuple[str, str], ...]:
 
 
 def variant_args(spec: Any, h: str | None = None, r: str | None = None) -> tuple[str, ...]:
-    """The template arguments after the dtypes that implement ``spec`` (an :class:`pynorm.ops.OpSpec`);
-    ``h``/``r``: the ``(Hd, Rs)`` types of an op with a residual prologue."""
+    """The template arguments after the dtypes that implement ``spec`` (an :class:`pynorm.ops.OpSpec`): its
+    choices' policies (:attr:`pynorm.ops.families.Statistic.cuda`, ...); ``h``/``r``: the ``(Hd, Rs)`` types of
+    an op with a residual prologue."""
+    from ...ops import families
+
     if not supports(spec):
         raise ValueError(f"op {spec.name!r}: the cupy backend has no kernels for {spec.family} {spec.variant}")
-    v = spec.variant
     if spec.family == "elementwise":
-        return (FUNCTION_POLICIES[v.function],)
-    bias = "true" if "bias" in spec.param_names else "false"
-    affine = {"vector": f"pynorm::Vector<{bias}>", "scalar": "pynorm::Scalar", "table": f"pynorm::Table<{bias}>"}
-    if v.prologue == "residual":
-        if h is None or r is None:
-            raise ValueError(f"op {spec.name!r}: a residual prologue needs its (Hd, Rs) types")
-        pro = f"pynorm::Residual<{h}, {r}>"
-    else:
-        pro = "pynorm::Plain"
-    return (STAT_POLICIES[v.statistic], affine[v.affine], pro)
+        return (families.function_of(spec).cuda,)
+    stat = families.statistic_of(spec).cuda
+    affine = families.affine_of(spec).cuda_policy(has_bias=len(spec.params) > 1)
+    return (stat, affine, families.prologue_of(spec).cuda_policy(h, r))
 
 
 def spec_instantiations(spec: Any) -> list[tuple[str, ...]]:
@@ -132,11 +133,17 @@ def spec_instantiations(spec: Any) -> list[tuple[str, ...]]:
         return [(t,) for t in CUDA_TYPES] if supports(spec) else []
     for t in CUDA_TYPES:
         for w in param_types(t):
-            if spec.family == "stats" and spec.variant.prologue == "residual":
+            if spec.family == "stats" and _residual(spec):
                 out.extend((t, w, *variant_args(spec, h, r)) for h, r in residual_types(t, w))
             else:
                 out.append((t, w, *variant_args(spec)))
     return out
+
+
+def _residual(spec: Any) -> bool:
+    from ...ops import families
+
+    return families.prologue_of(spec).residual
 
 
 def family_variants(file: str) -> list[tuple[str, ...]]:

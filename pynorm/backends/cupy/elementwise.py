@@ -22,6 +22,7 @@ import cupy
 
 from ...errors import ContextError
 from ...ops import SPECS, OpSpec
+from ...ops.families import kernel_args
 from . import _host, _launch
 from ._args import EwBwdArgs, EwFwdArgs
 from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
@@ -61,7 +62,7 @@ class ElementwiseOp:
             k = get_kernel(_FILE, "ew_fwd", (plan.T, plan.W, *self.variant))
             chunks, tiles, rpc = _launch.chunk_grid(rows, hidden, x.dtype.itemsize, _host.device_limits())
             vec = _launch.can_vectorize(hidden, x.dtype.itemsize, (x.data.ptr, y.data.ptr))
-            args = EwFwdArgs(x, a, w, b, y, rows, hidden, rpc, options.get("p", 0.0), vec)
+            args = EwFwdArgs(x, a, w, b, y, rows, hidden, rpc, kernel_args(self.spec, options).constant, vec)
             _host.launch(k, (chunks, tiles), _launch.DEFS["APPLY_THREADS"], args.pack())
         values = {"x": x, **named, **options}
         return y, self.spec.ctx(**{n: values[n] for n in self.ctx_fields})
@@ -94,7 +95,7 @@ class ElementwiseOp:
             vec = _launch.can_vectorize(hidden, x.dtype.itemsize, (x.data.ptr, dy.data.ptr, dx.data.ptr))
             args = EwBwdArgs(
                 dy, x, a, w, dx, parts["weight"], parts["bias"], parts["alpha"], rows, hidden, rpc,
-                getattr(ctx, "p", 0.0), vec,
+                kernel_args(self.spec, ctx).constant, vec,
             )  # fmt: skip
             _host.launch(k, (chunks, tiles), _launch.DEFS["APPLY_THREADS"], args.pack())
         grads: dict[str, Any] = {}

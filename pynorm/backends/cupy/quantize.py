@@ -12,12 +12,14 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import cupy
 import numpy as np
 
 from ...ops import SPECS
+from ...ops.families import base_norm, kernel_args
 from ...ops.layer_norm import LayerNormCtx
 from ...ops.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, quantizing
 from ...reference.quant_norm import output_scale
@@ -30,7 +32,6 @@ __all__ = ["OP_IMPLS", "QuantOp"]
 _FILE = FAMILY_FILES["quantize"]
 #: epilogue modes of quantize.cu
 FLOAT, AMAX, ROW, GIVEN = 0, 1, 2, 3
-_EPS_MODES = {"var": 0, "std": 1}
 #: rows in flight per launch (one block per row, grid-stride beyond)
 _MAX_GRID = 1 << 16
 
@@ -49,29 +50,31 @@ class QuantOp:
     def __init__(self, name: str) -> None:
         self.name = name
         self.spec = SPECS[name]
+        self.norm_name = base_norm(self.spec)
 
     @property
     def norm(self) -> Any:
+        """The statistics family's op of the spec's statistic (:func:`pynorm.ops.families.base_norm`)."""
         from .stats import OP_IMPLS as STATS
 
-        return STATS["layer_norm"]
+        return STATS[self.norm_name]
 
     def _quant(self, kernel: str, t: str, rows: int, hidden: int, args: Any) -> None:
         k = get_kernel(_FILE, kernel, (t,))
         _host.launch(k, min(rows, _MAX_GRID), _launch.row_block(hidden), args.pack())
 
     def forward(
-        self, x: cupy.ndarray, x_scale: Any, weight: Any, bias: Any, *, out: Any = None, eps: float,
-        correction: int = 0, eps_mode: str = "var", weight_offset: float = 0.0, quantize: str | None = None,
-        out_scale: float | None = None,
+        self, x: cupy.ndarray, x_scale: Any, weight: Any, bias: Any, *, out: Any = None, quantize: str | None = None,
+        out_scale: float | None = None, **conventions: Any,
     ) -> tuple[Any, QuantLayerNormCtx]:  # fmt: skip
+        """``y`` (or ``q``) and the ctx; ``conventions``: the statistic's options (read by :func:`kernel_args`)."""
         rows, hidden = _launch.check_input(x)
-        conv = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+        kargs = kernel_args(self.spec, conventions)
         quant = quantizing(quantize, out_scale)
         x = _host.contiguous(x)
         xs = None
         if x_scale is None:
-            y, lctx = self.norm.forward(x, weight, bias, out=None if quant else out, **conv)
+            y, lctx = self.norm.forward(x, weight, bias, out=None if quant else out, **conventions)
             mean, rstd = lctx.mean, lctx.rstd
         else:
             xs = cupy.ascontiguousarray(x_scale, dtype=cupy.float64)
@@ -88,8 +91,8 @@ class QuantOp:
                 self._quant("quant_float", _launch.cuda_type(y.dtype), rows, hidden, args)
             else:
                 args8 = QuantInt8Args(
-                    x, xs, w, b, q, yf, srow, amax, kp, mean, rstd, rows, hidden, float(eps), int(correction),
-                    _EPS_MODES[eps_mode], float(weight_offset), mode, s,
+                    x, xs, w, b, q, yf, srow, amax, kp, mean, rstd, rows, hidden, kargs.eps, kargs.correction,
+                    kargs.mode, kargs.weight_offset, mode, s,
                 )  # fmt: skip
                 self._quant("quant_int8", wt, rows, hidden, args8)
 
@@ -114,11 +117,10 @@ class QuantOp:
             else:
                 scale = cupy.empty(rows, dtype=cupy.float32)
                 run(ROW, 0.0, result, None, scale, None, None)
-        ctx = QuantLayerNormCtx(
-            x, xs, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), quantize,
-            out_scale, scale, keep,
-        )  # fmt: skip
-        return result, ctx
+        arrays = dict(x=x, x_scale=xs, weight=weight, bias=bias, mean=mean, rstd=rstd, scale=scale, keep=keep)
+        values = {**self.spec.defaults(), **conventions, **dict(zip(kargs._fields, kargs)), **arrays}
+        values.update(quantize=quantize, out_scale=out_scale)
+        return result, QuantLayerNormCtx(**{f.name: values[f.name] for f in fields(QuantLayerNormCtx)})
 
     def backward(self, dy: cupy.ndarray, ctx: QuantLayerNormCtx, *, dx_out: Any = None) -> QuantLayerNormGrads:
         rows, hidden = (int(d) for d in dy.shape)

@@ -4,9 +4,12 @@
 :class:`StatsOp`: ``forward(x2d, *inputs, *params, out=None, **options) -> (y, ctx)`` (``((y, h), ctx)``
 for the fused residual add) and ``backward(dy2d, ctx, dx_out=None, dh=None) -> grads``, with the ctx
 dataclass and gradient tuple of the op's spec (the reference's) holding CuPy arrays. The op's
-variant picks the kernels' policy template arguments (:func:`._loader.variant_args`): the statistic
-(centred / mean square / sum of squares), the affine source (vector / scalar / table) and the
-prologue (plain x / residual add). Nothing here is specific to one op.
+variant picks the kernels' policy template arguments (:func:`._loader.variant_args`, from the choices'
+records in :mod:`pynorm.ops.families`): the statistic (centred / mean square / sum of squares), the affine
+source (vector / scalar / table) and the prologue (plain x / residual add); the records also say which per-row
+ctx fields the statistic fills, and :func:`pynorm.ops.families.kernel_args` reads the conventions. Nothing here
+is specific to one op. Non-default ``casting`` policies are composed above the backend by the registry
+(:mod:`pynorm.composite.casting`, from :mod:`.intype`).
 
 The kernels' parameter lists are mirrored by the dataclasses of :mod:`._args`; launches pass their
 fields positionally (null pointers where an op has no such operand). Differences from the
@@ -36,6 +39,7 @@ import numpy as np
 
 from ...errors import ContextError, DTypeError
 from ...ops import SPECS, OpSpec, StatsVariant
+from ...ops.families import affine_of, kernel_args, prologue_of, statistic_of
 from . import _host, _launch
 from ._args import BwdApplyArgs, BwdArgs, BwdStatsArgs, FwdArgs
 from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
@@ -43,8 +47,6 @@ from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
 __all__ = ["OP_IMPLS", "StatsOp"]
 
 _FILE = FAMILY_FILES["stats"]
-#: the kernels' eps_mode codes (EpsMode in common.cuh) of every eps_mode option value
-EPS_MODES = {"var": 0, "root": 0, "std": 1, "floor": 2}
 _DTYPES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32", "double": "float64"}
 
 
@@ -100,60 +102,46 @@ class StatsOp:
         if not isinstance(v, StatsVariant):
             raise TypeError(f"op {spec.name!r} is not of the statistics family")
         self.spec = spec
-        self.residual = v.prologue == "residual"
-        self.table = v.affine == "table"
-        self.scalar = v.affine == "scalar"
-        self.centered = v.statistic == "centered"
-        self.floors = v.statistic == "l2"
-        self.weight_name = next((p.name for p in spec.params if p.name != "bias"), "")
+        self.statistic = statistic_of(spec)
+        self.prologue = prologue_of(spec)
+        affine = affine_of(spec)
+        self.residual = self.prologue.residual
+        self.table = affine.index
+        self.scalar = affine.broadcast  # one scalar weight: its gradient is the sum over every column
+        names = spec.param_names  # the scale, then the shift (checked against the affine source's record)
+        self.weight_name = names[0]
+        self.bias_name = names[1] if len(names) > 1 else ""
+        kinds: dict[str, str] = {i.kind: i.name for i in spec.inputs}
+        self.residual_name = kinds.get(self.prologue.input_kind, "")
+        self.ids_name = kinds.get("row_index", "")
         self.ctx_fields = {f.name for f in fields(spec.ctx)}
-        self._cast: Any = None
-
-    def _policies(self) -> Any:
-        """The non-default ``casting`` policies of this op (:mod:`pynorm.composite.casting`)."""
-        if self._cast is None:
-            from ...composite.casting import Casting
-            from .elementwise import OP_IMPLS as EW
-            from .intype import InType
-
-            def cast(a: Any, dtype: Any) -> Any:
-                return _host.cast(a, np.dtype(dtype))
-
-            def copy_into(dst: Any, src: Any) -> None:
-                dst[...] = src
-
-            self._cast = Casting(self, EW["power_norm"], cast, copy_into, InType(self.centered))
-        return self._cast
 
     def _split(self, args: tuple[Any, ...]) -> tuple[dict[str, Any], Any, Any]:
         n = len(self.spec.inputs)
         inputs = dict(zip(self.spec.input_names, args[:n], strict=True))
         named = dict(zip(self.spec.param_names, args[n:], strict=True))
-        return inputs, named.get(self.weight_name), named.get("bias")
+        return inputs, named.get(self.weight_name), named.get(self.bias_name)
 
     def forward(self, x: cupy.ndarray, *args: Any, out: cupy.ndarray | None = None, **options: Any) -> Any:
         """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); see the reference."""
         rows, hidden = _launch.check_input(x)
         inputs, weight, bias = self._split(args)
         options = {**self.spec.defaults(), **options}
-        if options.get("casting", "fp32") != "fp32":
-            return self._policies().forward(x, {self.weight_name: weight, "bias": bias}, out, options)
-        residual = inputs.get("residual")
-        h_dtype = None
-        if self.residual:
-            h_dtype = np.dtype(x.dtype) if options["residual_dtype"] is None else _host_dtype(options["residual_dtype"])
+        kargs = kernel_args(self.spec, options)  # the conventions: eps, correction, r rule, offset, alpha
+        residual = inputs.get(self.residual_name)
+        h_dtype = self.prologue.h_dtype(x.dtype, options)
         ty = _Types(self, x.dtype, weight, bias, h_dtype, _dtype(residual))
         plan = ty.plan
         x = _host.contiguous(x)
         w = _host.prepare_param(weight, plan.acc if plan.casts[0] else None)
         b = _host.prepare_param(bias, plan.acc if plan.casts[1] else None)
         res = _host.cast(residual, ty.r_dtype) if residual is not None else None
-        ids = _ids(inputs["modality_ids"]) if self.table else None
+        ids = _ids(inputs[self.ids_name]) if self.table else None
         y = out if out is not None else _host.empty((rows, hidden), x.dtype)
         h = _host.empty((rows, hidden), ty.h_dtype) if self.residual else None
-        mean = cupy.empty(rows, dtype=plan.acc_dtype) if self.centered else None
+        mean = cupy.empty(rows, dtype=plan.acc_dtype) if self.statistic.mean else None
         rstd = cupy.empty(rows, dtype=plan.acc_dtype)
-        floor = cupy.zeros(rows, dtype=bool) if self.floors else None
+        floor = cupy.zeros(rows, dtype=bool) if self.statistic.floor else None
         if rows:
             k = get_kernel(_FILE, "stats_fwd", ty.args)
             itemsize = x.dtype.itemsize
@@ -171,14 +159,17 @@ class StatsOp:
                 row_itemsize=None if h is None else h.dtype.itemsize,
             )
             args_ = FwdArgs(
-                x, res, w, b, ids, y, h, mean, rstd, floor, rows, hidden,
-                options["eps"], options.get("correction", 0), EPS_MODES[options.get("eps_mode", "var")],
-                options.get("weight_offset", 0.0), options.get("alpha", 1.0), cfg.log2g, cfg.vec, cfg.over_smem > 0,
+                x=x, residual=res, weight=w, bias=b, ids=ids, y=y, h_out=h, mean_out=mean, rstd_out=rstd,
+                floor_out=floor, rows=rows, hidden=hidden, eps=kargs.eps, correction=kargs.correction,
+                eps_mode=kargs.mode, weight_offset=kargs.weight_offset, alpha=kargs.alpha, log2g=cfg.log2g, vec=cfg.vec,
+                over_smem=cfg.over_smem > 0,
             )  # fmt: skip
             _host.launch(k, cfg.grid, cfg.block, args_.pack(), cfg.over_smem)
         values = {
-            "x": x, "h": h, self.weight_name: weight, "bias": bias, "mean": mean, "rstd": rstd, "floor": floor,
-            "modality_ids": ids, "x_dtype": x.dtype, "residual_in_dtype": _dtype(residual), **options,
+            self.weight_name: weight, self.bias_name: bias, self.ids_name: ids, **options,
+            self.prologue.row: h if self.residual else x,
+            **self.statistic.ctx_values(rstd, mean=mean, floor=floor),
+            **self.prologue.ctx_values(x.dtype, _dtype(residual)),
         }  # fmt: skip
         ctx = self.spec.ctx(**{n: values[n] for n in self.ctx_fields})
         return ((y, h), ctx) if self.residual else (y, ctx)
@@ -191,12 +182,11 @@ class StatsOp:
             raise ContextError(
                 f"ctx must be the {self.spec.ctx.__name__} returned by forward, got {type(ctx).__name__}"
             )
-        if getattr(ctx, "casting", "fp32") != "fp32":
-            return self._policies().backward(dy, ctx, dx_out)
-        x = ctx.h if self.residual else ctx.x
+        kargs = kernel_args(self.spec, ctx)
+        x = getattr(ctx, self.prologue.row)
         weight = getattr(ctx, self.weight_name)
-        bias = getattr(ctx, "bias", None)
-        mean = getattr(ctx, "mean", None)
+        bias = getattr(ctx, self.bias_name) if self.bias_name else None
+        mean = ctx.mean if self.statistic.mean else None
         res_dtype = ctx.residual_in_dtype if self.residual else None
         ty = _Types(self, ctx.x_dtype if self.residual else x.dtype, weight, bias, x.dtype if self.residual else None,
                     res_dtype)  # fmt: skip
@@ -207,11 +197,9 @@ class StatsOp:
         dy = _host.contiguous(dy)
         dh = _host.contiguous(dh) if dh is not None else None
         rows, hidden = (int(d) for d in x.shape)
-        correction = getattr(ctx, "correction", 0)
-        eps_mode = EPS_MODES[getattr(ctx, "eps_mode", "var")]
-        alpha = getattr(ctx, "alpha", 1.0)
-        floors = getattr(ctx, "floor", None)
-        ids = getattr(ctx, "modality_ids", None)
+        correction, eps_mode, alpha, offset = kargs.correction, kargs.mode, kargs.alpha, kargs.weight_offset
+        floors = ctx.floor if self.statistic.floor else None
+        ids = getattr(ctx, self.ids_name) if self.ids_name else None
         w = _host.prepare_param(weight, plan.acc if plan.casts[0] else None)
         dx = dx_out if dx_out is not None else _host.empty((rows, hidden), dy.dtype)
         dres = _host.empty((rows, hidden), ty.r_dtype) if self.residual else None
@@ -247,36 +235,46 @@ class StatsOp:
                 part_w, part_b = make_partials(partials)
                 rc = cfg.rows
                 args_ = BwdArgs(
-                    dy, x, dh, w, mean, ctx.rstd, floors, dx, dres, part_w, part_b, rows, hidden, correction,
-                    eps_mode, ctx.weight_offset if hasattr(ctx, "weight_offset") else 0.0, alpha, rc.log2g, rc.vec,
+                    dy=dy, x=x, dh=dh, weight=w, mean=mean, rstd=ctx.rstd, floors=floors, dx=dx, dres=dres,
+                    part_w=part_w, part_b=part_b, rows=rows, hidden=hidden, correction=correction, eps_mode=eps_mode,
+                    weight_offset=offset, alpha=alpha, log2g=rc.log2g, vec=rc.vec,
                 )  # fmt: skip
                 _host.launch(k, rc.grid, rc.block, args_.pack())
             else:
-                ks = get_kernel(_FILE, "stats_bwd_stats", ty.args)
-                ka = get_kernel(_FILE, "stats_bwd_apply", ty.args)
+                k_stats = get_kernel(_FILE, "stats_bwd_stats", ty.args)
+                k_apply = get_kernel(_FILE, "stats_bwd_apply", ty.args)
                 cfg = _launch.backward_config(
-                    rows, hidden, itemsize, plan.acc_itemsize, vec, limits, "split", ks.num_regs, ks.shared_size_bytes
+                    rows,
+                    hidden,
+                    itemsize,
+                    plan.acc_itemsize,
+                    vec,
+                    limits,
+                    "split",
+                    k_stats.num_regs,
+                    k_stats.shared_size_bytes,
                 )
-                offset = getattr(ctx, "weight_offset", 0.0)
                 coefs = cupy.empty((rows, 3), dtype=plan.acc_dtype)
                 rc = cfg.rows
                 sargs = BwdStatsArgs(
-                    dy, x, w, ids, mean, ctx.rstd, floors, coefs, rows, hidden, correction, eps_mode, offset,
-                    rc.log2g, rc.vec,
+                    dy=dy, x=x, weight=w, ids=ids, mean=mean, rstd=ctx.rstd, floors=floors, coefs=coefs, rows=rows,
+                    hidden=hidden, correction=correction, eps_mode=eps_mode, weight_offset=offset, log2g=rc.log2g,
+                    vec=rc.vec,
                 )  # fmt: skip
-                _host.launch(ks, rc.grid, rc.block, sargs.pack())
+                _host.launch(k_stats, rc.grid, rc.block, sargs.pack())
                 order = chunk_rows = None
                 partials = cfg.chunks
                 if self.table:
                     order, chunk_rows, segs, partials = _modality_chunks(ids, n_seg, cfg.rows_per_chunk)
                 part_w, part_b = make_partials(partials)
                 aargs = BwdApplyArgs(
-                    dy, x, dh, w, ids, mean, ctx.rstd, coefs, order, chunk_rows, dx, dres, part_w, part_b, rows,
-                    hidden, cfg.rows_per_chunk, offset, alpha, rc.vec,
+                    dy=dy, x=x, dh=dh, weight=w, ids=ids, mean=mean, rstd=ctx.rstd, coefs=coefs, order=order,
+                    chunk_rows=chunk_rows, dx=dx, dres=dres, part_w=part_w, part_b=part_b, rows=rows, hidden=hidden,
+                    rows_per_chunk=cfg.rows_per_chunk, weight_offset=offset, alpha=alpha, vec=rc.vec,
                 )  # fmt: skip
-                _host.launch(ka, (partials, cfg.tiles), cfg.apply_block, aargs.pack())
+                _host.launch(k_apply, (partials, cfg.tiles), cfg.apply_block, aargs.pack())
         grads: dict[str, Any] = {}
-        for name, part, p in ((self.weight_name, part_w, weight), ("bias", part_b, bias)):
+        for name, part, p in ((self.weight_name, part_w, weight), (self.bias_name, part_b, bias)):
             if name not in self.spec.param_names:
                 continue
             if p is None:
@@ -291,12 +289,6 @@ class StatsOp:
         if self.residual:
             d_inputs = (_host.cast(dres, res_dtype),)
         return self.spec.grads(dx, *d_inputs, *(grads[n] for n in self.spec.param_names))
-
-
-def _host_dtype(name: Any) -> np.dtype[Any]:
-    from ..._dtypes import dtype_of
-
-    return dtype_of(name)
 
 
 def _ids(ids: cupy.ndarray) -> cupy.ndarray:

@@ -11,6 +11,7 @@ Layout of the package (kernels split by piece; :mod:`._cache` keeps numba's disk
 consistent across the files):
 
 * :mod:`._cache` -- the ``jit`` decorator and the cache locator keyed on all the sources;
+* :mod:`._args` -- the named argument bundles of the statistics family's kernels (numba-free);
 * :mod:`._layout` -- chunk/block/tile sizes and the path rules (numba-free);
 * :mod:`._variant` -- variant tags (statistic, store mode) chosen at compile time;
 * :mod:`._storage` -- storage and rounding (float16/bfloat16 bits, one rounding);
@@ -26,23 +27,55 @@ consistent across the files):
 
 Importing this package does not import numba: the kernels compile lazily on first use and are
 cached on disk.
+
+The kernels' contract with the rest of pynorm is the families' records (:mod:`pynorm.ops.families`): each
+statistic's names its pieces here (``_rowstats.CENTERED``, ...), and the hosts read every option and ctx field
+through them (:func:`pynorm.ops.families.kernel_args`). The casting policies are composed above the backend
+(:data:`COMPOSED`): no module here imports :mod:`pynorm.composite`.
+
+Names used throughout the kernels (the argument bundles of :mod:`._args` spell out the first group):
+
+=============  ==========================================================================================
+``stat``       the statistic's tag (:mod:`._variant`): a compile-time choice, its pieces in :mod:`._rowstats`
+``pro``        the prologue: None, or ``(residual, alpha, h)`` -- ``h = x + alpha * residual`` computed first
+``tab``        the affine source's table: None, or ``(ids, M)`` -- row ``i`` uses row ``ids[i]`` of ``(M, H)``
+``aux``        the statistic's per-row value besides ``r``: the mean, or ScaleNorm's floor flag (ctx ``mean`` /
+               ``floor``)
+``ep``         the backward's epilogue: None, or ``(dh, alpha, dresidual)``
+``pw``, ``pb`` the per-row-block partial sums of the weight's / the bias's gradient
+``conv``       the statistic's conventions ``(eps, correction, mode)``; ``mode``: the r rule
+``k``, ``c``   a row's centring ``(x - k) - c``: the shift ``k`` (math type) and the residual ``c``; ``cs``:
+               the rows' ``c``, ``shifts``: the rows' ``k`` (split kernels)
+``r``          the row's factor (ctx ``rstd``); ``r_s = r * 2**e`` on the slow path (rows scaled by ``2**-e``)
+``mdt``        the math type (float32, float64 for float64 data); ``pdt``: the partials' dtype
+``xr``, ``yr``  row ``i`` of ``x``, ``y`` (``dyr``, ``dxr``, ``er``: of ``dy``, ``dx``, the epilogue)
+``ld``, ``st``  load an element in the math type / store one rounded once (:mod:`._storage`); ``tcast``:
+               convert to an array's math type
+``stream``     None, or True for streaming stores (:mod:`._stream`)
+=============  ==========================================================================================
 """
 
 from __future__ import annotations
 
-from ...ops import SPECS
+from ...ops import SPECS, families
 
-#: the variants of each kernel family this backend has kernels for (axis -> choices)
+#: the variants of each kernel family this backend has kernels for (axis -> choices): the statistics and
+#: functions whose records name numba pieces, the prologues, affine sources and epilogues of :mod:`._io`, and the
+#: quantize family's statistics (:mod:`._quant_kernels`)
 VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
     "stats": {
-        "statistic": ("centered", "mean_square", "l2"),
+        "statistic": tuple(n for n, s in families.STATISTICS.items() if s.numba),
         "prologue": ("plain", "residual"),
         "affine": ("vector", "scalar", "table"),
         "epilogue": ("plain", "prenorm"),
     },
-    "elementwise": {"function": ("signed_power", "tanh")},
-    "quantize": {"statistic": ("centered",)},
+    "elementwise": {"function": tuple(n for n, f in families.FUNCTIONS.items() if f.numba)},
+    "quantize": {"statistic": families.QUANTIZE_STATISTICS},
 }
+
+#: options composed above this backend (:data:`pynorm.ops.families.COMPOSED`) -> the submodule holding the
+#: backend's pieces the composite runs on (``casting``: :mod:`.intype`, the in-dtype kernels and the array casts)
+COMPOSED = {families.CASTING: "intype"}
 
 
 def _has_kernels(spec: object) -> bool:

@@ -6,12 +6,15 @@ Helpers (statistic-independent): :func:`_row_shift` and :func:`_shifted_sums` (a
 a shift, the reference's ``row_mean``), :func:`_sum_squares`, :func:`_row_scale` (the power of two
 of the slow path), the compensated sums :func:`_two_sum` / :func:`_cadd`, :func:`_scaled_rstd`.
 
-Pieces (``@overload``-ed on the statistic tag, :mod:`._variant`; :data:`PIECES` holds each statistic's
-implementation of each, so a new statistic adds its functions and one entry there, nothing in the
-kernels):
+Pieces (``@overload``-ed on the statistic tag, :mod:`._variant`): each statistic implements every one of
+:data:`STUBS` in a mapping (:data:`CENTERED`, :data:`MEAN_SQUARE`, :data:`L2`) that its record names
+(``pynorm.ops.families.Statistic.numba``), so a new statistic adds its functions, that mapping and its record,
+nothing in the kernels -- ``r`` included (:func:`rfactor`, :func:`scaled_rstd`):
 
 ========================  ==================================================================
 :func:`fwd_stats`         fast forward statistics of a row: ``(ok, k, c, var)``
+:func:`rfactor`           ``r`` from the row's ``v`` by the r rule ``mode`` (float64)
+:func:`scaled_rstd`       the slow path's ``(r, r * 2**e)`` from the statistics of ``x * 2**-e``
 :func:`fwd_shift`,        the same in three steps, for a row split across threads: its shift, the
 :func:`seg_sums`,         chunk sums of a segment, and the statistics from the sums added in chunk
 :func:`fwd_finish`        order (:mod:`._split_kernels`; bitwise the results of :func:`fwd_stats`)
@@ -25,10 +28,14 @@ kernels):
 :func:`slow_residual`     the residual mean the stored float64 mean misses
 :func:`is_centered`       compile-time constant: the statistic subtracts the mean
 :func:`eps_outside`       ``r = 1 / (sqrt(v) + eps)`` (LayerNorm's ``eps_mode="std"``)
+:func:`row_aux`,          the per-row aux value ctx keeps besides ``r`` (the mean, the floor flag), from
+:func:`slow_aux`          the fast / the slow path's statistics
+:func:`slow_coef`         the slow path's backward coefficient
 ========================  ==================================================================
 
-Statistics: ``"centered"`` (LayerNorm: ``v`` the variance with ``H - correction`` degrees) and
-``"mean_square"`` (RMSNorm: ``v = mean(x^2)``, ``k = c = 0``, no ``gbar``).
+Statistics: ``"centered"`` (LayerNorm: ``v`` the variance with ``H - correction`` degrees),
+``"mean_square"`` (RMSNorm: ``v = mean(x^2)``, ``k = c = 0``, no ``gbar``) and ``"l2"`` (ScaleNorm: ``v =
+sum(x^2)``, the floor flag as aux value).
 
 Numerics of the centred statistic (one pass over the row while it is in cache): the row is
 shifted by ``K = x0 + mean(x[:16] - x0)`` (in ``T``) and ``S1 = sum(x - K)``, ``S2 = sum((x - K)^2)``
@@ -41,6 +48,7 @@ exactly 0. The backward splits ctx's float64 mean the same way (:func:`bwd_centr
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
@@ -48,15 +56,19 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from ...ops.families import R_FLOOR, R_INSIDE, R_OUTSIDE, STATISTICS
 from ._cache import FM_SUM, jit
 from ._layout import CHUNK
 from ._storage import JIT_ONLY, ld, tcast, tiny_sum
 
 __all__ = [
+    "CENTERED",
     "FLOOR",
     "INSIDE",
+    "L2",
+    "MEAN_SQUARE",
     "OUTSIDE",
-    "PIECES",
+    "STUBS",
     "bwd_centring",
     "bwd_finish",
     "centre",
@@ -67,7 +79,10 @@ __all__ = [
     "fwd_stats",
     "gprod",
     "is_centered",
+    "pieces",
+    "rfactor",
     "row_aux",
+    "scaled_rstd",
     "scaled_stats",
     "seg_sums",
     "slow_aux",
@@ -80,11 +95,14 @@ __all__ = [
 _PIECE: Any = {"fastmath": FM_SUM, "error_model": "numpy"}
 
 
-def _choice(stat):  # type: ignore[no-untyped-def]
-    """The statistic a tag's numba type names (``"centered"``, ``"mean_square"``)."""
-    if getattr(stat, "axis", None) != "statistic" or stat.choice not in PIECES:
-        raise TypeError(f"expected a statistic tag, got {stat}")
-    return stat.choice
+def pieces(stat):  # type: ignore[no-untyped-def]
+    """The pieces of the statistic a tag's numba type names: the mapping its record names
+    (:attr:`pynorm.ops.families.Statistic.numba`, ``"module:attribute"``)."""
+    record = STATISTICS.get(str(getattr(stat, "choice", ""))) if getattr(stat, "axis", None) == "statistic" else None
+    if record is None or not record.numba:
+        raise TypeError(f"expected the tag of a statistic with numba pieces, got {stat}")
+    module, _, name = record.numba.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 # ---------------------------------------------------------------------------
@@ -236,9 +254,9 @@ def _centered_scaled_stats(xr, e, corr):  # type: ignore[no-untyped-def]
     return m1, c, max((s2 + t2) - s1 * c, 0.0) / (h - corr)
 
 
-#: eps modes of the kernels (``mode`` argument): eps inside the root, outside it (LayerNorm's "std"), a floor
-#: of the root (ScaleNorm's "floor": ``r = 1 / max(sqrt(v), eps)``)
-INSIDE, OUTSIDE, FLOOR = 0, 1, 2
+#: the r rules of the kernels (``mode`` argument, :mod:`pynorm.ops.families`): eps inside the root, outside it
+#: (LayerNorm's "std"), a floor of the root (ScaleNorm's "floor": ``r = 1 / max(sqrt(v), eps)``)
+INSIDE, OUTSIDE, FLOOR = R_INSIDE, R_OUTSIDE, R_FLOOR
 
 
 @jit()
@@ -347,7 +365,7 @@ def _squares_row(xr):  # type: ignore[no-untyped-def]
 
 
 # ---------------------------------------------------------------------------
-# the pieces: what the kernels call (each statistic implements every one, see PIECES)
+# the pieces: what the kernels call (each statistic implements every one, see STUBS)
 
 
 def is_centered(stat):  # type: ignore[no-untyped-def]
@@ -380,6 +398,18 @@ def slow_coef(stat, sgx, sd2, n, r_s, mode, aux):  # type: ignore[no-untyped-def
 def fwd_stats(stat, xr, corr):  # type: ignore[no-untyped-def]
     """Fast-path statistics of row ``xr``: ``(ok, k, c, v)`` with the centring ``(x - k) - c`` (``k`` in the
     math type, ``c`` float64) and the variance-like ``v`` of ``r``; ``ok`` False: the row needs the slow path."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def rfactor(stat, v, eps, mode):  # type: ignore[no-untyped-def]
+    """``r`` (float64) of the row's variance-like ``v`` by the r rule ``mode`` (:data:`INSIDE`, ...): the
+    statistic's own rule, so a statistic with another ``r`` changes no kernel."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def scaled_rstd(stat, v_s, e, eps, mode):  # type: ignore[no-untyped-def]
+    """The slow path's ``(r, r_s)`` from ``v_s``, the variance-like value of ``x * 2**-e``: ``r`` as
+    :func:`rfactor` of ``v_s * 4**e``, and ``r_s = r * 2**e``, the factor of the scaled centred values."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -572,11 +602,19 @@ def _ms_dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-un
 
 
 # ---------------------------------------------------------------------------
-# registration: each statistic's implementation of each piece (a new statistic is one more entry)
+# registration: each statistic's implementation of each piece (a new statistic is one more mapping, named by its
+# record)
 
-_MEAN_SQUARE = {
+#: the r rules of :func:`_rfactor` / :func:`_scaled_rstd`, as every statistic here forms ``r``
+_R_PIECES = {
+    rfactor: lambda stat, v, eps, mode: _rfactor(v, eps, mode),
+    scaled_rstd: lambda stat, v_s, e, eps, mode: _scaled_rstd(v_s, e, eps, mode),
+}
+
+MEAN_SQUARE = {
     is_centered: lambda stat: False,
     eps_outside: lambda stat, mode: False,
+    **_R_PIECES,
     row_aux: lambda stat, k, c, v, eps, mode: 0.0,
     slow_aux: lambda stat, m1, c, e, v_s, eps, mode: 0.0,
     slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: sgx / n,
@@ -594,47 +632,49 @@ _MEAN_SQUARE = {
     slow_residual: lambda stat, xr, mean, e: 0.0,
 }
 
-PIECES = {
-    "centered": {
-        is_centered: lambda stat: True,
-        eps_outside: lambda stat, mode: mode == OUTSIDE,
-        row_aux: lambda stat, k, c, v, eps, mode: np.float64(k) + c,
-        slow_aux: lambda stat, m1, c, e, v_s, eps, mode: math.ldexp(m1 + c, e),
-        slow_coef: _c_slow_coef,
-        fwd_stats: _c_fwd_stats,
-        fwd_shift: lambda stat, xr: _row_shift(xr),
-        seg_sums: lambda stat, xr, k, j0, j1, c1s, c2s: _chunk_range(xr, k, tcast(xr, 0.0), j0, j1, c1s, c2s),
-        fwd_finish: lambda stat, xr, k, s1, s2, corr: _c_fwd_finish(xr, k, s1, s2, corr),
-        scaled_stats: lambda stat, xr, e, corr: _centered_scaled_stats(xr, e, corr),
-        centre: lambda stat, v, k, c: _centre(v, k, c),
-        gprod: lambda stat, dy, w: _prod(dy, w),
-        bwd_centring: _c_bwd_centring,
-        bwd_finish: _c_bwd_finish,
-        dx_elem: _c_dx_elem,
-        slow_shift: lambda stat, mean, e: math.ldexp(mean, -e),
-        slow_residual: lambda stat, xr, mean, e: _slow_residual(xr, mean, e),
-    },
-    "mean_square": _MEAN_SQUARE,
-    # l2 (ScaleNorm): the mean square's elements, products and dx; its own sum, floor and coefficient
-    "l2": {
-        **_MEAN_SQUARE,
-        row_aux: lambda stat, k, c, v, eps, mode: 1.0 if mode == FLOOR and math.sqrt(v) < eps else 0.0,
-        slow_aux: lambda stat, m1, c, e, v_s, eps, mode: _scaled_floor(v_s, e, eps, mode),
-        slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: 0.0 if aux != 0.0 else sgx,
-        fwd_stats: _l2_fwd_stats,
-        fwd_finish: _l2_fwd_finish,
-        scaled_stats: lambda stat, xr, e, corr: (0.0, 0.0, _scaled_sum_squares(xr, e)),
-        bwd_finish: _l2_bwd_finish,
-    },
+CENTERED = {
+    is_centered: lambda stat: True,
+    eps_outside: lambda stat, mode: mode == OUTSIDE,
+    **_R_PIECES,
+    row_aux: lambda stat, k, c, v, eps, mode: np.float64(k) + c,
+    slow_aux: lambda stat, m1, c, e, v_s, eps, mode: math.ldexp(m1 + c, e),
+    slow_coef: _c_slow_coef,
+    fwd_stats: _c_fwd_stats,
+    fwd_shift: lambda stat, xr: _row_shift(xr),
+    seg_sums: lambda stat, xr, k, j0, j1, c1s, c2s: _chunk_range(xr, k, tcast(xr, 0.0), j0, j1, c1s, c2s),
+    fwd_finish: lambda stat, xr, k, s1, s2, corr: _c_fwd_finish(xr, k, s1, s2, corr),
+    scaled_stats: lambda stat, xr, e, corr: _centered_scaled_stats(xr, e, corr),
+    centre: lambda stat, v, k, c: _centre(v, k, c),
+    gprod: lambda stat, dy, w: _prod(dy, w),
+    bwd_centring: _c_bwd_centring,
+    bwd_finish: _c_bwd_finish,
+    dx_elem: _c_dx_elem,
+    slow_shift: lambda stat, mean, e: math.ldexp(mean, -e),
+    slow_residual: lambda stat, xr, mean, e: _slow_residual(xr, mean, e),
 }
+
+#: l2 (ScaleNorm): the mean square's elements, products and dx; its own sum, floor and coefficient
+L2 = {
+    **MEAN_SQUARE,
+    row_aux: lambda stat, k, c, v, eps, mode: 1.0 if mode == FLOOR and math.sqrt(v) < eps else 0.0,
+    slow_aux: lambda stat, m1, c, e, v_s, eps, mode: _scaled_floor(v_s, e, eps, mode),
+    slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: 0.0 if aux != 0.0 else sgx,
+    fwd_stats: _l2_fwd_stats,
+    fwd_finish: _l2_fwd_finish,
+    scaled_stats: lambda stat, xr, e, corr: (0.0, 0.0, _scaled_sum_squares(xr, e)),
+    bwd_finish: _l2_bwd_finish,
+}
+
+#: every piece a statistic implements (the keys of its mapping)
+STUBS = tuple(CENTERED)
 
 
 def _register(stub):  # type: ignore[no-untyped-def]
     def typer(stat, *args):  # type: ignore[no-untyped-def]
-        return PIECES[_choice(stat)].get(stub)
+        return pieces(stat).get(stub)
 
     overload(stub, jit_options=_PIECE, strict=False)(typer)
 
 
-for _stub in PIECES["centered"]:
+for _stub in STUBS:
     _register(_stub)

@@ -31,7 +31,7 @@ from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._io import _h_row, arow, ep_row, pslot, pzero
 from ._layout import ROW_BLOCK, SPLIT_SEG
-from ._rowstats import _rfactor, bwd_centring, bwd_finish, eps_outside, fwd_finish, fwd_shift, row_aux, seg_sums
+from ._rowstats import bwd_centring, bwd_finish, eps_outside, fwd_finish, fwd_shift, rfactor, row_aux, seg_sums
 from ._stats_kernels import _FWD_PENDING, FAST, PENDING, _bwd_sums, write_dx, write_y
 from ._storage import at, r_ok, tcast
 from ._stream import sfence
@@ -87,17 +87,25 @@ def _fwd_sums_span(stat, x, k, s1, s2, t0, t1):  # type: ignore[no-untyped-def]
 
 
 @jit(FM_SUM)
-def fwd_sums(stat, x, k, s1, s2, lo, hi):  # type: ignore[no-untyped-def]
+def fwd_sums(stat, x, shifts, s1, s2, lo, hi):  # type: ignore[no-untyped-def]
     """Chunk sums of (row, segment) tasks ``lo <= t < hi`` around each row's shift (:func:`._rowstats.seg_sums`;
-    ``s1``/``s2``: ``(rows, chunks)`` float64; ``k[i]``: row ``i``'s shift, stored by its first segment)."""
-    _fwd_sums_span(*borrow((stat, x, k, s1, s2)), lo, hi)
+    ``s1``/``s2``: ``(rows, chunks)`` float64; ``shifts[i]``: row ``i``'s shift ``k``, stored by its first
+    segment)."""
+    _fwd_sums_span(*borrow((stat, x, shifts, s1, s2)), lo, hi)
 
 
 @jit(FM_SUM)
-def fwd_finish_rows(stat, x, k, s1, s2, eps, corr, mode, c, aux, rstd):  # type: ignore[no-untyped-def]
-    """Each row's statistics from its chunk sums added in chunk order: ``k``/``c`` (the centring) and ``rstd``,
-    ``aux`` (or None) as :func:`._stats_kernels.fwd` stores them; returns how many rows it left pending
-    (``rstd == -1``)."""
+def fwd_finish_rows(stat, x, shifts, s1, s2, conv, c, row_stats):  # type: ignore[no-untyped-def]
+    """Each row's statistics from its chunk sums added in chunk order: ``shifts``/``c`` (the centring ``(x - k) -
+    c``) and ``row_stats`` (:class:`._args.RowStats`) as :func:`._stats_kernels.fwd` stores them, with the
+    conventions ``conv``; returns how many rows it left pending (``rstd == -1``)."""
+    eps, corr, mode = conv
+    aux, rstd = row_stats
+    return _fwd_finish_rows(stat, x, shifts, s1, s2, eps, corr, mode, c, aux, rstd)
+
+
+@jit(FM_SUM)
+def _fwd_finish_rows(stat, x, k, s1, s2, eps, corr, mode, c, aux, rstd):  # type: ignore[no-untyped-def]
     pending = 0
     for i in range(x.shape[0]):
         xr = x[i]
@@ -108,7 +116,7 @@ def fwd_finish_rows(stat, x, k, s1, s2, eps, corr, mode, c, aux, rstd):  # type:
             b += s2[i, q]
         ok, kk, cc, v = fwd_finish(stat, xr, tcast(xr, k[i]), a, b, corr)
         if ok:
-            r = _rfactor(v, eps, mode)
+            r = rfactor(stat, v, eps, mode)
             k[i] = np.float64(kk)
             c[i] = cc
             if aux is not None:
@@ -133,10 +141,12 @@ def _fwd_write_span(stat, x, w, b, tab, k, c, rstd, y, stream, t0, t1):  # type:
 
 
 @jit(FM_SUM)
-def fwd_write(stat, x, w, b, tab, k, c, rstd, y, stream, lo, hi):  # type: ignore[no-untyped-def]
+def fwd_write(stat, x, affine, shifts, c, rstd, y, stream, lo, hi):  # type: ignore[no-untyped-def]
     """``y`` of (row, segment) tasks ``lo <= t < hi`` (rows not pending) from :func:`fwd_finish_rows`'s
-    centring and ``rstd`` (``stream``: as :func:`._stats_kernels.fwd`, the same stores)."""
-    _fwd_write_span(*borrow((stat, x, w, b, tab, k, c, rstd, y, stream)), lo, hi)
+    centring and ``rstd``, with the scale and shift of ``affine`` (:class:`._args.Affine`; ``stream``: as
+    :func:`._stats_kernels.fwd`, the same stores)."""
+    w, b, tab = affine
+    _fwd_write_span(*borrow((stat, x, w, b, tab, shifts, c, rstd, y, stream)), lo, hi)
 
 
 # ---------------------------------------------------------------------------
@@ -144,9 +154,16 @@ def fwd_write(stat, x, w, b, tab, k, c, rstd, y, stream, lo, hi):  # type: ignor
 
 
 @jit(FM_SUM)
-def bwd_prep(stat, x, mean, rstd, k, c, ok):  # type: ignore[no-untyped-def]
-    """Each row's centring ``(k, c)`` (:func:`._rowstats.bwd_centring`) and whether its ``r`` allows the fast
-    path (``ok``), as :func:`._stats_kernels.bwd_fused` takes them."""
+def bwd_prep(stat, x, row_stats, shifts, c, ok):  # type: ignore[no-untyped-def]
+    """Each row's centring ``(shifts[i], c[i])`` (:func:`._rowstats.bwd_centring`, from the forward's
+    ``row_stats``) and whether its ``r`` allows the fast path (``ok``), as :func:`._stats_kernels.bwd_fused` takes
+    them."""
+    mean, rstd = row_stats
+    _bwd_prep(stat, x, mean, rstd, shifts, c, ok)
+
+
+@jit(FM_SUM)
+def _bwd_prep(stat, x, mean, rstd, k, c, ok):  # type: ignore[no-untyped-def]
     for i in range(x.shape[0]):
         xr = x[i]
         kk, cc = bwd_centring(stat, xr, at(mean, i), rstd[i])
@@ -170,17 +187,27 @@ def _bwd_sums_span(stat, x, dy, w, tab, k, c, rstd, ok, mode, pw, pb, sums, t0, 
 
 
 @jit(FM_SUM)
-def bwd_sums(stat, x, dy, w, tab, k, c, rstd, ok, mode, pw, pb, sums, lo, hi):  # type: ignore[no-untyped-def]
+def bwd_sums(stat, x, dy, affine, shifts, c, rstd, ok, mode, partials, sums, lo, hi):  # type: ignore[no-untyped-def]
     """Chunk sums (``sums``: ``(rows, chunks, 3)`` float64) of (row block, segment) tasks ``lo <= t < hi``, and
-    the segment's weight/bias partials ``pw``/``pb`` (or None) in row order, as :func:`._stats_kernels.bwd_fused`
-    adds them (rows whose ``ok`` is False are skipped: they go to the slow path)."""
-    _bwd_sums_span(*borrow((stat, x, dy, w, tab, k, c, rstd, ok, mode, pw, pb, sums)), lo, hi)
+    the segment's weight/bias ``partials`` (:class:`._args.Partials`) in row order, as
+    :func:`._stats_kernels.bwd_fused` adds them (rows whose ``ok`` is False are skipped: they go to the slow path).
+    ``mode``: the r rule."""
+    w, _, tab = affine
+    pw, pb = partials
+    _bwd_sums_span(*borrow((stat, x, dy, w, tab, shifts, c, rstd, ok, mode, pw, pb, sums)), lo, hi)
 
 
 @jit(FM_SUM)
-def bwd_finish_rows(stat, x, k, c, rstd, ok, corr, mode, mean, sums, gbar, coef, scale):  # type: ignore[no-untyped-def]
+def bwd_finish_rows(stat, x, shifts, c, row_stats, ok, conv, sums, gbar, coef, scale):  # type: ignore[no-untyped-def]
     """Each row's ``gbar``/``coef`` from its chunk sums added in chunk order (:func:`._rowstats.bwd_finish`);
     ``scale[i]``: :data:`._stats_kernels.FAST` or ``PENDING``. Returns how many rows are pending."""
+    mean, rstd = row_stats
+    _, corr, mode = conv
+    return _bwd_finish_rows(stat, x, shifts, c, rstd, ok, corr, mode, mean, sums, gbar, coef, scale)
+
+
+@jit(FM_SUM)
+def _bwd_finish_rows(stat, x, k, c, rstd, ok, corr, mode, mean, sums, gbar, coef, scale):  # type: ignore[no-untyped-def]
     pending = 0
     for i in range(x.shape[0]):
         good = ok[i]
@@ -216,7 +243,9 @@ def _bwd_write_span(stat, x, dy, w, tab, k, c, rstd, gbar, coef, scale, ep, dx, 
 
 
 @jit(FM_SUM)
-def bwd_write(stat, x, dy, w, tab, k, c, rstd, gbar, coef, scale, ep, dx, stream, lo, hi):  # type: ignore[no-untyped-def]
-    """``dx`` (through the epilogue ``ep``) of (row, segment) tasks ``lo <= t < hi`` of the fast-path rows
-    (``stream``: as :func:`._stats_kernels.bwd_fused`, the same stores)."""
-    _bwd_write_span(*borrow((stat, x, dy, w, tab, k, c, rstd, gbar, coef, scale, ep, dx, stream)), lo, hi)
+def bwd_write(stat, x, dy, affine, shifts, c, rstd, gbar, coef, scale, grad, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """``grad`` (:class:`._args.Grad`: ``dx``, through the epilogue) of (row, segment) tasks ``lo <= t < hi`` of the
+    fast-path rows (``stream``: as :func:`._stats_kernels.bwd_fused`, the same stores)."""
+    w, _, tab = affine
+    dx, ep = grad
+    _bwd_write_span(*borrow((stat, x, dy, w, tab, shifts, c, rstd, gbar, coef, scale, ep, dx, stream)), lo, hi)

@@ -55,9 +55,7 @@ from ._io import arow, ep_row, pslot, put, put_exact, pzero, src_done, src_row
 from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK
 from ._rowstats import (
     _cadd,
-    _rfactor,
     _row_scale,
-    _scaled_rstd,
     bwd_centring,
     bwd_finish,
     centre,
@@ -66,7 +64,9 @@ from ._rowstats import (
     fwd_stats,
     gprod,
     is_centered,
+    rfactor,
     row_aux,
+    scaled_rstd,
     scaled_stats,
     slow_aux,
     slow_coef,
@@ -167,7 +167,7 @@ def _fwd_row(stat, xr, w, b, eps, corr, mode, yr, stream):  # type: ignore[no-un
     ok, k, c, v = fwd_stats(stat, xr, corr)
     if not ok:
         return False, 0.0, 0.0
-    r = _rfactor(v, eps, mode)
+    r = rfactor(stat, v, eps, mode)
     write_y(stat, xr, w, b, k, tcast(xr, c), tcast(xr, r), yr, stream, 0, xr.shape[0])
     return True, row_aux(stat, k, c, v, eps, mode), r
 
@@ -196,14 +196,20 @@ def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, i0
 
 
 @jit(FM_SUM)
-def fwd(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, lo, hi):  # type: ignore[no-untyped-def]
-    """Forward of rows ``lo <= i < hi`` of ``x`` (storage dtype) into ``y``; ``aux`` (the statistic's per-row
-    value, or None) and ``rstd`` float64. ``pro``: the prologue, ``tab``: the affine source (:mod:`._io`).
+def fwd(stat, rows, affine, conv, y, row_stats, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """Forward of rows ``lo <= i < hi`` of ``rows`` (:class:`._args.Rows`: ``x`` in storage form and its
+    prologue) into ``y`` (storage form), with the scale and shift of ``affine`` (:class:`._args.Affine`) and the
+    conventions ``conv`` (:class:`._args.Conventions`); writes ``row_stats`` (:class:`._args.RowStats`: the
+    statistic's aux value, or None, and ``r``, float64).
 
     Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
     True to write float32 ``y`` with streaming stores (outputs much larger than the caches; one store fence per
     span).
     """
+    x, pro = rows
+    w, b, tab = affine
+    eps, corr, mode = conv
+    aux, rstd = row_stats
     return _fwd_span(*borrow((stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream)), lo, hi)
 
 
@@ -221,7 +227,7 @@ def _fwd_row_slow(stat, xr, w, b, eps, corr, mode, yr):  # type: ignore[no-untyp
     """The slow path of one row: float64 after scaling by ``2**-e``; returns ``(aux, r)``."""
     e = _row_scale(xr)
     m1, c, v_s = scaled_stats(stat, xr, e, corr)
-    r, r_s = _scaled_rstd(v_s, e, eps, mode)
+    r, r_s = scaled_rstd(stat, v_s, e, eps, mode)
     sc = math.ldexp(1.0, -e)
     for j in range(xr.shape[0]):
         v = ((np.float64(ld(xr[j])) * sc - m1) - c) * r_s
@@ -234,8 +240,18 @@ def _fwd_row_slow(stat, xr, w, b, eps, corr, mode, yr):  # type: ignore[no-untyp
 
 
 @jit()
-def fwd_slow(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream):  # type: ignore[no-untyped-def]
-    """The rows :func:`fwd` left pending (``rstd == -1``), by the slow path (``stream`` unused: plain stores)."""
+def fwd_slow(stat, rows, affine, conv, y, row_stats):  # type: ignore[no-untyped-def]
+    """The rows :func:`fwd` left pending (``rstd == -1``), by the slow path (plain stores); arguments as
+    :func:`fwd`'s."""
+    x, pro = rows
+    w, b, tab = affine
+    eps, corr, mode = conv
+    aux, rstd = row_stats
+    _fwd_slow_rows(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd)
+
+
+@jit()
+def _fwd_slow_rows(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd):  # type: ignore[no-untyped-def]
     for i in range(x.shape[0]):
         if rstd[i] == _FWD_PENDING:
             xr = src_done(pro, x, i)
@@ -417,10 +433,10 @@ def _acc_slow(stat, xr, dyr, mean, r, e, c, pw, pb, blk, j0):  # type: ignore[no
     r_s = math.ldexp(r, e)
     for j in range(xr.shape[0]):
         dy = np.float64(ld(dyr[j]))
-        if pw is not None:
-            pw[blk, j0 + j] += tcast(xr, dy * (((np.float64(ld(xr[j])) * sc - m_s) - c) * r_s))
+        if pw is not None:  # each term rounded once to the partials' dtype (float64 where xhat is not O(1))
+            pw[blk, j0 + j] += tcast(pw, dy * (((np.float64(ld(xr[j])) * sc - m_s) - c) * r_s))
         if pb is not None:
-            pb[blk, j0 + j] += tcast(xr, dy)
+            pb[blk, j0 + j] += tcast(pb, dy)
 
 
 # ---------------------------------------------------------------------------
@@ -447,14 +463,21 @@ def _bwd_blocks(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, sca
 
 
 @jit(FM_SUM)
-def bwd_fused(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, lo, hi):  # type: ignore[no-untyped-def]
-    """Backward of row blocks ``lo <= blk < hi`` (:data:`._layout.ROW_BLOCK` rows each): dx (through the epilogue
-    ``ep``), and the blocks' partial sums ``pw``/``pb`` (or None; ``M`` rows per block with a table affine source
-    ``tab``, :mod:`._io`). ``mean``: the forward's ``aux``.
+def bwd_fused(stat, x, dy, affine, row_stats, conv, grad, partials, scale, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """Backward of row blocks ``lo <= blk < hi`` (:data:`._layout.ROW_BLOCK` rows each) of the normalized rows
+    ``x`` given ``dy`` (storage form): ``grad`` (:class:`._args.Grad`: ``dx``, through the epilogue), and the
+    blocks' partial sums ``partials`` (:class:`._args.Partials`; ``M`` rows per block with a table affine source,
+    :mod:`._io`). ``affine``: the weight and table (:class:`._args.Affine`, no bias); ``row_stats``: the
+    forward's; ``conv``: its conventions.
 
     ``scale[i]``: :data:`FAST`, or :data:`PENDING` for the rows left for :func:`bwd_slow` (their
     number is returned; their blocks' partials are then for :func:`redo_blocks`).
     """
+    w, _, tab = affine
+    mean, rstd = row_stats
+    _, corr, mode = conv
+    dx, ep = grad
+    pw, pb = partials
     a = borrow((stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream))
     return _bwd_blocks(*a, lo, hi)
 
@@ -478,17 +501,31 @@ def _bwd_rows_span(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, c
 
 
 @jit(FM_SUM)
-def bwd_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, lo, hi):  # type: ignore[no-untyped-def]
-    """Backward of rows ``lo <= i < hi``, dx only; ``scale[i]`` as in :func:`bwd_fused`, ``cs[i]`` the row's
-    ``c`` (or None). Returns the number of rows left for :func:`bwd_slow`."""
+def bwd_rows(stat, x, dy, affine, row_stats, conv, grad, scale, cs, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """Backward of rows ``lo <= i < hi``, dx only (arguments as :func:`bwd_fused`'s); ``scale[i]`` as in
+    :func:`bwd_fused`, ``cs[i]`` the row's centring residual ``c`` (or None). Returns the number of rows left for
+    :func:`bwd_slow`."""
+    w, _, tab = affine
+    mean, rstd = row_stats
+    _, corr, mode = conv
+    dx, ep = grad
     a = borrow((stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream))
     return _bwd_rows_span(*a, lo, hi)
 
 
 @jit()
-def bwd_slow(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs):  # type: ignore[no-untyped-def]
-    """dx of the rows left :data:`PENDING`, by the slow path; records their exponent in ``scale``
-    and (``cs`` not None) their residual ``c``."""
+def bwd_slow(stat, x, dy, affine, row_stats, conv, grad, scale, cs):  # type: ignore[no-untyped-def]
+    """dx of the rows left :data:`PENDING`, by the slow path (arguments as :func:`bwd_rows`'s); records their
+    exponent in ``scale`` and (``cs`` not None) their residual ``c``."""
+    w, _, tab = affine
+    mean, rstd = row_stats
+    _, corr, mode = conv
+    dx, ep = grad
+    _bwd_slow_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs)
+
+
+@jit()
+def _bwd_slow_rows(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs):  # type: ignore[no-untyped-def]
     for i in range(x.shape[0]):
         if scale[i] == PENDING:
             e, c = _bwd_row_slow(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i],
@@ -499,9 +536,16 @@ def bwd_slow(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs):  #
 
 
 @jit(FM_SUM)
-def redo_blocks(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[no-untyped-def]
+def redo_blocks(stat, x, dy, table, row_stats, scale, partials):  # type: ignore[no-untyped-def]
     """Recompute the partials of the blocks holding a slow-path row: rows in order, each with the
-    formula of its path (as :func:`bwd_fused` adds them)."""
+    formula of its path (as :func:`bwd_fused` adds them). ``table``: the affine source's (``Affine.table``)."""
+    mean, rstd = row_stats
+    pw, pb = partials
+    _redo_blocks(stat, x, dy, table, mean, rstd, scale, pw, pb)
+
+
+@jit(FM_SUM)
+def _redo_blocks(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[no-untyped-def]
     rows = x.shape[0]
     for blk in range((rows + ROW_BLOCK - 1) // ROW_BLOCK):
         i0 = blk * ROW_BLOCK
@@ -574,11 +618,14 @@ def _params_tiles(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, t0, t1):  # t
 
 
 @jit(FM_SUM)
-def params_by_cols(stat, x, dy, tab, mean, rstd, scale, cs, pw, pb, lo, hi):  # type: ignore[no-untyped-def]
-    """Per-block partial sums of ``dy * xhat`` and ``dy`` for column tiles ``lo <= t < hi``
-    (:data:`._layout.COL_TILE` columns each; for few rows); rows by groups of 4.
+def params_by_cols(stat, x, dy, table, row_stats, scale, cs, partials, lo, hi):  # type: ignore[no-untyped-def]
+    """Per-block partial sums (``partials``, :class:`._args.Partials`) of ``dy * xhat`` and ``dy`` for column
+    tiles ``lo <= t < hi`` (:data:`._layout.COL_TILE` columns each; for few rows); rows by groups of 4.
 
     ``scale`` None: every row took the fast path; else the rows' paths from :func:`bwd_rows` /
-    :func:`bwd_slow` (a group with a slow row is added row by row).
+    :func:`bwd_slow` (a group with a slow row is added row by row). ``cs``: the rows' ``c`` from
+    :func:`bwd_rows`.
     """
-    _params_tiles(*borrow((stat, x, dy, tab, mean, rstd, scale, cs, pw, pb)), lo, hi)
+    mean, rstd = row_stats
+    pw, pb = partials
+    _params_tiles(*borrow((stat, x, dy, table, mean, rstd, scale, cs, pw, pb)), lo, hi)

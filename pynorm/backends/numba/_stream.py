@@ -23,6 +23,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
+from ...ops.families import STATISTICS
 from ._cache import jit
 from ._layout import LANES
 from ._storage import JIT_ONLY
@@ -129,9 +130,13 @@ def _streams_ol(a):  # type: ignore[no-untyped-def]
 
 
 def _centered(stat):  # type: ignore[no-untyped-def]
-    if getattr(stat, "axis", None) != "statistic" or stat.choice not in ("centered", "mean_square", "l2"):
+    """Whether the statistic's elements are centred as ``(x - k) - c`` (its record's ``mean``), else taken as they
+    are: the two element forms the vector code below builds, as the statistic's pieces
+    :func:`._rowstats.centre` / :func:`._rowstats.dx_elem` do."""
+    record = STATISTICS.get(str(getattr(stat, "choice", ""))) if getattr(stat, "axis", None) == "statistic" else None
+    if record is None:
         raise TypeError(f"no streaming stores for {stat}")
-    return stat.choice == "centered"
+    return record.mean
 
 
 @intrinsic

@@ -15,7 +15,9 @@ from typing import Any
 from numba import types
 from numba.extending import NativeValue, models, register_model, unbox
 
-__all__ = ["FUNCTIONS", "STATISTICS", "Tag", "TagType", "function", "statistic"]
+from ...ops import families
+
+__all__ = ["FUNCTIONS", "STATISTICS", "Tag", "TagType", "function", "record_of", "statistic"]
 
 
 class TagType(types.Dummy):
@@ -64,15 +66,21 @@ def _tag(axis: str, kind: str, choices: tuple[str, ...], **flags: Any) -> Tag:
     return _tags[key]
 
 
-#: statistics of the stats family (``OpSpec.variant.statistic``) with kernels here
-STATISTICS = ("centered", "mean_square", "l2")
+#: statistics of the stats family (``OpSpec.variant.statistic``) with kernels here: those whose record names numba
+#: pieces (:attr:`pynorm.ops.families.Statistic.numba`)
+STATISTICS = tuple(n for n, s in families.STATISTICS.items() if s.numba)
 #: functions of the element-wise family (``OpSpec.variant.function``) with kernels here
-FUNCTIONS = ("signed_power", "tanh")
+FUNCTIONS = tuple(n for n, f in families.FUNCTIONS.items() if f.numba)
 
 
 def statistic(kind: str) -> Tag:
-    """The tag of a statistic: ``"centered"`` (mean and variance), ``"mean_square"`` or ``"l2"`` (sum of squares)."""
-    return _tag("statistic", kind, STATISTICS)
+    """The tag of a statistic (a key of :data:`pynorm.ops.families.STATISTICS` with numba pieces)."""
+    return _tag("statistic", kind, tuple(n for n, s in families.STATISTICS.items() if s.numba))
+
+
+def record_of(stat: Any) -> families.Statistic:
+    """The record of the statistic a tag (or its numba type) names."""
+    return families.STATISTICS[stat.choice]
 
 
 def function(kind: str, **flags: Any) -> Tag:

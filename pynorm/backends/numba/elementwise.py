@@ -23,8 +23,9 @@ import numpy as np
 
 from ..._dtypes import finfo, round_to
 from ...ops import SPECS, OpSpec
-from . import _common as cm
-from . import _ew_kernels as k
+from ...ops.families import function_of, kernel_args
+from . import _common as common
+from . import _ew_kernels as kernels
 from ._layout import EW_TILE, blocks, tiles
 from ._threads import launch
 from ._variant import function
@@ -49,7 +50,8 @@ class ElementwiseOp:
             raise ValueError(f"{spec.name}: the element-wise kernels have no parameter slot for {sorted(unknown)}")
         self.spec = spec
         self.name = spec.name
-        self.kind = spec.variant.function  # type: ignore[union-attr]
+        self.function = function_of(spec)  # the function's record (pynorm.ops.families)
+        self.kind = self.function.numba
         self.fn = function(self.kind)
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
@@ -58,15 +60,17 @@ class ElementwiseOp:
         return f"<numba element-wise op {self.name!r} (function {self.fn.choice!r})>"
 
     def _tag(self, p: float) -> Any:
-        """The function's tag; a signed power's ``exponent`` flag specializes p = 1/2, 1, 2."""
-        if self.kind != "signed_power":
+        """The function's tag; a function whose constant is an option (the signed power's ``p``) has the
+        ``exponent`` flag, which specializes p = 1/2, 1, 2."""
+        if not self.function.option:
             return self.fn
         return function(self.kind, exponent={0.5: "half", 1.0: "one", 2.0: "two"}.get(p, "any"))
 
-    def _scalar(self, named: dict[str, Any], options: dict[str, Any]) -> float:
-        if "alpha" in self.spec.param_names:
-            return float(np.asarray(named["alpha"], dtype=np.float64).reshape(-1)[0])
-        return float(options.get("p", 0.0))
+    def _scalar(self, named: dict[str, Any], source: Any) -> float:
+        """The function's constant: its scalar parameter's value, or its option's (:func:`kernel_args`)."""
+        if self.function.scalar:
+            return float(np.asarray(named[self.function.scalar], dtype=np.float64).reshape(-1)[0])
+        return float(kernel_args(self.spec, source).constant)
 
     def forward(self, x: np.ndarray, *params: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
         """Forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)`` (``y`` is ``out`` if given)."""
@@ -79,14 +83,24 @@ class ElementwiseOp:
         named = dict(zip(self.spec.param_names, params, strict=True))
         rows, h = x.shape
         fdt = _fmath(x.dtype)
-        y = cm.output(out, x.shape, x.dtype)
+        y = common.output(out, x.shape, x.dtype)
         if rows:
-            w, b = cm.param(named.get("weight"), fdt), cm.param(named.get("bias"), fdt)
+            w, b = common.param(named.get("weight"), fdt), common.param(named.get("bias"), fdt)
             a = self._scalar(named, o)
-            launch(k.ew_fwd, rows * h, rows * tiles(h, EW_TILE), self._tag(a), cm.storage(x), a, w, b, cm.storage(y))
+            launch(
+                kernels.ew_fwd,
+                rows * h,
+                rows * tiles(h, EW_TILE),
+                self._tag(a),
+                common.storage(x),
+                a,
+                w,
+                b,
+                common.storage(y),
+            )
         values = {**o, **named, "x": x}
-        if "p" in values:
-            values["p"] = float(values["p"])
+        if self.function.option:
+            values[self.function.option] = float(kernel_args(self.spec, o).constant)
         return y, self.spec.ctx(**{f: values[f] for f in self._fields})
 
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None) -> Any:
@@ -97,12 +111,13 @@ class ElementwiseOp:
         fdt = _fmath(x.dtype)
         nb = blocks(rows)
         parts = {n: (np.empty((nb, h), fdt) if named.get(n) is not None else None) for n in _SLOTS}
-        dx = cm.output(dx_out, x.shape, x.dtype)
+        dx = common.output(dx_out, x.shape, x.dtype)
         if rows:
-            a = self._scalar(named, vars(ctx))
+            a = self._scalar(named, ctx)
             launch(
-                k.ew_bwd, rows * h, nb * tiles(h, EW_TILE), self._tag(a), cm.storage(x), cm.storage(dy), a,
-                cm.param(named.get("weight"), fdt), float(finfo(x.dtype).max), cm.storage(dx),
+                kernels.ew_bwd, rows * h, nb * tiles(h, EW_TILE), self._tag(a), common.storage(x),
+                common.storage(dy), a, common.param(named.get("weight"), fdt), float(finfo(x.dtype).max),
+                common.storage(dx),
                 parts["weight"], parts["bias"], parts["alpha"],
             )  # fmt: skip
         grads: list[Any] = []
@@ -111,10 +126,10 @@ class ElementwiseOp:
             if p is None or part is None:
                 grads.append(None)
             elif n == "alpha":
-                total = math.fsum(cm.reduce_blocks(part, np.float64).tolist())
+                total = math.fsum(common.reduce_blocks(part, np.float64).tolist())
                 grads.append(round_to(np.asarray([total]), p.dtype).reshape(p.shape))
             else:
-                grads.append(cm.reduce_blocks(part, p.dtype))
+                grads.append(common.reduce_blocks(part, p.dtype))
         return self.spec.grads(dx, *grads)
 
 

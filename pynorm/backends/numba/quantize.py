@@ -16,16 +16,18 @@ bitwise independent of the thread count, and for an int8 input bitwise equal to 
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
 
 from ...ops import SPECS
+from ...ops.families import R_OUTSIDE, base_norm, kernel_args
 from ...ops.layer_norm import LayerNormCtx
 from ...ops.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, quantizing
 from ...reference.quant_norm import output_scale
-from . import _common as cm
-from . import _quant_kernels as k
+from . import _common as common
+from . import _quant_kernels as kernels
 from ._threads import launch
 
 __all__ = ["OP_IMPLS", "QuantOp"]
@@ -45,71 +47,85 @@ class QuantOp:
     def __init__(self, name: str) -> None:
         self.name = name
         self.spec = SPECS[name]
+        self.norm_name = base_norm(self.spec)
 
     @property
     def norm(self) -> Any:
+        """The statistics family's op of the spec's statistic (:func:`pynorm.ops.families.base_norm`)."""
         from .stats import OP_IMPLS as STATS
 
-        return STATS["layer_norm"]
+        return STATS[self.norm_name]
 
     def forward(
-        self, x: np.ndarray, x_scale: Any, weight: Any, bias: Any, *, out: Any = None, eps: float,
-        correction: int = 0, eps_mode: str = "var", weight_offset: float = 0.0, quantize: str | None = None,
-        out_scale: float | None = None,
+        self, x: np.ndarray, x_scale: Any, weight: Any, bias: Any, *, out: Any = None, quantize: str | None = None,
+        out_scale: float | None = None, **conventions: Any,
     ) -> tuple[Any, QuantLayerNormCtx]:  # fmt: skip
+        """``y`` (or ``q``) and the ctx; ``conventions``: the statistic's options (read by :func:`kernel_args`)."""
         rows, h = x.shape
-        conv = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+        kargs = kernel_args(self.spec, conventions)
         quant = quantizing(quantize, out_scale)
         xs = None
         if x_scale is None:
-            y, lctx = self.norm.forward(x, weight, bias, out=None if quant else out, **conv)
+            y, lctx = self.norm.forward(x, weight, bias, out=None if quant else out, **conventions)
             mean, rstd = lctx.mean, lctx.rstd
-            src: Any = cm.storage(y)
+            src: Any = common.storage(y)
         else:
             xs = np.ascontiguousarray(x_scale, dtype=np.float64)
             mean, rstd = np.empty(rows), np.empty(rows)
-            weff = _A0 if weight is None else weight.astype(np.float64) + np.float64(weight_offset)
+            weff = _A0 if weight is None else weight.astype(np.float64) + np.float64(kargs.weight_offset)
             b64 = _A0 if bias is None else bias.astype(np.float64)
             src = (
-                np.ascontiguousarray(x), xs, weff, b64, weight is not None, bias is not None, float(eps),
-                int(correction), eps_mode == "std",
+                np.ascontiguousarray(x), xs, weff, b64, weight is not None, bias is not None, kargs.eps,
+                kargs.correction, kargs.mode == R_OUTSIDE,
             )  # fmt: skip
-        st = (mean, rstd) if x_scale is not None else (_A0, _A0)
+        row_stats = (mean, rstd) if x_scale is not None else (_A0, _A0)
         scale = keep = None
         result: Any
         work = rows * h
         if not quant and x_scale is None:
             result = y
         elif not quant:
-            result = cm.output(out, (rows, h), np.float32)
-            launch(k.quant_rows, work, rows, src, k.FLOAT, 0.0, result, _Q0, _S0, _A0, _K0, *st)
+            result = common.output(out, (rows, h), np.float32)
+            launch(kernels.quant_rows, work, rows, src, kernels.FLOAT, 0.0, result, _Q0, _S0, _A0, _K0, *row_stats)
         else:
-            result = cm.output(out, (rows, h), np.int8)
+            result = common.output(out, (rows, h), np.int8)
             if out_scale is not None or quantize == "tensor":
                 if out_scale is not None:
                     scale = np.asarray([out_scale], np.float32)
                     keep = np.empty((rows, h), np.bool_)
                 else:
                     amax = np.zeros(rows)
-                    launch(k.quant_rows, work, rows, src, k.AMAX, 0.0, _Y0, result, _S0, amax, _K0, *st)
+                    launch(
+                        kernels.quant_rows, work, rows, src, kernels.AMAX, 0.0, _Y0, result, _S0, amax, _K0, *row_stats
+                    )
                     scale = output_scale(np.asarray([amax.max() if rows else 0.0]))
                 kp = _K0 if keep is None else keep
-                launch(k.quant_rows, work, rows, src, k.GIVEN, float(scale[0]), _Y0, result, _S0, _A0, kp, *st)
+                launch(
+                    kernels.quant_rows,
+                    work,
+                    rows,
+                    src,
+                    kernels.GIVEN,
+                    float(scale[0]),
+                    _Y0,
+                    result,
+                    _S0,
+                    _A0,
+                    kp,
+                    *row_stats,
+                )
             else:
                 scale = np.empty(rows, np.float32)
-                launch(k.quant_rows, work, rows, src, k.ROW, 0.0, _Y0, result, scale, _A0, _K0, *st)
-        ctx = QuantLayerNormCtx(
-            x, xs, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), quantize,
-            out_scale, scale, keep,
-        )  # fmt: skip
-        return result, ctx
+                launch(kernels.quant_rows, work, rows, src, kernels.ROW, 0.0, _Y0, result, scale, _A0, _K0, *row_stats)
+        arrays = dict(x=x, x_scale=xs, weight=weight, bias=bias, mean=mean, rstd=rstd, scale=scale, keep=keep)
+        return result, _ctx(self.spec, conventions, kargs, arrays, quantize=quantize, out_scale=out_scale)
 
     def backward(self, dy: np.ndarray, ctx: QuantLayerNormCtx, dx_out: Any = None) -> QuantLayerNormGrads:
         rows, h = dy.shape
         g = dy
         if ctx.keep is not None:
-            g = cm.output(None, dy.shape, dy.dtype)
-            launch(k.masked, rows * h, rows, cm.storage(dy), ctx.keep, cm.storage(g))
+            g = common.output(None, dy.shape, dy.dtype)
+            launch(kernels.masked, rows * h, rows, common.storage(dy), ctx.keep, common.storage(g))
         xr, mean = ctx.x, ctx.mean
         wide = False
         if ctx.x_scale is not None:
@@ -119,19 +135,26 @@ class QuantOp:
             xs = ctx.x_scale
             wide = bool(xs.size) and not bool(((xs >= _SAFE_SCALE[0]) & (xs <= _SAFE_SCALE[1])).all())
             xdt = np.float64 if wide else np.float32
-            xr = cm.output(None, (rows, h), xdt)
-            launch(k.dequantize, rows * h, rows, np.ascontiguousarray(ctx.x), xs, xr)
+            xr = common.output(None, (rows, h), xdt)
+            launch(kernels.dequantize, rows * h, rows, np.ascontiguousarray(ctx.x), xs, xr)
             mean = mean if wide else mean.astype(np.float32).astype(np.float64)
         lctx = LayerNormCtx(
             xr, ctx.weight, ctx.bias, mean, ctx.rstd, ctx.eps, ctx.correction, ctx.eps_mode, ctx.weight_offset
         )
         if wide:
             grads = self.norm.backward(g.astype(np.float64), lctx)
-            dx = cm.output(dx_out, (rows, h), np.float32)
+            dx = common.output(dx_out, (rows, h), np.float32)
             np.copyto(dx, grads.dx, casting="same_kind")
             return QuantLayerNormGrads(dx, grads.dweight, grads.dbias)
         grads = self.norm.backward(g, lctx, dx_out=dx_out)
         return QuantLayerNormGrads(grads.dx, grads.dweight, grads.dbias)
+
+
+def _ctx(spec: Any, conventions: Any, kargs: Any, arrays: dict[str, Any], **epilogue: Any) -> QuantLayerNormCtx:
+    """The op's ctx: the conventions as given (those :func:`kernel_args` read, as it read them), the epilogue's
+    options and the arrays, by field name."""
+    values = {**spec.defaults(), **conventions, **dict(zip(kargs._fields, kargs)), **arrays, **epilogue}
+    return QuantLayerNormCtx(**{f.name: values[f.name] for f in fields(QuantLayerNormCtx)})
 
 
 #: the per-row input scales whose real int8 input float32 holds with room for its statistics (2^-60 to 2^60)

@@ -4,15 +4,20 @@
 modality norms) to a :class:`StatsOp`: ``forward(x2d, *inputs, *params, out=None, **options) -> (y, ctx)``
 (``((y, h), ctx)`` with the residual prologue) and ``backward(dy2d, ctx, dx_out=None, dh=None) -> grads``,
 with the reference module's contract (same arguments, options, ctx dataclass and grads tuple,
-``spec.ctx``/``spec.grads``). Nothing here is specific to one op: the spec's variant picks
+``spec.ctx``/``spec.grads``). Nothing here is specific to one op: the spec's variant picks, through its
+records (:mod:`pynorm.ops.families`: which ctx fields each choice fills, which options it takes, read once by
+:func:`pynorm.ops.families.kernel_args`)
 
-* the statistic's kernel pieces (:mod:`._rowstats`; ``"l2"`` is ScaleNorm's sum of squares with the
-  ``floor`` eps mode, its floor flag the per-row ``aux`` value);
+* the statistic's kernel pieces (:mod:`._rowstats`, named by its record; its per-row aux value: the mean of a
+  centred statistic, ScaleNorm's floor flag);
 * the prologue (``"residual"``: ``h = x + alpha * residual`` computed, rounded once to ``residual_dtype``
   and stored by the forward kernel before the row's statistics; the backward adds ``dh`` and writes
   ``dx`` and ``dresidual = alpha * dx``, :mod:`._io`);
 * the affine source (:data:`AFFINE_SOURCES`): a per-feature vector, a scalar (broadcast to a vector; its
   gradient the sum of the vector's) or a table of rows selected by the row index input.
+
+Non-default ``casting`` policies are not this module's: the registry composes them above the backend
+(:mod:`pynorm.composite.casting`, from this backend's :mod:`.intype`).
 
 Forward: one pass over the rows, split across threads by rows (:func:`._stats_kernels.fwd`); ``ctx`` keeps
 ``x`` (``h``) as given and float64 per-row statistics. Math type: float32, or float64 when ``x`` or ``h`` is
@@ -39,30 +44,28 @@ import numpy as np
 
 from ..._dtypes import round_to
 from ...ops import SPECS, OpSpec
-from . import _common as cm
-from . import _stats_kernels as k
+from ...ops.families import affine_of, kernel_args, prologue_of, statistic_of
+from . import _common as common
+from . import _stats_kernels as kernels
+from ._args import Affine, Conventions, Grad, Partials, Rows, RowStats, plain
 from ._layout import CHUNK, ROW_BLOCK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
-from ._rowstats import FLOOR, INSIDE, OUTSIDE
 from ._threads import launch, threads_for
-from ._variant import Tag, statistic
+from ._variant import Tag, record_of, statistic
 
 __all__ = ["AFFINE_SOURCES", "OP_IMPLS", "StatsOp", "backward_rows", "forward_rows", "split_rows"]
-
-#: the kernels' eps mode of each ``eps_mode`` option value (ops without the option: eps inside the root)
-EPS_MODES = {"var": INSIDE, "root": INSIDE, "std": OUTSIDE, "floor": FLOOR}
 
 
 class _Vector:
     """Affine source ``"vector"``: ``(H,)`` weight (plus the offset) and bias; gradients by column."""
 
     def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
-        return cm.effective_weight(w, offset, mdt), cm.param(b, mdt), None
+        return common.effective_weight(w, offset, mdt), common.param(b, mdt), None
 
-    def partials(self, rows: int, h: int, mdt: Any, param: Any) -> np.ndarray | None:
-        return cm.block_partials(rows, h, mdt, param is not None)
+    def partials(self, rows: int, h: int, pdt: Any, param: Any) -> np.ndarray | None:
+        return common.block_partials(rows, h, pdt, param is not None)
 
     def reduce(self, part: np.ndarray, param: Any) -> np.ndarray:
-        return cm.reduce_blocks(part, param.dtype)
+        return common.reduce_blocks(part, param.dtype)
 
 
 class _Scalar(_Vector):
@@ -74,7 +77,7 @@ class _Scalar(_Vector):
         return vec, None if b is None else np.full(h, np.asarray(b).reshape(-1)[0], dtype=mdt), None
 
     def reduce(self, part: np.ndarray, param: Any) -> np.ndarray:
-        cols = cm.reduce_blocks(part, np.float64)
+        cols = common.reduce_blocks(part, np.float64)
         return round_to(np.asarray([math.fsum(cols.tolist())]), param.dtype)
 
 
@@ -85,66 +88,59 @@ class _Table(_Vector):
     def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
         m = (w if w is not None else b).shape[0]
         tab = (np.ascontiguousarray(ids, dtype=np.int64), int(m))
-        return cm.effective_weight(w, offset, mdt), cm.param(b, mdt), tab
+        return common.effective_weight(w, offset, mdt), common.param(b, mdt), tab
 
-    def partials(self, rows: int, h: int, mdt: Any, param: Any) -> np.ndarray | None:
+    def partials(self, rows: int, h: int, pdt: Any, param: Any) -> np.ndarray | None:
         if param is None:
             return None
-        return np.empty((-(-rows // ROW_BLOCK) * param.shape[0], h), mdt)
+        return np.empty((-(-rows // ROW_BLOCK) * param.shape[0], h), pdt)
 
     def reduce(self, part: np.ndarray, param: Any) -> np.ndarray:
         m, h = param.shape
-        return cm.reduce_blocks(part.reshape(-1, m * h), param.dtype).reshape(m, h)
+        return common.reduce_blocks(part.reshape(-1, m * h), param.dtype).reshape(m, h)
 
 
 #: the affine sources of :class:`pynorm.ops.StatsVariant` (``variant.affine``) this backend has
 AFFINE_SOURCES = {"vector": _Vector(), "scalar": _Scalar(), "table": _Table()}
 
 
-def _h_dtype(x_dtype: Any, residual_dtype: Any) -> np.dtype[Any]:
-    from ...ops.add_norm import h_dtype
-
-    return h_dtype(x_dtype, residual_dtype)
-
-
 class StatsOp:
-    """One op of the statistics family on this backend (see the module doc)."""
+    """One op of the statistics family on this backend (see the module doc).
+
+    ``statistic``, ``prologue``: the records of the spec's statistic and prologue
+    (:mod:`pynorm.ops.families`); ``stat``: the statistic's tag (:mod:`._variant`)."""
 
     def __init__(self, spec: OpSpec) -> None:
-        v = spec.variant
         self.spec = spec
         self.name = spec.name
-        self.statistic = v.statistic  # type: ignore[union-attr]
-        self.centered = self.statistic == "centered"
-        self.floors = self.statistic == "l2"
-        self.stat = statistic(self.statistic)
-        self.residual = v.prologue == "residual"  # type: ignore[union-attr]
-        self.affine = AFFINE_SOURCES[v.affine]  # type: ignore[union-attr]
-        self.weight_name = next((p for p in spec.param_names if p != "bias"), "")
+        self.statistic = statistic_of(spec)
+        self.stat = statistic(self.statistic.name)
+        self.prologue = prologue_of(spec)
+        self.residual = self.prologue.residual
+        self.affine = AFFINE_SOURCES[affine_of(spec).name]
+        names = spec.param_names  # the scale, then the shift (checked against the affine source's record)
+        self.weight_name = names[0]
+        self.bias_name = names[1] if len(names) > 1 else ""
+        kinds: dict[str, str] = {i.kind: i.name for i in spec.inputs}
+        self.residual_name = kinds.get(self.prologue.input_kind, "")
+        self.ids_name = kinds.get("row_index", "")
         self.ctx_type = spec.ctx
         self.grads = spec.grads
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
-        self._cast: Any = None
 
     def __repr__(self) -> str:
         return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"
-
-    def _policies(self) -> Any:
-        """The non-default ``casting`` policies of this op (:mod:`pynorm.composite.casting`)."""
-        if self._cast is None:
-            from ...composite.casting import Casting, numpy_ops
-            from .elementwise import OP_IMPLS as EW
-            from .intype import InType
-
-            self._cast = Casting(self, EW["power_norm"], *numpy_ops(), InType(self.centered))
-        return self._cast
 
     def _math(self, x_dtype: Any, h_dtype: Any) -> tuple[np.dtype[Any], bool]:
         """``(math dtype, widen)``: float64 when x or h is float64; ``widen``: h is narrower than that."""
         wide = np.dtype(x_dtype) == np.float64 or (h_dtype is not None and np.dtype(h_dtype) == np.float64)
         mdt = np.dtype(np.float64) if wide else np.dtype(np.float32)
-        return mdt, h_dtype is not None and cm.math_dtype(h_dtype) != mdt
+        return mdt, h_dtype is not None and common.math_dtype(h_dtype) != mdt
+
+    def _partials_dtype(self, mdt: np.dtype[Any]) -> np.dtype[Any]:
+        """The parameter-gradient partials' dtype: the math type, float64 where ``xhat`` is not O(1)."""
+        return mdt if self.statistic.normalizes else np.dtype(np.float64)
 
     def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
         """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
@@ -156,86 +152,77 @@ class StatsOp:
         if unknown:
             raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
         o = {**self._options, **options}
+        kargs = kernel_args(self.spec, o)
         inputs = dict(zip(self.spec.input_names, args[:n_in], strict=True))
         p = dict(zip(self.spec.param_names, args[n_in:], strict=True))
-        if o.get("casting", "fp32") != "fp32":
-            return self._policies().forward(x, p, out, o)  # type: ignore[no-any-return]
         rows, hidden = x.shape
-        residual = inputs.get("residual")
-        hd = _h_dtype(x.dtype, o["residual_dtype"]) if self.residual else None
+        residual = inputs.get(self.residual_name)
+        hd = self.prologue.h_dtype(x.dtype, o)
         mdt, widen = self._math(x.dtype, hd)
-        y = cm.output(out, x.shape, x.dtype)
-        h = cm.output(None, x.shape, hd) if hd is not None else None
-        aux = np.empty(rows) if self.centered or self.floors else None
+        y = common.output(out, x.shape, x.dtype)
+        h = common.output(None, x.shape, hd) if hd is not None else None
+        aux = np.empty(rows) if self.statistic.aux else None
         rstd = np.empty(rows)
-        alpha = float(o.get("alpha", 1.0))
         if rows:
             w, b, tab = self.affine.prepare(
-                p.get(self.weight_name), p.get("bias"), inputs.get("modality_ids"), float(o.get("weight_offset", 0.0)),
-                mdt, hidden,
-            )  # fmt: skip
-            src = cm.storage(x)
+                p[self.weight_name], p.get(self.bias_name), inputs.get(self.ids_name), kargs.weight_offset, mdt, hidden
+            )
+            src = common.storage(x)
             pro = None
             if h is not None and residual is not None:
-                pro = (cm.storage(residual), alpha, cm.storage(h))
+                pro = (common.storage(residual), kargs.alpha, common.storage(h))
                 if widen:  # h first, then its exact float64 copy is normalized
-                    launch(k.prologue_rows, rows * hidden, rows, pro, src)
+                    launch(kernels.prologue_rows, rows * hidden, rows, pro, src)
                     src, pro = h.astype(np.float64), None
-            ys = cm.storage(y)
+            ys = common.storage(y)
             forward_rows(
-                self.stat, src, pro, w, b, tab, float(o["eps"]), int(o.get("correction", 0)),
-                EPS_MODES[o.get("eps_mode", "var")], ys, aux, rstd, use_stream(ys),
+                self.stat, Rows(src, pro), Affine(w, b, tab), Conventions.of(kargs), ys,
+                RowStats(aux, rstd), use_stream(ys),
             )  # fmt: skip
+        floor = (aux != 0.0) if self.statistic.floor else None
         values = {
-            **o, **p, **inputs, "x": x, "h": h, "mean": aux, "rstd": rstd, "x_dtype": x.dtype,
-            "floor": None if aux is None or not self.floors else aux != 0.0,
-            "residual_in_dtype": None if residual is None else residual.dtype,
+            **o, **p, **inputs, **dict(zip(kargs._fields, kargs)), self.prologue.row: h if self.residual else x,
+            **self.statistic.ctx_values(rstd, mean=aux, floor=floor),
+            **self.prologue.ctx_values(x.dtype, None if residual is None else residual.dtype),
         }  # fmt: skip
-        for f in ("eps", "weight_offset", "alpha"):
-            if f in values:
-                values[f] = float(values[f])
         ctx = self.ctx_type(**{f: values[f] for f in self._fields})
         return ((y, h), ctx) if self.residual else (y, ctx)
 
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None, dh: np.ndarray | None = None) -> Any:
         """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``) and, with the residual
         prologue, ``dh = dL/dh`` from later layers (None: none)."""
-        if getattr(ctx, "casting", "fp32") != "fp32":
-            return self._policies().backward(dy, ctx, dx_out)
-        x = ctx.h if self.residual else ctx.x
+        kargs = kernel_args(self.spec, ctx)
+        x = getattr(ctx, self.prologue.row)
         weight = getattr(ctx, self.weight_name, None)
-        bias = getattr(ctx, "bias", None)
+        bias = getattr(ctx, self.bias_name, None) if self.bias_name else None
         rows, hidden = x.shape
         x_dtype = ctx.x_dtype if self.residual else x.dtype
         mdt, widen = self._math(x_dtype, x.dtype if self.residual else None)
-        dx = cm.output(dx_out, x.shape, x_dtype)
-        dres = cm.output(None, x.shape, ctx.residual_in_dtype) if self.residual else None
-        pw = self.affine.partials(rows, hidden, mdt, weight)
-        pb = self.affine.partials(rows, hidden, mdt, bias)
+        dx = common.output(dx_out, x.shape, x_dtype)
+        dres = common.output(None, x.shape, ctx.residual_in_dtype) if self.residual else None
+        pdt = self._partials_dtype(mdt)
+        pw = self.affine.partials(rows, hidden, pdt, weight)
+        pb = self.affine.partials(rows, hidden, pdt, bias)
         if rows:
             w, _, tab = self.affine.prepare(
-                weight, None, getattr(ctx, "modality_ids", None), float(getattr(ctx, "weight_offset", 0.0)), mdt,
+                weight, None, getattr(ctx, self.ids_name, None) if self.ids_name else None, kargs.weight_offset, mdt,
                 hidden,
             )  # fmt: skip
-            aux = None
-            if self.centered:
-                aux = cm.stats(ctx.mean)
-            elif self.floors:
-                aux = np.ascontiguousarray(ctx.floor, dtype=np.float64)
-            src = x.astype(np.float64) if widen else cm.storage(x)
+            field = self.statistic.aux_field
+            aux = common.stats(getattr(ctx, field)) if field else None
+            src = x.astype(np.float64) if widen else common.storage(x)
             ep = None
             if dres is not None:
-                ep = (None if dh is None else cm.storage(dh), float(ctx.alpha), cm.storage(dres))
-            dxs = cm.storage(dx)
+                ep = (None if dh is None else common.storage(dh), kargs.alpha, common.storage(dres))
+            dxs = common.storage(dx)
             backward_rows(
-                self.stat, "fused" if use_fused(rows, hidden) else "rows", src, cm.storage(dy), w, tab, aux,
-                cm.stats(ctx.rstd), int(getattr(ctx, "correction", 0)), EPS_MODES[getattr(ctx, "eps_mode", "var")],
-                ep, dxs, pw, pb, ep is None and use_stream(dxs),
+                self.stat, "fused" if use_fused(rows, hidden) else "rows", src, common.storage(dy),
+                Affine(w, None, tab), RowStats(aux, common.stats(ctx.rstd)), Conventions.of(kargs),
+                Grad(dxs, ep), Partials(pw, pb), ep is None and use_stream(dxs),
             )  # fmt: skip
-        partials = {self.weight_name: (pw, weight), "bias": (pb, bias)}
         grads = []
         for n in self.spec.param_names:
-            part, param = partials[n]
+            part, param = (pw, weight) if n == self.weight_name else (pb, bias)
             grads.append(None if part is None or param is None else self.affine.reduce(part, param))
         return self.grads(dx, *([dres] if self.residual else []), *grads)
 
@@ -273,40 +260,31 @@ def _segments(rows: int, hidden: int) -> int:
 
 
 def forward_rows(
-    stat: Tag,
-    x: Any,
-    pro: Any,
-    w: Any,
-    b: Any,
-    tab: Any,
-    eps: float,
-    corr: int,
-    mode: int,
-    y: Any,
-    aux: Any,
-    rstd: Any,
-    stream: bool,
+    stat: Tag, rows: Rows, affine: Affine, conv: Conventions, y: Any, row_stats: RowStats, stream: bool
 ) -> None:
-    """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd`, then the slow path for the rows it
-    left (``stream``: streaming stores for ``y``; ``pro``/``tab``: prologue and affine source, :mod:`._io`)."""
-    rows, h = x.shape
-    if split_rows(rows, x if pro is None else pro[2]):  # (the rows normalized are h's with a prologue)
-        from . import _split_kernels as sk
+    """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd` (or the split kernels), then the slow
+    path for the rows it left. ``rows``, ``affine``, ``conv``, ``row_stats``: the bundles of :mod:`._args`;
+    ``stream``: streaming stores for ``y``."""
+    rows_, aff, cv, rs = plain(rows), plain(affine), plain(conv), plain(row_stats)
+    x, pro = rows
+    n, h = x.shape
+    if split_rows(n, x if pro is None else pro[2]):  # (the rows normalized are h's with a prologue)
+        from . import _split_kernels as split
 
-        tasks = _segments(rows, h)
+        tasks = _segments(n, h)
         if pro is not None:  # h first, then the rows of h are normalized
-            launch(sk.prologue, rows * h, tasks, pro, x)
-            x, pro = pro[2], None
-        kk, c = np.empty(rows), np.empty(rows)
-        s1, s2 = np.zeros((2, rows, -(-h // CHUNK)))
-        launch(sk.fwd_sums, rows * h, tasks, stat, x, kk, s1, s2)
-        pending = sk.fwd_finish_rows(stat, x, kk, s1, s2, eps, corr, mode, c, aux, rstd)
-        launch(sk.fwd_write, rows * h, tasks, stat, x, w, b, tab, kk, c, rstd, y, True if stream else None)
+            launch(split.prologue, n * h, tasks, pro, x)
+            x = pro[2]
+        shifts, c = np.empty(n), np.empty(n)
+        s1, s2 = np.zeros((2, n, -(-h // CHUNK)))
+        launch(split.fwd_sums, n * h, tasks, stat, x, shifts, s1, s2)
+        pending = split.fwd_finish_rows(stat, x, shifts, s1, s2, cv, c, rs)
+        launch(split.fwd_write, n * h, tasks, stat, x, aff, shifts, c, row_stats.rstd, y, True if stream else None)
+        rows_ = (x, None)
     else:
-        pending = launch(k.fwd, rows * h, rows, stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd,
-                         True if stream else None)  # fmt: skip
+        pending = launch(kernels.fwd, n * h, n, stat, rows_, aff, cv, y, rs, True if stream else None)
     if pending:
-        k.fwd_slow(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, None)
+        kernels.fwd_slow(stat, rows_, aff, cv, y, rs)
 
 
 def backward_rows(
@@ -314,66 +292,62 @@ def backward_rows(
     path: str,
     x: Any,
     dy: Any,
-    w: Any,
-    tab: Any,
-    aux: Any,
-    rstd: Any,
-    corr: int,
-    mode: int,
-    ep: Any,
-    dx: Any,
-    pw: Any,
-    pb: Any,
+    affine: Affine,
+    row_stats: RowStats,
+    conv: Conventions,
+    grad: Grad,
+    partials: Partials,
     stream: bool,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The backward's kernels on storage arrays along ``path`` (``"fused"`` or ``"rows"``, see
-    :func:`._layout.use_fused`): ``dx`` (through the epilogue ``ep``) and the block partials ``pw``/``pb`` (or
-    None). Returns the rows' ``scale`` (:data:`._stats_kernels.FAST` or the slow path's exponent) and, on the rows
-    path of a centred statistic, their ``c``."""
+    :func:`._layout.use_fused`): ``grad`` (``dx``, through its epilogue) and the block ``partials`` (fields None
+    where not wanted); the other bundles as the forward's (:mod:`._args`; ``affine`` without bias). Returns the rows'
+    ``scale`` (:data:`._stats_kernels.FAST` or the slow path's exponent) and, on the rows path of a centred
+    statistic, their centring residuals ``c``."""
     if path not in ("fused", "rows"):
         raise ValueError(f"unknown backward path {path!r}")
     rows, h = x.shape
     fused = path == "fused"
-    st = True if stream else None
+    streaming = True if stream else None
     scale = np.empty(rows, np.int64)
-    cs = np.empty(rows) if not fused and stat.choice == "centered" else None
-    params = pw is not None or pb is not None
+    cs = np.empty(rows) if not fused and record_of(stat).mean else None
+    params = partials.weight is not None or partials.bias is not None
+    aff, rs, cv, gr, parts = plain(affine), plain(row_stats), plain(conv), plain(grad), plain(partials)
     if split_rows(blocks(rows) if fused else rows, x):
-        slow = _backward_split(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx,
-                               pw if fused else None, pb if fused else None, scale, cs, st)  # fmt: skip
+        slow = _backward_split(stat, x, dy, aff, rs, cv, gr, parts if fused else (None, None), scale, cs, streaming)
     elif fused:
-        slow = launch(k.bwd_fused, rows * h, blocks(rows), stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, pw, pb,
-                      scale, st)  # fmt: skip
+        slow = launch(kernels.bwd_fused, rows * h, blocks(rows), stat, x, dy, aff, rs, cv, gr, parts, scale, streaming)
     else:
-        slow = launch(k.bwd_rows, rows * h, rows, stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs, st)
+        slow = launch(kernels.bwd_rows, rows * h, rows, stat, x, dy, aff, rs, cv, gr, scale, cs, streaming)
     if slow:
-        k.bwd_slow(stat, x, dy, w, tab, aux, rstd, corr, mode, ep, dx, scale, cs)
+        kernels.bwd_slow(stat, x, dy, aff, rs, cv, gr, scale, cs)
         if fused and params:
-            k.redo_blocks(stat, x, dy, tab, aux, rstd, scale, pw, pb)
+            kernels.redo_blocks(stat, x, dy, affine.table, rs, scale, parts)
     if not fused and params:
-        launch(k.params_by_cols, rows * h, tiles(h), stat, x, dy, tab, aux, rstd, scale if slow else None, cs, pw, pb)
+        launch(kernels.params_by_cols, rows * h, tiles(h), stat, x, dy, affine.table, rs, scale if slow else None, cs,
+               parts)  # fmt: skip
     return scale, cs
 
 
 def _backward_split(
-    stat: Tag, x: Any, dy: Any, w: Any, tab: Any, aux: Any, rstd: Any, corr: int, mode: int, ep: Any, dx: Any,
-    pw: Any, pb: Any, scale: np.ndarray, cs: np.ndarray | None, st: Any,
+    stat: Tag, x: Any, dy: Any, aff: Any, rs: Any, cv: Any, gr: Any, parts: Any, scale: np.ndarray,
+    cs: np.ndarray | None, streaming: Any,
 ) -> int:  # fmt: skip
-    """The backward's ``dx`` (and, with ``pw``/``pb``, the fused path's partials) on the split kernels; fills
-    ``scale`` and ``cs`` (or None) as :func:`._stats_kernels.bwd_fused` / ``bwd_rows`` do and returns how many
-    rows are left for the slow path."""
-    from . import _split_kernels as sk
+    """The backward's ``dx`` (and, with ``parts``, the fused path's partials) on the split kernels; fills ``scale``
+    and ``cs`` (or None) as :func:`._stats_kernels.bwd_fused` / ``bwd_rows`` do and returns how many rows are left
+    for the slow path. Bundles as plain tuples (:func:`._args.plain`)."""
+    from . import _split_kernels as split
 
     rows, h = x.shape
-    kk, c, ok = np.empty(rows), np.empty(rows), np.empty(rows, np.bool_)
-    sk.bwd_prep(stat, x, aux, rstd, kk, c, ok)
+    shifts, c, ok = np.empty(rows), np.empty(rows), np.empty(rows, np.bool_)
+    split.bwd_prep(stat, x, rs, shifts, c, ok)
     sums = np.zeros((rows, -(-h // CHUNK), 3))
-    launch(sk.bwd_sums, rows * h, _segments(blocks(rows), h), stat, x, dy, w, tab, kk, c, rstd, ok, mode, pw, pb,
-           sums)  # fmt: skip
+    launch(split.bwd_sums, rows * h, _segments(blocks(rows), h), stat, x, dy, aff, shifts, c, rs[1], ok, cv[2],
+           parts, sums)  # fmt: skip
     gbar, coef = np.empty(rows), np.empty(rows)
-    slow = sk.bwd_finish_rows(stat, x, kk, c, rstd, ok, corr, mode, aux, sums, gbar, coef, scale)
-    launch(sk.bwd_write, rows * h, _segments(rows, h), stat, x, dy, w, tab, kk, c, rstd, gbar, coef, scale, ep, dx,
-           st)  # fmt: skip
+    slow = split.bwd_finish_rows(stat, x, shifts, c, rs, ok, cv, sums, gbar, coef, scale)
+    launch(split.bwd_write, rows * h, _segments(rows, h), stat, x, dy, aff, shifts, c, rs[1], gbar, coef, scale, gr,
+           streaming)  # fmt: skip
     if cs is not None:
         cs[:] = c
     return int(slow)

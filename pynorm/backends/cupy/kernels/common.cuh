@@ -271,7 +271,9 @@ template <typename A> __device__ __forceinline__ int scale_exponent(A amax) {
   return k;
 }
 
-// Where eps enters the per-row factor r (the kernels' `eps_mode` parameter):
+// Where eps enters the per-row factor r (the kernels' `eps_mode` parameter): the r rules of
+// pynorm/ops/families.py (R_INSIDE, R_OUTSIDE, R_FLOOR, the same codes; tests/test_families.py checks them),
+// which a statistic's record maps its eps_mode option values to
 enum EpsMode : int {
   kEpsVar = 0,    // r = 1 / sqrt(v + eps)      (LayerNorm / RMSNorm "var", ScaleNorm "root")
   kEpsStd = 1,    // r = 1 / (sqrt(v) + eps)    (LayerNorm "std")

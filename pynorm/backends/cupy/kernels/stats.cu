@@ -1,6 +1,7 @@
 // The statistics kernel family of pynorm's CuPy backend: row norms defined by per-row
 // statistics. The math of each op is defined in pynorm/reference/<op>.py; an op is one choice
-// per variant axis (pynorm.ops.StatsVariant, mapped to these policies by _loader.py):
+// per variant axis (pynorm.ops.StatsVariant; each choice's record in pynorm/ops/families.py names
+// its policy here, and says which per-row outputs it fills and which options it takes):
 //
 //   Stat    the per-row statistic and how it centres / scales the row
 //             Centered     mean and variance (corrected two-pass)    LayerNorm
@@ -24,6 +25,14 @@
 // The partial sums are reduced in a fixed order by reduce.cu: no atomics, so every result
 // is bitwise reproducible. Row layout, items and reductions: see common.cuh.
 //
+// A Stat policy is everything the kernels know of a statistic: its forward sums (`stats`, Row<A>),
+// its r (`rstd`: r from the row's variance-like v by the r rule `eps_mode`, so a statistic with
+// another r changes no kernel), its centring (`centre`, `mean`, `u_of`) and its backward
+// (`accumulate`, `coef`, `xhat`, `dx`). The kernels keep sums of the centred values u = centre * r
+// (the backward's sum(u), the parameter-gradient partials) in the accumulation type A: that holds
+// for statistics whose r normalizes the row (u = O(1)); the host offers no other
+// (pynorm.ops.families.Statistic.normalizes, _loader.supports).
+//
 // The parameter lists of the four kernels are mirrored field by field by the dataclasses
 // of pynorm/backends/cupy/_args.py (tests/test_cupy_kernels.py checks names and types); every
 // op of the family passes all of them (null pointers for what it does not have).
@@ -37,6 +46,16 @@ namespace pynorm {
 // per-row coefficients of the backward: dx = r * (g - gbar - xhat * coef), xhat = u - cu
 template <typename A> struct BwdCoef {
   A cu, gbar, coef;
+};
+
+// r of the statistics here (their `rstd`): finalize_rstd (common.cuh) of the scaled row's variance-like
+// v, by the r rule eps_mode; returns whether the floor was taken
+struct RstdOfV {
+  template <class RowT>
+  static __device__ __forceinline__ bool rstd(const RowT& st, int ks, double eps, int eps_mode, double& r,
+                                              double& rs) {
+    return finalize_rstd(st.v, ks, eps, eps_mode, r, rs);
+  }
 };
 
 // LayerNorm's statistic.
@@ -60,7 +79,7 @@ template <typename A> struct BwdCoef {
 //   "var": coef = gx / n
 //   "std": coef = gx / (n * s * r) with s * r = sqrt(sum(xhat^2) / n)
 //          = sqrt((sum(u^2) - cu * sum(u)) / n)  (recomputed from x, overflow-free); 0 where s == 0
-struct Centered {
+struct Centered : RstdOfV {
   static constexpr bool kMean = true;  // saves a per-row mean
   static constexpr int kFwdSums = 2;   // values reduced together in the forward (sizes `red`)
   static constexpr int kBwdSums = 4;   // sum g, sum g*u, sum u, sum u*u
@@ -133,7 +152,7 @@ struct Centered {
 // sum(xs^2) (ScaleNorm: the squared L2 norm) on the scaled row, the row itself not centred.
 // Backward: xhat = x * r, c = sum(g * xhat) / H (RMSNorm) or sum(g * xhat) (ScaleNorm; 0 on rows
 // that took the floor, where r = 1/eps does not depend on x), dx = r * (g - xhat * c).
-template <bool PerElement> struct Squares {
+template <bool PerElement> struct Squares : RstdOfV {
   static constexpr bool kMean = false;
   static constexpr int kFwdSums = 1;
   static constexpr int kBwdSums = 1;  // sum g * xhat
@@ -397,7 +416,7 @@ stats_fwd(const T* __restrict__ x, const res_t<Pro, T>* __restrict__ residual, c
     const typename Stat::template Row<A> st = Stat::stats(each, s, G, red, H, correction);
 
     double r, rs;
-    const bool floored = finalize_rstd(st.v, ks, eps, eps_mode, r, rs);
+    const bool floored = Stat::rstd(st, ks, eps, eps_mode, r, rs);  // the statistic's r rule
     const A rsa = scaled_factor<A>(r, rs);
     if (valid && t == 0) {
       if (Stat::kMean) mean_out[row] = Stat::mean(st, ks);

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ._spec import OpSpec
+#: an :class:`~pynorm.ops.OpSpec` (whose module imports this one to check every spec made: named, not imported)
+OpSpec = Any
 
 __all__ = [
     "AFFINES",
@@ -261,9 +261,12 @@ class Prologue:
         (:func:`pynorm.ops.add_norm.h_dtype`)."""
         if not self.residual:
             return None
-        from .add_norm import h_dtype
+        import numpy as np
 
-        return h_dtype(x_dtype, options.get("residual_dtype"))
+        from .._dtypes import dtype_of
+
+        rd = options.get("residual_dtype")
+        return np.dtype(x_dtype) if rd is None else dtype_of(rd)
 
     def ctx_values(self, x_dtype: Any, residual_in_dtype: Any) -> dict[str, Any]:
         """The ctx fields the prologue fills besides the row (:attr:`fills`), by name."""
@@ -296,7 +299,8 @@ class Affine:
     ``param_kind``: the kind of its parameters (:class:`~pynorm.ops.Param`): the scale first, then the shift when
     ``bias`` allows one; ``options``: the options it takes (``weight_offset``: the scale is ``w + o``); ``index``:
     rows select a table row through the spec's ``row_index`` input (which the ctx keeps); ``cuda``: its policy
-    (``{bias}``: ``true`` or ``false``).
+    (``{bias}``: ``true`` or ``false``); ``inputs``: the kinds of the optional inputs it may read besides
+    (``"running"``: InstanceNorm's running statistics, read when they replace the row's own).
     """
 
     name: str
@@ -305,6 +309,7 @@ class Affine:
     options: tuple[str, ...]
     index: bool
     cuda: str
+    inputs: tuple[str, ...] = ()
 
     @property
     def broadcast(self) -> bool:
@@ -322,6 +327,17 @@ AFFINES: dict[str, Affine] = {
         Affine("vector", "feature", True, ("weight_offset",), False, "pynorm::Vector<{bias}>"),
         Affine("scalar", "scalar", False, (), False, "pynorm::Scalar"),
         Affine("table", "table", True, ("weight_offset",), True, "pynorm::Table<{bias}>"),
+        # GroupNorm/InstanceNorm (the channels layout, x as (N, C, S)): a (sample, group) row of C/G channels by
+        # S positions, its scale and shift per channel; the layout's options and InstanceNorm's running statistics
+        Affine(
+            "channel",
+            "channel",
+            True,
+            ("num_groups", "channel_axis", "use_input_stats", "momentum"),
+            False,
+            "",
+            ("running",),
+        ),
     )
 }
 
@@ -416,16 +432,21 @@ def function_of(spec: OpSpec) -> Function:
     return FUNCTIONS[spec.variant.function]  # type: ignore[union-attr]
 
 
-def base_norm(spec: OpSpec) -> str:
+def base_norm(spec: OpSpec, specs: Mapping[str, OpSpec]) -> str:
     """The stats-family op a quantize-family op normalizes a float input with (and runs every backward on): the
-    op of the spec's statistic with the plain prologue and a vector affine source."""
-    from . import SPECS, StatsVariant
-
-    want = StatsVariant(spec.variant.statistic)  # type: ignore[union-attr]
-    for name, s in SPECS.items():
-        if s.family == "stats" and s.variant == want:
+    op of the spec's statistic with the plain prologue and a vector affine source (one of ``specs``, by name:
+    :data:`pynorm.ops.SPECS`, which this module, imported by the specs, does not import)."""
+    for name, s in specs.items():
+        v = s.variant
+        if s.family == "stats" and (v.statistic, v.prologue, v.affine, v.epilogue) == (  # type: ignore[union-attr]
+            spec.variant.statistic,  # type: ignore[union-attr]
+            "plain",
+            "vector",
+            "plain",
+        ):
             return name
-    raise FamilyError(f"{spec.name}: no op of the stats family has the variant {want}")
+    st = spec.variant.statistic  # type: ignore[union-attr]
+    raise FamilyError(f"{spec.name}: no stats-family op has the statistic {st!r} (plain prologue, vector affine)")
 
 
 # ---------------------------------------------------------------------------
@@ -576,7 +597,7 @@ def _check_stats(spec: OpSpec) -> None:
     _check_params(spec, aff.param_kind, 2 if aff.bias else 1)
     kinds = [i.kind for i in spec.inputs]
     want = [*([pro.input_kind] if pro.input_kind else []), *(["row_index"] if aff.index else [])]
-    if sorted(kinds) != sorted(want):
+    if sorted(k for k in kinds if k not in aff.inputs) != sorted(want):
         _fail(spec, f"its variant reads inputs of kinds {want or 'none'}, the spec declares {kinds or 'none'}")
     if aff.index and any(p.index not in spec.input_names for p in spec.params):
         _fail(spec, "a table parameter names an index input the spec does not declare")

@@ -80,7 +80,7 @@ def supports(spec: Any) -> bool:
         aff = families.AFFINES.get(v.affine)
         return (
             st is not None and bool(st.cuda) and st.normalizes and pro is not None and aff is not None
-            and pro.epilogue == v.epilogue
+            and bool(aff.cuda) and pro.epilogue == v.epilogue
         )  # fmt: skip
     if spec.family == "elementwise":
         fn = families.FUNCTIONS.get(v.function)

@@ -47,7 +47,7 @@ class QuantOp:
     def __init__(self, name: str) -> None:
         self.name = name
         self.spec = SPECS[name]
-        self.norm_name = base_norm(self.spec)
+        self.norm_name = base_norm(self.spec, SPECS)
 
     @property
     def norm(self) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import functional
+from ._api import add_op, remove_op
 from ._registry import (
     Backend,
     BackendInfo,
@@ -50,11 +51,13 @@ __all__ = [
     "UnknownBackendError",
     "UnknownOpError",
     "__version__",
+    "add_op",
     "deepnorm_constants",  # noqa: F405  (lazy: pynorm.deepnorm)
     "get_num_threads",
     "list_backends",
     "list_ops",
     "register_backend",
+    "remove_op",
     "set_num_threads",
     "use_backend",
 ]

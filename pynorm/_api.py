@@ -294,6 +294,34 @@ def functions(module: str = "pynorm.functional") -> dict[str, Callable[..., Any]
     return out
 
 
+def add_op(spec: OpSpec) -> tuple[Callable[..., Any], ...]:
+    """Add an op at run time: register ``spec`` (:func:`pynorm.ops.register`: every backend whose kernel families
+    implement its variant serves it, the numpy backend through the module its ``reference`` names) and make its
+    three public functions, ``pynorm.<name>``, ``<name>_forward``, ``<name>_backward`` (also in
+    :mod:`pynorm.functional`). Returns them. ``docs/adding_an_op.md`` walks through an example;
+    :func:`remove_op` undoes it."""
+    from . import ops
+
+    ops.register(spec)
+    made = build(spec)
+    for module in (sys.modules["pynorm.functional"], sys.modules["pynorm"]):
+        for fn in made:
+            setattr(module, fn.__name__, fn)
+        setattr(module, spec.grads.__name__, getattr(module, spec.grads.__name__, spec.grads))
+    return made
+
+
+def remove_op(name: str) -> None:
+    """Remove an op added by :func:`add_op` (its public functions and its spec)."""
+    from . import ops
+
+    ops.unregister(name)
+    for module in (sys.modules["pynorm.functional"], sys.modules["pynorm"]):
+        for fn in (name, f"{name}_forward", f"{name}_backward"):
+            if hasattr(module, fn):
+                delattr(module, fn)
+
+
 # ---------------------------------------------------------------------------
 # the stub
 

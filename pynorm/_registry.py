@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from . import ops as _ops
 from .errors import ArrayTypeError, BackendUnavailableError, UnknownBackendError, UnknownOpError
 
 __all__ = [
@@ -230,6 +231,16 @@ def op_module(name: str, op: str) -> Any:
 _memo: dict[tuple[Any, ...], tuple[Backend, str, Any]] = {}
 
 
+def _forget() -> None:
+    """An op was registered or removed (:func:`pynorm.ops.register`): the remembered answers may name it."""
+    with _lock:
+        _memo.clear()
+        _bound.clear()
+
+
+_ops.on_change(_forget)
+
+
 def _memoized(key: tuple[Any, ...], compute: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
     """``compute()`` (a ``(backend name, answer)`` pair), or its remembered value under ``key`` (see :data:`_memo`)."""
     key = (*key, len(_backends))
@@ -253,7 +264,9 @@ def _op_module(name: str, op: str) -> Any:
             if (name, op) not in _bound:
                 _bound[(name, op)] = importlib.import_module(comp.variant.impl).bind(op, name)
             return _bound[(name, op)]
-    mod = importlib.import_module(f"{pkg.__name__}.{pkg.OPS[op]}")
+    where = pkg.OPS[op]  # a submodule of the package if it has one of that name, else a module's import path
+    inside = f"{pkg.__name__}.{where}"
+    mod = importlib.import_module(inside if "." not in where and importlib.util.find_spec(inside) else where)
     impls = getattr(mod, "OP_IMPLS", None)
     return _composed(name, op, pkg, impls[op] if impls is not None else mod)
 

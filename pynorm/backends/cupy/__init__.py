@@ -23,12 +23,12 @@ relies on no bfloat16 arithmetic in CuPy.
 Importing this package imports neither CuPy nor the submodules.
 """
 
-from ...ops import SPECS as _SPECS
+from ...ops import Served as _Served
 from ...ops.families import CASTING as _CASTING
 from ._loader import supports as _supports
 
 #: op name -> submodule implementing it (read by the registry): each family's module
-OPS = {name: spec.family for name, spec in _SPECS.items() if _supports(spec)}
+OPS: _Served[str] = _Served(_supports, lambda spec: spec.family)
 
 #: options composed above this backend (:data:`pynorm.ops.families.COMPOSED`) -> the submodule holding the
 #: backend's pieces the composite runs on (``casting``: :mod:`.intype`, the in-dtype kernels and the array casts)

@@ -21,7 +21,7 @@ from typing import Any
 import cupy
 
 from ...errors import ContextError
-from ...ops import SPECS, OpSpec
+from ...ops import OpSpec, Served
 from ...ops.families import kernel_args
 from . import _host, _launch
 from ._args import EwBwdArgs, EwFwdArgs
@@ -111,6 +111,4 @@ class ElementwiseOp:
 
 
 #: op name -> its implementation, for every op of the element-wise family
-OP_IMPLS: dict[str, ElementwiseOp] = {
-    name: ElementwiseOp(spec) for name, spec in SPECS.items() if spec.family == "elementwise" and supports(spec)
-}
+OP_IMPLS: Served[ElementwiseOp] = Served(lambda spec: spec.family == "elementwise" and supports(spec), ElementwiseOp)

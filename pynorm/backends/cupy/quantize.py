@@ -18,7 +18,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from ...ops import SPECS
+from ...ops import SPECS, Served
 from ...ops.families import base_norm, kernel_args
 from ...ops.layer_norm import LayerNormCtx
 from ...ops.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, quantizing
@@ -167,6 +167,6 @@ class QuantOp:
 _SAFE_SCALE = (2.0**-60, 2.0**60)
 
 #: op name -> its implementation, for every op of the quantize family
-OP_IMPLS: dict[str, QuantOp] = {
-    name: QuantOp(name) for name, spec in SPECS.items() if spec.family == "quantize" and supports(spec)
-}
+OP_IMPLS: Served[QuantOp] = Served(
+    lambda spec: spec.family == "quantize" and supports(spec), lambda spec: QuantOp(spec.name)
+)

@@ -38,7 +38,7 @@ import cupy
 import numpy as np
 
 from ...errors import ContextError, DTypeError
-from ...ops import SPECS, OpSpec, StatsVariant
+from ...ops import OpSpec, Served, StatsVariant
 from ...ops.families import affine_of, kernel_args, prologue_of, statistic_of
 from . import _host, _launch
 from ._args import BwdApplyArgs, BwdArgs, BwdStatsArgs, FwdArgs
@@ -320,6 +320,4 @@ def _modality_chunks(ids: cupy.ndarray, m: int, rows_per_chunk: int) -> tuple[An
 
 
 #: op name -> its implementation, for every op of the statistics family
-OP_IMPLS: dict[str, StatsOp] = {
-    name: StatsOp(spec) for name, spec in SPECS.items() if spec.family == "stats" and supports(spec)
-}
+OP_IMPLS: Served[StatsOp] = Served(lambda spec: spec.family == "stats" and supports(spec), StatsOp)

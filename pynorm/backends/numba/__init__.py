@@ -57,7 +57,7 @@ Names used throughout the kernels (the argument bundles of :mod:`._args` spell o
 
 from __future__ import annotations
 
-from ...ops import SPECS, families
+from ...ops import Served, families
 
 #: the variants of each kernel family this backend has kernels for (axis -> choices): the statistics and
 #: functions whose records name numba pieces, the prologues, affine sources and epilogues of :mod:`._io`, and the
@@ -85,4 +85,4 @@ def _has_kernels(spec: object) -> bool:
 
 
 #: op name -> submodule implementing it (read by the registry; ``OP_IMPLS`` of that module): the family's module
-OPS: dict[str, str] = {name: spec.family for name, spec in SPECS.items() if _has_kernels(spec)}
+OPS: Served[str] = Served(_has_kernels, lambda spec: spec.family)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..._dtypes import finfo, round_to
-from ...ops import SPECS, OpSpec
+from ...ops import OpSpec, Served
 from ...ops.families import function_of, kernel_args
 from . import _common as common
 from . import _ew_kernels as kernels
@@ -140,4 +140,4 @@ def _serves(spec: OpSpec) -> bool:
 
 
 #: op name -> its implementation (read by :func:`pynorm._registry.op_module`)
-OP_IMPLS: dict[str, ElementwiseOp] = {name: ElementwiseOp(spec) for name, spec in SPECS.items() if _serves(spec)}
+OP_IMPLS: Served[ElementwiseOp] = Served(_serves, ElementwiseOp)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ...ops import SPECS
+from ...ops import SPECS, Served
 from ...ops.families import R_OUTSIDE, base_norm, kernel_args
 from ...ops.layer_norm import LayerNormCtx
 from ...ops.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, quantizing
@@ -161,4 +161,4 @@ def _ctx(spec: Any, conventions: Any, kargs: Any, arrays: dict[str, Any], **epil
 _SAFE_SCALE = (2.0**-60, 2.0**60)
 
 #: op name -> its implementation (read by :func:`pynorm._registry.op_module`)
-OP_IMPLS = {name: QuantOp(name) for name, spec in SPECS.items() if spec.family == "quantize"}
+OP_IMPLS: Served[QuantOp] = Served(lambda spec: spec.family == "quantize", lambda spec: QuantOp(spec.name))

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..._dtypes import round_to
-from ...ops import SPECS, OpSpec
+from ...ops import OpSpec, Served
 from ...ops.families import affine_of, kernel_args, prologue_of, statistic_of
 from . import _common as common
 from . import _stats_kernels as kernels
@@ -360,4 +360,4 @@ def _serves(spec: OpSpec) -> bool:
 
 
 #: op name -> its implementation (read by :func:`pynorm._registry.op_module`)
-OP_IMPLS: dict[str, StatsOp] = {name: StatsOp(spec) for name, spec in SPECS.items() if _serves(spec)}
+OP_IMPLS: Served[StatsOp] = Served(_serves, StatsOp)

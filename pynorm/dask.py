@@ -1,4 +1,4 @@
-"""Every row-wise op of pynorm on :mod:`dask.array` inputs: lazy, chunked, and unchanged on a distributed cluster.
+"""Every op of pynorm on :mod:`dask.array` inputs: lazy, chunked, and unchanged on a distributed cluster.
 
 ``pynorm.dask.forward(op, x, ...)`` and ``pynorm.dask.backward(dy, ctx)`` run any op of
 :data:`pynorm.ops.SPECS` on a :class:`dask.array.Array` ``x``; ``pynorm.dask.<op>``,
@@ -41,6 +41,10 @@ Validation that needs only shapes, dtypes and options happens when the graph is 
 messages; the values of row inputs (``modality_ids`` in range, positive ``x_scale``) are checked by each block
 when it runs, and raise at compute time.
 
+The ops of the channels layout (GroupNorm, InstanceNorm, BatchNorm) are chunked along the batch axis instead; a
+training BatchNorm's statistics are a fixed-order tree of Chan merges over the blocks (see the section below and
+``docs/dask.md``).
+
 Not supported: ``quant_layer_norm`` with ``quantize="tensor"`` and no ``out_scale`` (one scale from the whole
 tensor's ``amax``: not row-wise; compute ``amax`` first and pass ``out_scale``).
 """
@@ -68,7 +72,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from . import _registry, _validate
 from ._dispatch import Context
-from .errors import ArgumentError, ArrayTypeError, ContextError, DTypeError, RechunkWarning, ShapeError, UnknownOpError
+from .errors import ArgumentError, ArrayTypeError, ContextError, DTypeError, RechunkWarning, ShapeError
 from .ops import SPECS, OpSpec
 from .ops import get as _get_spec
 
@@ -89,10 +93,9 @@ SPLIT_EVERY = 8
 
 
 def supported_ops() -> tuple[str, ...]:
-    """Names of the ops :func:`forward` runs: every op of the ``"rows"`` layout of :data:`pynorm.ops.SPECS`
-    (``quant_layer_norm`` without its per-tensor ``amax`` mode). The ``"channels"`` ones (GroupNorm,
-    InstanceNorm, BatchNorm) are not chunked yet: their functions here raise, saying so."""
-    return tuple(n for n, s in SPECS.items() if s.layout == "rows")
+    """Names of the ops :func:`forward` runs: every op of :data:`pynorm.ops.SPECS` (``quant_layer_norm`` without
+    its per-tensor ``amax`` mode)."""
+    return tuple(SPECS)
 
 
 # ---------------------------------------------------------------------------
@@ -366,7 +369,7 @@ def forward(
     rechunk_warn_bytes: int | None = None,
     split_every: int | None = None,
     **kw: Any,
-) -> tuple[Any, DaskContext]:
+) -> tuple[Any, DaskContext | ChannelsContext]:
     """Forward of ``op`` on a Dask array: lazy outputs and the :class:`DaskContext` for :func:`backward`.
 
     Parameters
@@ -397,17 +400,14 @@ def forward(
         Dask array.
     """
     spec = _get_spec(op)
-    if spec.layout != "rows":
-        raise UnknownOpError(
-            f"pynorm.dask does not chunk {op} yet (an op of the channels layout: its statistics span the channel "
-            f"axis or the batch); run pynorm.{op} on the computed array, or chunk it yourself"
-        )
     if not _is_dask(x):
         raise ArrayTypeError(
             f"x must be a dask.array.Array, got {type(x).__module__}.{type(x).__name__} "
             f"(use pynorm.{spec.name} for in-memory arrays, or wrap x with dask.array.from_array)"
         )
     _validate.check_float_dtype(x, "x", spec.x_dtypes)
+    if spec.layout == "channels":
+        return _channels_forward(spec, x, args, kw, backend, rechunk_warn_bytes, split_every)
     if x.ndim < 1:
         raise ShapeError("x must have at least 1 dimension, got a 0-d array")
     ax = _validate.check_axis(axis, x.ndim)
@@ -609,6 +609,10 @@ def backward(dy: Any, ctx: DaskContext, *, recompute: bool = False, **upstream: 
     -------
     The op's ``Grads`` named tuple (``LayerNormGrads(dx, dweight, dbias)``...).
     """
+    if isinstance(ctx, ChannelsContext):
+        if recompute or upstream:
+            raise ArgumentError(f"{ctx.op} backward takes dy and ctx only (no recompute, no upstream gradients)")
+        return _channels_backward(dy, ctx)
     if not isinstance(ctx, DaskContext):
         raise ContextError(f"ctx must be the DaskContext returned by pynorm.dask.forward, got {type(ctx).__name__}")
     spec = ctx.spec
@@ -733,11 +737,328 @@ def _param_grads(ctx: DaskContext, results: Any, j: int) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------
+# the channels layout: GroupNorm, InstanceNorm, BatchNorm
+#
+# x is chunked along its batch axis 0 only (every other dim in one chunk). GroupNorm, InstanceNorm and BatchNorm in
+# evaluation mode have statistics per sample (or none): each block runs the in-memory op, as the rows layout does.
+# BatchNorm in training has statistics over the whole batch: each block's per-channel (count, mean, M2) in float64,
+# merged in a fixed-order tree by Chan's formula; then each block runs the in-memory op in evaluation mode with the
+# batch's statistics as its running ones. Its backward: the blocks' per-channel sums of dy and dy x̂, tree-summed,
+# then each block's dx.
+
+
+@dataclass(frozen=True, eq=False)
+class ChannelsContext:
+    """What :func:`forward` hands to :func:`backward` for an op of the channels layout.
+
+    ``x``: the rechunked input (chunks along axis 0 only); ``blocks``: the forward blocks (``Delayed``, each a
+    tuple of its outputs and its in-memory :class:`pynorm.Context`); ``moments``: BatchNorm in training, the
+    ``Delayed`` ``(C, 3)`` float64 count, mean and M2 of the whole batch (None otherwise); ``axis``: the channel
+    axis; ``params``: the in-memory parameters."""
+
+    op: str
+    backend: str
+    x: Any
+    params: tuple[Any, ...]
+    options: dict[str, Any]
+    axis: int
+    blocks: tuple[Any, ...]
+    moments: Any = None
+    split_every: int = SPLIT_EVERY
+
+    @property
+    def spec(self) -> OpSpec:
+        return SPECS[self.op]
+
+
+def _to_ncs(a: Any, axis: int) -> Any:
+    """A block as ``(n, C, S)`` (the channel axis moved to 1; a copy only where needed)."""
+    xp = _validate.xp_of(a)
+    a = xp.moveaxis(a, axis, 1) if axis != 1 else a
+    return a.reshape(a.shape[0], a.shape[1], -1)
+
+
+def _from_ncs(a3: Any, shape: tuple[int, ...], axis: int) -> Any:
+    first = (shape[0], shape[axis], *(d for i, d in enumerate(shape) if i not in (0, axis)))
+    a = a3.reshape(first)
+    return a if axis == 1 else _validate.xp_of(a).moveaxis(a, 1, axis)
+
+
+def _channels_block(x: Any, *arrays: Any, op: str, backend: str, options: Mapping[str, Any]) -> tuple[Any, ...]:
+    """One batch block's in-memory forward: ``(*outputs, ctx)``."""
+    outs, ctx = SPECS[op].generic_forward()(x, *arrays, backend=backend, **options)
+    return (*(outs if isinstance(outs, tuple) else (outs,)), ctx)
+
+
+def _moments(x: Any, axis: int) -> Any:
+    """A block's per-channel ``(count, mean, M2)`` in float64, ``(C, 3)`` (the corrected two-pass mean)."""
+    xp = _validate.xp_of(x)
+    c = _to_ncs(x, axis).astype(xp.float64)
+    n = c.shape[0] * c.shape[2]
+    m = c.mean(axis=(0, 2))
+    m = m + (c - m[:, None]).mean(axis=(0, 2))
+    d = c - m[:, None]
+    return xp.stack([xp.full_like(m, n), m, (d * d).sum(axis=(0, 2))], axis=1)
+
+
+def _merge_moments(*parts: Any) -> Any:
+    """Chan et al.'s merge of ``(count, mean, M2)`` rows, left to right (the blocks' order: deterministic)."""
+    acc = parts[0]
+    for b in parts[1:]:
+        na, ma, qa = acc[:, 0], acc[:, 1], acc[:, 2]
+        nb, mb, qb = b[:, 0], b[:, 1], b[:, 2]
+        n = na + nb
+        delta = mb - ma
+        acc = _validate.xp_of(acc).stack([n, ma + delta * (nb / n), qa + qb + delta * delta * (na * nb / n)], axis=1)
+    return acc
+
+
+def _sum_parts(*parts: Any) -> Any:
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = acc + p
+    return acc
+
+
+def _tree(parts: list[Any], combine: Any, split_every: int, name: str) -> Any:
+    """``combine`` over ``parts`` (``Delayed``) as a tree of fan-in ``split_every``, in their order."""
+    level = 0
+    while len(parts) > 1:
+        parts = [
+            dask.delayed(combine, pure=True)(*parts[i : i + split_every], dask_key_name=f"{name}-{level}-{i}")
+            for i in range(0, len(parts), split_every)
+        ]
+        level += 1
+    return parts[0]
+
+
+def _bn_batch_block(x: Any, moments: Any, *arrays: Any, backend: str, options: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A block of training BatchNorm: the in-memory op in evaluation mode with the batch's statistics."""
+    count = moments[:, 0]
+    mean, var = moments[:, 1], moments[:, 2] / count
+    w, b = arrays
+    opts = {**options, "training": False}
+    y, ctx = SPECS["batch_norm"].generic_forward()(x, mean, var, w, b, backend=backend, **opts)
+    return (y, ctx)
+
+
+def _bn_running(moments: Any, rm: Any, rv: Any, factor: float, which: int) -> Any:
+    from .reference.batch_norm import running_update
+
+    xp = _validate.xp_of(moments)
+    host = moments if isinstance(moments, np.ndarray) else xp.asnumpy(moments)
+    count = round(float(host[0, 0]))
+    to_np = (lambda a: a) if isinstance(rm, np.ndarray) else xp.asnumpy
+    out = running_update(to_np(rm), to_np(rv), host[:, 1], host[:, 2] / host[:, 0], count, factor)[which]
+    return out if isinstance(rm, np.ndarray) else xp.asarray(out)
+
+
+def _weighted_running(*parts: Any, dtype: Any) -> Any:
+    """InstanceNorm's running statistics of the whole batch from the blocks' (``(n_b, value)`` pairs): the mean of
+    the blocks' updates weighted by their sizes (the update is linear in the batch mean), rounded once."""
+    xp = _validate.xp_of(parts[0][1])
+    total = sum(n for n, _ in parts)
+    acc = sum(
+        (v.astype(xp.float64) * (n / total) for n, v in parts[1:]),
+        parts[0][1].astype(xp.float64) * (parts[0][0] / total),
+    )
+    return _round(acc, dtype)
+
+
+def _pick(t: tuple[Any, ...], i: int) -> Any:
+    return t[i]
+
+
+def _sized(t: tuple[Any, ...], i: int, n: int) -> tuple[int, Any]:
+    return (n, t[i])
+
+
+def _channels_forward(
+    spec: OpSpec, x: Any, args: tuple[Any, ...], kw: dict[str, Any], backend: str | None,
+    rechunk_warn_bytes: int | None, split_every: int | None,
+) -> tuple[Any, ChannelsContext]:  # fmt: skip
+    """:func:`forward` for an op of the channels layout (``x`` a Dask array of a float dtype, checked)."""
+    if x.ndim < 2:
+        raise ShapeError(f"x must have at least 2 dimensions, (N, C, *spatial), got shape {tuple(x.shape)}")
+    inputs, params = _split_args(spec, args, kw)
+    opts = spec.validate(kw)
+    ax = opts["channel_axis"] % x.ndim  # 1 or the last (never the batch axis 0, along which x is chunked)
+    c = int(x.shape[ax])
+    if c == 0:
+        raise ShapeError(f"x has no channels (shape {tuple(x.shape)}, channel axis {opts['channel_axis']})")
+    if spec.check is not None:
+        spec.check(opts, c)
+    family = _meta_family(x)
+    xp = _xp(family)
+    xs = _standin(xp, tuple(x.shape), x.dtype)
+    for a, name in zip((*inputs, *params), (*spec.input_names, *spec.param_names), strict=True):
+        if _is_dask(a):
+            raise ArrayTypeError(f"{name} must be an in-memory array of x's array library (one value per channel)")
+    ins = [_validate.check_input(si, a, xs, ax) for si, a in zip(spec.inputs, inputs, strict=True)]
+    ps = [_validate.check_param(sp, p, xs, ax, {}) for sp, p in zip(spec.params, params, strict=True)]
+    arrays = dict(zip((*spec.input_names, *spec.param_names), (*ins, *ps), strict=True))
+    first = (x.shape[0], c, *(d for i, d in enumerate(x.shape) if i not in (0, ax)))
+    if spec.check_arrays is not None:
+        spec.check_arrays(first, 1, {"x": xs, **arrays}, opts)
+    present = tuple(a for a in (xs, *ins, *ps) if a is not None)
+    names = tuple(n for n, a in zip(("x", *arrays), (xs, *ins, *ps), strict=True) if a is not None)
+    bname, _mod = _registry.resolve(spec.name, present, names, backend)
+
+    rechunk = _Rechunker(rechunk_warn_bytes)
+    xr = rechunk(x, (x.chunks[0], *((d,) for d in x.shape[1:])), "x")
+    rechunk.warn()
+    fan = SPLIT_EVERY if split_every is None else int(split_every)
+    blocks_in = list(xr.to_delayed().ravel())
+    sizes = xr.chunks[0]
+    batch = spec.name == "batch_norm" and opts["training"]
+    moments = None
+    if batch:
+        parts = [dask.delayed(_moments, pure=True)(b, ax) for b in blocks_in]
+        moments = _tree(parts, _merge_moments, fan, f"pynorm-batch_norm-moments-{xr.name}")
+        opts_b = {k: v for k, v in opts.items() if k not in ("momentum", "num_batches_tracked")}
+        blocks = tuple(
+            dask.delayed(_bn_batch_block, pure=True)(b, moments, *ps, backend=bname, options=opts_b) for b in blocks_in
+        )
+    else:
+        blocks = tuple(
+            dask.delayed(_channels_block, pure=True)(b, *ins, *ps, op=spec.name, backend=bname, options=opts)
+            for b in blocks_in
+        )
+    ctx = ChannelsContext(spec.name, bname, xr, tuple(ps), opts, ax, blocks, moments, fan)
+    y = _channels_output(blocks, xr, 0, x.dtype)
+    rm, rv = arrays.get("running_mean"), arrays.get("running_var")
+    if rm is None or rv is None or (spec.name == "instance_norm" and not opts["use_input_stats"]):
+        return y, ctx
+    if batch:
+        from .reference.batch_norm import momentum_factor
+
+        m = momentum_factor(opts["momentum"], opts["num_batches_tracked"])
+        new = [dask.delayed(_bn_running, pure=True)(moments, rm, rv, m, i) for i in (0, 1)]
+    elif spec.name == "batch_norm":
+        return y, ctx
+    else:  # InstanceNorm: every block returned the update from its own samples
+        new = [
+            dask.delayed(_weighted_running, pure=True)(
+                *[dask.delayed(_sized)(b, i, n) for b, n in zip(blocks, sizes, strict=True)], dtype=a.dtype
+            )
+            for i, a in ((1, rm), (2, rv))
+        ]
+    outs = [
+        da.from_delayed(d, shape=(c,), dtype=a.dtype, meta=_standin(xp, (0,), a.dtype))
+        for d, a in zip(new, (rm, rv), strict=True)
+    ]
+    return (y, *outs), ctx
+
+
+def _channels_output(blocks: tuple[Any, ...], xr: Any, i: int | None, dtype: Any) -> Any:
+    """Item ``i`` of the blocks' results (None: the blocks themselves) as one Dask array of x's shape and chunks."""
+    meta = da.utils.meta_from_array(xr._meta, ndim=xr.ndim, dtype=dtype)
+    parts = [
+        da.from_delayed(
+            b if i is None else dask.delayed(_pick, pure=True)(b, i), shape=(n, *xr.shape[1:]), dtype=dtype, meta=meta
+        )
+        for b, n in zip(blocks, xr.chunks[0], strict=True)
+    ]
+    return da.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
+def _block_backward(dy: Any, block: tuple[Any, ...], op: str) -> tuple[Any, Any]:
+    """A block's in-memory backward: ``(dx, packed float64 parameter gradients)``."""
+    import pynorm
+
+    grads = getattr(pynorm, f"{op}_backward")(dy, block[-1])
+    xp = _validate.xp_of(grads[0])
+    pieces = [g.astype(xp.float64).reshape(-1) for g in grads[1:] if g is not None]
+    return grads[0], (xp.concatenate(pieces) if pieces else xp.zeros((0,), dtype=xp.float64))
+
+
+def _bn_sums(dy: Any, block: tuple[Any, ...], axis: int) -> Any:
+    """A training BatchNorm block's per-channel ``sum dy`` and ``sum dy x̂`` (float64, ``(C, 2)``)."""
+    inner = block[-1].inner
+    xp = _validate.xp_of(dy)
+    g = _to_ncs(dy, axis).astype(xp.float64)
+    xhat = (inner.x.astype(xp.float64) - inner.mean.astype(xp.float64)[:, None]) * inner.rstd.astype(xp.float64)[
+        :, None
+    ]
+    return xp.stack([g.sum(axis=(0, 2)), (g * xhat).sum(axis=(0, 2))], axis=1)
+
+
+def _bn_dx(dy: Any, block: tuple[Any, ...], sums: Any, count: Any, weight: Any, axis: int) -> Any:
+    """A training BatchNorm block's ``dx = r w (dy - sum(dy)/k - x̂ sum(dy x̂)/k)`` (LayerNorm's backward on each
+    channel's values, the sums over the whole batch), rounded once to x's dtype."""
+    inner = block[-1].inner
+    xp = _validate.xp_of(dy)
+    g = _to_ncs(dy, axis).astype(xp.float64)
+    r = inner.rstd.astype(xp.float64)[:, None]
+    xhat = (inner.x.astype(xp.float64) - inner.mean.astype(xp.float64)[:, None]) * r
+    k = count[:, 0][:, None]
+    dx = r * (g - sums[:, 0][:, None] / k - xhat * (sums[:, 1][:, None] / k))
+    if weight is not None:
+        dx = dx * weight.astype(xp.float64)[:, None]
+    return _round(_from_ncs(dx, dy.shape, axis), dy.dtype)
+
+
+def _channels_backward(dy: Any, ctx: ChannelsContext) -> Any:
+    spec = ctx.spec
+    xr = ctx.x
+    dy = _check_grad_array(dy, "dy", ctx, tuple(xr.shape), spec.grad_dtype(xr.dtype))  # type: ignore[arg-type]
+    rechunk = _Rechunker(None)
+    dy = rechunk(dy, xr.chunks, "dy")
+    rechunk.warn()
+    dys = list(dy.to_delayed().ravel())
+    if ctx.moments is not None:  # training BatchNorm: the batch's sums, then each block's dx
+        parts = [dask.delayed(_bn_sums, pure=True)(g, b, ctx.axis) for g, b in zip(dys, ctx.blocks, strict=True)]
+        sums = _tree(parts, _sum_parts, ctx.split_every, f"pynorm-batch_norm-sums-{dy.name}")
+        w = ctx.params[0]
+        dx_blocks = [
+            dask.delayed(_bn_dx, pure=True)(g, b, sums, ctx.moments, w, ctx.axis)
+            for g, b in zip(dys, ctx.blocks, strict=True)
+        ]
+        dx = _channels_output(tuple(dx_blocks), xr, None, dy.dtype)
+        packed = dask.delayed(_bn_param_sums, pure=True)(sums, tuple(p is not None for p in ctx.params))
+    else:
+        res = [dask.delayed(_block_backward, pure=True)(g, b, ctx.op) for g, b in zip(dys, ctx.blocks, strict=True)]
+        dx = _channels_output(tuple(res), xr, 0, dy.dtype)
+        packed = _tree(
+            [dask.delayed(_pick, pure=True)(r, 1) for r in res],
+            _sum_parts,
+            ctx.split_every,
+            f"pynorm-{ctx.op}-dparams-{dy.name}",
+        )
+    d_params: list[Any] = []
+    off = 0
+    for p in ctx.params:
+        if p is None:
+            d_params.append(None)
+            continue
+        n = int(p.size)
+        piece = dask.delayed(_slice_round, pure=True)(packed, off, n, p.dtype)
+        d_params.append(
+            da.from_delayed(
+                piece, shape=tuple(p.shape), dtype=p.dtype, meta=_standin(_validate.xp_of(p), (0,), p.dtype)
+            ).reshape(p.shape)
+        )
+        off += n
+    return spec.grads(dx, *d_params)
+
+
+def _bn_param_sums(sums: Any, present: tuple[bool, ...]) -> Any:
+    """``dweight = sum dy x̂``, ``dbias = sum dy`` packed as the blocks' parameter gradients are (float64)."""
+    xp = _validate.xp_of(sums)
+    pieces = [s for s, p in zip((sums[:, 1], sums[:, 0]), present, strict=True) if p]
+    return xp.concatenate(pieces) if pieces else xp.zeros((0,), dtype=xp.float64)
+
+
+def _slice_round(packed: Any, off: int, n: int, dtype: Any) -> Any:
+    return _round(packed[off : off + n], dtype)
+
+
+# ---------------------------------------------------------------------------
 # pynorm.dask.<op>, <op>_forward, <op>_backward for every op
 
 
 def _backward_of(name: str, dy: Any, ctx: DaskContext, recompute: bool, upstream: dict[str, Any]) -> Any:
-    if isinstance(ctx, DaskContext) and ctx.op != name:
+    if isinstance(ctx, (DaskContext, ChannelsContext)) and ctx.op != name:
         raise ContextError(f"ctx was produced by {ctx.op} and cannot be used by {name}_backward")
     return backward(dy, ctx, recompute=recompute, **{k: v for k, v in upstream.items() if v is not None})
 

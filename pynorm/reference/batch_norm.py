@@ -27,7 +27,7 @@ import numpy as np
 from ..ops.batch_norm import BatchNormCtx, BatchNormGrads
 from ._common import _ieee, center, round_to, row_mean, working_dtype, write_result
 
-__all__ = ["OP_IMPLS", "backward", "forward", "momentum_factor"]
+__all__ = ["OP_IMPLS", "backward", "forward", "momentum_factor", "running_update"]
 
 
 def momentum_factor(momentum: float | None, num_batches_tracked: int) -> float:
@@ -73,11 +73,22 @@ def forward(
     ctx = BatchNormCtx(x, weight, bias, mean, rstd, bool(training), float(eps))
     if not training or running_mean is None:
         return y, ctx
-    m = wp.type(momentum_factor(momentum, num_batches_tracked))
-    unbiased = var * wp.type(n * s) / wp.type(n * s - 1)
-    rm = round_to((1 - m) * running_mean.astype(wp) + m * mean, running_mean.dtype)
-    rv = round_to((1 - m) * running_var.astype(wp) + m * unbiased, running_var.dtype)
-    return (y, rm, rv), ctx
+    m = momentum_factor(momentum, num_batches_tracked)
+    return (y, *running_update(running_mean, running_var, mean, var, n * s, m)), ctx
+
+
+def running_update(
+    running_mean: np.ndarray, running_var: np.ndarray, mean: np.ndarray, var: np.ndarray, count: int, m: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The updated running statistics from a batch's per-channel ``mean`` and biased ``var`` over ``count`` values
+    each (in the working precision, their dtype): ``(1 - m) running + m batch``, the variance unbiased, each
+    rounded once to its running statistic's dtype (also :mod:`pynorm.dask`'s, from its reduced statistics)."""
+    wp = np.result_type(mean.dtype, var.dtype)
+    mw = wp.type(m)
+    unbiased = var * wp.type(count) / wp.type(count - 1)
+    rm = round_to((1 - mw) * running_mean.astype(wp) + mw * mean, running_mean.dtype)
+    rv = round_to((1 - mw) * running_var.astype(wp) + mw * unbiased, running_var.dtype)
+    return rm, rv
 
 
 @_ieee

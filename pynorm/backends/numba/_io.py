@@ -132,7 +132,7 @@ def channel(tab):  # type: ignore[no-untyped-def]
 
 def channel_row(w):  # type: ignore[no-untyped-def]
     """Whether the numba type ``w`` is a channel row ``(w[g P : g P + P] or None, S, P)`` (:func:`arow`)."""
-    return isinstance(w, types.BaseTuple) and len(w) == 3 and not isinstance(w[0], types.Integer)
+    return isinstance(w, types.BaseTuple) and len(w) == 3 and not isinstance(w.types[0], types.Integer)
 
 
 @overload(arow)

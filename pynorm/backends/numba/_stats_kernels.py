@@ -162,6 +162,40 @@ def _dx_range(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, lo, hi):  # type: 
         put(er, dxr, j, dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j))
 
 
+def padd(p, j, v):  # type: ignore[no-untyped-def]
+    """``p[j] += v``, nothing when ``p`` is None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(padd, inline="always")
+def _padd_ol(p, j, v):  # type: ignore[no-untyped-def]
+    if isinstance(p, types.NoneType):
+        return lambda p, j, v: None
+
+    def impl(p, j, v):  # type: ignore[no-untyped-def]
+        p[j] += v
+
+    return impl
+
+
+def chunk_put(chunks, q, ag, agx, ad2):  # type: ignore[no-untyped-def]
+    """``chunks[q] = (ag, agx, ad2)`` in float64, nothing when ``chunks`` is None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(chunk_put, inline="always")
+def _chunk_put_ol(chunks, q, ag, agx, ad2):  # type: ignore[no-untyped-def]
+    if isinstance(chunks, types.NoneType):
+        return lambda chunks, q, ag, agx, ad2: None
+
+    def impl(chunks, q, ag, agx, ad2):  # type: ignore[no-untyped-def]
+        chunks[q, 0] = np.float64(ag)
+        chunks[q, 1] = np.float64(agx)
+        chunks[q, 2] = np.float64(ad2)
+
+    return impl
+
+
 def gmul(stat, dy, w, j):  # type: ignore[no-untyped-def]
     """``g = dy * w[j]`` as the statistic rounds it (:func:`._rowstats.gprod`), or ``dy`` when ``w`` is None."""
     raise RuntimeError(JIT_ONLY)
@@ -382,7 +416,9 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks): 
     :mod:`._split_kernels`, add them in chunk order afterwards, exactly as this loop does).
 
     The partials ``pw``, ``pb`` ((blocks, H) arrays or None) are passed down as the kernels' own
-    arguments with a block index: numba prunes ``is None`` branches at compile time for arguments only.
+    arguments with a block index; the optional outputs are written by type-chosen helpers (:func:`padd`,
+    :func:`chunk_put`), since a caller may reach this body through an inlined overload (:func:`row_sums`), where
+    numba prunes no ``is None`` branch.
     """
     sg = 0.0
     sgx = 0.0
@@ -407,10 +443,8 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks): 
                 ag += g
                 agx += g * xhat
                 ad2 += d * d
-                if pw is not None:
-                    pwc[j] += dy * xhat
-                if pb is not None:
-                    pbc[j] += dy
+                padd(pwc, j, dy * xhat)
+                padd(pbc, j, dy)
         else:
             for j in range(xc.shape[0]):
                 xhat = centre(stat, ld(xc[j]), k, c) * r
@@ -418,14 +452,9 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks): 
                 g = gmul(stat, dy, wc, j)
                 ag += g
                 agx += g * xhat
-                if pw is not None:
-                    pwc[j] += dy * xhat
-                if pb is not None:
-                    pbc[j] += dy
-        if chunks is not None:
-            chunks[c0 // CHUNK, 0] = np.float64(ag)
-            chunks[c0 // CHUNK, 1] = np.float64(agx)
-            chunks[c0 // CHUNK, 2] = np.float64(ad2)
+                padd(pwc, j, dy * xhat)
+                padd(pbc, j, dy)
+        chunk_put(chunks, c0 // CHUNK, ag, agx, ad2)
         sg += np.float64(ag)
         sgx += np.float64(agx)
         sd2 += np.float64(ad2)

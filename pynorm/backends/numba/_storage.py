@@ -28,7 +28,21 @@ from numba.extending import intrinsic, overload
 
 from ._cache import jit
 
-__all__ = ["JIT_ONLY", "at", "ld", "opt_add", "opt_mul", "r_ok", "seg", "seg2", "st", "st_exact", "tcast", "tiny_sum", "wat"]
+__all__ = [
+    "JIT_ONLY",
+    "at",
+    "ld",
+    "opt_add",
+    "opt_mul",
+    "r_ok",
+    "seg",
+    "seg2",
+    "st",
+    "st_exact",
+    "tcast",
+    "tiny_sum",
+    "wat",
+]
 
 #: message of the Python bodies of ``@overload``-ed helpers: numba replaces them inside jitted code
 JIT_ONLY = "this helper is a numba @overload: it exists only inside numba-jitted kernels"

@@ -274,7 +274,9 @@ def forward_rows(
     rows_, aff, cv, rs = plain(rows), plain(affine), plain(conv), plain(row_stats)
     x, pro = rows
     n, h = x.shape
-    if not _channel(affine.table) and split_rows(n, x if pro is None else pro[2]):  # (the rows normalized are h's with a prologue)
+    if not _channel(affine.table) and split_rows(
+        n, x if pro is None else pro[2]
+    ):  # (the rows normalized are h's with a prologue)
         from . import _split_kernels as split
 
         tasks = _segments(n, h)

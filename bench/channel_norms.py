@@ -67,7 +67,7 @@ def run_pynorm(shape: tuple[int, ...], groups: int, repeat: int, threads: int) -
 
 def run_torch(shape: tuple[int, ...], groups: int, repeat: int, threads: int) -> dict[str, float]:
     import torch
-    import torch.nn.functional as F  # noqa: N812
+    import torch.nn.functional as F
 
     torch.set_num_threads(threads)
     x, dy, w, b = (torch.from_numpy(a) for a in _data(shape))

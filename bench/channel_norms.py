@@ -87,6 +87,45 @@ def run_torch(shape: tuple[int, ...], groups: int, repeat: int, threads: int) ->
     return _median_rounds({"fwd": fwd, "fwd+bwd": fwdbwd}, repeat)
 
 
+def ulps(backend: str, dt: Any = np.float32) -> list[tuple[str, str, dict[str, float]]]:
+    """The largest error of ``backend``'s GroupNorm / InstanceNorm outputs against the reference run in float64 on
+    the same (rounded) inputs, in ulps of ``dt`` at the terms' magnitude (the spec's term scales), per input kind."""
+    import pynorm
+    from pynorm.ops import SPECS
+    from pynorm.testing import make_input
+
+    rows: list[tuple[str, str, dict[str, float]]] = []
+    cases = [("group_norm", {"num_groups": 4}), ("instance_norm", {})]
+    for op, opts in cases:
+        spec = SPECS[op]
+        for kind in ("normal", "offset", "huge", "tiny", "constant"):
+            rng = np.random.default_rng(0)
+            x = make_input(kind, (4, 8, 12, 12), dt, rng)
+            w, b = (1 + 0.5 * rng.standard_normal(8)).astype(dt), rng.standard_normal(8).astype(dt)
+            dy = rng.standard_normal(x.shape).astype(dt)
+            f, g = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+            x64, w64, b64, dy64 = (a.astype(np.float64) for a in (x, w, b, dy))
+            big = float(np.max(np.abs(x64)))
+            m = 2.0 ** np.floor(np.log2(big)) if big > 1e30 else 1.0  # exact float64 reference of huge rows
+            y_e, c_e = f(x64 / m, w64, b64, backend="numpy", **{**opts, "eps": 1e-5 / (m * m)})  # (same rows)
+            ge = g(dy64, c_e)
+            exact = {"y": y_e, "dx": ge.dx / m, "dweight": ge.dweight, "dbias": ge.dbias}
+            y, c = f(x, w, b, backend=backend, **opts)
+            gg = g(dy, c)
+            got = {"y": y, "dx": gg.dx, "dweight": gg.dweight, "dbias": gg.dbias}
+            n, ch = x.shape[:2]
+            sc = spec.term_scales((x64 / m).reshape(n, ch, -1), {"weight": w64, "bias": b64}, dy64.reshape(n, ch, -1),
+                                  {**spec.defaults(), **opts})  # fmt: skip
+            sc["dx"] = sc["dx"] / m
+            out = {}
+            for k, e in exact.items():
+                a = np.asarray(got[k], np.float64).reshape(e.shape)
+                unit = np.spacing(np.abs(np.asarray(sc[k], np.float64).reshape(e.shape)).astype(dt)).astype(np.float64)
+                out[k] = float(np.max(np.abs(a - e) / unit))
+            rows.append((op, kind, out))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8,256,64,64")
@@ -95,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)  # the PyTorch process
+    p.add_argument("--ulps", metavar="BACKEND", help="instead: the largest errors against the reference, in ulps")
     a = p.parse_args(argv)
+    if a.ulps:
+        print(f"{a.ulps}: largest error, float32 ulps at the terms' magnitude, vs the float64 reference")
+        for op, kind, e in ulps(a.ulps):
+            print(f"  {op:14s} {kind:9s} " + "  ".join(f"{k} {v:6.2f}" for k, v in e.items()))
+        return 0
     shape = tuple(int(s) for s in a.shape.split(","))
     if a.torch_only:
         print(json.dumps(run_torch(shape, a.groups, a.repeat, a.threads)))

@@ -110,9 +110,14 @@ def ulps(backend: str, dt: Any = np.float32) -> list[tuple[str, str, dict[str, f
             y_e, c_e = f(x64 / m, w64, b64, backend="numpy", **{**opts, "eps": 1e-5 / (m * m)})  # (same rows)
             ge = g(dy64, c_e)
             exact = {"y": y_e, "dx": ge.dx / m, "dweight": ge.dweight, "dbias": ge.dbias}
-            y, c = f(x, w, b, backend=backend, **opts)
-            gg = g(dy, c)
-            got = {"y": y, "dx": gg.dx, "dweight": gg.dweight, "dbias": gg.dbias}
+            dev, host = (np.asarray, np.asarray)
+            if backend == "cupy":
+                import cupy
+
+                dev, host = cupy.asarray, cupy.asnumpy
+            y, c = f(dev(x), dev(w), dev(b), backend=backend, **opts)
+            gg = g(dev(dy), c)
+            got = {k: host(v) for k, v in (("y", y), ("dx", gg.dx), ("dweight", gg.dweight), ("dbias", gg.dbias))}
             n, ch = x.shape[:2]
             sc = spec.term_scales((x64 / m).reshape(n, ch, -1), {"weight": w64, "bias": b64}, dy64.reshape(n, ch, -1),
                                   {**spec.defaults(), **opts})  # fmt: skip

@@ -195,6 +195,7 @@ def test_instantiations_are_what_the_specs_declare():
     assert _loader.variant_args(ops.RMS_NORM) == ("pynorm::MeanSquare", "pynorm::Vector<false>", "pynorm::Plain")
     assert _loader.variant_args(ops.SCALE_NORM) == ("pynorm::SumSquare", "pynorm::Scalar", "pynorm::Plain")
     assert _loader.variant_args(ops.MODALITY_LAYER_NORM)[1] == "pynorm::Table<true>"
+    assert _loader.variant_args(ops.GROUP_NORM)[1] == "pynorm::Channel<true>"  # (and InstanceNorm's)
     assert _loader.variant_args(ops.ADD_RMS_NORM, "float", "float")[2] == "pynorm::Residual<float, float>"
     with pytest.raises(ValueError, match="residual prologue"):
         _loader.variant_args(ops.ADD_LAYER_NORM)

@@ -108,9 +108,11 @@ def assert_close(g: Any, gr: Any, dt: Any, what: str = "") -> None:
 # every statistic and convention of the statistics family the backend serves, with its plain prologue and a vector
 # (or scalar, which the kernels see as a vector) affine source: (op, options) from the specs' convention sets (the
 # residual prologue and table affine source: test_residual_and_table_variants_on_every_path)
+#: the rows-layout ops (the channel affine source's, GroupNorm's and InstanceNorm's: tests/test_channel_kernels.py)
+ROW_IMPLS = {op: impl for op, impl in stats.OP_IMPLS.items() if isinstance(impl, stats.StatsOp)}
 VARIANTS = [
     (op, conv)
-    for op, impl in stats.OP_IMPLS.items()
+    for op, impl in ROW_IMPLS.items()
     if not impl.residual and not affine_of(SPECS[op]).index
     for conv in SPECS[op].cases
 ]
@@ -886,7 +888,7 @@ def test_backward_paths_agree(variant: tuple[str, dict[str, Any]], dt: Any, shap
     assert rel(w_f, w_r) <= tol and (b_f is None or rel(b_f, b_r) <= tol)
 
 
-RESIDUAL_TABLE_OPS = [n for n, impl in stats.OP_IMPLS.items() if impl.residual or affine_of(SPECS[n]).index]
+RESIDUAL_TABLE_OPS = [n for n, impl in ROW_IMPLS.items() if impl.residual or affine_of(SPECS[n]).index]
 
 
 @pytest.mark.parametrize("shape", [(9, 4000), (_layout.FUSED_MIN_ROWS + 5, 70)], ids=str)
@@ -951,7 +953,10 @@ def test_op_impls_follow_the_specs() -> None:
 
     # composite ops (Python over other ops, pynorm/composite) are offered by the registry, not listed here
     kernel_ops = {n: s for n, s in SPECS.items() if s.family != "composite" and s.layout == "rows"}
-    assert set(nb.OPS) == set(kernel_ops)  # (the channels-layout ops have no numba kernels yet)
+    # (the channels-layout ops with numba kernels: tests/test_channel_kernels.py)
+    channel_ops = {n for n, s in SPECS.items() if s.layout == "channels" and nb._has_kernels(s)}
+    assert {"group_norm", "instance_norm"} <= channel_ops
+    assert set(nb.OPS) == set(kernel_ops) | channel_ops
     families = {"stats": stats.OP_IMPLS, "elementwise": elementwise.OP_IMPLS, "quantize": quantize.OP_IMPLS}
     rng = np.random.default_rng(0)
     for n, spec in kernel_ops.items():
@@ -1009,7 +1014,7 @@ def test_borrow_views_share_data_and_keep_references_balanced() -> None:
 # ---------------------------------------------------------------------------
 # few wide rows: rows split across threads (_split_kernels) give the plain kernels' bits
 
-SPLIT_OPS = [n for n, impl in stats.OP_IMPLS.items()]
+SPLIT_OPS = list(ROW_IMPLS)
 # rows path with 1 and 3 rows, the fused path (>= FUSED_MIN_ROWS rows) with a ragged last segment
 SPLIT_SHAPES = [
     (1, 2 * _layout.SPLIT_SEG + 5),

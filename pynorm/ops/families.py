@@ -335,7 +335,7 @@ AFFINES: dict[str, Affine] = {
             True,
             ("num_groups", "channel_axis", "use_input_stats", "momentum"),
             False,
-            "",
+            "pynorm::Channel<{bias}>",
             ("running",),
         ),
     )

@@ -31,7 +31,7 @@ reference, by design:
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import cupy
@@ -39,12 +39,12 @@ import numpy as np
 
 from ...errors import ContextError, DTypeError
 from ...ops import OpSpec, Served, StatsVariant
-from ...ops.families import affine_of, kernel_args, prologue_of, statistic_of
+from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statistic_of
 from . import _host, _launch
 from ._args import BwdApplyArgs, BwdArgs, BwdStatsArgs, FwdArgs
 from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
 
-__all__ = ["OP_IMPLS", "StatsOp"]
+__all__ = ["OP_IMPLS", "ChannelOp", "StatsOp"]
 
 _FILE = FAMILY_FILES["stats"]
 _DTYPES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32", "double": "float64"}
@@ -122,8 +122,11 @@ class StatsOp:
         named = dict(zip(self.spec.param_names, args[n:], strict=True))
         return inputs, named.get(self.weight_name), named.get(self.bias_name)
 
-    def forward(self, x: cupy.ndarray, *args: Any, out: cupy.ndarray | None = None, **options: Any) -> Any:
-        """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); see the reference."""
+    def forward(
+        self, x: cupy.ndarray, *args: Any, out: cupy.ndarray | None = None, ids: Any = None, **options: Any
+    ) -> Any:
+        """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); see the reference. ``ids``:
+        the rows' table rows where the spec has no row index input (the channel source, :class:`ChannelOp`)."""
         rows, hidden = _launch.check_input(x)
         inputs, weight, bias = self._split(args)
         options = {**self.spec.defaults(), **options}
@@ -136,7 +139,7 @@ class StatsOp:
         w = _host.prepare_param(weight, plan.acc if plan.casts[0] else None)
         b = _host.prepare_param(bias, plan.acc if plan.casts[1] else None)
         res = _host.cast(residual, ty.r_dtype) if residual is not None else None
-        ids = _ids(inputs[self.ids_name]) if self.table else None
+        ids = _ids(inputs[self.ids_name] if ids is None else ids) if self.table else None
         y = out if out is not None else _host.empty((rows, hidden), x.dtype)
         h = _host.empty((rows, hidden), ty.h_dtype) if self.residual else None
         mean = cupy.empty(rows, dtype=plan.acc_dtype) if self.statistic.mean else None
@@ -175,8 +178,9 @@ class StatsOp:
         return ((y, h), ctx) if self.residual else (y, ctx)
 
     def backward(
-        self, dy: cupy.ndarray, ctx: Any, *, dx_out: cupy.ndarray | None = None, dh: cupy.ndarray | None = None
-    ) -> Any:
+        self, dy: cupy.ndarray, ctx: Any, *, dx_out: cupy.ndarray | None = None, dh: cupy.ndarray | None = None,
+        ids: Any = None,
+    ) -> Any:  # fmt: skip
         """Backward: gradients of a scalar loss given ``dy = dL/dy`` (and ``dh = dL/dh``); see the reference."""
         if not issubclass(type(ctx), self.spec.ctx):  # (no isinstance: mypy would narrow ctx to object)
             raise ContextError(
@@ -199,7 +203,8 @@ class StatsOp:
         rows, hidden = (int(d) for d in x.shape)
         correction, eps_mode, alpha, offset = kargs.correction, kargs.mode, kargs.alpha, kargs.weight_offset
         floors = ctx.floor if self.statistic.floor else None
-        ids = getattr(ctx, self.ids_name) if self.ids_name else None
+        if ids is None:
+            ids = getattr(ctx, self.ids_name) if self.ids_name else None
         w = _host.prepare_param(weight, plan.acc if plan.casts[0] else None)
         dx = dx_out if dx_out is not None else _host.empty((rows, hidden), dy.dtype)
         dres = _host.empty((rows, hidden), ty.r_dtype) if self.residual else None
@@ -319,5 +324,157 @@ def _modality_chunks(ids: cupy.ndarray, m: int, rows_per_chunk: int) -> tuple[An
     )
 
 
+# ---------------------------------------------------------------------------
+# the channel affine source (GroupNorm, InstanceNorm: the channels layout)
+
+#: the channel source's options (its record's): the groups (absent: one per channel), whether a spec with running
+#: statistics normalizes with the rows' own, the running update's weight
+_GROUPS, _USE_STATS, _MOMENTUM = "num_groups", "use_input_stats", "momentum"
+assert {_GROUPS, _USE_STATS, _MOMENTUM} <= set(AFFINES["channel"].options)
+
+
+class ChannelOp:
+    """An op with the channel affine source: ``x`` is ``(N, C, S)``, a row is one sample's group (``C/G`` channels
+    by ``S`` positions, contiguous). The kernels are the family's with the ``Channel<bias>`` policy: each group's
+    parameters are a row of the ``(G, H)`` tables the host makes (every channel's value over its ``S`` positions,
+    in the accumulation type), ``ids[row] = row % G``; the backward is the table source's split backward (row
+    chunks of one group), and each channel's gradient is the float64 sum of its ``S`` columns of the table's,
+    rounded once.
+
+    Running statistics: ``use_input_stats`` updates them from the kernels' per-row mean and ``r`` (``v = 1/r^2 -
+    eps``, unbiased by ``S/(S-1)``; float64 on the device, rounded once); without it the rows are normalized by
+    them, element-wise on the device in the math type (``dx = dy w r``)."""
+
+    def __init__(self, spec: OpSpec) -> None:
+        self.spec = spec
+        self.rows = StatsOp(spec)
+        self.rows.table = True  # the rows select their group's parameter row (ids given by this host)
+        self.running = tuple(i.name for i in spec.inputs if i.kind in affine_of(spec).inputs)
+        self.ctx_fields = tuple(f.name for f in fields(spec.ctx))
+
+    @staticmethod
+    def _table(p: Any, groups: int, s: int, dt: Any) -> Any:
+        c = int(p.shape[0])
+        per = p.astype(dt).reshape(groups, c // groups, 1)
+        return cupy.ascontiguousarray(cupy.broadcast_to(per, (groups, c // groups, s))).reshape(groups, -1)
+
+    @staticmethod
+    def _math(*dts: Any) -> Any:
+        wide = any(d is not None and np.dtype(d) == np.float64 for d in dts)
+        return np.dtype(np.float64) if wide else np.dtype(np.float32)
+
+    def forward(self, x: cupy.ndarray, *args: Any, out: cupy.ndarray | None = None, **options: Any) -> Any:
+        """Forward of the ``(N, C, S)`` array ``x`` (then the running statistics, if any, and the parameters)."""
+        spec = self.spec
+        n_in = len(spec.inputs)
+        o = {**spec.defaults(), **options}
+        kargs = kernel_args(spec, o)
+        inputs = dict(zip(spec.input_names, args[:n_in], strict=True))
+        weight, bias = args[n_in:]
+        run = [inputs.get(k) for k in self.running]
+        given = bool(run) and run[0] is not None and not o.get(_USE_STATS, True)
+        n, c, s = (int(d) for d in x.shape)
+        groups = int(o.get(_GROUPS, c))
+        rows, h = n * groups, (c // groups) * s
+        x = _host.contiguous(x)
+        if given:
+            y, mean, rstd = self._given_forward(x, run, weight, bias, kargs.eps, out)
+        else:
+            dt = self._math(x.dtype, _dtype(weight), _dtype(bias))
+            w = self._table(weight if weight is not None else cupy.ones(c, dt), groups, s, dt)
+            b = self._table(bias, groups, s, dt) if bias is not None else None
+            ids = cupy.arange(rows, dtype=np.int64) % groups
+            y2, inner = self.rows.forward(x.reshape(rows, h), *inputs.values(), w, b,
+                                          out=None if out is None else out.reshape(rows, h), ids=ids, **o)  # fmt: skip
+            y, mean, rstd = y2.reshape(n, c, s), inner.mean, inner.rstd
+        values = {**o, self.rows.weight_name: weight, self.rows.bias_name: bias, self.rows.prologue.row: x,
+                  **self.rows.statistic.ctx_values(rstd, mean=mean)}  # fmt: skip
+        ctx = spec.ctx(**{f: values[f] for f in self.ctx_fields})
+        if not run or run[0] is None or given:
+            return y, ctx
+        return (y, *self._running(run, mean, rstd, n, c, s, kargs.eps, float(o[_MOMENTUM]))), ctx
+
+    def _given_forward(self, x: Any, run: list[Any], weight: Any, bias: Any, eps: float, out: Any) -> Any:
+        n = int(x.shape[0])
+        dt = self._math(x.dtype, run[0].dtype, _dtype(weight), _dtype(bias))
+        rm = run[0].astype(dt)
+        r = 1 / np.sqrt(run[1].astype(dt) + dt.type(eps))
+        v = (_host.cast(x, dt.name) - rm[None, :, None]) * r[None, :, None]
+        if weight is not None:
+            v = v * weight.astype(dt)[None, :, None]
+        if bias is not None:
+            v = v + bias.astype(dt)[None, :, None]
+        y = _host.cast(v, x.dtype)
+        if out is not None:
+            out[...] = y
+            y = out
+        return y, _rows_of(rm, n), _rows_of(r, n)
+
+    @staticmethod
+    def _running(
+        run: list[Any], mean: Any, rstd: Any, n: int, c: int, s: int, eps: float, momentum: float
+    ) -> tuple[Any, Any]:
+        r = rstd.astype(np.float64)
+        v = 1.0 / (r * r) - eps
+        var = cupy.where(v > 0, v, 0.0) * (s / (s - 1))
+        batch = (mean.astype(np.float64).reshape(n, c).mean(axis=0), var.reshape(n, c).mean(axis=0))
+        return tuple(  # type: ignore[return-value]
+            _host.cast((1 - momentum) * old.astype(np.float64) + momentum * new, old.dtype)
+            for old, new in zip(run, batch, strict=True)
+        )
+
+    def backward(self, dy: cupy.ndarray, ctx: Any, *, dx_out: cupy.ndarray | None = None) -> Any:
+        """Backward: ``(dx, dweight, dbias)`` given ``dy`` (``(N, C, S)``)."""
+        x = getattr(ctx, self.rows.prologue.row)
+        weight, bias = getattr(ctx, self.rows.weight_name), getattr(ctx, self.rows.bias_name)
+        n, c, s = (int(d) for d in x.shape)
+        dy = _host.contiguous(dy)
+        if not getattr(ctx, _USE_STATS, True):
+            return self._given_backward(dy, ctx, dx_out)
+        groups = int(getattr(ctx, _GROUPS, c))
+        rows, h = n * groups, (c // groups) * s
+        dt = self._math(x.dtype, _dtype(weight), _dtype(bias))
+        w = self._table(weight if weight is not None else cupy.ones(c, dt), groups, s, dt)
+        b = self._table(bias, groups, s, dt) if bias is not None else None
+        inner = replace(ctx, **{self.rows.prologue.row: x.reshape(rows, h), self.rows.weight_name: w,
+                                self.rows.bias_name: b})  # fmt: skip
+        ids = cupy.arange(rows, dtype=np.int64) % groups
+        g = self.rows.backward(dy.reshape(rows, h), inner, dx_out=None if dx_out is None else dx_out.reshape(rows, h),
+                               ids=ids)  # fmt: skip
+        grads: list[Any] = []
+        for part, p in zip(g[1:], (weight, bias), strict=True):
+            if p is None or part is None:
+                grads.append(None)
+                continue
+            sums = part.astype(np.float64).reshape(groups, c // groups, s).sum(axis=2).reshape(c)
+            grads.append(_host.cast(sums, p.dtype))
+        return self.spec.grads(g[0].reshape(n, c, s), *grads)
+
+    def _given_backward(self, dy: Any, ctx: Any, dx_out: Any) -> Any:
+        x, weight, bias = ctx.x, ctx.weight, ctx.bias
+        n, c = (int(d) for d in x.shape[:2])
+        dt = self._math(x.dtype, ctx.rstd.dtype, _dtype(weight))
+        m = ctx.mean.astype(dt).reshape(n, c, 1)
+        r = ctx.rstd.astype(dt).reshape(n, c, 1)
+        d = _host.cast(dy, dt.name)
+        g = d * weight.astype(dt)[None, :, None] if weight is not None else d
+        dx = _host.cast(g * r, x.dtype)
+        if dx_out is not None:
+            dx_out[...] = dx
+            dx = dx_out
+        xh = (_host.cast(x, dt.name) - m) * r
+        dw = None if weight is None else _host.cast((d * xh).astype(np.float64).sum(axis=(0, 2)), weight.dtype)
+        db = None if bias is None else _host.cast(d.astype(np.float64).sum(axis=(0, 2)), bias.dtype)
+        return self.spec.grads(dx, dw, db)
+
+
+def _rows_of(a: Any, n: int) -> Any:
+    """The ``(C,)`` array ``a`` repeated for ``n`` samples: ``(n C,)``."""
+    return cupy.ascontiguousarray(cupy.broadcast_to(a[None], (n, int(a.shape[0])))).reshape(-1)
+
+
 #: op name -> its implementation, for every op of the statistics family
-OP_IMPLS: Served[StatsOp] = Served(lambda spec: spec.family == "stats" and supports(spec), StatsOp)
+OP_IMPLS: Served[StatsOp | ChannelOp] = Served(
+    lambda spec: spec.family == "stats" and supports(spec),
+    lambda spec: (ChannelOp if affine_of(spec).name == "channel" else StatsOp)(spec),
+)

@@ -66,7 +66,7 @@ VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
     "stats": {
         "statistic": tuple(n for n, s in families.STATISTICS.items() if s.numba),
         "prologue": ("plain", "residual"),
-        "affine": ("vector", "scalar", "table"),
+        "affine": ("vector", "scalar", "table", "channel"),
         "epilogue": ("plain", "prenorm"),
     },
     "elementwise": {"function": tuple(n for n, f in families.FUNCTIONS.items() if f.numba)},

@@ -15,6 +15,14 @@ from that argument's numba type at compile time, so a plain variant compiles non
   are ``(M, H)`` tables and row ``i`` uses row ``ids[i]`` (:func:`arow`); the parameter-gradient
   partials then have ``M`` rows per row block, and row ``i`` adds into row ``blk * M + ids[i]``
   (:func:`pslot`, :func:`pzero`), so each modality's sums keep the plain norm's order;
+* affine source ``tab`` = ``(G, S, P)`` (three integers: the channel source, GroupNorm's) -- row ``i`` is sample
+  ``i // G``'s group ``g = i % G``: ``P = C / G`` channels of ``S`` positions each, element ``j`` scaled by
+  ``w[g P + j // S]`` and shifted by ``b[...]``. :func:`arow` gives the row's *channel row* ``(w[g P : g P + P] or
+  None, S, P)`` (for an absent parameter too: the kernels then cut the row into its channels all the same, and the
+  slow path reads it through :func:`aff_mul`, :func:`aff_add`); the kernels write each channel's ``S`` elements
+  with the channel's scalars (:func:`chan_at`), and the partials have one row per row (``pslot(tab, blk, i) = i``,
+  ``P`` float64 columns: each channel's ``sum dy xhat`` / ``sum dy``, set by :func:`pput`, never accumulated), so
+  the host's per-channel sums over the samples do not depend on the threads;
 * epilogue ``ep`` -- ``None`` (``dx`` is stored) or ``(dh, alpha, dresidual)``: the gradient at
   ``h`` is ``v + dh`` (``dh`` may be None), stored as ``dx`` and as ``dresidual = alpha * (v + dh)``,
   each rounded once (:func:`ep_row`, :func:`put`, :func:`put_exact`).
@@ -29,7 +37,23 @@ from numba.extending import intrinsic, overload
 from ._cache import jit
 from ._storage import JIT_ONLY, ld, st, st_exact
 
-__all__ = ["arow", "ep_row", "pslot", "put", "put_exact", "pzero", "src_done", "src_row"]
+__all__ = [
+    "aff_add",
+    "aff_mul",
+    "arow",
+    "chan_at",
+    "chan_scale",
+    "channel",
+    "channel_row",
+    "ep_row",
+    "pput",
+    "pslot",
+    "put",
+    "put_exact",
+    "pzero",
+    "src_done",
+    "src_row",
+]
 
 
 def _none(t):  # type: ignore[no-untyped-def]
@@ -101,8 +125,27 @@ def arow(p, tab, i):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
+def channel(tab):  # type: ignore[no-untyped-def]
+    """Whether the numba type ``tab`` is the channel source's ``(G, S, P)`` (see the module doc)."""
+    return isinstance(tab, types.UniTuple) and len(tab) == 3 and isinstance(tab.dtype, types.Integer)
+
+
+def channel_row(w):  # type: ignore[no-untyped-def]
+    """Whether the numba type ``w`` is a channel row ``(w[g P : g P + P] or None, S, P)`` (:func:`arow`)."""
+    return isinstance(w, types.BaseTuple) and len(w) == 3 and not isinstance(w.types[0], types.Integer)
+
+
 @overload(arow)
 def _arow_ol(p, tab, i):  # type: ignore[no-untyped-def]
+    if channel(tab):
+        if _none(p):
+            return lambda p, tab, i: (None, tab[1], tab[2])
+
+        def chan(p, tab, i):  # type: ignore[no-untyped-def]
+            g0 = (i % tab[0]) * tab[2]
+            return (p[g0 : g0 + tab[2]], tab[1], tab[2])
+
+        return chan
     if _none(p):
         return lambda p, tab, i: None
     if _none(tab):
@@ -119,6 +162,8 @@ def pslot(tab, blk, i):  # type: ignore[no-untyped-def]
 def _pslot_ol(tab, blk, i):  # type: ignore[no-untyped-def]
     if _none(tab):
         return lambda tab, blk, i: blk
+    if channel(tab):
+        return lambda tab, blk, i: i
     return lambda tab, blk, i: blk * tab[1] + tab[0][i]
 
 
@@ -129,7 +174,7 @@ def pzero(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
 
 @overload(pzero)
 def _pzero_ol(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
-    if _none(p):
+    if _none(p) or channel(tab):  # (the channel source's partials are set per row, :func:`pput`)
         return lambda p, tab, blk, j0, j1: None
     if _none(tab):
 
@@ -142,6 +187,82 @@ def _pzero_ol(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
         p[blk * tab[1] : (blk + 1) * tab[1], j0:j1] = 0
 
     return table
+
+
+def chan_at(w, q):  # type: ignore[no-untyped-def]
+    """Channel ``q``'s scalar of a channel row (None for an absent parameter)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(chan_at, inline="always")
+def _chan_at_ol(w, q):  # type: ignore[no-untyped-def]
+    if _none(w[0]):
+        return lambda w, q: None
+    return lambda w, q: w[0][q]
+
+
+def chan_scale(w, q, s):  # type: ignore[no-untyped-def]
+    """``w_q * s`` in float64 (``s`` a float64 sum over channel ``q``), or ``s`` for an absent weight."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(chan_scale, inline="always")
+def _chan_scale_ol(w, q, s):  # type: ignore[no-untyped-def]
+    if _none(w[0]):
+        return lambda w, q, s: s
+    return lambda w, q, s: np.float64(w[0][q]) * s
+
+
+def pput(p, slot, q, v):  # type: ignore[no-untyped-def]
+    """``p[slot, q] = v`` (a channel's partial sum), nothing when ``p`` is None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(pput, inline="always")
+def _pput_ol(p, slot, q, v):  # type: ignore[no-untyped-def]
+    if _none(p):
+        return lambda p, slot, q, v: None
+
+    def impl(p, slot, q, v):  # type: ignore[no-untyped-def]
+        p[slot, q] = v
+
+    return impl
+
+
+def aff_mul(v, w, j):  # type: ignore[no-untyped-def]
+    """``v * w[j]`` in float64 (the slow path's scale of element ``j``): ``v`` for no weight, the channel's value for
+    a channel row."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def aff_add(v, b, j):  # type: ignore[no-untyped-def]
+    """``v + b[j]`` in float64, as :func:`aff_mul`."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def _aff_make(op):  # type: ignore[no-untyped-def]
+    def ol(v, w, j):  # type: ignore[no-untyped-def]
+        if _none(w) or (channel_row(w) and _none(w[0])):
+            return lambda v, w, j: v
+        if channel_row(w):
+            return lambda v, w, j: op(v, np.float64(w[0][j // w[1]]))
+        return lambda v, w, j: op(v, np.float64(w[j]))
+
+    return ol
+
+
+@jit(inline="always")
+def _mul(a, b):  # type: ignore[no-untyped-def]
+    return a * b
+
+
+@jit(inline="always")
+def _add(a, b):  # type: ignore[no-untyped-def]
+    return a + b
+
+
+overload(aff_mul, inline="always")(_aff_make(_mul))
+overload(aff_add, inline="always")(_aff_make(_add))
 
 
 def ep_row(ep, i):  # type: ignore[no-untyped-def]

@@ -59,7 +59,7 @@ from numba.extending import overload
 from ...ops.families import R_FLOOR, R_INSIDE, R_OUTSIDE, STATISTICS
 from ._cache import FM_SUM, jit
 from ._layout import CHUNK
-from ._storage import JIT_ONLY, ld, tcast, tiny_sum
+from ._storage import JIT_ONLY, ld, tcast, tiny_sum, wat
 
 __all__ = [
     "CENTERED",
@@ -542,7 +542,7 @@ def _c_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, aux):  # type: ig
 def _c_dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-untyped-def]
     xhat = _centre(ld(xr[j]), k, c) * r
     dy = ld(dyr[j])
-    g = _prod(dy, w[j]) if w is not None else dy
+    g = _prod(dy, wat(w, j)) if w is not None else dy
     return r * ((g - gbar) - xhat * coef)
 
 
@@ -597,7 +597,7 @@ def _l2_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, aux):  # type: i
 
 def _ms_dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-untyped-def]
     dy = ld(dyr[j])
-    g = dy * w[j] if w is not None else dy
+    g = dy * wat(w, j) if w is not None else dy
     return r * (g - (ld(xr[j]) * r) * coef)
 
 

@@ -51,7 +51,22 @@ from numba.extending import overload
 
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
-from ._io import arow, ep_row, pslot, put, put_exact, pzero, src_done, src_row
+from ._io import (
+    aff_add,
+    aff_mul,
+    arow,
+    chan_at,
+    chan_scale,
+    channel_row,
+    ep_row,
+    pput,
+    pslot,
+    put,
+    put_exact,
+    pzero,
+    src_done,
+    src_row,
+)
 from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK
 from ._rowstats import (
     _cadd,
@@ -73,20 +88,23 @@ from ._rowstats import (
     slow_residual,
     slow_shift,
 )
-from ._storage import JIT_ONLY, at, ld, opt_add, opt_mul, r_ok, seg, seg2, st, st_exact, tcast
+from ._storage import JIT_ONLY, at, ld, opt_add, opt_mul, r_ok, seg, seg2, st, st_exact, tcast, wat
 from ._stream import dx_vec, dx_vec1, out_vec, sfence, stream_lines, streams
 
 __all__ = [
     "FAST",
     "PENDING",
     "bwd_fused",
+    "bwd_given",
     "bwd_rows",
     "bwd_slow",
     "fwd",
+    "fwd_given",
     "fwd_slow",
     "params_by_cols",
     "prologue_rows",
     "redo_blocks",
+    "redo_channel",
 ]
 
 #: per-row ``scale`` of the backward: the row took the fast path (else the slow path's exponent)
@@ -144,6 +162,40 @@ def _dx_range(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, lo, hi):  # type: 
         put(er, dxr, j, dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j))
 
 
+def padd(p, j, v):  # type: ignore[no-untyped-def]
+    """``p[j] += v``, nothing when ``p`` is None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(padd, inline="always")
+def _padd_ol(p, j, v):  # type: ignore[no-untyped-def]
+    if isinstance(p, types.NoneType):
+        return lambda p, j, v: None
+
+    def impl(p, j, v):  # type: ignore[no-untyped-def]
+        p[j] += v
+
+    return impl
+
+
+def chunk_put(chunks, q, ag, agx, ad2):  # type: ignore[no-untyped-def]
+    """``chunks[q] = (ag, agx, ad2)`` in float64, nothing when ``chunks`` is None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(chunk_put, inline="always")
+def _chunk_put_ol(chunks, q, ag, agx, ad2):  # type: ignore[no-untyped-def]
+    if isinstance(chunks, types.NoneType):
+        return lambda chunks, q, ag, agx, ad2: None
+
+    def impl(chunks, q, ag, agx, ad2):  # type: ignore[no-untyped-def]
+        chunks[q, 0] = np.float64(ag)
+        chunks[q, 1] = np.float64(agx)
+        chunks[q, 2] = np.float64(ad2)
+
+    return impl
+
+
 def gmul(stat, dy, w, j):  # type: ignore[no-untyped-def]
     """``g = dy * w[j]`` as the statistic rounds it (:func:`._rowstats.gprod`), or ``dy`` when ``w`` is None."""
     raise RuntimeError(JIT_ONLY)
@@ -153,7 +205,81 @@ def gmul(stat, dy, w, j):  # type: ignore[no-untyped-def]
 def _gmul_ol(stat, dy, w, j):  # type: ignore[no-untyped-def]
     if isinstance(w, types.NoneType):
         return lambda stat, dy, w, j: dy
-    return lambda stat, dy, w, j: gprod(stat, dy, w[j])
+    return lambda stat, dy, w, j: gprod(stat, dy, wat(w, j))
+
+
+# ---------------------------------------------------------------------------
+# the affine source's shape of a row: a whole row at once, or a channel row (:mod:`._io`) channel by channel, each
+# channel's S elements with its scalars (the same loops, streamed stores included)
+
+
+def write_out(stat, xr, w, b, k, c, r, yr, stream):  # type: ignore[no-untyped-def]
+    """:func:`write_y` of the whole row (a channel row: channel by channel)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(write_out, inline="always")
+def _write_out_ol(stat, xr, w, b, k, c, r, yr, stream):  # type: ignore[no-untyped-def]
+    if not channel_row(w):
+        return lambda stat, xr, w, b, k, c, r, yr, stream: write_y(stat, xr, w, b, k, c, r, yr, stream, 0,
+                                                                   xr.shape[0])  # fmt: skip
+
+    def chan(stat, xr, w, b, k, c, r, yr, stream):  # type: ignore[no-untyped-def]
+        s = w[1]
+        for q in range(w[2]):
+            write_y(stat, xr, chan_at(w, q), chan_at(b, q), k, c, r, yr, stream, q * s, q * s + s)
+
+    return chan
+
+
+def row_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[no-untyped-def]
+    """:func:`_bwd_sums` of the whole row (a channel row: each channel's ``sum dy``, ``sum dy xhat`` set as its
+    partials, the row's sums their ``w``-weighted float64 sums)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(row_sums, inline="always")
+def _row_sums_ol(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[no-untyped-def]
+    if not channel_row(w):
+        return lambda stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk: _bwd_sums(
+            stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, 0, xr.shape[0], None
+        )
+
+    def chan(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[no-untyped-def]
+        s = w[1]
+        sg = 0.0
+        sgx = 0.0
+        sd2 = 0.0
+        for q in range(w[2]):
+            a, ax, d2 = _bwd_sums(stat, xr, dyr, None, k, c, r, with_d2, None, None, 0, q * s, q * s + s, None)
+            sg += chan_scale(w, q, a)
+            sgx += chan_scale(w, q, ax)
+            sd2 += d2
+            pput(pw, blk, q, ax)
+            pput(pb, blk, q, a)
+        return sg, sgx, sd2
+
+    return chan
+
+
+def write_dx_out(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream):  # type: ignore[no-untyped-def]
+    """:func:`write_dx` of the whole row (a channel row: channel by channel)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(write_dx_out, inline="always")
+def _write_dx_out_ol(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream):  # type: ignore[no-untyped-def]
+    if not channel_row(w):
+        return lambda stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream: write_dx(
+            stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream, 0, xr.shape[0]
+        )
+
+    def chan(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream):  # type: ignore[no-untyped-def]
+        s = w[1]
+        for q in range(w[2]):
+            write_dx(stat, xr, dyr, chan_at(w, q), k, c, r, gbar, coef, dxr, er, stream, q * s, q * s + s)
+
+    return chan
 
 
 # ---------------------------------------------------------------------------
@@ -168,7 +294,7 @@ def _fwd_row(stat, xr, w, b, eps, corr, mode, yr, stream):  # type: ignore[no-un
     if not ok:
         return False, 0.0, 0.0
     r = rfactor(stat, v, eps, mode)
-    write_y(stat, xr, w, b, k, tcast(xr, c), tcast(xr, r), yr, stream, 0, xr.shape[0])
+    write_out(stat, xr, w, b, k, tcast(xr, c), tcast(xr, r), yr, stream)
     return True, row_aux(stat, k, c, v, eps, mode), r
 
 
@@ -231,11 +357,7 @@ def _fwd_row_slow(stat, xr, w, b, eps, corr, mode, yr):  # type: ignore[no-untyp
     sc = math.ldexp(1.0, -e)
     for j in range(xr.shape[0]):
         v = ((np.float64(ld(xr[j])) * sc - m1) - c) * r_s
-        if w is not None:
-            v = v * np.float64(w[j])
-        if b is not None:
-            v = v + np.float64(b[j])
-        st_exact(yr, j, v)
+        st_exact(yr, j, aff_add(aff_mul(v, w, j), b, j))
     return slow_aux(stat, m1, c, e, v_s, eps, mode), r
 
 
@@ -261,6 +383,26 @@ def _fwd_slow_rows(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd):  # t
             rstd[i] = r
 
 
+@jit(FM_SUM)
+def _given_span(stat, x, w, b, tab, mean, rstd, y, stream, i0, i1):  # type: ignore[no-untyped-def]
+    for i in range(i0, i1):
+        xr = x[i]
+        write_out(stat, xr, arow(w, tab, i), arow(b, tab, i), tcast(xr, mean[i]), tcast(xr, 0.0), tcast(xr, rstd[i]),
+                  y[i], stream)  # fmt: skip
+    if stream is not None:
+        sfence()
+
+
+@jit(FM_SUM)
+def fwd_given(stat, x, affine, row_stats, y, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """Rows ``lo <= i < hi`` normalized by *given* statistics (InstanceNorm with its running statistics): ``y =
+    (x - mean[i]) * rstd[i] [* w] [+ b]``, ``row_stats`` = ``(mean, rstd)`` given in the math type's values; the
+    other arguments as :func:`fwd`'s."""
+    w, b, tab = affine
+    mean, rstd = row_stats
+    _given_span(*borrow((stat, x, w, b, tab, mean, rstd, y, stream)), lo, hi)
+
+
 # ---------------------------------------------------------------------------
 # backward: a row's dx (and its share of the block partials)
 
@@ -274,7 +416,9 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks): 
     :mod:`._split_kernels`, add them in chunk order afterwards, exactly as this loop does).
 
     The partials ``pw``, ``pb`` ((blocks, H) arrays or None) are passed down as the kernels' own
-    arguments with a block index: numba prunes ``is None`` branches at compile time for arguments only.
+    arguments with a block index; the optional outputs are written by type-chosen helpers (:func:`padd`,
+    :func:`chunk_put`), since a caller may reach this body through an inlined overload (:func:`row_sums`), where
+    numba prunes no ``is None`` branch.
     """
     sg = 0.0
     sgx = 0.0
@@ -299,10 +443,8 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks): 
                 ag += g
                 agx += g * xhat
                 ad2 += d * d
-                if pw is not None:
-                    pwc[j] += dy * xhat
-                if pb is not None:
-                    pbc[j] += dy
+                padd(pwc, j, dy * xhat)
+                padd(pbc, j, dy)
         else:
             for j in range(xc.shape[0]):
                 xhat = centre(stat, ld(xc[j]), k, c) * r
@@ -310,14 +452,9 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks): 
                 g = gmul(stat, dy, wc, j)
                 ag += g
                 agx += g * xhat
-                if pw is not None:
-                    pwc[j] += dy * xhat
-                if pb is not None:
-                    pbc[j] += dy
-        if chunks is not None:
-            chunks[c0 // CHUNK, 0] = np.float64(ag)
-            chunks[c0 // CHUNK, 1] = np.float64(agx)
-            chunks[c0 // CHUNK, 2] = np.float64(ad2)
+                padd(pwc, j, dy * xhat)
+                padd(pbc, j, dy)
+        chunk_put(chunks, c0 // CHUNK, ag, agx, ad2)
         sg += np.float64(ag)
         sgx += np.float64(agx)
         sd2 += np.float64(ad2)
@@ -333,11 +470,10 @@ def _bwd_row(stat, xr, dyr, w, mean, r, corr, mode, dxr, er, pw, pb, blk, stream
     k, c = bwd_centring(stat, xr, mean, r)
     rt = tcast(xr, r)
     if r_ok(xr, r):
-        sg, sgx, sd2 = _bwd_sums(stat, xr, dyr, w, k, c, rt, eps_outside(stat, mode), pw, pb, blk, 0,
-                                 xr.shape[0], None)  # fmt: skip
+        sg, sgx, sd2 = row_sums(stat, xr, dyr, w, k, c, rt, eps_outside(stat, mode), pw, pb, blk)
         ok, gbar, coef = bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, mean)
         if ok:
-            write_dx(stat, xr, dyr, w, k, c, rt, gbar, coef, dxr, er, stream, 0, xr.shape[0])
+            write_dx_out(stat, xr, dyr, w, k, c, rt, gbar, coef, dxr, er, stream)
             return True, c
     return False, c
 
@@ -361,9 +497,7 @@ def _bwd_row_slow(stat, xr, dyr, w, mean, r, corr, mode, dxr, er):  # type: igno
     td2 = 0.0
     for j in range(h):
         d = (np.float64(ld(xr[j])) * sc - m_s) - c
-        g = np.float64(ld(dyr[j]))
-        if w is not None:
-            g *= np.float64(w[j])
+        g = aff_mul(np.float64(ld(dyr[j])), w, j)
         sg, tg = _cadd(sg, tg, g)
         sgx, tgx = _cadd(sgx, tgx, g * (d * r_s))
         sd2, td2 = _cadd(sd2, td2, d * d)
@@ -373,9 +507,7 @@ def _bwd_row_slow(stat, xr, dyr, w, mean, r, corr, mode, dxr, er):  # type: igno
     gbar = sg / h if is_centered(stat) else 0.0
     for j in range(h):
         xhat = ((np.float64(ld(xr[j])) * sc - m_s) - c) * r_s
-        g = np.float64(ld(dyr[j]))
-        if w is not None:
-            g *= np.float64(w[j])
+        g = aff_mul(np.float64(ld(dyr[j])), w, j)
         put_exact(er, dxr, j, r * ((g - gbar) - xhat * coef))
     return e, c
 
@@ -566,6 +698,62 @@ def _redo_blocks(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[n
             else:
                 cr = slow_residual(stat, xr, at(mean, i), scale[i])
                 _acc_slow(stat, xr, dy[i], at(mean, i), rstd[i], scale[i], cr, pw, pb, slot, 0)
+
+
+@jit(FM_SUM)
+def _bwd_given_span(stat, x, dy, w, tab, mean, rstd, dx, pw, pb, stream, i0, i1):  # type: ignore[no-untyped-def]
+    for i in range(i0, i1):
+        xr = x[i]
+        k, zero, rt = tcast(xr, mean[i]), tcast(xr, 0.0), tcast(xr, rstd[i])
+        wr = arow(w, tab, i)
+        row_sums(stat, xr, dy[i], wr, k, zero, rt, False, pw, pb, pslot(tab, 0, i))
+        write_dx_out(stat, xr, dy[i], wr, k, zero, rt, zero, zero, dx[i], None, stream)
+    if stream is not None:
+        sfence()
+
+
+@jit(FM_SUM)
+def bwd_given(stat, x, dy, affine, row_stats, grad, partials, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """Backward of :func:`fwd_given`'s rows ``lo <= i < hi``: ``dx = dy [* w] * rstd[i]`` (the statistics are
+    constants), and the rows' partials (the channel source's, :mod:`._io`)."""
+    w, _, tab = affine
+    mean, rstd = row_stats
+    dx, _ = grad
+    pw, pb = partials
+    _bwd_given_span(*borrow((stat, x, dy, w, tab, mean, rstd, dx, pw, pb, stream)), lo, hi)
+
+
+@jit()
+def redo_channel(stat, x, dy, table, row_stats, scale, partials):  # type: ignore[no-untyped-def]
+    """The channel source's partials (:mod:`._io`: set per row) of the rows the slow path took, recomputed with its
+    float64 formula (as :func:`redo_blocks` does for the other sources' blocks)."""
+    mean, rstd = row_stats
+    pw, pb = partials
+    _redo_channel(stat, x, dy, table, mean, rstd, scale, pw, pb)
+
+
+@jit()
+def _redo_channel(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[no-untyped-def]
+    s = tab[1]
+    for i in range(x.shape[0]):
+        if scale[i] == FAST:
+            continue
+        e = scale[i]
+        xr = x[i]
+        dyr = dy[i]
+        cr = slow_residual(stat, xr, at(mean, i), e)
+        sc = math.ldexp(1.0, -e)
+        m_s = slow_shift(stat, at(mean, i), e)
+        r_s = math.ldexp(rstd[i], e)
+        for q in range(tab[2]):
+            a = 0.0
+            ax = 0.0
+            for j in range(q * s, q * s + s):
+                g = np.float64(ld(dyr[j]))
+                a += g
+                ax += g * (((np.float64(ld(xr[j])) * sc - m_s) - cr) * r_s)
+            pput(pw, i, q, ax)
+            pput(pb, i, q, a)
 
 
 #: column tiles :func:`params_by_cols` takes in one step (4 rows of x and dy: 32 KiB of float32, within L1)

@@ -28,7 +28,21 @@ from numba.extending import intrinsic, overload
 
 from ._cache import jit
 
-__all__ = ["JIT_ONLY", "at", "ld", "opt_add", "opt_mul", "r_ok", "seg", "seg2", "st", "st_exact", "tcast", "tiny_sum"]
+__all__ = [
+    "JIT_ONLY",
+    "at",
+    "ld",
+    "opt_add",
+    "opt_mul",
+    "r_ok",
+    "seg",
+    "seg2",
+    "st",
+    "st_exact",
+    "tcast",
+    "tiny_sum",
+    "wat",
+]
 
 #: message of the Python bodies of ``@overload``-ed helpers: numba replaces them inside jitted code
 JIT_ONLY = "this helper is a numba @overload: it exists only inside numba-jitted kernels"
@@ -266,12 +280,13 @@ def _at_ol(a, i):  # type: ignore[no-untyped-def]
 
 
 def opt_mul(v, a, j):  # type: ignore[no-untyped-def]
-    """``v * a[j]``, or ``v`` when ``a`` is None (chosen by type: inlined callers cannot prune a local None)."""
+    """``v * a[j]``, or ``v`` when ``a`` is None (chosen by type: inlined callers cannot prune a local None); ``v * a``
+    for a scalar ``a`` (the channel affine source's per-channel value, :mod:`._io`)."""
     raise RuntimeError(JIT_ONLY)
 
 
 def opt_add(v, a, j):  # type: ignore[no-untyped-def]
-    """``v + a[j]``, or ``v`` when ``a`` is None."""
+    """``v + a[j]``, or ``v`` when ``a`` is None (``v + a`` for a scalar ``a``)."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -279,6 +294,8 @@ def opt_add(v, a, j):  # type: ignore[no-untyped-def]
 def _opt_mul_ol(v, a, j):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda v, a, j: v
+    if isinstance(a, types.Float):
+        return lambda v, a, j: v * a
     return lambda v, a, j: v * a[j]
 
 
@@ -286,4 +303,18 @@ def _opt_mul_ol(v, a, j):  # type: ignore[no-untyped-def]
 def _opt_add_ol(v, a, j):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda v, a, j: v
+    if isinstance(a, types.Float):
+        return lambda v, a, j: v + a
     return lambda v, a, j: v + a[j]
+
+
+def wat(a, j):  # type: ignore[no-untyped-def]
+    """``a[j]`` of a parameter vector, or ``a`` itself for a scalar (one channel's value, :mod:`._io`)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(wat, inline="always")
+def _wat_ol(a, j):  # type: ignore[no-untyped-def]
+    if isinstance(a, types.Float):
+        return lambda a, j: a
+    return lambda a, j: a[j]

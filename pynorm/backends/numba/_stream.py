@@ -139,9 +139,17 @@ def _centered(stat):  # type: ignore[no-untyped-def]
     return record.mean
 
 
+def _wvec(context, builder, aty, a, j, n=LANES):  # type: ignore[no-untyped-def]
+    """A parameter's ``a[j : j + n]`` as one vector, or the scalar ``a`` splat (one channel's value)."""
+    if isinstance(aty, types.Float):
+        return _splat(builder, a, n)
+    return _vload(context, builder, aty, a, j, n)
+
+
 @intrinsic
 def out_vec(typingctx, stat, xr, w, b, k, c, r, yr, j):  # type: ignore[no-untyped-def]
-    """``yr[j : j + LANES] = centre(x) * r [* w] [+ b]`` (float32, as the plain loop), streaming store."""
+    """``yr[j : j + LANES] = centre(x) * r [* w] [+ b]`` (float32, as the plain loop), streaming store (``w``, ``b``:
+    vectors, or one channel's scalars)."""
     f32 = xr.dtype == types.float32 and yr.dtype == types.float32
     centered = _centered(stat)
     has_w = not isinstance(w, types.NoneType)
@@ -156,9 +164,9 @@ def out_vec(typingctx, stat, xr, w, b, k, c, r, yr, j):  # type: ignore[no-untyp
             v = builder.fsub(builder.fsub(v, _splat(builder, vk, LANES)), _splat(builder, vc, LANES))
         v = _fm(builder.fmul(v, _splat(builder, vr, LANES)))
         if has_w:
-            v = _fm(builder.fmul(v, _vload(context, builder, sig.args[2], aw, vj)))
+            v = _fm(builder.fmul(v, _wvec(context, builder, sig.args[2], aw, vj)))
         if has_b:
-            v = _fm(builder.fadd(v, _vload(context, builder, sig.args[3], ab, vj)))
+            v = _fm(builder.fadd(v, _wvec(context, builder, sig.args[3], ab, vj)))
         _vstore_nt(context, builder, sig.args[7], ay, vj, v)
         return context.get_dummy_value()
 
@@ -186,13 +194,13 @@ def _dx_vec_make(n):  # type: ignore[no-untyped-def]
                 xhat = _fm(builder.fmul(d, rv))
                 g = _vload(context, builder, ta[2], ady, vj, n)
                 if has_w:
-                    g = builder.fmul(g, _vload(context, builder, ta[3], aw, vj, n))
+                    g = builder.fmul(g, _wvec(context, builder, ta[3], aw, vj, n))
                 t = _fm(builder.fsub(g, _splat(builder, vg, n)))
             else:  # mean square: g = dy * w with flags, xhat = x * r, no gbar
                 rv = _splat(builder, vr, n)
                 t = _vload(context, builder, ta[2], ady, vj, n)
                 if has_w:
-                    t = _fm(builder.fmul(t, _vload(context, builder, ta[3], aw, vj, n)))
+                    t = _fm(builder.fmul(t, _wvec(context, builder, ta[3], aw, vj, n)))
                 xhat = _fm(builder.fmul(_vload(context, builder, ta[1], ax, vj, n), rv))
             u = _fm(builder.fsub(t, _fm(builder.fmul(xhat, _splat(builder, vco, n)))))
             _vstore_nt(context, builder, ta[9], adx, vj, _fm(builder.fmul(rv, u)), n > 1)

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..._dtypes import round_to
 from ...ops import OpSpec, Served
-from ...ops.families import affine_of, kernel_args, prologue_of, statistic_of
+from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statistic_of
 from . import _common as common
 from . import _stats_kernels as kernels
 from ._args import Affine, Conventions, Grad, Partials, Rows, RowStats, plain
@@ -52,7 +52,7 @@ from ._layout import CHUNK, ROW_BLOCK, SPLIT_SEG, blocks, tiles, use_fused, use_
 from ._threads import launch, threads_for
 from ._variant import Tag, record_of, statistic
 
-__all__ = ["AFFINE_SOURCES", "OP_IMPLS", "StatsOp", "backward_rows", "forward_rows", "split_rows"]
+__all__ = ["AFFINE_SOURCES", "OP_IMPLS", "ChannelOp", "StatsOp", "backward_rows", "forward_rows", "split_rows"]
 
 
 class _Vector:
@@ -255,6 +255,12 @@ def split_rows(tasks: int, x: np.ndarray) -> bool:
     return hidden >= 2 * SPLIT_SEG and work >= SPLIT_MIN_WORK and tasks < threads_for(work)
 
 
+def _channel(table: Any) -> bool:
+    """Whether an affine bundle's table is the channel source's ``(G, S, P)`` (:class:`ChannelOp`; its rows are never
+    split: their partials are per row, and few rows are few samples' groups)."""
+    return table is not None and len(table) == 3
+
+
 def _segments(rows: int, hidden: int) -> int:
     return rows * -(-hidden // SPLIT_SEG)
 
@@ -268,7 +274,9 @@ def forward_rows(
     rows_, aff, cv, rs = plain(rows), plain(affine), plain(conv), plain(row_stats)
     x, pro = rows
     n, h = x.shape
-    if split_rows(n, x if pro is None else pro[2]):  # (the rows normalized are h's with a prologue)
+    if not _channel(affine.table) and split_rows(
+        n, x if pro is None else pro[2]
+    ):  # (the rows normalized are h's with a prologue)
         from . import _split_kernels as split
 
         tasks = _segments(n, h)
@@ -313,7 +321,7 @@ def backward_rows(
     cs = np.empty(rows) if not fused and record_of(stat).mean else None
     params = partials.weight is not None or partials.bias is not None
     aff, rs, cv, gr, parts = plain(affine), plain(row_stats), plain(conv), plain(grad), plain(partials)
-    if split_rows(blocks(rows) if fused else rows, x):
+    if not _channel(affine.table) and split_rows(blocks(rows) if fused else rows, x):
         slow = _backward_split(stat, x, dy, aff, rs, cv, gr, parts if fused else (None, None), scale, cs, streaming)
     elif fused:
         slow = launch(kernels.bwd_fused, rows * h, blocks(rows), stat, x, dy, aff, rs, cv, gr, parts, scale, streaming)
@@ -322,7 +330,8 @@ def backward_rows(
     if slow:
         kernels.bwd_slow(stat, x, dy, aff, rs, cv, gr, scale, cs)
         if fused and params:
-            kernels.redo_blocks(stat, x, dy, affine.table, rs, scale, parts)
+            redo = kernels.redo_channel if _channel(affine.table) else kernels.redo_blocks
+            redo(stat, x, dy, affine.table, rs, scale, parts)
     if not fused and params:
         launch(kernels.params_by_cols, rows * h, tiles(h), stat, x, dy, affine.table, rs, scale if slow else None, cs,
                parts)  # fmt: skip
@@ -353,6 +362,139 @@ def _backward_split(
     return int(slow)
 
 
+# ---------------------------------------------------------------------------
+# the channel affine source (GroupNorm, InstanceNorm: the "channels" layout)
+
+#: the channel source's options (its record's, :data:`pynorm.ops.families.AFFINES`): the groups (absent: one group
+#: per channel), whether a spec with running statistics normalizes with the rows' own, the running update's weight
+_GROUPS, _USE_STATS, _MOMENTUM = "num_groups", "use_input_stats", "momentum"
+assert {_GROUPS, _USE_STATS, _MOMENTUM} <= set(AFFINES["channel"].options)
+
+
+class ChannelOp:
+    """An op of the statistics family with the channel affine source on this backend: ``x`` is ``(N, C, S)``
+    (the dispatcher's channels layout), a row is one sample's group -- ``C / G`` channels by ``S`` positions,
+    contiguous -- and the kernels take the table ``(G, S, C / G)`` (:mod:`._io`). The statistic and the kernels
+    are the family's (:func:`forward_rows`, :func:`backward_rows`, fused path); ``dweight``/``dbias`` are the
+    per-row, per-channel float64 partials summed over the samples in order, rounded once.
+
+    With running statistics (the source's ``"running"`` inputs): ``use_input_stats`` updates them from the rows'
+    mean and ``r`` (the biased variance ``1/r^2 - eps``, made unbiased by ``S / (S - 1)``; float64 on the host,
+    rounded once); without it, the rows are normalized by them (:func:`._stats_kernels.fwd_given`,
+    :func:`._stats_kernels.bwd_given`)."""
+
+    def __init__(self, spec: OpSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.statistic = statistic_of(spec)
+        self.stat = statistic(self.statistic.name)
+        self.row = prologue_of(spec).row
+        aff = affine_of(spec)
+        names = spec.param_names
+        self.weight_name = names[0]
+        self.bias_name = names[1] if len(names) > 1 else ""
+        self.running = tuple(i.name for i in spec.inputs if i.kind in aff.inputs)
+        self.ctx_type = spec.ctx
+        self.grads = spec.grads
+        self._fields = tuple(f.name for f in fields(spec.ctx))
+        self._options = spec.defaults()
+
+    def __repr__(self) -> str:
+        return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"
+
+    def _groups(self, source: Any, c: int) -> int:
+        get = source.get if isinstance(source, dict) else lambda k, d: getattr(source, k, d)
+        return int(get(_GROUPS, c))
+
+    def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
+        """Forward of the ``(N, C, S)`` array ``x`` (then the running statistics, if the spec has them, and the
+        parameters): ``(y, ctx)``, or ``((y, running_mean', running_var'), ctx)`` (the reference's contract)."""
+        spec = self.spec
+        n_in = len(spec.inputs)
+        if len(args) != n_in + len(spec.params):
+            raise TypeError(f"{self.name} forward() takes x, {n_in} input(s) and {len(spec.params)} parameter(s)")
+        unknown = set(options) - set(self._options)
+        if unknown:
+            raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
+        o = {**self._options, **options}
+        kargs = kernel_args(spec, o)
+        inputs = dict(zip(spec.input_names, args[:n_in], strict=True))
+        p = dict(zip(spec.param_names, args[n_in:], strict=True))
+        run = [inputs.get(k) for k in self.running]
+        given = bool(run) and run[0] is not None and not o.get(_USE_STATS, True)
+        n, c, s = x.shape
+        groups = self._groups(o, c)
+        rows, h = n * groups, (c // groups) * s
+        mdt = common.math_dtype(x.dtype)
+        y = common.output(out, x.shape, x.dtype)
+        if given:
+            rm, rv = run
+            mean = np.tile(np.asarray(rm).astype(mdt), n).astype(np.float64)
+            r = 1 / np.sqrt(np.asarray(rv).astype(mdt) + mdt.type(kargs.eps))
+            rstd = np.tile(r, n).astype(np.float64)
+        else:
+            mean, rstd = np.empty(rows), np.empty(rows)
+        if rows and h:
+            aff = Affine(common.param(p[self.weight_name], mdt), common.param(p.get(self.bias_name), mdt),
+                         (groups, s, c // groups))  # fmt: skip
+            xs, ys = common.storage(x).reshape(rows, h), common.storage(y).reshape(rows, h)
+            stream = use_stream(ys)
+            if given:
+                launch(kernels.fwd_given, rows * h, rows, self.stat, xs, plain(aff), (mean, rstd), ys,
+                       True if stream else None)  # fmt: skip
+            else:
+                forward_rows(self.stat, Rows(xs, None), aff, Conventions.of(kargs), ys, RowStats(mean, rstd), stream)
+        values = {**o, **p, self.row: x, **self.statistic.ctx_values(rstd, mean=mean)}
+        ctx = self.ctx_type(**{f: values[f] for f in self._fields})
+        if not run or run[0] is None or given:
+            return y, ctx
+        return (y, *self._running(run, mean, rstd, n, c, s, kargs.eps, float(o[_MOMENTUM]))), ctx
+
+    @staticmethod
+    def _running(
+        run: list[Any], mean: np.ndarray, rstd: np.ndarray, n: int, c: int, s: int, eps: float, momentum: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The running statistics updated by the batch's (see the class doc)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            var = np.maximum(1.0 / (rstd * rstd) - eps, 0.0) * (s / (s - 1))
+        batch = (mean.reshape(n, c).mean(axis=0), var.reshape(n, c).mean(axis=0))
+        return tuple(  # type: ignore[return-value]
+            round_to((1 - momentum) * np.asarray(old).astype(np.float64) + momentum * new, np.asarray(old).dtype)
+            for old, new in zip(run, batch, strict=True)
+        )
+
+    def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None) -> Any:
+        """Backward: ``(dx, dweight, dbias)`` given ``dy`` (``(N, C, S)``)."""
+        kargs = kernel_args(self.spec, ctx)
+        x = getattr(ctx, self.row)
+        weight = getattr(ctx, self.weight_name, None)
+        bias = getattr(ctx, self.bias_name, None) if self.bias_name else None
+        n, c, s = x.shape
+        groups = self._groups(ctx, c)
+        rows, h, per = n * groups, (c // groups) * s, c // groups
+        mdt = common.math_dtype(x.dtype)
+        dx = common.output(dx_out, x.shape, x.dtype)
+        pw = np.zeros((rows, per)) if weight is not None else None
+        pb = np.zeros((rows, per)) if bias is not None else None
+        if rows and h:
+            aff = Affine(common.param(weight, mdt), None, (groups, s, per))
+            rs = RowStats(common.stats(ctx.mean), common.stats(ctx.rstd))
+            xs, dys = common.storage(x).reshape(rows, h), common.storage(dy).reshape(rows, h)
+            dxs = common.storage(dx).reshape(rows, h)
+            stream = use_stream(dxs)
+            if getattr(ctx, _USE_STATS, True):
+                backward_rows(self.stat, "fused", xs, dys, aff, rs, Conventions.of(kargs), Grad(dxs, None),
+                              Partials(pw, pb), stream)  # fmt: skip
+            else:
+                launch(kernels.bwd_given, rows * h, rows, self.stat, xs, dys, plain(aff), plain(rs),
+                       plain(Grad(dxs, None)), plain(Partials(pw, pb)), True if stream else None)  # fmt: skip
+        grads = [
+            None if part is None or param is None else round_to(part.reshape(n, c).sum(axis=0), param.dtype)
+            for part, param in ((pw, weight), (pb, bias))
+        ]
+        return self.grads(dx, *grads)
+
+
 def _serves(spec: OpSpec) -> bool:
     from . import OPS
 
@@ -360,4 +502,6 @@ def _serves(spec: OpSpec) -> bool:
 
 
 #: op name -> its implementation (read by :func:`pynorm._registry.op_module`)
-OP_IMPLS: Served[StatsOp] = Served(_serves, StatsOp)
+OP_IMPLS: Served[StatsOp | ChannelOp] = Served(
+    _serves, lambda spec: (ChannelOp if affine_of(spec).name == "channel" else StatsOp)(spec)
+)

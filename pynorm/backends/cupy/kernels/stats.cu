@@ -233,6 +233,14 @@ template <bool B> struct Table {
   static __device__ __forceinline__ int col(int i) { return i; }
 };
 
+// GroupNorm / InstanceNorm (the channels layout, x as (N, C, S)): row `row` is sample row / G's group
+// g = row % G, C/G channels by S positions; element j is scaled by w[g C/G + j / S]. The host gives
+// each group's parameters as a row of the (G, H) tables they make (every channel's value repeated
+// over its S positions) and ids[row] = g, so the policy is the table's (no fused backward; the split
+// backward's row chunks each hold rows of one group, the host orders them); the host sums each
+// channel's S columns of the (G, H) gradient tables.
+template <bool B> struct Channel : Table<B> {};
+
 // ---------------------------------------------------------------------------
 // the prologue / epilogue axis: what the normalized row is
 

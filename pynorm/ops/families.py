@@ -391,6 +391,7 @@ FUNCTIONS: dict[str, Function] = {
     )
 }
 
+
 @dataclass(frozen=True)
 class ColumnStatistic:
     """A choice of the column-statistics family's statistic axis (``ColumnVariant.statistic``, BatchNorm): per

@@ -108,7 +108,8 @@ def _row_dev(xr, m):  # type: ignore[no-untyped-def]
 
 @jit(_FM_EXACT)
 def _col_stats_span(x, nb, part, t0, t1):  # type: ignore[no-untyped-def]
-    n_, c_, s_ = x.shape
+    n_ = x.shape[0]
+    s_ = x.shape[2]
     nbk = (n_ + nb - 1) // nb
     for t in range(t0, t1):
         c = t // nbk

@@ -59,6 +59,7 @@ __all__ = [
     "R_RULES",
     "STATISTICS",
     "Affine",
+    "ColumnArgs",
     "ColumnStatistic",
     "ElementwiseArgs",
     "Epilogue",
@@ -70,6 +71,7 @@ __all__ = [
     "affine_of",
     "base_norm",
     "check_spec",
+    "column_args",
     "column_statistic_of",
     "composed_options",
     "function_of",
@@ -471,6 +473,23 @@ def function_of(spec: OpSpec) -> Function:
 def column_statistic_of(spec: OpSpec) -> ColumnStatistic:
     """The :class:`ColumnStatistic` of a spec of the column family."""
     return COLUMN_STATISTICS[spec.variant.statistic]  # type: ignore[union-attr]
+
+
+class ColumnArgs(NamedTuple):
+    """The run-time arguments of the column family's kernels, in the order of the statistic's ``options``."""
+
+    training: bool
+    momentum: float | None
+    num_batches_tracked: int
+    eps: float
+
+
+def column_args(spec: OpSpec, source: Any) -> ColumnArgs:
+    """The column family's arguments of ``spec`` from a mapping of options or a ctx (what it lacks: defaults)."""
+    d = spec.defaults()
+    if isinstance(source, Mapping):
+        return ColumnArgs(*(source.get(n, d.get(n)) for n in column_statistic_of(spec).options))
+    return ColumnArgs(*(getattr(source, n, d.get(n)) for n in column_statistic_of(spec).options))
 
 
 def base_norm(spec: OpSpec, specs: Mapping[str, OpSpec]) -> str:

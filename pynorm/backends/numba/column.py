@@ -27,7 +27,7 @@ import numpy as np
 
 from ..._dtypes import round_to
 from ...ops import SPECS, OpSpec
-from ...ops.families import column_statistic_of
+from ...ops.families import column_args, column_statistic_of
 from . import _column_kernels as kernels
 from . import _common as common
 from ._threads import launch
@@ -69,7 +69,8 @@ class ColumnOp:
             raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
         o = {**self._options, **options}
         rm, rv, weight, bias = args
-        training, eps = bool(o["training"]), float(o["eps"])
+        ka = column_args(self.spec, o)
+        training, eps = bool(ka.training), float(ka.eps)
         n, c, s = x.shape
         mdt = common.math_dtype(x.dtype)
         xs = common.storage(x)
@@ -94,11 +95,12 @@ class ColumnOp:
             launch(kernels.col_apply, n * c * s, n * c, xs, k, cc, np.ascontiguousarray(scale, dtype=mdt), b,
                    common.storage(y))  # fmt: skip
         full = mean + corr if training else mean.copy()
-        values = {**o, "x": x, "weight": weight, "bias": bias, "mean": full, "rstd": rstd}
+        values = {**o, "x": x, **dict(zip(self.spec.param_names, (weight, bias), strict=True))}
+        values.update(zip(self.statistic.fills, (full, rstd), strict=True))
         ctx = self.spec.ctx(**{f: values[f] for f in self._fields})
         if not training or rm is None:
             return y, ctx
-        m = _momentum(o["momentum"], int(o["num_batches_tracked"]))
+        m = _momentum(ka.momentum, int(ka.num_batches_tracked))
         count = n * s
         unbiased = var * (count / (count - 1))
         new_rm = round_to((1 - m) * np.asarray(rm, np.float64) + m * full, rm.dtype)
@@ -107,15 +109,15 @@ class ColumnOp:
 
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None) -> Any:
         """Backward: ``(dx, dweight, dbias)`` of a scalar loss given ``dy = dL/dy`` (``(N, C, S)``)."""
-        x, weight, bias = ctx.x, ctx.weight, ctx.bias
+        x = ctx.x
+        weight, bias = (getattr(ctx, p) for p in self.spec.param_names)
         n, c, s = x.shape
         mdt = common.math_dtype(x.dtype)
         xs, dys = common.storage(x), common.storage(dy)
         dx = common.output(dx_out, x.shape, x.dtype)
-        mean = np.asarray(ctx.mean, np.float64)
-        rstd = np.asarray(ctx.rstd, np.float64)
+        mean, rstd = (np.asarray(getattr(ctx, f), np.float64) for f in self.statistic.fills)
         w = np.ones(c) if weight is None else np.asarray(weight, np.float64)
-        training = bool(ctx.training)
+        training = bool(column_args(self.spec, ctx).training)
         count = n * s
         want = training or weight is not None or bias is not None
         sums = np.zeros((c, 3))

@@ -7,24 +7,27 @@ Every array is in its storage form (:mod:`._common`: half types as their bits) a
 ``(C,)`` per-channel coefficients are in the math type (float32, float64 for float64 data) or float64 where
 named so. Tasks (:mod:`._threads`):
 
-* :func:`col_stats` -- task ``t`` is the *block* ``(c, j) = divmod(t, nbk)``: samples ``j nb <= n < (j + 1) nb``
-  of channel ``c`` (``nb`` from :func:`block_samples`, a function of the shape only). Each block takes a
-  corrected two-pass mean and ``M2`` of its values in float64 while they are in cache: ``m = sum(x) / n_b``,
-  then ``s1 = sum(x - m)``, ``s2 = sum((x - m)^2)``; the block's mean is the pair ``(m, s1 / n_b)`` and
-  ``M2 = s2 - s1^2 / n_b``. Never ``E[x^2] - E[x]^2``.
-* :func:`col_merge` -- task ``c``: the channel's blocks merged in block order by Chan's parallel formula
-  (``delta = mean_b - mean_a``, ``mean += delta n_b / n``, ``M2 += M2_b + delta^2 n_a n_b / n``), then the mean
-  re-centred: ``K`` (Chan's mean) and ``corr = sum_b n_b ((m_b - K) + s1_b / n_b) / n`` kept apart, so a channel
+* :func:`col_stats` -- task ``t`` is ``(j, q) = divmod(t, ceil(C / G))``: samples ``j nb <= n < (j + 1) nb`` of
+  the channel group ``q G <= c < (q + 1) G`` (``nb``, ``G`` from :func:`layout`, functions of the shape only),
+  read in memory order. Each row ``(n, c)`` of ``S`` values takes a corrected two-pass mean and ``M2`` in float64
+  while it is in cache: ``m = sum(x) / S``, then ``s1 = sum(x - m)``, ``s2 = sum((x - m)^2)``; the row's mean is
+  ``m + s1 / S``, its ``M2 = s2 - s1^2 / S``. Rows are merged into their block ``(c, j)`` in sample order by
+  Chan's parallel formula (``delta = mean_b - mean_a``, ``mean += delta n_b / n``, ``M2 += M2_b + delta^2 n_a
+  n_b / n``), and the block's mean ``M`` gets its correction ``sum_rows ((m - M) + s1 / S) / rows``. Never
+  ``E[x^2] - E[x]^2``.
+* :func:`col_merge` -- task ``c``: the channel's blocks merged in block order by Chan's formula, then the mean
+  re-centred: ``K`` (Chan's mean) and ``corr = sum_b n_b ((M_b - K) + corr_b) / n`` kept apart, so a channel
   with a large common offset keeps the accuracy of its deviations and a constant channel is exactly 0 after
-  centring. The order is fixed by the shape: results do not depend on the thread count.
-* :func:`col_bwd_sums` -- task ``(c, j)`` as :func:`col_stats`: the block's float64 ``sum(dy)``,
-  ``sum(dy xc)``, ``sum(xc)`` with ``xc = (x - k_c) - cc_c``; :func:`col_sum_blocks` adds them in block order.
+  centring. Every order is fixed by the shape: results do not depend on the thread count.
+* :func:`col_bwd_sums` -- tasks as :func:`col_stats`: the blocks' float64 ``sum(dy)``, ``sum(dy xc)``,
+  ``sum(xc)`` with ``xc = (x - k_c) - cc_c``, rows in order; :func:`col_sum_blocks` adds them in block order.
 * :func:`col_apply`, :func:`col_dx`, :func:`col_scale` -- task ``t`` is the row ``(n, c) = divmod(t, C)`` of
   ``S`` values: ``y = ((x - k_c) - cc_c) sw_c [+ b_c]``, ``dx = a_c ((dy - m1_c) - xc q_c)``, ``dx = a_c dy``, in
   the math type (the two centring subtractions never refolded: ``contract`` only).
 
-The deviation sums are written with eight independent accumulators and compiled without ``reassoc`` (so LLVM
-cannot turn ``sum(x - m)`` into ``sum(x) - n m``); their order is fixed, the SLP vectorizer packs the lanes.
+The row sums are compiled with ``reassoc`` (vectorized); the centring subtractions inside them are helpers without
+fastmath flags (:func:`_dev`, :func:`_centre`), which keep their flags when inlined, so LLVM cannot refold
+``sum(x - m)`` into ``sum(x) - n m``. The order of every sum is fixed by the shape (never by the threads).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ._storage import ld, st
 
 __all__ = [
     "BLOCK_ELEMENTS",
+    "GROUP_ELEMENTS",
     "block_samples",
     "col_apply",
     "col_bwd_sums",
@@ -45,17 +49,36 @@ __all__ = [
     "col_scale",
     "col_stats",
     "col_sum_blocks",
+    "group_channels",
+    "layout",
 ]
 
-#: values per block of the column reductions (about 32 KiB of float32: the second pass reads them from cache)
+#: values per block of the column reductions (a block: the samples whose statistics are merged row by row)
 BLOCK_ELEMENTS = 8192
 
 _FM_EXACT = {"contract"}
 
 
+#: contiguous values per task and sample of the column reductions (a task reads ``nb`` runs of ``G S`` values;
+#: the grouping changes no result: every sum is per channel, rows in sample order)
+GROUP_ELEMENTS = 32768
+
+
 def block_samples(n: int, s: int) -> int:
     """Samples per block of the column reductions for an ``(n, C, s)`` input (a function of the shape only)."""
     return max(1, min(n, BLOCK_ELEMENTS // max(s, 1)))
+
+
+def group_channels(c: int, s: int) -> int:
+    """Channels per task of the column reductions (a function of the shape only): runs of at least
+    :data:`GROUP_ELEMENTS` contiguous values."""
+    return max(1, min(c, -(-GROUP_ELEMENTS // max(s, 1))))
+
+
+def layout(n: int, c: int, s: int) -> tuple[int, int, int]:
+    """``(nb, g, tasks)``: samples per block, channels per group, and the reductions' task count."""
+    nb, g = block_samples(n, s), group_channels(c, s)
+    return nb, g, -(-n // nb) * -(-c // g)
 
 
 @jit(FM_SUM)
@@ -67,76 +90,73 @@ def _row_sum(xr):  # type: ignore[no-untyped-def]
     return acc
 
 
-@jit(_FM_EXACT)
+@jit()
+def _dev(v, m):  # type: ignore[no-untyped-def]
+    # no fastmath flags: the subtraction keeps them when inlined, so a reassociating sum cannot refold it
+    return np.float64(v) - m
+
+
+@jit()
+def _centre(v, k, c):  # type: ignore[no-untyped-def]
+    # no fastmath flags (see _dev): (x - k) is exact for x near k, and c is small
+    return (np.float64(v) - k) - c
+
+
+@jit(FM_SUM)
 def _row_dev(xr, m):  # type: ignore[no-untyped-def]
-    """``(sum(x - m), sum((x - m)^2))`` of a row in float64, eight accumulators in a fixed order."""
-    n = xr.shape[0]
-    n8 = n - n % 8
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
-    q0 = q1 = q2 = q3 = q4 = q5 = q6 = q7 = 0.0
-    for j in range(0, n8, 8):
-        d0 = np.float64(ld(xr[j])) - m
-        d1 = np.float64(ld(xr[j + 1])) - m
-        d2 = np.float64(ld(xr[j + 2])) - m
-        d3 = np.float64(ld(xr[j + 3])) - m
-        d4 = np.float64(ld(xr[j + 4])) - m
-        d5 = np.float64(ld(xr[j + 5])) - m
-        d6 = np.float64(ld(xr[j + 6])) - m
-        d7 = np.float64(ld(xr[j + 7])) - m
-        a0 += d0
-        a1 += d1
-        a2 += d2
-        a3 += d3
-        a4 += d4
-        a5 += d5
-        a6 += d6
-        a7 += d7
-        q0 += d0 * d0
-        q1 += d1 * d1
-        q2 += d2 * d2
-        q3 += d3 * d3
-        q4 += d4 * d4
-        q5 += d5 * d5
-        q6 += d6 * d6
-        q7 += d7 * d7
-    for j in range(n8, n):
-        d = np.float64(ld(xr[j])) - m
-        a0 += d
-        q0 += d * d
-    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
+    """``(sum(x - m), sum((x - m)^2))`` of a row in float64 (the deviations by :func:`_dev`)."""
+    a = 0.0
+    q = 0.0
+    for j in range(xr.shape[0]):
+        d = _dev(ld(xr[j]), m)
+        a += d
+        q += d * d
+    return a, q
 
 
 @jit(_FM_EXACT)
-def _col_stats_span(x, nb, part, t0, t1):  # type: ignore[no-untyped-def]
-    n_ = x.shape[0]
-    s_ = x.shape[2]
-    nbk = (n_ + nb - 1) // nb
+def _col_stats_span(x, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
+    n_, c_, s_ = x.shape
+    ng = (c_ + g - 1) // g
+    sf = np.float64(s_)
+    rows = np.empty((nb, g, 2))  # each row's mean pair, for the block's correction
     for t in range(t0, t1):
-        c = t // nbk
-        j = t - c * nbk
+        j = t // ng
+        c0 = (t - j * ng) * g
+        c1 = min(c0 + g, c_)
         n0 = j * nb
         n1 = min(n0 + nb, n_)
-        cnt = np.float64((n1 - n0) * s_)
-        tot = 0.0
         for i in range(n0, n1):
-            tot += _row_sum(x[i, c])
-        m = tot / cnt
-        s1 = 0.0
-        s2 = 0.0
-        for i in range(n0, n1):
-            a, q = _row_dev(x[i, c], m)
-            s1 += a
-            s2 += q
-        part[c, j, 0] = m
-        part[c, j, 1] = s1 / cnt
-        part[c, j, 2] = max(s2 - s1 * (s1 / cnt), 0.0)
+            na = np.float64((i - n0) * s_)
+            w = sf / (na + sf)
+            for c in range(c0, c1):
+                xr = x[i, c]
+                m = _row_sum(xr) / sf
+                s1, s2 = _row_dev(xr, m)
+                cr = s1 / sf
+                rows[i - n0, c - c0, 0] = m
+                rows[i - n0, c - c0, 1] = cr
+                m2 = max(s2 - s1 * cr, 0.0)
+                if i == n0:
+                    part[c, j, 0] = m + cr
+                    part[c, j, 2] = m2
+                else:  # Chan's merge of the row into the block, rows in order
+                    delta = (m + cr) - part[c, j, 0]
+                    part[c, j, 0] = part[c, j, 0] + delta * w
+                    part[c, j, 2] = part[c, j, 2] + m2 + delta * delta * (na * w)
+        for c in range(c0, c1):
+            mb = part[c, j, 0]
+            corr = 0.0
+            for i in range(n0, n1):
+                corr += (rows[i - n0, c - c0, 0] - mb) + rows[i - n0, c - c0, 1]
+            part[c, j, 1] = corr / np.float64(n1 - n0)
 
 
 @jit(_FM_EXACT)
-def col_stats(x, nb, part, lo, hi):  # type: ignore[no-untyped-def]
-    """Block statistics of ``x`` ``(N, C, S)`` into ``part`` ``(C, nbk, 3)`` float64 (``m``, ``s1 / n_b``,
-    ``M2``) for tasks ``lo <= t < hi`` (see the module doc)."""
-    _col_stats_span(*borrow((x, nb, part)), lo, hi)
+def col_stats(x, nb, g, part, lo, hi):  # type: ignore[no-untyped-def]
+    """Block statistics of ``x`` ``(N, C, S)`` into ``part`` ``(C, nbk, 3)`` float64 (the block's mean ``M``, its
+    correction, ``M2``) for tasks ``lo <= t < hi`` (see the module doc)."""
+    _col_stats_span(*borrow((x, nb, g, part)), lo, hi)
 
 
 @jit(_FM_EXACT)
@@ -145,12 +165,12 @@ def _col_merge_span(part, nb, n_, s_, kout, cout, vout, t0, t1):  # type: ignore
     total = np.float64(n_ * s_)
     for c in range(t0, t1):
         cnt_a = np.float64(min(nb, n_) * s_)
-        mean = part[c, 0, 0] + part[c, 0, 1]
+        mean = part[c, 0, 0]
         m2 = part[c, 0, 2]
         for j in range(1, nbk):
             cnt_b = np.float64((min((j + 1) * nb, n_) - j * nb) * s_)
             tot = cnt_a + cnt_b
-            delta = (part[c, j, 0] + part[c, j, 1]) - mean
+            delta = part[c, j, 0] - mean
             mean = mean + delta * (cnt_b / tot)
             m2 = m2 + part[c, j, 2] + delta * delta * (cnt_a * (cnt_b / tot))
             cnt_a = tot
@@ -170,71 +190,46 @@ def col_merge(part, nb, n, s, kout, cout, vout, lo, hi):  # type: ignore[no-unty
     _col_merge_span(*borrow((part, nb, n, s, kout, cout, vout)), lo, hi)
 
 
-@jit(_FM_EXACT)
+@jit(FM_SUM)
 def _row_bwd(xr, dyr, k, cc):  # type: ignore[no-untyped-def]
-    """``(sum dy, sum dy xc, sum xc)`` of a row in float64, ``xc = (x - k) - cc``; four accumulators each."""
-    n = xr.shape[0]
-    n4 = n - n % 4
-    g0 = g1 = g2 = g3 = 0.0
-    p0 = p1 = p2 = p3 = 0.0
-    e0 = e1 = e2 = e3 = 0.0
-    for j in range(0, n4, 4):
-        x0 = (np.float64(ld(xr[j])) - k) - cc
-        x1 = (np.float64(ld(xr[j + 1])) - k) - cc
-        x2 = (np.float64(ld(xr[j + 2])) - k) - cc
-        x3 = (np.float64(ld(xr[j + 3])) - k) - cc
-        y0 = np.float64(ld(dyr[j]))
-        y1 = np.float64(ld(dyr[j + 1]))
-        y2 = np.float64(ld(dyr[j + 2]))
-        y3 = np.float64(ld(dyr[j + 3]))
-        g0 += y0
-        g1 += y1
-        g2 += y2
-        g3 += y3
-        p0 += y0 * x0
-        p1 += y1 * x1
-        p2 += y2 * x2
-        p3 += y3 * x3
-        e0 += x0
-        e1 += x1
-        e2 += x2
-        e3 += x3
-    for j in range(n4, n):
-        xv = (np.float64(ld(xr[j])) - k) - cc
+    """``(sum dy, sum dy xc, sum xc)`` of a row in float64, ``xc = (x - k) - cc`` (by :func:`_centre`)."""
+    g = 0.0
+    p = 0.0
+    e = 0.0
+    for j in range(xr.shape[0]):
+        xv = _centre(ld(xr[j]), k, cc)
         yv = np.float64(ld(dyr[j]))
-        g0 += yv
-        p0 += yv * xv
-        e0 += xv
-    return (g0 + g1) + (g2 + g3), (p0 + p1) + (p2 + p3), (e0 + e1) + (e2 + e3)
+        g += yv
+        p += yv * xv
+        e += xv
+    return g, p, e
 
 
 @jit(_FM_EXACT)
-def _col_bwd_sums_span(x, dy, k, cc, nb, part, t0, t1):  # type: ignore[no-untyped-def]
-    n_ = x.shape[0]
-    nbk = (n_ + nb - 1) // nb
+def _col_bwd_sums_span(x, dy, k, cc, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
+    n_, c_ = x.shape[0], x.shape[1]
+    ng = (c_ + g - 1) // g
     for t in range(t0, t1):
-        c = t // nbk
-        j = t - c * nbk
-        kc = k[c]
-        ccc = cc[c]
-        g = 0.0
-        p = 0.0
-        e = 0.0
+        j = t // ng
+        c0 = (t - j * ng) * g
+        c1 = min(c0 + g, c_)
+        for c in range(c0, c1):
+            part[c, j, 0] = 0.0
+            part[c, j, 1] = 0.0
+            part[c, j, 2] = 0.0
         for i in range(j * nb, min(j * nb + nb, n_)):
-            a, b, d = _row_bwd(x[i, c], dy[i, c], kc, ccc)
-            g += a
-            p += b
-            e += d
-        part[c, j, 0] = g
-        part[c, j, 1] = p
-        part[c, j, 2] = e
+            for c in range(c0, c1):
+                a, b, d = _row_bwd(x[i, c], dy[i, c], k[c], cc[c])
+                part[c, j, 0] += a
+                part[c, j, 1] += b
+                part[c, j, 2] += d
 
 
 @jit(_FM_EXACT)
-def col_bwd_sums(x, dy, k, cc, nb, part, lo, hi):  # type: ignore[no-untyped-def]
+def col_bwd_sums(x, dy, k, cc, nb, g, part, lo, hi):  # type: ignore[no-untyped-def]
     """Block sums ``(sum dy, sum dy xc, sum xc)`` into ``part`` ``(C, nbk, 3)`` float64 for tasks ``lo <= t < hi``
     (``k``, ``cc``: float64 ``(C,)``; see the module doc)."""
-    _col_bwd_sums_span(*borrow((x, dy, k, cc, nb, part)), lo, hi)
+    _col_bwd_sums_span(*borrow((x, dy, k, cc, nb, g, part)), lo, hi)
 
 
 @jit(_FM_EXACT)

@@ -76,10 +76,10 @@ class ColumnOp:
         xs = common.storage(x)
         y = common.output(out, x.shape, x.dtype)
         if training:
-            nb = kernels.block_samples(n, s)
+            nb, g, tasks = kernels.layout(n, c, s)
             nbk = -(-n // nb)
             part = np.empty((c, nbk, 3))
-            launch(kernels.col_stats, n * c * s, c * nbk, xs, nb, part)
+            launch(kernels.col_stats, n * c * s, tasks, xs, nb, g, part)
             mean, corr, var = np.empty(c), np.empty(c), np.empty(c)
             launch(kernels.col_merge, c * nbk * 64, c, part, nb, n, s, mean, corr, var)
         else:
@@ -122,10 +122,10 @@ class ColumnOp:
         want = training or weight is not None or bias is not None
         sums = np.zeros((c, 3))
         if want and x.size:
-            nb = kernels.block_samples(n, s)
+            nb, g, tasks = kernels.layout(n, c, s)
             nbk = -(-n // nb)
             part = np.empty((c, nbk, 3))
-            launch(kernels.col_bwd_sums, 2 * n * c * s, c * nbk, xs, dys, mean, np.zeros(c), nb, part)
+            launch(kernels.col_bwd_sums, 2 * n * c * s, tasks, xs, dys, mean, np.zeros(c), nb, g, part)
             launch(kernels.col_sum_blocks, c * nbk * 64, c, part, sums)
         sdy, sdyxc, sxc = sums[:, 0], sums[:, 1], sums[:, 2]
         corr = sxc / count if training else np.zeros(c)

@@ -11,14 +11,13 @@ named so. Tasks (:mod:`._threads`):
   the channel group ``q G <= c < (q + 1) G`` (``nb``, ``G`` from :func:`layout`, functions of the shape only),
   read in memory order. Each row ``(n, c)`` of ``S`` values takes a corrected two-pass mean and ``M2`` in float64
   while it is in cache: ``m = sum(x) / S``, then ``s1 = sum(x - m)``, ``s2 = sum((x - m)^2)``; the row's mean is
-  ``m + s1 / S``, its ``M2 = s2 - s1^2 / S``. Rows are merged into their block ``(c, j)`` in sample order by
-  Chan's parallel formula (``delta = mean_b - mean_a``, ``mean += delta n_b / n``, ``M2 += M2_b + delta^2 n_a
-  n_b / n``), and the block's mean ``M`` gets its correction ``sum_rows ((m - M) + s1 / S) / rows``. Never
-  ``E[x^2] - E[x]^2``.
-* :func:`col_merge` -- task ``c``: the channel's blocks merged in block order by Chan's formula, then the mean
-  re-centred: ``K`` (Chan's mean) and ``corr = sum_b n_b ((M_b - K) + corr_b) / n`` kept apart, so a channel
-  with a large common offset keeps the accuracy of its deviations and a constant channel is exactly 0 after
-  centring. Every order is fixed by the shape: results do not depend on the thread count.
+  the pair ``(m, s1 / S)``, its ``M2 = s2 - s1^2 / S``. Rows are merged into their block ``(c, j)`` in sample
+  order by Chan's parallel formula (:func:`_chan`: ``delta = mean_b - mean_a``, ``mean += delta n_b / n``,
+  ``M2 += M2_b + delta^2 n_a n_b / n``) with the mean kept as a (high, low) pair. Never ``E[x^2] - E[x]^2``.
+* :func:`col_merge` -- task ``c``: the channel's blocks merged in block order by the same formula; the mean is
+  returned as its pair ``(K, corr)``, kept apart, so a channel with a large common offset keeps the accuracy of
+  its deviations (and of its variance) and a constant channel is exactly 0 after centring. Every order is fixed
+  by the shape: results do not depend on the thread count.
 * :func:`col_bwd_sums` -- tasks as :func:`col_stats`: the blocks' float64 ``sum(dy)``, ``sum(dy xc)``,
   ``sum(xc)`` with ``xc = (x - k_c) - cc_c``, rows in order; :func:`col_sum_blocks` adds them in block order.
 * :func:`col_apply`, :func:`col_dx`, :func:`col_scale` -- task ``t`` is the row ``(n, c) = divmod(t, C)`` of
@@ -114,42 +113,47 @@ def _row_dev(xr, m):  # type: ignore[no-untyped-def]
     return a, q
 
 
+@jit()
+def _chan(mh, ml, m2, na, mean_h, mean_l, m2b, nb):  # type: ignore[no-untyped-def]
+    """Chan's merge of ``(mean_h + mean_l, m2b)`` over ``nb`` values into ``(mh + ml, m2)`` over ``na``; the mean
+    kept as a pair (the new high part's rounding error goes to the low part, exactly: two-sum), so ``delta`` has
+    the accuracy of the values' spread even for a channel with a large common offset. No fastmath flags."""
+    tot = na + nb
+    w = nb / tot
+    delta = (mean_h - mh) + (mean_l - ml)
+    step = delta * w
+    hi = mh + step
+    bb = hi - mh
+    err = (mh - (hi - bb)) + (step - bb)
+    return hi, ml + err, m2 + m2b + delta * delta * (na * w)
+
+
 @jit(_FM_EXACT)
 def _col_stats_span(x, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
     n_, c_, s_ = x.shape
     ng = (c_ + g - 1) // g
     sf = np.float64(s_)
-    rows = np.empty((nb, g, 2))  # each row's mean pair, for the block's correction
     for t in range(t0, t1):
         j = t // ng
         c0 = (t - j * ng) * g
         c1 = min(c0 + g, c_)
         n0 = j * nb
-        n1 = min(n0 + nb, n_)
-        for i in range(n0, n1):
+        for i in range(n0, min(n0 + nb, n_)):
             na = np.float64((i - n0) * s_)
-            w = sf / (na + sf)
             for c in range(c0, c1):
                 xr = x[i, c]
                 m = _row_sum(xr) / sf
                 s1, s2 = _row_dev(xr, m)
                 cr = s1 / sf
-                rows[i - n0, c - c0, 0] = m
-                rows[i - n0, c - c0, 1] = cr
                 m2 = max(s2 - s1 * cr, 0.0)
                 if i == n0:
-                    part[c, j, 0] = m + cr
+                    part[c, j, 0] = m
+                    part[c, j, 1] = cr
                     part[c, j, 2] = m2
-                else:  # Chan's merge of the row into the block, rows in order
-                    delta = (m + cr) - part[c, j, 0]
-                    part[c, j, 0] = part[c, j, 0] + delta * w
-                    part[c, j, 2] = part[c, j, 2] + m2 + delta * delta * (na * w)
-        for c in range(c0, c1):
-            mb = part[c, j, 0]
-            corr = 0.0
-            for i in range(n0, n1):
-                corr += (rows[i - n0, c - c0, 0] - mb) + rows[i - n0, c - c0, 1]
-            part[c, j, 1] = corr / np.float64(n1 - n0)
+                else:  # rows merged into the block in sample order
+                    part[c, j, 0], part[c, j, 1], part[c, j, 2] = _chan(
+                        part[c, j, 0], part[c, j, 1], part[c, j, 2], na, m, cr, m2, sf
+                    )
 
 
 @jit(_FM_EXACT)
@@ -162,25 +166,16 @@ def col_stats(x, nb, g, part, lo, hi):  # type: ignore[no-untyped-def]
 @jit(_FM_EXACT)
 def _col_merge_span(part, nb, n_, s_, kout, cout, vout, t0, t1):  # type: ignore[no-untyped-def]
     nbk = part.shape[1]
-    total = np.float64(n_ * s_)
     for c in range(t0, t1):
-        cnt_a = np.float64(min(nb, n_) * s_)
-        mean = part[c, 0, 0]
-        m2 = part[c, 0, 2]
+        cnt = np.float64(min(nb, n_) * s_)
+        mh, ml, m2 = part[c, 0, 0], part[c, 0, 1], part[c, 0, 2]
         for j in range(1, nbk):
             cnt_b = np.float64((min((j + 1) * nb, n_) - j * nb) * s_)
-            tot = cnt_a + cnt_b
-            delta = part[c, j, 0] - mean
-            mean = mean + delta * (cnt_b / tot)
-            m2 = m2 + part[c, j, 2] + delta * delta * (cnt_a * (cnt_b / tot))
-            cnt_a = tot
-        corr = 0.0
-        for j in range(nbk):
-            cnt_b = np.float64((min((j + 1) * nb, n_) - j * nb) * s_)
-            corr += cnt_b * ((part[c, j, 0] - mean) + part[c, j, 1])
-        kout[c] = mean
-        cout[c] = corr / total
-        vout[c] = m2 / total
+            mh, ml, m2 = _chan(mh, ml, m2, cnt, part[c, j, 0], part[c, j, 1], part[c, j, 2], cnt_b)
+            cnt += cnt_b
+        kout[c] = mh
+        cout[c] = ml
+        vout[c] = m2 / cnt
 
 
 @jit(_FM_EXACT)

@@ -1,0 +1,120 @@
+"""BatchNorm on the fast backends' column-statistics kernels (numba ``column.py``, cupy ``kernels/column.cu``).
+
+The backend-parametrized tests of ``tests/test_channel_norms.py`` cover gradients, running statistics and layers;
+here: the family's registration, hard inputs against the reference in ulps at the terms' magnitude (large common
+offsets, constant channels, one value per row), bitwise determinism across thread counts and calls (numba), and
+the CUDA kernels' 64-bit element indexing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pynorm
+from pynorm.ops import get
+from pynorm.testing import max_ulp_error
+
+ROOT = Path(__file__).resolve().parents[1]
+CU = ROOT / "pynorm" / "backends" / "cupy" / "kernels" / "column.cu"
+
+#: ulps allowed at the terms' magnitude, per dtype (measured: float32 <= 2, float64 <= 3, float16 <= 1)
+BUDGET = {"float16": 2.0, "bfloat16": 2.0, "float32": 4.0, "float64": 8.0}
+
+
+def test_batch_norm_is_served_by_the_fast_backends() -> None:
+    ops = pynorm.list_ops()["batch_norm"]
+    assert "numba" in ops
+
+
+def _inputs(kind: str, shape: tuple[int, ...], dt: Any, rng: np.random.Generator) -> np.ndarray:
+    x = rng.standard_normal(shape)
+    big = 1e2 if np.dtype(dt).itemsize == 2 else (1e4 if dt == np.float32 else 1e8)
+    if kind == "offset":
+        x = big + x
+    elif kind == "constant":  # channel 0 constant, channel 1 offset, the others ordinary
+        x[:, 0] = 3.25
+        x[:, 1] += big
+    return x.astype(dt)
+
+
+def _both(backend: Any, x: np.ndarray, training: bool, rng: np.random.Generator) -> tuple[dict, dict, dict]:
+    dt, c = x.dtype, x.shape[1]
+    w = (1 + 0.5 * rng.standard_normal(c)).astype(dt)
+    b = rng.standard_normal(c).astype(dt)
+    rm = (x.astype(np.float64).mean(axis=(0, 2)) + 0.1).astype(dt)
+    rv = (0.5 + rng.random(c)).astype(dt)
+    dy = rng.standard_normal(x.shape).astype(dt)
+    out = {}
+    for name, to, back in (("numpy", np.asarray, np.asarray), (backend.name, backend.asarray, backend.to_numpy)):
+        res, ctx = pynorm.batch_norm_forward(
+            to(x), to(w), to(b), running_mean=to(rm), running_var=to(rv), training=training, backend=name
+        )
+        g = pynorm.batch_norm_backward(to(dy), ctx)
+        y = res[0] if isinstance(res, tuple) else res
+        got = {"y": y, "dx": g.dx, "dweight": g.dweight, "dbias": g.dbias}
+        if training:
+            got.update(running_mean=res[1], running_var=res[2])
+        out[name] = {k: np.asarray(back(v)) for k, v in got.items()}
+    arrays = {"weight": w, "bias": b, "running_mean": rm, "running_var": rv}
+    scales = get("batch_norm").term_scales(x, arrays, dy, {"training": training, "eps": 1e-5})
+    return out[backend.name], out["numpy"], scales
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("kind", ["normal", "offset", "constant"])
+@pytest.mark.parametrize("shape", [(8, 3, 37), (40, 4, 64), (5, 3, 1)], ids=["s37", "s64", "s1"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_hard_inputs_match_the_reference_in_ulps(
+    backend: Any, dt: Any, kind: str, shape: tuple, training: bool
+) -> None:
+    if "batch_norm" not in backend.ops:
+        pytest.skip(f"backend {backend.name!r} does not implement 'batch_norm'")
+    rng = np.random.default_rng([len(kind), *shape])
+    mine, ref, scales = _both(backend, _inputs(kind, shape, dt, rng), training, rng)
+    worst = {k: max_ulp_error(mine[k], ref[k], dt, scale=scales.get(k)) for k in ref}
+    assert max(worst.values()) <= BUDGET[np.dtype(dt).name], worst
+
+
+def test_a_constant_channel_normalizes_to_exactly_the_bias(backend: Any) -> None:
+    if "batch_norm" not in backend.ops:
+        pytest.skip(f"backend {backend.name!r} does not implement 'batch_norm'")
+    x = np.full((6, 2, 33), 1e4 + 0.25, np.float32)
+    x[:, 1] = np.random.default_rng(0).standard_normal((6, 33))
+    w, b = np.array([2.0, 1.0], np.float32), np.array([0.5, 0.0], np.float32)
+    y, _ = pynorm.batch_norm_forward(backend.asarray(x), backend.asarray(w), backend.asarray(b), training=True,
+                                     backend=backend.name)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(backend.to_numpy(y))[:, 0], 0.5)
+
+
+def _run_numba(x: np.ndarray, dy: np.ndarray, training: bool) -> list[np.ndarray]:
+    c = x.shape[1]
+    rng = np.random.default_rng(1)
+    w, b = (1 + rng.standard_normal(c)).astype(x.dtype), rng.standard_normal(c).astype(x.dtype)
+    rm, rv = np.zeros(c, x.dtype), np.ones(c, x.dtype)
+    res, ctx = pynorm.batch_norm_forward(x, w, b, running_mean=rm, running_var=rv, training=training, backend="numba")
+    g = pynorm.batch_norm_backward(dy, ctx)
+    outs = list(res) if isinstance(res, tuple) else [res]
+    return [np.array(a) for a in (*outs, g.dx, g.dweight, g.dbias)]
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(64, 8, 512), (4096, 16, 1), (3, 5, 70000)], ids=["s512", "s1", "few_samples"])
+def test_numba_is_bitwise_deterministic_across_threads_and_calls(dt: Any, shape: tuple) -> None:
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(2)
+    x = (3 + rng.standard_normal(shape)).astype(dt)
+    dy = rng.standard_normal(shape).astype(dt)
+    runs = []
+    try:
+        for n in (1, 2, 1, 2):
+            pynorm.set_num_threads(n)
+            runs.append(_run_numba(x, dy, True) + _run_numba(x, dy, False))
+    finally:
+        pynorm.set_num_threads(None)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert a.tobytes() == b.tobytes()

@@ -27,7 +27,7 @@ BUDGET = {"float16": 2.0, "bfloat16": 2.0, "float32": 4.0, "float64": 8.0}
 
 def test_batch_norm_is_served_by_the_fast_backends() -> None:
     ops = pynorm.list_ops()["batch_norm"]
-    assert "numba" in ops
+    assert "numba" in ops and "cupy" in ops
 
 
 def _inputs(kind: str, shape: tuple[int, ...], dt: Any, rng: np.random.Generator) -> np.ndarray:

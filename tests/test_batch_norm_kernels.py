@@ -8,6 +8,7 @@ the CUDA kernels' 64-bit element indexing.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,87 @@ def test_numba_is_bitwise_deterministic_across_threads_and_calls(dt: Any, shape:
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert a.tobytes() == b.tobytes()
+
+
+# ---------------------------------------------------------------------------
+# 64-bit indexing of kernels/column.cu
+
+
+def _kernels(src: str) -> dict[str, str]:
+    """Each ``__global__`` kernel's parameter list and body (up to the next kernel)."""
+    parts = re.split(r"template <typename T, typename A>\s*\n__global__", src)
+    out = {}
+    for p in parts[1:]:
+        m = re.search(r"(\w+)\(([^)]*)\)\s*\{", p, re.S)
+        assert m is not None
+        out[m.group(1)] = m.group(2) + "\n" + p[m.end() :]
+    return out
+
+
+def test_column_kernels_index_with_64_bit_integers() -> None:
+    """Source pattern (real sizes of 2^31+ values per channel do not fit the CPU harness): every size and count
+    a kernel takes is ``long long`` (C and the chunk count, bounded by the grid, may be ``int``), every loop over
+    elements runs on a ``long long`` index, and no element offset is formed in ``int``."""
+    src = CU.read_text()
+    kernels = _kernels(src)
+    assert set(kernels) == {"col_stats", "col_merge", "col_apply", "col_bwd_sums", "col_sum_chunks", "col_dx",
+                            "col_scale"}  # fmt: skip
+    for name, text in kernels.items():
+        params = text.split("\n", 1)[0]
+        for size in ("values", "total", "S"):
+            if re.search(rf"\b{size}\b", params):
+                assert re.search(rf"long long {size}\b", params), f"{name}: {size} is not long long"
+        body = text.split("\n", 1)[1]
+        for loop in re.findall(r"for \((\w+(?: \w+)?) (\w+) = ([^;]*);", body):
+            typ, var, init = loop
+            if "blockIdx" in init or "threadIdx" in init or var in ("e", "i"):
+                assert typ == "long long", f"{name}: element loop over {var} is {typ}"
+        # (the channel index c < C is an int; nothing else is formed from the grid or the sizes in int)
+        assert not re.search(r"\bint (?!c\b)\w+ = [^;]*(blockIdx\.x \* |\* S|\* C)", body), name
+    walk = src[src.index("struct ColumnWalk") : src.index("template <typename T, typename A>")]
+    assert "long long n, s;" in walk and "long long S, CS, base;" in walk
+    assert "static_cast<long long>(blockIdx.x) * PYNORM_COLUMN_CHUNK" in src
+
+
+_PROBE = """
+namespace pynorm {
+__global__ void __launch_bounds__(PYNORM_COLUMN_THREADS)
+walk_probe(long long e0, int c, long long C, long long S, int steps, long long* out, int* chan) {
+  ColumnWalk w(e0 + threadIdx.x, c, C, S);
+  for (int k = 0; k < steps; ++k) {
+    out[k * PYNORM_COLUMN_THREADS + threadIdx.x] = w.offset();
+    w.next();
+  }
+  chan[threadIdx.x] = channel_of(e0 * 3 + threadIdx.x, C, S, false);
+}
+}  // namespace pynorm
+"""
+
+
+@pytest.mark.parametrize("e0, c, C, S", [(3_000_000_017, 5, 7, 3), (2**33 + 11, 1, 3, 100_003), (2**31 - 100, 0, 2, 1)])
+def test_column_walk_offsets_are_exact_beyond_2_to_the_31(e0: int, c: int, C: int, S: int) -> None:
+    """The harness runs column.cu's element walk and channel index at fake sizes (no memory behind them): the
+    offsets of values past 2^31 (of arrays past 2^32 elements) are the exact ``(n C + c) S + s``."""
+    from tests.cuda_cpu import requested, unavailable_reason
+
+    if not requested() or unavailable_reason() is not None:
+        pytest.skip("runs on the CPU execution harness (PYNORM_CUDA_CPU=1)")
+    import cupy
+
+    from pynorm.backends.cupy import _loader
+
+    code = _loader.assemble("column.cu") + _PROBE
+    mod = cupy.RawModule(code=code, options=_loader.compile_options(), name_expressions=["pynorm::walk_probe"])
+    steps, threads = 5, 256
+    out = cupy.zeros(steps * threads, dtype=cupy.int64)
+    chan = cupy.zeros(threads, dtype=cupy.int32)
+    mod.get_function("pynorm::walk_probe")(
+        (1,), (threads,), (np.int64(e0), np.int32(c), np.int64(C), np.int64(S), np.int32(steps), out, chan)
+    )
+    got = cupy.asnumpy(out).reshape(steps, threads)
+    for k in range(steps):
+        for t in (0, 1, threads - 1):
+            e = e0 + t + k * threads
+            assert int(got[k, t]) == (e // S * C + c) * S + e % S
+    want = [((e0 * 3 + t) // S) % C for t in range(threads)]
+    assert cupy.asnumpy(chan).tolist() == want

@@ -88,9 +88,9 @@ class ColumnOp:
                 _host.launch(self._kernel("col_merge", t, a), -(-c // _THREADS), _THREADS,
                              (part, np.int32(c), np.int32(nch), np.int64(values), mean, corr, var))  # fmt: skip
         else:
-            mean, corr, var = _host.cast(rm, np.float64), cupy.zeros(c, dtype=cupy.float64), _host.cast(rv, np.float64)
+            mean, corr, var = _host.cast(rm, "float64"), cupy.zeros(c, dtype=cupy.float64), _host.cast(rv, "float64")
         rstd = 1.0 / cupy.sqrt(var + eps)
-        scale = rstd if weight is None else rstd * _host.cast(weight, np.float64)
+        scale = rstd if weight is None else rstd * _host.cast(weight, "float64")
         k = mean.astype(adt)
         cc = ((mean - k.astype(cupy.float64)) + corr).astype(adt)
         b = None if bias is None else _host.cast(bias, adt)
@@ -107,8 +107,8 @@ class ColumnOp:
             return y, ctx
         m = _momentum(ka.momentum, int(ka.num_batches_tracked))
         unbiased = var * (values / (values - 1))
-        new_rm = _host.cast((1 - m) * _host.cast(rm, np.float64) + m * full, rm.dtype)
-        new_rv = _host.cast((1 - m) * _host.cast(rv, np.float64) + m * unbiased, rv.dtype)
+        new_rm = _host.cast((1 - m) * _host.cast(rm, "float64") + m * full, rm.dtype)
+        new_rv = _host.cast((1 - m) * _host.cast(rv, "float64") + m * unbiased, rv.dtype)
         return (y, new_rm, new_rv), ctx
 
     def backward(self, dy: cupy.ndarray, ctx: Any, *, dx_out: cupy.ndarray | None = None) -> Any:
@@ -133,7 +133,7 @@ class ColumnOp:
         sdy, sdyxc, sxc = sums[:, 0], sums[:, 1], sums[:, 2]
         corr = sxc / max(values, 1) if training else cupy.zeros(c, dtype=cupy.float64)
         sdyxhat = (sdyxc - corr * sdy) * rstd
-        coef = rstd if weight is None else rstd * _host.cast(weight, np.float64)
+        coef = rstd if weight is None else rstd * _host.cast(weight, "float64")
         if total and training:
             k = mean.astype(adt)
             cc = ((mean - k.astype(cupy.float64)) + corr).astype(adt)

@@ -435,6 +435,11 @@ def broadcast_to(a: ndarray, shape: Any) -> ndarray:
     return ndarray(np.broadcast_to(a._a, shape))
 
 
+def moveaxis(a: ndarray, source: Any, destination: Any) -> ndarray:
+    """``cupy.moveaxis`` (a view; the dispatcher's channels-last layout)."""
+    return ndarray(np.moveaxis(a._a, source, destination))
+
+
 def where(condition: Any, x: Any, y: Any) -> ndarray:
     """``cupy.where`` (pynorm.blocks' masked softmax)."""
     return ndarray(_to_device(np.where(_unwrap(condition), _unwrap(x), _unwrap(y))))
@@ -956,7 +961,7 @@ def module() -> types.ModuleType:
     names = [
         "ndarray", "empty", "full", "zeros", "ones", "empty_like", "zeros_like", "ones_like", "full_like",
         "array", "asarray", "ascontiguousarray", "asnumpy", "arange", "isfinite", "broadcast_to", "may_share_memory",
-        "shares_memory", "where", "tril",
+        "shares_memory", "where", "tril", "moveaxis",
         "is_available", "get_default_memory_pool", "get_default_pinned_memory_pool", "RawModule", "RawKernel",
         "HarnessError",
     ]  # fmt: skip

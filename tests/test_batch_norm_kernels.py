@@ -67,7 +67,9 @@ def _both(backend: Any, x: np.ndarray, training: bool, rng: np.random.Generator)
 
 @pytest.mark.parametrize("dt", [np.float32, np.float64, np.float16])
 @pytest.mark.parametrize("kind", ["normal", "offset", "constant"])
-@pytest.mark.parametrize("shape", [(8, 3, 37), (40, 4, 64), (5, 3, 1)], ids=["s37", "s64", "s1"])
+@pytest.mark.parametrize(
+    "shape", [(8, 3, 37), (40, 4, 64), (5, 3, 1), (20, 2, 1700)], ids=["s37", "s64", "s1", "chunks"]
+)  # chunks: 34000 values per channel, three of the cupy reductions' chunks (the last partial)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_hard_inputs_match_the_reference_in_ulps(
     backend: Any, dt: Any, kind: str, shape: tuple, training: bool

@@ -205,3 +205,18 @@ def test_column_walk_offsets_are_exact_beyond_2_to_the_31(e0: int, c: int, C: in
             assert int(got[k, t]) == (e // S * C + c) * S + e % S
     want = [((e0 * 3 + t) // S) % C for t in range(threads)]
     assert cupy.asnumpy(chan).tolist() == want
+
+
+def test_the_compile_check_covers_column_cu() -> None:
+    """column.cu is a family file of the loader: its seven kernels for the seven ``(T, A)`` pairs (no float ``A``
+    for double ``x``), what ``python -m pynorm.backends.cupy.compile_check`` and tests/test_cupy_kernels.py build."""
+    from pynorm import ops
+    from pynorm.backends.cupy import _launch, _loader
+
+    assert _loader.FAMILY_FILES["column"] == "column.cu" and _loader.supports(ops.BATCH_NORM)
+    names = _loader.instantiations("column.cu")
+    assert len(names) == 7 * 7 and len(set(names)) == len(names)
+    assert "pynorm::col_stats<__nv_bfloat16, float>" in names and "pynorm::col_dx<double, double>" in names
+    assert not any(n.startswith("pynorm::col_apply<double, float") for n in names)
+    assert sorted(n for g in _loader.instantiation_groups("column.cu") for n in g) == sorted(names)
+    assert all(_launch.launch_bound(n) == _launch.DEFS["COLUMN_THREADS"] for n in names)

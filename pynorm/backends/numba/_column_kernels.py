@@ -35,18 +35,24 @@ import numpy as np
 
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
-from ._storage import ld, st
+from ._storage import at, ld, st
 
 __all__ = [
     "BLOCK_ELEMENTS",
     "GROUP_ELEMENTS",
+    "SHORT_BLOCK",
+    "SHORT_ROW",
     "block_samples",
     "col_apply",
+    "col_apply_short",
     "col_bwd_sums",
+    "col_bwd_sums_short",
     "col_dx",
+    "col_dx_short",
     "col_merge",
     "col_scale",
     "col_stats",
+    "col_stats_short",
     "col_sum_blocks",
     "group_channels",
     "layout",
@@ -74,9 +80,21 @@ def group_channels(c: int, s: int) -> int:
     return max(1, min(c, -(-GROUP_ELEMENTS // max(s, 1))))
 
 
+#: rows shorter than this take the short-row kernels (:func:`col_stats_short`, :func:`col_bwd_sums_short`)
+SHORT_ROW = 32
+#: values of one channel per block of the short-row kernels
+SHORT_BLOCK = 1024
+
+
 def layout(n: int, c: int, s: int) -> tuple[int, int, int]:
-    """``(nb, g, tasks)``: samples per block, channels per group, and the reductions' task count."""
-    nb, g = block_samples(n, s), group_channels(c, s)
+    """``(nb, g, tasks)``: samples per block, channels per group, and the reductions' task count. Rows of fewer
+    than :data:`SHORT_ROW` values: blocks of about :data:`SHORT_BLOCK` values per channel, groups of channels
+    whose block fits a 256 KiB cache."""
+    if s < SHORT_ROW:
+        nb = max(1, min(n, -(-SHORT_BLOCK // max(s, 1))))
+        g = max(1, min(c, 65536 // (nb * max(s, 1))))
+    else:
+        nb, g = block_samples(n, s), group_channels(c, s)
     return nb, g, -(-n // nb) * -(-c // g)
 
 
@@ -161,6 +179,128 @@ def col_stats(x, nb, g, part, lo, hi):  # type: ignore[no-untyped-def]
     """Block statistics of ``x`` ``(N, C, S)`` into ``part`` ``(C, nbk, 3)`` float64 (the block's mean ``M``, its
     correction, ``M2``) for tasks ``lo <= t < hi`` (see the module doc)."""
     _col_stats_span(*borrow((x, nb, g, part)), lo, hi)
+
+
+@jit(FM_SUM)
+def _short_sums(x, n0, n1, c0, c1, acc):  # type: ignore[no-untyped-def]
+    """``acc[c - c0] = sum of channel c's values of samples n0 <= n < n1`` (float64, samples in order)."""
+    s_ = x.shape[2]
+    for q in range(c1 - c0):
+        acc[q] = 0.0
+    for i in range(n0, n1):
+        xi = x[i]
+        for c in range(c0, c1):
+            a = acc[c - c0]
+            for j in range(s_):
+                a += np.float64(ld(xi[c, j]))
+            acc[c - c0] = a
+
+
+@jit(FM_SUM)
+def _short_devs(x, n0, n1, c0, c1, m, a1, a2):  # type: ignore[no-untyped-def]
+    """``a1, a2[c - c0] = sum (x - m), sum (x - m)^2`` of channel c over samples n0 <= n < n1 (by :func:`_dev`)."""
+    s_ = x.shape[2]
+    for q in range(c1 - c0):
+        a1[q] = 0.0
+        a2[q] = 0.0
+    for i in range(n0, n1):
+        xi = x[i]
+        for c in range(c0, c1):
+            mc = m[c - c0]
+            p = a1[c - c0]
+            q = a2[c - c0]
+            for j in range(s_):
+                d = _dev(ld(xi[c, j]), mc)
+                p += d
+                q += d * d
+            a1[c - c0] = p
+            a2[c - c0] = q
+
+
+@jit(_FM_EXACT)
+def _col_stats_short_span(x, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
+    n_, c_, s_ = x.shape
+    ng = (c_ + g - 1) // g
+    m = np.empty(g)
+    a1 = np.empty(g)
+    a2 = np.empty(g)
+    for t in range(t0, t1):
+        j = t // ng
+        c0 = (t - j * ng) * g
+        c1 = min(c0 + g, c_)
+        n0 = j * nb
+        n1 = min(n0 + nb, n_)
+        cnt = np.float64((n1 - n0) * s_)
+        _short_sums(x, n0, n1, c0, c1, m)
+        for q in range(c1 - c0):
+            m[q] = m[q] / cnt
+        _short_devs(x, n0, n1, c0, c1, m, a1, a2)
+        for c in range(c0, c1):
+            q = c - c0
+            corr = a1[q] / cnt
+            part[c, j, 0] = m[q]
+            part[c, j, 1] = corr
+            part[c, j, 2] = max(a2[q] - a1[q] * corr, 0.0)
+
+
+@jit(_FM_EXACT)
+def col_stats_short(x, nb, g, part, lo, hi):  # type: ignore[no-untyped-def]
+    """:func:`col_stats` for rows of fewer than :data:`SHORT_ROW` values: each block ``(c, j)`` takes the corrected
+    two-pass mean and ``M2`` of its ``nb S`` values at once (the rows are too short to be merged one by one), the
+    block's channel group read sample by sample in memory order."""
+    _col_stats_short_span(*borrow((x, nb, g, part)), lo, hi)
+
+
+@jit(FM_SUM)
+def _short_bwd(x, dy, k, cc, n0, n1, c0, c1, g0, p0, e0):  # type: ignore[no-untyped-def]
+    s_ = x.shape[2]
+    for q in range(c1 - c0):
+        g0[q] = 0.0
+        p0[q] = 0.0
+        e0[q] = 0.0
+    for i in range(n0, n1):
+        xi = x[i]
+        di = dy[i]
+        for c in range(c0, c1):
+            kc = k[c]
+            ccc = cc[c]
+            a = g0[c - c0]
+            b = p0[c - c0]
+            e = e0[c - c0]
+            for j in range(s_):
+                xv = _centre(ld(xi[c, j]), kc, ccc)
+                yv = np.float64(ld(di[c, j]))
+                a += yv
+                b += yv * xv
+                e += xv
+            g0[c - c0] = a
+            p0[c - c0] = b
+            e0[c - c0] = e
+
+
+@jit(_FM_EXACT)
+def _col_bwd_sums_short_span(x, dy, k, cc, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
+    n_, c_ = x.shape[0], x.shape[1]
+    ng = (c_ + g - 1) // g
+    g0 = np.empty(g)
+    p0 = np.empty(g)
+    e0 = np.empty(g)
+    for t in range(t0, t1):
+        j = t // ng
+        c0 = (t - j * ng) * g
+        c1 = min(c0 + g, c_)
+        _short_bwd(x, dy, k, cc, j * nb, min(j * nb + nb, n_), c0, c1, g0, p0, e0)
+        for c in range(c0, c1):
+            part[c, j, 0] = g0[c - c0]
+            part[c, j, 1] = p0[c - c0]
+            part[c, j, 2] = e0[c - c0]
+
+
+@jit(_FM_EXACT)
+def col_bwd_sums_short(x, dy, k, cc, nb, g, part, lo, hi):  # type: ignore[no-untyped-def]
+    """:func:`col_bwd_sums` for rows of fewer than :data:`SHORT_ROW` values (the same sums, per channel, samples in
+    order)."""
+    _col_bwd_sums_short_span(*borrow((x, dy, k, cc, nb, g, part)), lo, hi)
 
 
 @jit(_FM_EXACT)
@@ -311,3 +451,51 @@ def _col_scale_span(dy, a, dx, t0, t1):  # type: ignore[no-untyped-def]
 def col_scale(dy, a, dx, lo, hi):  # type: ignore[no-untyped-def]
     """Evaluation backward: ``dx = dy a_c`` for rows ``lo <= t < hi``."""
     _col_scale_span(*borrow((dy, a, dx)), lo, hi)
+
+
+@jit(_FM_EXACT)
+def _col_apply_short_span(x, k, cc, sw, b, y, t0, t1):  # type: ignore[no-untyped-def]
+    c_ = x.shape[1]
+    s_ = x.shape[2]
+    for i in range(t0, t1):
+        xi = x[i]
+        yi = y[i]
+        for c in range(c_):
+            kc = k[c]
+            ccc = cc[c]
+            swc = sw[c]
+            bc = at(b, c)
+            for j in range(s_):
+                st(yi, (c, j), ((ld(xi[c, j]) - kc) - ccc) * swc + bc)
+
+
+@jit(_FM_EXACT)
+def col_apply_short(x, k, cc, sw, b, y, lo, hi):  # type: ignore[no-untyped-def]
+    """:func:`col_apply` for rows of fewer than :data:`SHORT_ROW` values: task ``t`` is sample ``t`` (``b`` None:
+    adds 0.0)."""
+    _col_apply_short_span(*borrow((x, k, cc, sw, b, y)), lo, hi)
+
+
+@jit(_FM_EXACT)
+def _col_dx_short_span(x, dy, k, cc, a, m1, q, dx, t0, t1):  # type: ignore[no-untyped-def]
+    c_ = x.shape[1]
+    s_ = x.shape[2]
+    for i in range(t0, t1):
+        xi = x[i]
+        di = dy[i]
+        oi = dx[i]
+        for c in range(c_):
+            kc = k[c]
+            ccc = cc[c]
+            ac = a[c]
+            mc = m1[c]
+            qc = q[c]
+            for j in range(s_):
+                xc = (ld(xi[c, j]) - kc) - ccc
+                st(oi, (c, j), ac * ((ld(di[c, j]) - mc) - xc * qc))
+
+
+@jit(_FM_EXACT)
+def col_dx_short(x, dy, k, cc, a, m1, q, dx, lo, hi):  # type: ignore[no-untyped-def]
+    """:func:`col_dx` for rows of fewer than :data:`SHORT_ROW` values: task ``t`` is sample ``t``."""
+    _col_dx_short_span(*borrow((x, dy, k, cc, a, m1, q, dx)), lo, hi)

@@ -79,7 +79,8 @@ class ColumnOp:
             nb, g, tasks = kernels.layout(n, c, s)
             nbk = -(-n // nb)
             part = np.empty((c, nbk, 3))
-            launch(kernels.col_stats, n * c * s, tasks, xs, nb, g, part)
+            stats = kernels.col_stats_short if s < kernels.SHORT_ROW else kernels.col_stats
+            launch(stats, n * c * s, tasks, xs, nb, g, part)
             mean, corr, var = np.empty(c), np.empty(c), np.empty(c)
             launch(kernels.col_merge, c * nbk * 64, c, part, nb, n, s, mean, corr, var)
         else:
@@ -92,8 +93,12 @@ class ColumnOp:
         k, cc = _split(mean, corr, mdt)
         b = None if bias is None else np.ascontiguousarray(bias, dtype=mdt)
         if y.size:
-            launch(kernels.col_apply, n * c * s, n * c, xs, k, cc, np.ascontiguousarray(scale, dtype=mdt), b,
-                   common.storage(y))  # fmt: skip
+            if s < kernels.SHORT_ROW:
+                launch(kernels.col_apply_short, n * c * s, n, xs, k, cc, np.ascontiguousarray(scale, dtype=mdt), b,
+                       common.storage(y))  # fmt: skip
+            else:
+                launch(kernels.col_apply, n * c * s, n * c, xs, k, cc, np.ascontiguousarray(scale, dtype=mdt), b,
+                       common.storage(y))  # fmt: skip
         full = mean + corr if training else mean.copy()
         values = {**o, "x": x, **dict(zip(self.spec.param_names, (weight, bias), strict=True))}
         values.update(zip(self.statistic.fills, (full, rstd), strict=True))
@@ -125,7 +130,8 @@ class ColumnOp:
             nb, g, tasks = kernels.layout(n, c, s)
             nbk = -(-n // nb)
             part = np.empty((c, nbk, 3))
-            launch(kernels.col_bwd_sums, 2 * n * c * s, tasks, xs, dys, mean, np.zeros(c), nb, g, part)
+            reduce = kernels.col_bwd_sums_short if s < kernels.SHORT_ROW else kernels.col_bwd_sums
+            launch(reduce, 2 * n * c * s, tasks, xs, dys, mean, np.zeros(c), nb, g, part)
             launch(kernels.col_sum_blocks, c * nbk * 64, c, part, sums)
         sdy, sdyxc, sxc = sums[:, 0], sums[:, 1], sums[:, 2]
         corr = sxc / count if training else np.zeros(c)
@@ -135,8 +141,10 @@ class ColumnOp:
         if x.size:
             if training:
                 k, cc = _split(mean, corr, mdt)
-                launch(kernels.col_dx, 3 * n * c * s, n * c, xs, dys, k, cc, a.astype(mdt), (sdy / count).astype(mdt),
-                       (rstd * sdyxhat / count).astype(mdt), dxs)  # fmt: skip
+                short = s < kernels.SHORT_ROW
+                launch(kernels.col_dx_short if short else kernels.col_dx, 3 * n * c * s, n if short else n * c, xs,
+                       dys, k, cc, a.astype(mdt), (sdy / count).astype(mdt), (rstd * sdyxhat / count).astype(mdt),
+                       dxs)  # fmt: skip
             else:
                 launch(kernels.col_scale, 2 * n * c * s, n * c, dys, a.astype(mdt), dxs)
         dweight = None if weight is None else round_to(sdyxhat, weight.dtype)

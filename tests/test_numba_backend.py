@@ -949,15 +949,18 @@ def test_op_impls_follow_the_specs() -> None:
     import pynorm
     import pynorm.backends.numba as nb
     from pynorm import _registry
-    from pynorm.backends.numba import elementwise, quantize
+    from pynorm.backends.numba import column, elementwise, quantize
 
     # composite ops (Python over other ops, pynorm/composite) are offered by the registry, not listed here
     kernel_ops = {n: s for n, s in SPECS.items() if s.family != "composite" and s.layout == "rows"}
-    # (the channels-layout ops with numba kernels: tests/test_channel_kernels.py)
+    # (the channels-layout ops with numba kernels: tests/test_channel_kernels.py, tests/test_batch_norm_kernels.py)
     channel_ops = {n for n, s in SPECS.items() if s.layout == "channels" and nb._has_kernels(s)}
-    assert {"group_norm", "instance_norm"} <= channel_ops
+    assert {"group_norm", "instance_norm", "batch_norm"} <= channel_ops
     assert set(nb.OPS) == set(kernel_ops) | channel_ops
-    families = {"stats": stats.OP_IMPLS, "elementwise": elementwise.OP_IMPLS, "quantize": quantize.OP_IMPLS}
+    families = {
+        "stats": stats.OP_IMPLS, "elementwise": elementwise.OP_IMPLS, "quantize": quantize.OP_IMPLS,
+        "column": column.OP_IMPLS,
+    }  # fmt: skip
     rng = np.random.default_rng(0)
     for n, spec in kernel_ops.items():
         assert nb.OPS[n] == spec.family
@@ -966,10 +969,11 @@ def test_op_impls_follow_the_specs() -> None:
         assert (impl.impl if composed_options(spec) else impl) is families[spec.family][n]
         x = rng.standard_normal((4, 6)).astype(np.float32)
         inputs = [
-            x.copy() if i.kind == "like_x" else None if i.kind == "row_scale" else np.arange(4) % 2 for i in spec.inputs
+            x.copy() if i.kind == "like_x" else None if i.kind in ("row_scale", "running") else np.arange(4) % 2
+            for i in spec.inputs
         ]
         params = [np.ones({"table": (2, 6), "scalar": (1,)}.get(p.kind, (6,)), np.float32) for p in spec.params]
-        _, ctx = spec.generic_forward()(x, *inputs, *params, backend="numba")
+        _, ctx = spec.generic_forward()(x, *inputs, *params, backend="numba", **spec.cases[0])
         assert type(ctx.inner) is spec.ctx
         assert type(getattr(pynorm, f"{n}_backward")(np.ones_like(x), ctx)) is spec.grads
         with pytest.raises(TypeError):

@@ -48,6 +48,7 @@ OpSpec = Any
 __all__ = [
     "AFFINES",
     "CASTING",
+    "COLUMN_STATISTICS",
     "COMPOSED",
     "EPILOGUES",
     "FUNCTIONS",
@@ -58,6 +59,8 @@ __all__ = [
     "R_RULES",
     "STATISTICS",
     "Affine",
+    "ColumnArgs",
+    "ColumnStatistic",
     "ElementwiseArgs",
     "Epilogue",
     "FamilyError",
@@ -68,6 +71,8 @@ __all__ = [
     "affine_of",
     "base_norm",
     "check_spec",
+    "column_args",
+    "column_statistic_of",
     "composed_options",
     "function_of",
     "kernel_args",
@@ -388,6 +393,39 @@ FUNCTIONS: dict[str, Function] = {
     )
 }
 
+
+@dataclass(frozen=True)
+class ColumnStatistic:
+    """A choice of the column-statistics family's statistic axis (``ColumnVariant.statistic``, BatchNorm): per
+    channel over the ``N x S`` values of ``(N, C, S)`` input, then the element-wise affine.
+
+    ``fills``: the ctx fields its kernels fill (``(C,)`` float64); ``options``: the options it takes; ``inputs``:
+    the kinds of the optional inputs it reads; ``cuda``: the kernels' file of the cupy backend ("" for none);
+    ``numba``: its choice in :mod:`pynorm.backends.numba._column_kernels` ("" for none).
+    """
+
+    name: str
+    summary: str
+    fills: tuple[str, ...]
+    options: tuple[str, ...]
+    inputs: tuple[str, ...]
+    cuda: str
+    numba: str
+
+
+COLUMN_STATISTICS: dict[str, ColumnStatistic] = {
+    "centered": ColumnStatistic(
+        "centered",
+        "mean and biased variance per channel (training), or the running ones",
+        ("mean", "rstd"),
+        ("training", "momentum", "num_batches_tracked", "eps"),
+        ("running",),
+        "column.cu",
+        "centered",
+    )
+}
+
+
 #: the per-feature parameters every element-wise function may have after it (``w * f(x) + b``)
 ELEMENTWISE_PARAMS = ("weight", "bias")
 
@@ -430,6 +468,28 @@ def affine_of(spec: OpSpec) -> Affine:
 
 def function_of(spec: OpSpec) -> Function:
     return FUNCTIONS[spec.variant.function]  # type: ignore[union-attr]
+
+
+def column_statistic_of(spec: OpSpec) -> ColumnStatistic:
+    """The :class:`ColumnStatistic` of a spec of the column family."""
+    return COLUMN_STATISTICS[spec.variant.statistic]  # type: ignore[union-attr]
+
+
+class ColumnArgs(NamedTuple):
+    """The run-time arguments of the column family's kernels, in the order of the statistic's ``options``."""
+
+    training: bool
+    momentum: float | None
+    num_batches_tracked: int
+    eps: float
+
+
+def column_args(spec: OpSpec, source: Any) -> ColumnArgs:
+    """The column family's arguments of ``spec`` from a mapping of options or a ctx (what it lacks: defaults)."""
+    d = spec.defaults()
+    if isinstance(source, Mapping):
+        return ColumnArgs(*(source.get(n, d.get(n)) for n in column_statistic_of(spec).options))
+    return ColumnArgs(*(getattr(source, n, d.get(n)) for n in column_statistic_of(spec).options))
 
 
 def base_norm(spec: OpSpec, specs: Mapping[str, OpSpec]) -> str:
@@ -633,11 +693,23 @@ def _check_elementwise(spec: OpSpec) -> None:
     _check_ctx(spec, required, {*required, *(o.name for o in spec.options)})
 
 
+def _check_column(spec: OpSpec) -> None:
+    st = _choice(spec, COLUMN_STATISTICS, "statistic")
+    _check_options(spec, st.options, st.options)
+    _check_params(spec, "channel", 2)
+    if any(i.kind not in st.inputs for i in spec.inputs):
+        _fail(spec, f"the {st.name!r} column statistic reads inputs of kinds {st.inputs}")
+    required = ("x", *spec.param_names, *st.fills)
+    _check_ctx(spec, required, {*required, *(o.name for o in spec.options)})
+
+
 def check_spec(spec: OpSpec) -> None:
     """Check ``spec`` against its kernel family's records (every family but ``"composite"``, whose ops run other
     ops): the variant's choices exist, the spec declares the options they need and no option nothing takes (but
     those composed above the backends, :data:`COMPOSED`), its parameters and inputs are of the kinds the axes
     read, and its ctx has every field the kernels fill and no field nothing fills. Raises :class:`FamilyError`."""
-    check = {"stats": _check_stats, "quantize": _check_quantize, "elementwise": _check_elementwise}.get(spec.family)
+    check = {
+        "stats": _check_stats, "quantize": _check_quantize, "elementwise": _check_elementwise, "column": _check_column,
+    }.get(spec.family)  # fmt: skip
     if check is not None:
         check(spec)

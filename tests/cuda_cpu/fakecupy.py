@@ -436,7 +436,7 @@ def broadcast_to(a: ndarray, shape: Any) -> ndarray:
 
 
 def moveaxis(a: ndarray, source: Any, destination: Any) -> ndarray:
-    """``cupy.moveaxis`` (the dispatcher's channels layout: channels-last input, a view)."""
+    """``cupy.moveaxis`` (a view; the dispatcher's channels-last layout)."""
     return ndarray(np.moveaxis(a._a, source, destination))
 
 

@@ -132,6 +132,8 @@ def launch_bound(kernel: str) -> int:
         return DEFS["QUANT_THREADS"]
     if base.startswith("ew_"):
         return DEFS["APPLY_THREADS"]
+    if base.startswith("col_"):
+        return DEFS["COLUMN_THREADS"]
     if base.endswith("_fwd"):
         return DEFS["FWD_THREADS"]
     if base.endswith("_bwd"):

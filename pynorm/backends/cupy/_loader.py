@@ -51,17 +51,18 @@ ACC_TYPES = ("float", "double")
 #: (stats.cu: the statistic, affine and prologue policies of each op of the family; elementwise.cu:
 #: the function policy); quantize.cu's take one type (quant_int8<W>: the parameters', quant_float<T>:
 #: the normalized input's), intype.cu's <T> (casting="none" of LayerNorm/RMSNorm), reduce.cu's <O, A>,
-#: cast.cu's <S, D>.
+#: cast.cu's <S, D>, column.cu's <T, A> (A: the element-wise math type; the reductions are in double).
 KERNELS: dict[str, tuple[str, ...]] = {
     "stats.cu": ("stats_fwd", "stats_bwd", "stats_bwd_stats", "stats_bwd_apply"),
     "elementwise.cu": ("ew_fwd", "ew_bwd"),
     "quantize.cu": ("quant_int8", "quant_float", "quant_dequant", "quant_mask"),
+    "column.cu": ("col_stats", "col_merge", "col_apply", "col_bwd_sums", "col_sum_chunks", "col_dx", "col_scale"),
     "intype.cu": ("intype_fwd", "intype_bwd", "intype_params"),
     "reduce.cu": ("reduce_partials",),
     "cast.cu": ("cast_values",),
 }
 #: kernel family -> the source file implementing it
-FAMILY_FILES = {"stats": "stats.cu", "elementwise": "elementwise.cu", "quantize": "quantize.cu"}
+FAMILY_FILES = {"stats": "stats.cu", "elementwise": "elementwise.cu", "quantize": "quantize.cu", "column": "column.cu"}
 
 #: the C++ policies of each variant axis value are in their records (:mod:`pynorm.ops.families`: ``cuda``)
 
@@ -87,6 +88,9 @@ def supports(spec: Any) -> bool:
         return fn is not None and bool(fn.cuda)
     if spec.family == "quantize":
         return v.statistic in families.QUANTIZE_STATISTICS
+    if spec.family == "column":
+        col = families.COLUMN_STATISTICS.get(v.statistic)
+        return col is not None and col.cuda == FAMILY_FILES["column"]
     return False
 
 
@@ -131,6 +135,9 @@ def spec_instantiations(spec: Any) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     if spec.family == "quantize":  # one type per module: quant_int8<W> and quant_float<T> for each float type
         return [(t,) for t in CUDA_TYPES] if supports(spec) else []
+    if spec.family == "column":  # <T, A>: A the element-wise math type, acc_t of x and the (C,) arrays
+        pairs: list[tuple[str, ...]] = [(t, a) for t in CUDA_TYPES for a in ACC_TYPES if a == "double" or t != "double"]
+        return pairs if supports(spec) else []
     for t in CUDA_TYPES:
         for w in param_types(t):
             if spec.family == "stats" and _residual(spec):

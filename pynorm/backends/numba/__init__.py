@@ -23,6 +23,7 @@ consistent across the files):
 * :mod:`.stats` -- the statistics family's host code and ``OP_IMPLS``;
 * :mod:`._ew_kernels`, :mod:`.elementwise` -- the element-wise family (kernels; host code and ``OP_IMPLS``);
 * :mod:`._quant_kernels`, :mod:`.quantize` -- the quantize family (int8 input and output: quant_layer_norm);
+* :mod:`._column_kernels`, :mod:`.column` -- the column-statistics family (per-channel statistics: BatchNorm);
 * :mod:`._common`, :mod:`._threads` -- host glue (storage views, output pool), thread control.
 
 Importing this package does not import numba: the kernels compile lazily on first use and are
@@ -71,6 +72,7 @@ VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "elementwise": {"function": tuple(n for n, f in families.FUNCTIONS.items() if f.numba)},
     "quantize": {"statistic": families.QUANTIZE_STATISTICS},
+    "column": {"statistic": tuple(n for n, s in families.COLUMN_STATISTICS.items() if s.numba)},
 }
 
 #: options composed above this backend (:data:`pynorm.ops.families.COMPOSED`) -> the submodule holding the

@@ -40,6 +40,8 @@
 #define PYNORM_CAST_THREADS 256   // __launch_bounds__ of cast_values
 #define PYNORM_QUANT_THREADS 256  // __launch_bounds__ of the quantize family (one block per row)
 #define PYNORM_ITEM_BYTES 16      // bytes per item (one 16-byte vector)
+#define PYNORM_COLUMN_THREADS 256 // __launch_bounds__ (and blockDim) of the column family (column.cu) ...
+#define PYNORM_COLUMN_CHUNK 16384 // ... whose reductions take this many values of one channel per block
 
 namespace pynorm {
 

@@ -135,7 +135,7 @@ def _reference_with(spec: OpSpec, ev: Evaluated, case: Case | None = None, **cha
     """The reference on ``case`` (default the cell's) with the user's conventions and ``change``."""
     base = ev.case if case is None else case
     try:
-        options = spec.validate({**ev.call, **change}, ev.result.cell.hidden)
+        options = spec.validate({**ev.call, **change}, ev.result.cell.hidden)  # channels: hidden is C
         run = run_reference(spec, dataclasses.replace(base, options=options))
     except PynormError:
         return None
@@ -788,6 +788,10 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
     option), in order of preference (the earlier of two models explaining the same cells is named)."""
     names = {o.name for o in spec.options}
     out: list[Model] = []
+    if spec.layout == "channels":
+        from .channel_models import channel_models
+
+        out.extend(channel_models(spec, conventions))
     ln, rms = spec.name == "layer_norm", spec.name == "rms_norm"
     if "eps_mode" in names and conventions.get("eps_mode", "var") != "std":
         out.append(

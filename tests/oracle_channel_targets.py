@@ -181,3 +181,10 @@ def planted(op: str, bug: str | None) -> Callable[..., Any]:
 
     forward.__name__ = f"{op}_{bug or 'correct'}"
     return forward
+
+
+# module-level targets for ``python -m pynorm check tests/oracle_channel_targets.py:NAME --op OP``
+batch_norm_keras_momentum = planted("batch_norm", "keras_momentum")
+batch_norm_unbiased = planted("batch_norm", "unbiased")
+group_norm_per_channel = planted("group_norm", "per_channel")
+group_norm_one_pass = planted("group_norm", "one_pass")

@@ -84,14 +84,20 @@ class Cell:
         return (*self.lead, *self.norm_shape)
 
     @property
+    def setting(self) -> str:
+        """The cell's options in words (channels layout: ``num_groups=2 channels_last running``), or ""."""
+        extra = [f"{k}={v}" for k, v in self.options if k != "channel_axis"]
+        if self.layout == "channels" and self.channel_axis == -1:
+            extra.append("channels_last")
+        if self.running:
+            extra.append("running")
+        return " ".join(extra)
+
+    @property
     def label(self) -> str:
         shape = "x".join(map(str, self.shape))
         eps = "-" if self.eps is None else f"{self.eps:g}"
-        extra = "".join(f" {k}={v}" for k, v in self.options if k != "channel_axis")
-        if self.layout == "channels" and self.channel_axis == -1:
-            extra += " channels_last"
-        if self.running:
-            extra += " running"
+        extra = f" {self.setting}" if self.setting else ""
         return f"{self.dtype} {shape} {self.kind} eps={eps}{extra}"
 
     def to_json(self) -> dict[str, Any]:

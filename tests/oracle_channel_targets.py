@@ -120,6 +120,18 @@ def numpy_channel_norm(
     ``unbiased`` (normalize with the unbiased variance), ``biased_running`` (update running_var with the biased one),
     ``eps_on_std``, ``keras_momentum`` (``new = m old + (1 - m) batch``), ``per_channel`` (GroupNorm's statistics per
     channel), ``one_pass`` (``E[x^2] - E[x]^2``), ``half`` (every operation in the 16-bit input dtype)."""
+    with np.errstate(all="ignore"):  # huge and tiny cells overflow and underflow: the oracle measures it
+        return _numpy_channel_norm(
+            op, x, weight, bias, running_mean, running_var, bug, num_groups, eps, channel_axis, training, momentum,
+            num_batches_tracked, use_input_stats,
+        )  # fmt: skip
+
+
+def _numpy_channel_norm(
+    op: str, x: np.ndarray, weight: Any, bias: Any, running_mean: Any, running_var: Any, bug: str | None,
+    num_groups: int | None, eps: float, channel_axis: int, training: bool, momentum: float | None,
+    num_batches_tracked: int, use_input_stats: bool,
+) -> Any:  # fmt: skip
     p = x.dtype if bug == "half" else (np.dtype(np.float64) if x.dtype == np.float64 else np.dtype(np.float32))
     x3 = np.moveaxis(x, channel_axis, 1)
     shape = x3.shape
@@ -165,10 +177,9 @@ def numpy_channel_norm(
         var = np.tile(running_var.astype(p), rep)
     if bug == "unbiased" and batch:
         var = var * p.type(k) / p.type(k - 1)
-    with np.errstate(all="ignore"):
-        r = 1 / (np.sqrt(var) + p.type(eps)) if bug == "eps_on_std" else 1 / np.sqrt(var + p.type(eps))
-        xhat = back((rows - mean[:, None]) * r[:, None])
-        y3 = xhat * weight.astype(p)[None, :, None] + bias.astype(p)[None, :, None]
+    r = 1 / (np.sqrt(var) + p.type(eps)) if bug == "eps_on_std" else 1 / np.sqrt(var + p.type(eps))
+    xhat = back((rows - mean[:, None]) * r[:, None])
+    y3 = xhat * weight.astype(p)[None, :, None] + bias.astype(p)[None, :, None]
     y = np.moveaxis(y3.reshape(shape), 1, channel_axis).astype(x.dtype)
     return y if updated is None else (y, *updated)
 

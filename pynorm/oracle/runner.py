@@ -205,7 +205,8 @@ def check(
     if diagnose:
         models = models_for(spec, spec.validate(with_required(spec, user_conv)))
         errors = [r for r in report.results if r.verdict == "error"]
-        report.diagnoses = run_diagnoses(spec, evaluated, budgets, models, errors, runner.rerun)
+        with np.errstate(all="ignore"):  # the models' non-finite values are compared, not warned about
+            report.diagnoses = run_diagnoses(spec, evaluated, budgets, models, errors, runner.rerun)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -325,7 +326,8 @@ class _CellRunner:
 
     def _one(self, ev: Evaluated, name: str, value: Any, result: CellResult, user: dict[str, np.ndarray]) -> None:
         budget = self.budgets.get(ev.dtype, name)
-        check, u64 = measure(value, ev.ref[name], ev.dtypes[name], ev.scales.get(name), budget)
+        with np.errstate(all="ignore"):  # inf where the reference is finite: counted, not warned about
+            check, u64 = measure(value, ev.ref[name], ev.dtypes[name], ev.scales.get(name), budget)
         result.outputs[name] = check
         if check.dtype is not None:
             result.add_note(f"{name} is {check.dtype}, {dtype_name(ev.dtypes[name])} expected")

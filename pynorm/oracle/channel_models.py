@@ -29,7 +29,7 @@ from ..ops import OpSpec
 from ..reference.batch_norm import momentum_factor
 from ._dtypes import dtype_of, unit_roundoff
 from .evaluate import Evaluated, from_ncs, to_ncs
-from .models import Emulation, Model
+from .model_types import Emulation, Model
 
 __all__ = ["channel_models"]
 

@@ -1,8 +1,10 @@
 """The oracle toolkit: check your own implementation of an op against pynorm's reference, and golden vectors.
 
 * :func:`check` (``python -m pynorm check MODULE:FUNCTION --op OP``) runs your forward (and backward)
-  over the conformance grid (:mod:`pynorm.oracle.grid`), measures each output's error in ulps of its dtype
-  at the magnitude of its terms and as an absolute error, judges each cell against per-output budgets, says
+  over the conformance grid (:mod:`pynorm.oracle.grid`; rows of ``(*lead, *normalized_shape)``, or for
+  ``group_norm``/``instance_norm``/``batch_norm`` ``(N, C, *spatial)`` with running statistics and channels
+  last), measures each output's error in ulps of its dtype at the magnitude of its terms and as an absolute
+  error, judges each cell against per-output budgets, says
   per failing cell whether the error is within what a backward-stable algorithm may lose
   (:mod:`pynorm.oracle.stability`), and names the causes it can reproduce: each cause is a model of an
   implementation (:mod:`pynorm.oracle.models`), named per dtype where its outputs match yours on the failing
@@ -13,7 +15,8 @@
   (:func:`schema`).
 
 Module layout (no module imports one that imports it): ``_dtypes`` and ``grid`` at the bottom, then
-``evaluate`` (budgets, the reference, the yardsticks), ``stability``, ``models``, ``diagnose``, ``report``,
+``evaluate`` (budgets, the reference, the yardsticks), ``stability``, ``model_types``, ``channel_models`` (the
+models of GroupNorm, InstanceNorm and BatchNorm), ``models``, ``diagnose``, ``report``,
 ``runner`` (:func:`check`), ``vectors`` and ``cli``.
 
 Documented in ``docs/oracle.md``.

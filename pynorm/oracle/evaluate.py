@@ -24,6 +24,7 @@ from .grid import Case, Cell
 
 __all__ = [
     "DEFAULT_BUDGETS",
+    "RUNNING_OUTPUTS",
     "Budgets",
     "CellResult",
     "Evaluated",
@@ -131,12 +132,15 @@ def run_reference(spec: OpSpec, case: Case) -> RefRun:
 
     fwd = spec.generic_forward()
     bwd = getattr(pynorm, f"{spec.name}_backward")
+    where = {} if spec.layout == "channels" else {"axis": case.axis}  # channels: channel_axis is an option
     with np.errstate(all="ignore"):
-        res, ctx = fwd(np.ascontiguousarray(case.x), *case.args, axis=case.axis, backend="numpy", **case.options)
+        res, ctx = fwd(np.ascontiguousarray(case.x), *case.args, **where, backend="numpy", **case.options)
         outs = res if isinstance(res, tuple) else (res,)
         grads = bwd(case.dy, ctx)
-    # outputs beyond the spec's names (quant_layer_norm's (q, s) when quantizing) are named by position
-    names = [*spec.outputs, *(f"out{i}" for i in range(len(spec.outputs), len(outs)))]
+    # outputs beyond the spec's names (quant_layer_norm's (q, s) when quantizing) are named by position; the
+    # updated running statistics of InstanceNorm and BatchNorm by their inputs' names
+    extra = RUNNING_OUTPUTS if spec.layout == "channels" else ()
+    names = [*spec.outputs, *extra, *(f"out{i}" for i in range(len(spec.outputs) + len(extra), len(outs)))]
     return RefRun(
         dict(zip(names, outs, strict=False)),
         {k: g for k, g in zip(grads._fields, grads, strict=True) if g is not None},
@@ -150,8 +154,52 @@ def reference(spec: OpSpec, case: Case) -> tuple[dict[str, np.ndarray], dict[str
     return run.outputs, run.grads
 
 
+#: the names of the updated running statistics a channel op returns after ``y``
+RUNNING_OUTPUTS = ("running_mean", "running_var")
+
+
+def to_ncs(a: np.ndarray, axis: int) -> np.ndarray:
+    """An array of ``x``'s layout as ``(N, C, S)`` float64 (the channel axis ``axis`` moved to 1)."""
+    a = np.moveaxis(np.asarray(a, np.float64), axis % np.ndim(a), 1)
+    return a.reshape(a.shape[0], a.shape[1], -1)
+
+
+def from_ncs(a: np.ndarray, shape: tuple[int, ...], axis: int) -> np.ndarray:
+    """The inverse of :func:`to_ncs` for ``x`` of ``shape``."""
+    ax = axis % len(shape)
+    moved = (shape[0], shape[ax], *(d for i, d in enumerate(shape) if i not in (0, ax)))
+    return np.moveaxis(np.asarray(a).reshape(moved), 1, ax)
+
+
+def _channel_scales(spec: OpSpec, case: Case, ref_out: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    x3, dy3 = to_ncs(case.x, case.axis), to_ncs(case.dy, case.axis)
+    arrays = dict(zip((*spec.input_names, *spec.param_names), case.args, strict=True))
+    out = dict(term_scales(spec.name, x3, arrays, dy3, case.options))
+    for k in ("y", "dx"):
+        if k in out:
+            out[k] = from_ncs(out[k], np.shape(case.x), case.axis)
+    if "running_mean" in ref_out and arrays.get("running_mean") is not None:
+        from ..reference.batch_norm import momentum_factor
+
+        m = momentum_factor(case.options.get("momentum"), int(case.options.get("num_batches_tracked", 0)))
+        if spec.name == "instance_norm":
+            mean = np.abs(x3.mean(axis=2)).mean(axis=0)
+        else:
+            mean = np.abs(x3.mean(axis=(0, 2)))
+        rm, rv = (np.abs(np.asarray(arrays[k], np.float64)) for k in RUNNING_OUTPUTS)
+        var = np.abs(np.asarray(ref_out["running_var"], np.float64) - (1 - m) * rv) if "running_var" in ref_out else 0
+        out["running_mean"] = (1 - m) * rm + m * mean
+        out["running_var"] = (1 - m) * rv + var
+    return out
+
+
 def scales_of(spec: OpSpec, case: Case, ref_out: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """The term scales of every output of ``case`` (:func:`pynorm.testing.term_scales`)."""
+    """The term scales of every output of ``case`` (:func:`pynorm.testing.term_scales`; for an op of the channels
+    layout its spec's on the ``(N, C, S)`` view, back in ``x``'s layout, and the running statistics' terms
+    ``(1 - m)|old| + m |batch statistic|``)."""
+    if spec.layout == "channels":
+        with np.errstate(all="ignore"):
+            return _channel_scales(spec, case, ref_out)
     x = np.ascontiguousarray(case.x)
     ax = case.axis % x.ndim
     rows = int(np.prod(x.shape[:ax]))

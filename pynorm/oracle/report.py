@@ -130,7 +130,7 @@ class CheckReport:
             stable = "" if r.verdict != "fail" or r.stable is None else ("yes" if r.stable else "no")
             lines.append(
                 f"{c.dtype:9s} {shape:>12s} {c.kind:13s} {eps:>22s} " + " ".join(cols) + f" {stable:>6s}  "
-                + self._verdict(r)
+                + self._verdict(r) + (f"  {c.setting}" if c.setting else "")
             )  # fmt: skip
         return "\n".join(lines)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError, PynormError, UnknownOpError
+from ..errors import ArgumentError, PynormError
 from ..ops import OpSpec, get
 from ..testing import ulp
 from ._dtypes import DTYPE_NAMES, dtype_name, dtype_of, have_bfloat16
@@ -61,10 +61,24 @@ def validate_options(spec: OpSpec, options: Mapping[str, Any] | None, what: str)
             f"{what}: {spec.name} has no option {', '.join(map(repr, unknown))} (its options: {', '.join(known)})"
         )
     try:
-        spec.validate(opts)
+        spec.validate(with_required(spec, opts))
     except ArgumentError as e:
         raise ArgumentError(f"{what}: {e}") from None
     return opts
+
+
+#: placeholders of the required options the grid sets per cell (GroupNorm's ``num_groups``, BatchNorm's
+#: ``training``), for validating the conventions alone
+_GRID_SETS = {"num_groups": 1, "training": True}
+
+
+def with_required(spec: OpSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the required options the grid sets per cell filled in (for validating them alone)."""
+    out = dict(options)
+    for o in spec.options:
+        if o.name in _GRID_SETS and o.name not in out and spec.layout == "channels":
+            out[o.name] = _GRID_SETS[o.name]
+    return out
 
 
 class _Progress:
@@ -144,11 +158,6 @@ def check(
         ``dtypes`` or ``budget``.
     """
     spec = get(op)
-    if spec.layout != "rows":
-        raise UnknownOpError(
-            f"the conformance grid does not cover {op} yet (an op of the channels layout, x of (N, C, *spatial)): "
-            f"compare your implementation with pynorm.{op}_forward/_backward directly"
-        )
     user_conv = validate_options(spec, conventions, "conventions")
     ref_only = validate_options(spec, reference, "reference")
     validate_options(spec, {**user_conv, **ref_only}, "reference")
@@ -194,9 +203,10 @@ def check(
         if ev.result.verdict == "fail":
             _mark_stability(spec, ev)
     if diagnose:
-        models = models_for(spec, spec.validate(user_conv))
+        models = models_for(spec, spec.validate(with_required(spec, user_conv)))
         errors = [r for r in report.results if r.verdict == "error"]
-        report.diagnoses = run_diagnoses(spec, evaluated, budgets, models, errors, runner.rerun)
+        with np.errstate(all="ignore"):  # the models' non-finite values are compared, not warned about
+            report.diagnoses = run_diagnoses(spec, evaluated, budgets, models, errors, runner.rerun)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -243,8 +253,8 @@ class _CellRunner:
         spec = self.spec
         result = CellResult(cell)
         case = make_case(spec, cell, self.user_conv, self.seed)
-        call = dict(self.user_conv)
-        ref_opts = {**self.user_conv, **self.ref_only}
+        call = {**self.user_conv, **dict(cell.options)}
+        ref_opts = {**self.user_conv, **self.ref_only, **dict(cell.options)}
         if cell.eps is not None:
             call["eps"] = cell.eps
             ref_opts["eps"] = float(self.ref_only.get("eps", cell.eps)) if cell.eps != 0.0 else 0.0
@@ -316,7 +326,8 @@ class _CellRunner:
 
     def _one(self, ev: Evaluated, name: str, value: Any, result: CellResult, user: dict[str, np.ndarray]) -> None:
         budget = self.budgets.get(ev.dtype, name)
-        check, u64 = measure(value, ev.ref[name], ev.dtypes[name], ev.scales.get(name), budget)
+        with np.errstate(all="ignore"):  # inf where the reference is finite: counted, not warned about
+            check, u64 = measure(value, ev.ref[name], ev.dtypes[name], ev.scales.get(name), budget)
         result.outputs[name] = check
         if check.dtype is not None:
             result.add_note(f"{name} is {check.dtype}, {dtype_name(ev.dtypes[name])} expected")
@@ -328,7 +339,7 @@ class _CellRunner:
     def rerun(self, ev: Evaluated) -> CellResult | None:
         """The cell re-run with a C-contiguous copy of ``x`` (the same values)."""
         result = CellResult(ev.result.cell, eps=ev.result.eps)
-        call = dict(self.user_conv)
+        call = {**self.user_conv, **dict(ev.result.cell.options)}
         if ev.result.cell.eps is not None:
             call["eps"] = ev.result.cell.eps
         self._measure(ev, call, result, {}, contiguous=True)

@@ -70,6 +70,13 @@ CALLING_CONVENTION = (
     "ulps * ulp(max(|expected|, scale)) in the output's dtype"
 )
 
+CHANNELS_CALLING_CONVENTION = (
+    "y = op(x, *params, running_mean=..., running_var=..., **conventions) with x of shape (N, C, *spatial) "
+    "(channel_axis=-1: (N, *spatial, C)) and per-channel parameters of (C,); where running statistics are updated, "
+    "the result is (y, running_mean', running_var'); grads = d(sum(y * dy)) / d(x, params); tolerance: "
+    "|actual - expected| <= ulps * ulp(max(|expected|, scale)) in the output's dtype"
+)
+
 
 def schema() -> dict[str, Any]:
     """The JSON Schema of a vector file (``pynorm/oracle/vectors.schema.json``)."""
@@ -83,6 +90,8 @@ def default_cells(spec: OpSpec, large_hidden: int = LARGE_HIDDEN) -> list[tuple[
     ``constant``, ``half_constant``; 2 rows of H = 8), H = 1, eps = 0 (for an op with an eps), and one offset row
     of H = ``large_hidden`` (0 leaves it out); then each of the op's convention sets (``spec.cases``) in float32,
     and two normalized dims where the op has a per-feature parameter."""
+    if spec.layout == "channels":
+        return channel_cells(spec)
     has_eps = "eps" in {o.name for o in spec.options}
     eps = spec.defaults().get("eps") if has_eps else None
     out: list[tuple[Cell, dict[str, Any]]] = []
@@ -102,6 +111,55 @@ def default_cells(spec: OpSpec, large_hidden: int = LARGE_HIDDEN) -> list[tuple[
             out.append((Cell("float32", (5,), (3,), "normal", e), dict(conv)))
     if any(p.kind in ("feature", "table") for p in spec.params):
         out.append((Cell("float32", (2, 3), (2,), "normal", eps), {}))
+    return out
+
+
+#: per channel op: (N, C, spatial) and options of its vectors in every dtype and kind, then those in float32
+_CHANNEL_VECTORS: dict[str, tuple[tuple[tuple[int, int, tuple[int, ...]], dict[str, Any], bool], ...]] = {
+    "group_norm": (
+        ((2, 4, (3,)), {"num_groups": 2}, False),
+        ((2, 4, (1,)), {"num_groups": 4}, False),  # one value per statistic
+        ((2, 6, (5,)), {"num_groups": 1}, False),
+        ((2, 3, (5,)), {"num_groups": 3}, False),
+        ((2, 4, (2, 3)), {"num_groups": 2, "channel_axis": -1}, False),
+    ),
+    "instance_norm": (
+        ((2, 3, (4,)), {}, False),
+        ((2, 3, (4,)), {}, True),  # running statistics updated
+        ((2, 3, (4,)), {"use_input_stats": False}, True),
+        ((2, 3, (4,)), {"momentum": 0.3}, True),
+        ((2, 3, (2, 3)), {"channel_axis": -1}, True),
+    ),
+    "batch_norm": (
+        ((3, 3, (2,)), {"training": True}, False),
+        ((3, 3, (2,)), {"training": True}, True),
+        ((3, 3, (2,)), {"training": True, "momentum": None, "num_batches_tracked": 3}, True),
+        ((3, 3, (2,)), {"training": False}, True),
+        ((4, 3, ()), {"training": True}, True),  # x of (N, C)
+        ((2, 3, (2, 3)), {"training": True, "channel_axis": -1}, True),
+    ),
+}
+
+
+def channel_cells(spec: OpSpec) -> list[tuple[Cell, dict[str, Any]]]:
+    """The vectors of an op of the channels layout: its first configuration in every dtype and kind of
+    :data:`VECTOR_KINDS` (and eps = 0), each other configuration in every dtype on normal input (running statistics
+    where it has them, normal and offset input)."""
+    eps = spec.defaults()["eps"]
+    out: list[tuple[Cell, dict[str, Any]]] = []
+    configs = _CHANNEL_VECTORS[spec.name]
+    for dt in DTYPE_NAMES:
+        if dt == "bfloat16" and not have_bfloat16():
+            continue
+        for j, ((n, c, sp), opts, running) in enumerate(configs):
+            kinds = VECTOR_KINDS if j == 0 else ("normal", "offset") if running else ("normal",)
+            for kind in kinds:
+                options = tuple(sorted(opts.items()))
+                out.append((Cell(dt, (c, *sp), (n,), kind, eps, options, running, "channels"), {}))
+            if j == 0:
+                out.append(
+                    (Cell(dt, (c, *sp), (n,), "normal", 0.0, tuple(sorted(opts.items())), running, "channels"), {})
+                )
     return out
 
 
@@ -134,7 +192,7 @@ def _vector(spec: OpSpec, cell: Cell, conv: dict[str, Any], seed: int) -> tuple[
     """One vector: (metadata, arrays by group and name)."""
     case = make_case(spec, cell, conv, seed)
     case.x = np.ascontiguousarray(case.x)
-    options = spec.validate({**conv, **case.options}, cell.hidden)
+    options = spec.validate({**conv, **dict(cell.options), **case.options}, cell.hidden)
     case.options = options
     with np.errstate(all="ignore"):
         run = run_reference(spec, case)
@@ -149,19 +207,25 @@ def _vector(spec: OpSpec, cell: Cell, conv: dict[str, Any], seed: int) -> tuple[
         "outputs": dict(outs),
         "grads": dict(grads),
         "scales": {},
-        "statistics": _statistics(run.ctx, case),
+        "statistics": _statistics(run.ctx, case, spec.layout == "channels"),
     }
     for name, ref in {**outs, **grads}.items():
         sc = scales.get(name)
         if sc is not None and np.size(sc) == np.size(ref):
             arrays["scales"][name] = np.asarray(sc, dtype=np.float64).reshape(np.shape(ref))
-    conv_id = ",".join(f"{k}={v}" for k, v in sorted(conv.items())) or "default"
+    named = {**dict(cell.options), **conv}
+    conv_id = ",".join(f"{k}={v}" for k, v in sorted(named.items())) or "default"
+    if cell.running:
+        conv_id += ",running"
+    if spec.layout == "channels" and cell.eps == 0.0:
+        conv_id += ",eps=0"
     meta = {
         "id": f"{spec.name}/{cell.dtype}/{cell.kind}/{'x'.join(map(str, cell.shape))}/{conv_id}",
         "dtype": cell.dtype,
         "kind": cell.kind,
         "normalized_shape": list(cell.norm_shape),
         "axis": case.axis,
+        **({"layout": "channels"} if spec.layout == "channels" else {}),
         "conventions": options,
         "tolerance": {
             "unit": "ulp",
@@ -172,10 +236,17 @@ def _vector(spec: OpSpec, cell: Cell, conv: dict[str, Any], seed: int) -> tuple[
     return meta, arrays
 
 
-def _statistics(ctx: Any, case: Case) -> dict[str, np.ndarray]:
+def _statistics(ctx: Any, case: Case, channels: bool = False) -> dict[str, np.ndarray]:
     """The per-row statistics the reference's forward keeps for its backward (``mean``, ``rstd``), as float64
-    arrays of the row shape ``x.shape[:axis]`` (what a correct implementation saves, for debugging)."""
+    arrays of the row shape ``x.shape[:axis]`` (what a correct implementation saves, for debugging); for an op of the
+    channels layout, flat: one per (sample, group), (sample, channel) or channel."""
     inner = getattr(ctx, "inner", ctx)
+    if channels:
+        return {
+            name: np.asarray(getattr(inner, name)).astype(np.float64).ravel()
+            for name in ("mean", "rstd")
+            if getattr(inner, name, None) is not None
+        }
     x = np.asarray(case.x)
     lead = x.shape[: case.axis % x.ndim]
     out: dict[str, np.ndarray] = {}
@@ -216,7 +287,7 @@ def write_vectors(
         raise ArgumentError(f"large_hidden must be an integer >= 0 (0: no large-H vectors), got {large_hidden!r}")
     from .. import __version__
 
-    names = [n for n, s in SPECS.items() if s.layout == "rows"] if not ops else list(ops)
+    names = list(SPECS) if not ops else list(ops)
     specs = [get(n) for n in names]
     os.makedirs(out_dir, exist_ok=True)
     written: list[str] = []
@@ -263,7 +334,7 @@ def write_vectors(
             "summary": spec.summary,
             "outputs": list(spec.outputs),
             "grad_names": list(spec.grad_names),
-            "calling_convention": CALLING_CONVENTION,
+            "calling_convention": CHANNELS_CALLING_CONVENTION if spec.layout == "channels" else CALLING_CONVENTION,
             "ulp_rule": ULP_RULE,
             "dtypes": {dt: constants(dt) for dt in sorted({r["dtype"] for r in records}, key=DTYPE_NAMES.index)},
             "notes": file_notes,

@@ -42,6 +42,7 @@ from numba.extending import overload
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._layout import EW_TILE, ROW_BLOCK
+from . import _vmath as vm
 from ._storage import JIT_ONLY, ld, seg, seg2, st
 
 __all__ = ["PIECES", "ew_bwd", "ew_fwd", "f_fix", "f_grad", "f_value", "fcast"]
@@ -104,6 +105,12 @@ def _power_at_zero_ol(fn, p):  # type: ignore[no-untyped-def]
 
 @overload(_abs_power, jit_options=_PIECE)
 def _abs_power_ol(fn, t, p):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return {
+            "half": lambda fn, t, p: math.sqrt(np.float32(t)),
+            "one": lambda fn, t, p: t,
+            "two": lambda fn, t, p: t * t,
+        }.get(_exponent(fn), lambda fn, t, p: vm.abs_pow_d(np.float64(t), p))
     return {
         "half": lambda fn, t, p: math.sqrt(t),
         "one": lambda fn, t, p: t,
@@ -113,11 +120,46 @@ def _abs_power_ol(fn, t, p):  # type: ignore[no-untyped-def]
 
 @overload(_power_deriv, jit_options=_PIECE)
 def _power_deriv_ol(fn, t, p):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return {
+            "half": lambda fn, t, p: np.float32(0.5) / math.sqrt(np.float32(t)),
+            "one": lambda fn, t, p: p - p + 1.0,
+            "two": lambda fn, t, p: t + t,
+        }.get(_exponent(fn), lambda fn, t, p: p * vm.pow_d(np.float64(t), p - 1.0))
     return {
         "half": lambda fn, t, p: 0.5 / math.sqrt(t),
         "one": lambda fn, t, p: p - p + 1.0,
         "two": lambda fn, t, p: t + t,
     }.get(_exponent(fn), lambda fn, t, p: p * t ** (p - 1.0))
+
+
+def _saturate(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
+    """``dx`` clipped to ``+-big`` (selects only, so that the loop vectorizes; NaN stays NaN)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_saturate, jit_options=_PIECE)
+def _saturate_ol(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
+    if _fast(fn):  # float64 (or float32 with a float32 dtype's big) arithmetic: the clip is the reference's
+        return lambda fn, dx, deriv, big: big if dx > big else (-big if dx < -big else dx)
+    # an infinite p t^(p-1) (float64 subnormals with small p) is flagged by the returned NaN / inf and redone
+    # by _spow_exact
+    return lambda fn, dx, deriv, big: (
+        dx if abs(dx) <= big else (math.copysign(big, dx) if dx == dx and not math.isinf(deriv) else dx)
+    )
+
+
+def _spow_fix(fn, v, g, a, big, dx):  # type: ignore[no-untyped-def]
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_spow_fix, jit_options=_PIECE)
+def _spow_fix_ol(fn, v, g, a, big, dx):  # type: ignore[no-untyped-def]
+    if _fast(fn):  # nothing to redo: the fast pieces' dx is final
+        return lambda fn, v, g, a, big, dx: dx
+    return lambda fn, v, g, a, big, dx: (
+        _spow_exact(g, abs(v), a, big) if math.isfinite(g) and math.isfinite(v) else dx
+    )
 
 
 def _spow_value(fn, v, p):  # type: ignore[no-untyped-def]
@@ -127,10 +169,7 @@ def _spow_value(fn, v, p):  # type: ignore[no-untyped-def]
 def _spow_grad(fn, v, g, p, big):  # type: ignore[no-untyped-def]
     t = abs(v)
     deriv = _power_deriv(fn, t, p) if t != 0 else _power_at_zero(fn, p)
-    dx = g * deriv
-    # saturate (selects only, so that the loop vectorizes); NaN stays NaN; an infinite p t^(p-1) (float64
-    # subnormals with small p) is flagged by the returned NaN / inf and redone by _spow_exact
-    dx = dx if abs(dx) <= big else (math.copysign(big, dx) if dx == dx and not math.isinf(deriv) else dx)
+    dx = _saturate(fn, g * deriv, deriv, big)
     return dx, f_value(fn, v, p), g - g
 
 
@@ -142,15 +181,69 @@ def _spow_exact(g, t, p, big):  # type: ignore[no-untyped-def]
     return math.copysign(min(math.exp(math.log(abs(g)) + math.log(p) + (p - 1.0) * math.log(t)), big), g)
 
 
+def _fast(fn):  # type: ignore[no-untyped-def]
+    """Whether the tag asks for the vectorizable float32 math of :mod:`._vmath` (float32 and half storage)."""
+    return bool(fn.flags.get("fast", False))
+
+
+def _alpha_z(v, a):  # type: ignore[no-untyped-def]
+    """``(z, zlo)``: ``alpha v`` as a float32 plus its rounding error (float32 arithmetic, ``alpha`` split
+    into two float32 parts, the product's error by an fma), ``z + zlo`` exact to ~2^-48 relative."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_alpha_z, jit_options=_PIECE)
+def _alpha_z_ol(v, a):  # type: ignore[no-untyped-def]
+    def impl(v, a):  # type: ignore[no-untyped-def]
+        x = np.float32(v)
+        ahi = np.float32(a)
+        alo = np.float32(np.float64(a) - np.float64(ahi))
+        z = ahi * x
+        return z, vm._fma(ahi, x, -z) + alo * x
+
+    return impl
+
+
 def _tanh_value(fn, v, a):  # type: ignore[no-untyped-def]
-    return math.tanh(a * v)
+    raise RuntimeError(JIT_ONLY)
 
 
 def _tanh_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
-    z = a * v
-    s = math.exp(-2.0 * abs(z))
-    gs = g * (4.0 * s / ((1.0 + s) * (1.0 + s)))
-    return a * gs, math.tanh(z), gs * v
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_tanh_value, jit_options=_PIECE)
+def _tanh_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
+    if not _fast(fn):
+        return lambda fn, v, a: math.tanh(a * v)
+
+    def impl(fn, v, a):  # type: ignore[no-untyped-def]
+        z, zlo = _alpha_z(v, a)
+        t = vm.tanh_f32(z)
+        return vm._fma(zlo, np.float32(1.0) - t * t, t)  # tanh(z + zlo) to first order
+
+    return impl
+
+
+@overload(_tanh_grad, jit_options=_PIECE)
+def _tanh_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    if not _fast(fn):
+
+        def exact(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+            z = a * v
+            s = math.exp(-2.0 * abs(z))
+            gs = g * (4.0 * s / ((1.0 + s) * (1.0 + s)))
+            return a * gs, math.tanh(z), gs * v
+
+        return exact
+
+    def impl(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+        z, zlo = _alpha_z(v, a)
+        s2, k = vm.sech2_parts(z, zlo)
+        gs = vm.scale_d(np.float64(g) * np.float64(s2), k)  # g sech^2(alpha v), float64: no under/overflow
+        return a * gs, _tanh_value(fn, v, a), gs * v
+
+    return impl
 
 
 #: each function's implementation of each piece (a new function is one more entry)
@@ -158,11 +251,13 @@ PIECES = {
     "signed_power": {
         f_value: _spow_value,
         f_grad: _spow_grad,
-        f_fix: lambda fn, v, g, a, big, dx: (
-            _spow_exact(g, abs(v), a, big) if math.isfinite(g) and math.isfinite(v) else dx
-        ),
+        f_fix: lambda fn, v, g, a, big, dx: _spow_fix(fn, v, g, a, big, dx),
     },
-    "tanh": {f_value: _tanh_value, f_grad: _tanh_grad, f_fix: lambda fn, v, g, a, big, dx: dx},
+    "tanh": {
+        f_value: lambda fn, v, a: _tanh_value(fn, v, a),
+        f_grad: lambda fn, v, g, a, big: _tanh_grad(fn, v, g, a, big),
+        f_fix: lambda fn, v, g, a, big, dx: dx,
+    },
 }
 
 

@@ -39,10 +39,10 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from . import _vmath as vm
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._layout import EW_TILE, ROW_BLOCK
-from . import _vmath as vm
 from ._storage import JIT_ONLY, ld, seg, seg2, st
 
 __all__ = ["PIECES", "ew_bwd", "ew_fwd", "f_fix", "f_grad", "f_value", "fcast"]
@@ -103,7 +103,7 @@ def _power_at_zero_ol(fn, p):  # type: ignore[no-untyped-def]
     return lambda fn, p: p - p
 
 
-@overload(_abs_power, jit_options=_PIECE)
+@overload(_abs_power, jit_options=_PIECE, inline="always")
 def _abs_power_ol(fn, t, p):  # type: ignore[no-untyped-def]
     if _fast(fn):
         return {
@@ -118,7 +118,7 @@ def _abs_power_ol(fn, t, p):  # type: ignore[no-untyped-def]
     }.get(_exponent(fn), lambda fn, t, p: t**p)
 
 
-@overload(_power_deriv, jit_options=_PIECE)
+@overload(_power_deriv, jit_options=_PIECE, inline="always")
 def _power_deriv_ol(fn, t, p):  # type: ignore[no-untyped-def]
     if _fast(fn):
         return {
@@ -157,9 +157,7 @@ def _spow_fix(fn, v, g, a, big, dx):  # type: ignore[no-untyped-def]
 def _spow_fix_ol(fn, v, g, a, big, dx):  # type: ignore[no-untyped-def]
     if _fast(fn):  # nothing to redo: the fast pieces' dx is final
         return lambda fn, v, g, a, big, dx: dx
-    return lambda fn, v, g, a, big, dx: (
-        _spow_exact(g, abs(v), a, big) if math.isfinite(g) and math.isfinite(v) else dx
-    )
+    return lambda fn, v, g, a, big, dx: _spow_exact(g, abs(v), a, big) if math.isfinite(g) and math.isfinite(v) else dx
 
 
 def _spow_value(fn, v, p):  # type: ignore[no-untyped-def]
@@ -192,7 +190,7 @@ def _alpha_z(v, a):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_alpha_z, jit_options=_PIECE)
+@overload(_alpha_z, jit_options=_PIECE, inline="always")
 def _alpha_z_ol(v, a):  # type: ignore[no-untyped-def]
     def impl(v, a):  # type: ignore[no-untyped-def]
         x = np.float32(v)
@@ -212,7 +210,7 @@ def _tanh_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_tanh_value, jit_options=_PIECE)
+@overload(_tanh_value, jit_options=_PIECE, inline="always")
 def _tanh_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
     if not _fast(fn):
         return lambda fn, v, a: math.tanh(a * v)
@@ -225,7 +223,7 @@ def _tanh_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
     return impl
 
 
-@overload(_tanh_grad, jit_options=_PIECE)
+@overload(_tanh_grad, jit_options=_PIECE, inline="always")
 def _tanh_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     if not _fast(fn):
 
@@ -267,7 +265,8 @@ def _register(stub):  # type: ignore[no-untyped-def]
             raise TypeError(f"expected an element-wise function tag, got {fn}")
         return PIECES[fn.choice][stub]
 
-    overload(stub, jit_options=_PIECE, strict=False)(typer)
+    # inlined (numba IR): the loops' bodies are then one function for LLVM to vectorize
+    overload(stub, jit_options=_PIECE, strict=False, inline="always")(typer)
 
 
 for _stub in (f_value, f_grad, f_fix):
@@ -285,14 +284,16 @@ def _ew_fwd_span(fn, x, a, w, b, y, t0, t1):  # type: ignore[no-untyped-def]
         i = t // nt
         j0 = (t - i * nt) * EW_TILE
         j1 = min(j0 + EW_TILE, h)
-        xr = x[i]
-        yr = y[i]
-        for j in range(j0, j1):
+        xr = x[i, j0:j1]
+        yr = y[i, j0:j1]
+        wr = seg(w, j0, j1)
+        br = seg(b, j0, j1)
+        for j in range(j1 - j0):  # from 0: no negative-index select, so that the loop vectorizes without gathers
             v = f_value(fn, fcast(x, ld(xr[j])), av)
             if w is not None:
-                v = v * w[j]
+                v = v * wr[j]
             if b is not None:
-                v = v + b[j]
+                v = v + br[j]
             st(yr, j, v)
 
 

@@ -43,6 +43,8 @@ from numba.extending import intrinsic
 
 from ._cache import jit
 
+# the scalar functions are inlined into their callers (numba IR) so that LLVM sees one loop body to vectorize
+
 __all__ = [
     "abs_pow_d",
     "exp2_d",
@@ -130,7 +132,7 @@ def _fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
     return a(a, a, a), codegen
 
 
-@jit()
+@jit(inline="always")
 def _pow2i(k):  # type: ignore[no-untyped-def]
     """``2^k`` as a float32 for an int32 ``-126 <= k <= 127``."""
     return _i2f((k + np.int32(127)) << np.int32(23))
@@ -149,7 +151,7 @@ _E6 = _F32(0.00015403530393381606)
 _E7 = _F32(1.525273380405984e-05)
 
 
-@jit()
+@jit(inline="always")
 def _exp2_red(t):  # type: ignore[no-untyped-def]
     """``(m, n)``: ``2^t = m 2^n`` with ``n`` an int32 in ``[-370, 254]`` (``t`` clamped there; NaN -> -370)
     and ``m = 2^(t - n)`` (``|t - n| <= 1/2`` inside the range)."""
@@ -167,7 +169,7 @@ def _exp2_red(t):  # type: ignore[no-untyped-def]
     return m, np.int32(nf)
 
 
-@jit()
+@jit(inline="always")
 def exp2_f32(t):  # type: ignore[no-untyped-def]
     """:math:`2^t` for a float32 ``t`` (see the module doc: <= 1 ulp)."""
     m, n = _exp2_red(t)
@@ -188,7 +190,7 @@ _T4 = _F32(-0.005704992500996458)
 _TANH_SMALL = _F32(0.625)
 
 
-@jit()
+@jit(inline="always")
 def tanh_f32(z):  # type: ignore[no-untyped-def]
     """:math:`\\tanh z` for a float32 ``z`` (see the module doc: <= 2 ulps)."""
     az = abs(z)
@@ -209,7 +211,7 @@ def tanh_f32(z):  # type: ignore[no-untyped-def]
     return t if z == z else z
 
 
-@jit()
+@jit(inline="always")
 def sech2_parts(z, zlo):  # type: ignore[no-untyped-def]
     """``(v, k)``: :math:`\\operatorname{sech}^2(z + z_{lo}) = v\\,2^k` (float32 ``v``, int32 ``k``; see the module
     doc). ``v`` is 0 where the exact value is below ``2^-370`` (a float32 product with it is 0)."""
@@ -233,7 +235,7 @@ def sech2_parts(z, zlo):  # type: ignore[no-untyped-def]
     return v, n + np.int32(3)
 
 
-@jit()
+@jit(inline="always")
 def scale_d(v, k):  # type: ignore[no-untyped-def]
     """``v 2^k`` in float64 for a float64 ``v`` and an int32 ``-1000 <= k <= 1000`` (exact but for over/underflow
     of the float64 product, far outside float32's range)."""
@@ -263,7 +265,7 @@ _D7 = 1.525273380405984e-05
 _D8 = 1.3215486790144307e-06
 
 
-@jit()
+@jit(inline="always")
 def log2_d(t):  # type: ignore[no-untyped-def]
     """:math:`\\log_2 t` for a positive, finite, normal float64 ``t`` (relative error <= 2^-40; other values:
     garbage, the callers select)."""
@@ -285,7 +287,7 @@ def log2_d(t):  # type: ignore[no-untyped-def]
     return np.float64(e) + ln * _INV_LN2
 
 
-@jit()
+@jit(inline="always")
 def exp2_d(y):  # type: ignore[no-untyped-def]
     """:math:`2^y` for a float64 ``y``, clamped to ``[-1000, 1000]`` (relative error <= 2^-31; NaN -> 2^-1000)."""
     yc = y if y > -1000.0 else -1000.0
@@ -304,7 +306,7 @@ def exp2_d(y):  # type: ignore[no-untyped-def]
     return scale_d(p, np.int32(nf))
 
 
-@jit()
+@jit(inline="always")
 def log2_f32(x):  # type: ignore[no-untyped-def]
     """:math:`\\log_2 x` for a float32 ``x``, rounded once to float32 (<= 1 ulp): ``log2(0) = -inf``, negative
     and NaN give NaN, ``log2(inf) = inf``."""
@@ -314,7 +316,7 @@ def log2_f32(x):  # type: ignore[no-untyped-def]
     return r if t < np.inf else _F32(t)
 
 
-@jit()
+@jit(inline="always")
 def abs_pow_d(t, p):  # type: ignore[no-untyped-def]
     """``t^p`` in float64 for a float64 ``t >= 0`` (a float32 value, or NaN) and ``p > 0`` (relative error
     <= 2^-30 for ``|p log2 t| <= 1000``): ``0^p = 0``, ``inf^p = inf``, NaN gives NaN."""
@@ -323,7 +325,7 @@ def abs_pow_d(t, p):  # type: ignore[no-untyped-def]
     return r if t < np.inf else t
 
 
-@jit()
+@jit(inline="always")
 def pow_d(t, q):  # type: ignore[no-untyped-def]
     """``t^q`` in float64 for a float64 ``t > 0`` (a float32 value, inf or NaN) and any finite ``q`` (as
     :func:`abs_pow_d`): ``inf^q`` is inf for ``q > 0``, 0 for ``q < 0``, 1 for ``q = 0``; NaN gives NaN."""
@@ -332,7 +334,7 @@ def pow_d(t, q):  # type: ignore[no-untyped-def]
     return r if t == t else t
 
 
-@jit()
+@jit(inline="always")
 def spow_f32(x, p):  # type: ignore[no-untyped-def]
     """``sign(x) |x|^p`` for a float32 ``x`` and a float64 ``p > 0``, rounded once to float32 (<= 1 ulp)."""
     return _F32(math.copysign(abs_pow_d(abs(np.float64(x)), p), np.float64(x)))

@@ -17,6 +17,8 @@ mpmath = pytest.importorskip("mpmath")
 
 from pynorm.backends.numba import _vmath as vm  # noqa: E402
 
+from .helpers import mpmath_ulps  # noqa: E402
+
 F32_MAX = float(np.finfo(np.float32).max)
 TINY = 2.0**-149
 
@@ -34,28 +36,6 @@ def _every_exponent(per: int, lo: int = 0, hi: int = 255, seed: int = 0) -> np.n
     return x[x > 0]
 
 
-def _ulps(got: np.ndarray, exact: list) -> np.ndarray:
-    """``|got - exact|`` in ulps of float32 at ``exact`` (mpf values); an exact value beyond float32's range
-    must give inf (0 ulps then, else inf)."""
-    out = np.empty(len(exact))
-    for i, (g, ex) in enumerate(zip(got.tolist(), exact, strict=True)):
-        if mpmath.isnan(ex):
-            out[i] = 0.0 if math.isnan(g) else np.inf
-            continue
-        ef = float(ex)
-        rounded = np.float32(ef) if abs(ef) < 2.0**128 * (1 - 2.0**-25) else np.float32(math.copysign(np.inf, ef))
-        if np.isinf(rounded):
-            out[i] = 0.0 if g == float(rounded) else np.inf
-            continue
-        if math.isinf(g):
-            out[i] = np.inf
-            continue
-        with np.errstate(over="ignore"):  # the spacing at float32's max is beyond it
-            spacing = max(float(np.spacing(np.abs(rounded))), TINY)
-        out[i] = float(abs(mpmath.mpf(g) - ex)) / min(spacing, 2.0**104)
-    return out
-
-
 @pytest.fixture(autouse=True)
 def _precision():
     old = mpmath.mp.dps
@@ -68,7 +48,7 @@ def test_tanh_within_2_ulps_everywhere():
     x = _every_exponent(24)
     x = np.concatenate([x, -x, np.float32([0.625, np.nextafter(np.float32(0.625), np.float32(0)), 9.01, 9.02])])
     got = vm.tanh_f32_array(x)
-    err = _ulps(got, [mpmath.tanh(mpmath.mpf(float(v))) for v in x])
+    err = mpmath_ulps(got, [mpmath.tanh(mpmath.mpf(float(v))) for v in x])
     assert err.max() <= 2.0, (err.max(), x[err.argmax()])
 
 
@@ -85,7 +65,7 @@ def test_exp2_within_1_ulp_over_the_whole_range():
     t = np.concatenate([t, -t])
     t = t[(t > -160) & (t < 130)]
     t = np.concatenate([t, np.float32([-149.0, -149.5, -150.0, -126.0, -126.5, 127.0, 127.99, 128.0])])
-    err = _ulps(vm.exp2_f32_array(t), [mpmath.power(2, mpmath.mpf(float(v))) for v in t])
+    err = mpmath_ulps(vm.exp2_f32_array(t), [mpmath.power(2, mpmath.mpf(float(v))) for v in t])
     assert err.max() <= 1.0, (err.max(), t[err.argmax()])
 
 
@@ -96,7 +76,7 @@ def test_exp2_special_values():
 
 def test_log2_within_1_ulp_and_special_values():
     x = _every_exponent(24)
-    err = _ulps(vm.log2_f32_array(x), [mpmath.log(mpmath.mpf(float(v)), 2) for v in x])
+    err = mpmath_ulps(vm.log2_f32_array(x), [mpmath.log(mpmath.mpf(float(v)), 2) for v in x])
     assert err.max() <= 1.0, (err.max(), x[err.argmax()])
     got = vm.log2_f32_array(np.float32([0.0, -0.0, -1.0, np.inf, -np.inf, np.nan, 1.0, TINY]))
     np.testing.assert_array_equal(got, np.float32([-np.inf, -np.inf, np.nan, np.inf, np.nan, np.nan, 0.0, -149.0]))
@@ -108,7 +88,7 @@ def test_signed_power_within_1_ulp(p):
     x = np.concatenate([x, -x])
     pm = mpmath.mpf(p)
     exact = [mpmath.sign(mpmath.mpf(float(v))) * abs(mpmath.mpf(float(v))) ** pm for v in x]
-    err = _ulps(vm.spow_f32_array(x, p), exact)
+    err = mpmath_ulps(vm.spow_f32_array(x, p), exact)
     assert err.max() <= 1.0, (err.max(), x[err.argmax()])
 
 
@@ -147,9 +127,9 @@ def test_dyt_float32_forward_and_saturated_gradient_accuracy():
     g = pynorm.dyt_backward(dy, ctx)
     am = mpmath.mpf(0.7)
     zs = [am * mpmath.mpf(float(v)) for v in x[0]]
-    err = _ulps(y[0], [mpmath.tanh(z) for z in zs])
+    err = mpmath_ulps(y[0], [mpmath.tanh(z) for z in zs])
     assert err.max() <= 2.0, (err.max(), x[0, err.argmax()])
-    err = _ulps(g.dx[0], [am * mpmath.sech(z) ** 2 * mpmath.mpf(1e30) for z in zs])
+    err = mpmath_ulps(g.dx[0], [am * mpmath.sech(z) ** 2 * mpmath.mpf(1e30) for z in zs])
     assert err.max() <= 8.0, (err.max(), x[0, err.argmax()])
 
 
@@ -161,9 +141,9 @@ def test_power_norm_float32_accuracy(p):
     y, ctx = pynorm.power_norm_forward(x, p=p, backend="numba")
     pm = mpmath.mpf(p)
     exact = [mpmath.sign(mpmath.mpf(float(v))) * abs(mpmath.mpf(float(v))) ** pm for v in x[0]]
-    err = _ulps(y[0], exact)
+    err = mpmath_ulps(y[0], exact)
     assert err.max() <= 1.0, (err.max(), x[0, err.argmax()])
     dx = pynorm.power_norm_backward(np.ones_like(x), ctx).dx[0]
     exact = [min(pm * abs(mpmath.mpf(float(v))) ** (pm - 1), F32_MAX) for v in x[0]]
-    err = _ulps(dx, exact)
+    err = mpmath_ulps(dx, exact)
     assert err.max() <= 2.0, (err.max(), x[0, err.argmax()])

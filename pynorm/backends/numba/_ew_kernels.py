@@ -238,8 +238,12 @@ def _tanh_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     def impl(fn, v, g, a, big):  # type: ignore[no-untyped-def]
         z, zlo = _alpha_z(v, a)
         s2, k = vm.sech2_parts(z, zlo)
-        gs = vm.scale_d(np.float64(g) * np.float64(s2), k)  # g sech^2(alpha v), float64: no under/overflow
-        return a * gs, _tanh_value(fn, v, a), gs * v
+        # g sech^2(alpha v) = (g v2) 2^k, the scale in exact factors: full relative accuracy where sech^2 itself
+        # is below float32's range (v2 <= 2^-1.5 keeps g v2 finite)
+        gs = vm.scale_f32(np.float32(g) * s2, k)
+        ahi = np.float32(a)
+        alo = np.float32(np.float64(a) - np.float64(ahi))
+        return vm._fma(alo, gs, ahi * gs), _tanh_value(fn, v, a), gs * np.float32(v)
 
     return impl
 
@@ -304,6 +308,18 @@ def ew_fwd(fn, x, a, w, b, y, lo, hi):  # type: ignore[no-untyped-def]
     _ew_fwd_span(*borrow((fn, x, a, w, b, y)), lo, hi)
 
 
+def _fused(fn):  # type: ignore[no-untyped-def]
+    """Whether the backward computes every output in one loop (the fast pieces: no fix-up pass)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_fused, jit_options=_PIECE, inline="always")
+def _fused_ol(fn):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return lambda fn: True
+    return lambda fn: False
+
+
 @jit(FM_SUM)
 def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[no-untyped-def]
     """Tasks ``t0 <= t < t1`` (task ``t``: row block ``t // tiles``, one column tile) of :func:`ew_bwd` (its body:
@@ -330,6 +346,19 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
             xr = x[i, j0:j1]
             dyr = dy[i, j0:j1]
             dxr = dx[i, j0:j1]
+            if _fused(fn):  # the fast pieces need no fix-up: every output in one vectorized pass
+                for j in range(n):
+                    d = fcast(x, ld(dyr[j]))
+                    g = d * wr[j] if w is not None else d
+                    r = f_grad(fn, fcast(x, ld(xr[j])), g, av, big)
+                    st(dxr, j, r[0])
+                    if pw is not None:
+                        pwr[j] += d * r[1]
+                    if pb is not None:
+                        pbr[j] += d
+                    if pa is not None:
+                        par[j] += r[2]
+                continue
             for j in range(n):
                 d = fcast(x, ld(dyr[j]))
                 g = d * wr[j] if w is not None else d

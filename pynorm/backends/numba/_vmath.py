@@ -55,6 +55,7 @@ __all__ = [
     "log2_f32_array",
     "pow_d",
     "scale_d",
+    "scale_f32",
     "sech2_f32_array",
     "sech2_parts",
     "spow_f32",
@@ -233,6 +234,18 @@ def sech2_parts(z, zlo):  # type: ignore[no-untyped-def]
     v = (_F32(0.5) * m) / (d * d)  # 4 s / (1 + s)^2 = (m / 2 / (1 + s)^2) 2^(n + 3)
     v = _F32(0.0) if u < _F32(-370.0) else v
     return v, n + np.int32(3)
+
+
+@jit(inline="always")
+def scale_f32(v, k):  # type: ignore[no-untyped-def]
+    """``v 2^k`` in float32 for a float32 ``v`` and an integer ``-378 <= k <= 127``: three exact power-of-two
+    factors, the largest first (one rounding where the result is normal; in the subnormal range the
+    intermediate roundings add at most one subnormal spacing)."""
+    c1 = k if k > -126 else np.int64(-126)
+    r = k - c1
+    c2 = r if r > -126 else np.int64(-126)
+    c3 = r - c2
+    return v * _pow2i(c1) * _pow2i(c2) * _pow2i(c3)
 
 
 @jit(inline="always")

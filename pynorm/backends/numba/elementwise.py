@@ -122,9 +122,10 @@ class ElementwiseOp:
         dx = common.output(dx_out, x.shape, x.dtype)
         if rows:
             a = self._scalar(named, ctx)
+            pdt = np.dtype(np.float32) if _fast(x.dtype) else fdt  # G = w dy of float32 math in float32
             launch(
                 kernels.ew_bwd, rows * h, nb * tiles(h, EW_TILE), self._tag(a, x.dtype), common.storage(x),
-                common.storage(dy), a, common.param(named.get("weight"), fdt), float(finfo(x.dtype).max),
+                common.storage(dy), a, common.param(named.get("weight"), pdt), float(finfo(x.dtype).max),
                 common.storage(dx),
                 parts["weight"], parts["bias"], parts["alpha"],
             )  # fmt: skip

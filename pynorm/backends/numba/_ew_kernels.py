@@ -25,7 +25,10 @@ Functions:
 
 Values are computed in the *function math type*: float32 for float16/bfloat16 storage, float64 for
 float32/float64 (:func:`fcast`; the transcendental functions cost the same either way, and float64
-keeps float32's gradients in range). Parameter-gradient partials are per block of
+keeps float32's gradients in range). Tags with the ``fast`` flag (float32 and half storage) evaluate the functions with
+:mod:`._vmath` instead of libm (float32 arithmetic for tanh / sech^2, float64 arithmetic without libm for the
+power), so that every loop vectorizes; their backward is one fused loop (no fix-up pass).
+Parameter-gradient partials are per block of
 :data:`._layout.ROW_BLOCK` rows and column tile, rows added in order, then summed over blocks in
 float64 in block order (:func:`._reduce.sum_blocks`): results do not depend on the thread count.
 """

@@ -323,6 +323,31 @@ def _fused_ol(fn):  # type: ignore[no-untyped-def]
     return lambda fn: False
 
 
+def _unfused_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    """:func:`f_grad` in the per-output loops: a placeholder for the fast tags, which never run them (their fused
+    loop does), so that those loops add nothing to the fast kernels' compile time."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def _unfused_value(fn, v, a):  # type: ignore[no-untyped-def]
+    """:func:`f_value` in the per-output loops (as :func:`_unfused_grad`)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_unfused_grad, jit_options=_PIECE, inline="always")
+def _unfused_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return lambda fn, v, g, a, big: (g, v, g)
+    return lambda fn, v, g, a, big: f_grad(fn, v, g, a, big)
+
+
+@overload(_unfused_value, jit_options=_PIECE, inline="always")
+def _unfused_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return lambda fn, v, a: v
+    return lambda fn, v, a: f_value(fn, v, a)
+
+
 @jit(FM_SUM)
 def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[no-untyped-def]
     """Tasks ``t0 <= t < t1`` (task ``t``: row block ``t // tiles``, one column tile) of :func:`ew_bwd` (its body:
@@ -366,13 +391,13 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
                 d = fcast(x, ld(dyr[j]))
                 g = d * wr[j] if w is not None else d
                 xv = fcast(x, ld(xr[j]))
-                dxv = f_grad(fn, xv, g, av, big)[0]
+                dxv = _unfused_grad(fn, xv, g, av, big)[0]
                 if not abs(dxv) <= big:
                     dxv = f_fix(fn, xv, g, av, big, dxv)
                 st(dxr, j, dxv)
             if pw is not None:
                 for j in range(n):
-                    pwr[j] += fcast(x, ld(dyr[j])) * f_value(fn, fcast(x, ld(xr[j])), av)
+                    pwr[j] += fcast(x, ld(dyr[j])) * _unfused_value(fn, fcast(x, ld(xr[j])), av)
             if pb is not None:
                 for j in range(n):
                     pbr[j] += fcast(x, ld(dyr[j]))
@@ -380,7 +405,7 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
                 for j in range(n):
                     d = fcast(x, ld(dyr[j]))
                     g = d * wr[j] if w is not None else d
-                    par[j] += f_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]
+                    par[j] += _unfused_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]
 
 
 @jit(FM_SUM)

@@ -11,7 +11,17 @@ import numpy as np
 
 from ..errors import ArgumentError, ShapeError
 from ._spec import REQUIRED, ColumnVariant, OpSpec, Option, check_bool
-from .group_norm import BIAS, CHANNEL_AXIS, EPS, MOMENTUM_DOC, RUNNING, WEIGHT, check_momentum
+from .group_norm import (
+    BIAS,
+    CHANNEL_AXIS,
+    EPS,
+    MOMENTUM_DOC,
+    RUNNING,
+    WEIGHT,
+    check_momentum,
+    running_pair,
+    running_result,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,9 +59,7 @@ def check_count(v: Any, name: str) -> int:
 
 
 def _arrays(x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any], options: Mapping[str, Any]) -> None:
-    rm, rv = arrays.get("running_mean"), arrays.get("running_var")
-    if (rm is None) != (rv is None):
-        raise ArgumentError("running_mean and running_var go together: give both or neither")
+    rm = running_pair(arrays)
     if not options["training"]:
         if rm is None:
             raise ArgumentError("training=False normalizes with running_mean and running_var: give them")
@@ -59,10 +67,6 @@ def _arrays(x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any], opti
     values = int(np.prod(x_shape)) // x_shape[1] if len(x_shape) > 1 else 0
     if values < 2:
         raise ShapeError(f"training BatchNorm needs more than 1 value per channel, got x of shape {x_shape}")
-
-
-def _result(outs: tuple[Any, ...], ctx: Any, options: Mapping[str, Any]) -> Any:
-    return outs if len(outs) > 1 else outs[0]
 
 
 def term_scales(x3: np.ndarray, arrays: Mapping[str, Any], dy3: np.ndarray, options: Mapping[str, Any]) -> dict:
@@ -158,7 +162,7 @@ SPEC = OpSpec(
     check_arrays=_arrays,
     cases=({"training": True}, {"training": False}, {"training": True, "momentum": None, "num_batches_tracked": 3}),
     summary="y = (x - mean_c) / sqrt(var_c + eps) * w_c + b_c, statistics over (N, *spatial)",
-    result=_result,
+    result=running_result,
     result_doc="``y``, or ``(y, running_mean', running_var')`` in training with running statistics",
     layout="channels",
 )

@@ -177,8 +177,18 @@ GROUP_NORM = OpSpec(
 )
 
 
-def _instance_result(outs: tuple[Any, ...], ctx: Any, options: Mapping[str, Any]) -> Any:
+def running_result(outs: tuple[Any, ...], ctx: Any, options: Mapping[str, Any]) -> Any:
+    """``y``, or ``(y, running_mean', running_var')`` where the running statistics were updated (InstanceNorm,
+    BatchNorm)."""
     return outs if len(outs) > 1 else outs[0]
+
+
+def running_pair(arrays: Mapping[str, Any]) -> Any:
+    """``running_mean`` (None without running statistics), once checked to come with ``running_var``."""
+    rm, rv = arrays.get("running_mean"), arrays.get("running_var")
+    if (rm is None) != (rv is None):
+        raise ArgumentError("running_mean and running_var go together: give both or neither")
+    return rm
 
 
 _INSTANCE_NORM_DOC = r"""InstanceNorm (Ulyanov et al. 2016, "Instance Normalization"); returns ``(y, ctx)`` for
@@ -200,9 +210,7 @@ with one group per channel; element-wise, ``dx = dy w / sqrt(running_var + eps)`
 def _instance_arrays(
     x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any], options: Mapping[str, Any]
 ) -> None:
-    rm, rv = arrays.get("running_mean"), arrays.get("running_var")
-    if (rm is None) != (rv is None):
-        raise ArgumentError("running_mean and running_var go together: give both or neither")
+    rm = running_pair(arrays)
     if not options["use_input_stats"] and rm is None:
         raise ArgumentError("use_input_stats=False normalizes with running_mean and running_var: give them")
     if rm is not None and options["use_input_stats"]:
@@ -240,7 +248,7 @@ INSTANCE_NORM = OpSpec(
     check_arrays=_instance_arrays,
     cases=({}, {"eps": 0.1}),
     summary="y = (x - mean_instance) / sqrt(var_instance + eps) * w_c + b_c",
-    result=_instance_result,
+    result=running_result,
     result_doc="``y``, or ``(y, running_mean', running_var')`` when running statistics are given and "
     "``use_input_stats``",
     layout="channels",

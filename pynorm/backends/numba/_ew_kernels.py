@@ -200,7 +200,9 @@ def _alpha_z_ol(v, a):  # type: ignore[no-untyped-def]
         ahi = np.float32(a)
         alo = np.float32(np.float64(a) - np.float64(ahi))
         z = ahi * x
-        return z, vm._fma(ahi, x, -z) + alo * x
+        lo = vm._fma(ahi, x, -z) + alo * x
+        # an infinite z (x infinite, or the product overflowed) has no rounding error to carry: 0, not NaN
+        return z, lo if abs(z) < np.float32(np.inf) else np.float32(0.0)
 
     return impl
 
@@ -246,7 +248,10 @@ def _tanh_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
         gs = vm.scale_f32(np.float32(g) * s2, k)
         ahi = np.float32(a)
         alo = np.float32(np.float64(a) - np.float64(ahi))
-        return vm._fma(alo, gs, ahi * gs), _tanh_value(fn, v, a), gs * np.float32(v)
+        d = ahi * gs
+        # alpha's tail only for a finite gs: alo gs + ahi gs is NaN for gs = inf (the reference's alpha gs is inf)
+        d = vm._fma(alo, gs, d) if abs(gs) < np.float32(np.inf) else d
+        return d, _tanh_value(fn, v, a), gs * np.float32(v)
 
     return impl
 

@@ -302,7 +302,9 @@ def log2_d(t):  # type: ignore[no-untyped-def]
 
 @jit(inline="always")
 def exp2_d(y):  # type: ignore[no-untyped-def]
-    """:math:`2^y` for a float64 ``y``, clamped to ``[-1000, 1000]`` (relative error <= 2^-31; NaN -> 2^-1000)."""
+    """:math:`2^y` for a float64 ``y`` (relative error <= 2^-31 on ``[-1000, 1000]``; 0 below, inf above: far outside
+    float32's range, so that ``p t^(p-1)`` for a huge ``p`` is 0 or inf as in the reference, not ``p 2^-1000``;
+    NaN -> 2^-1000, the callers select)."""
     yc = y if y > -1000.0 else -1000.0
     yc = yc if yc < 1000.0 else 1000.0
     nf = np.floor(yc + 0.5)
@@ -316,7 +318,9 @@ def exp2_d(y):  # type: ignore[no-untyped-def]
     p = p * f + _D2
     p = p * f + _D1
     p = p * f + 1.0
-    return scale_d(p, np.int32(nf))
+    r = scale_d(p, np.int32(nf))
+    r = 0.0 if y < -1000.0 else r
+    return np.inf if y > 1000.0 else r
 
 
 @jit(inline="always")

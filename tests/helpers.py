@@ -6,6 +6,7 @@ gradient, cross-backend, invariance and input-safety tests cover it on every bac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -218,3 +219,28 @@ def grad_check_setup(backend: Any, spec: OpSpec, x: Any, args: list[Any], **kw: 
     inputs = [x, *(a for a, d in zip(args, diff, strict=True) if d)]
     names = ["x", *(n for n, d in zip(spec.arg_names, diff, strict=True) if d)]
     return forward, backend.backward(spec.backward), inputs, names
+
+
+def mpmath_ulps(got: Any, exact: list) -> np.ndarray:
+    """``|got - exact|`` in ulps of float32 at ``exact`` (mpf values); an exact value beyond float32's range
+    must give inf (0 ulps then, else inf)."""
+    import mpmath
+
+    got = np.asarray(got, np.float32)
+    out = np.empty(len(exact))
+    for i, (g, ex) in enumerate(zip(got.tolist(), exact, strict=True)):
+        if mpmath.isnan(ex):
+            out[i] = 0.0 if math.isnan(g) else np.inf
+            continue
+        ef = float(ex)
+        rounded = np.float32(ef) if abs(ef) < 2.0**128 * (1 - 2.0**-25) else np.float32(math.copysign(np.inf, ef))
+        if np.isinf(rounded):
+            out[i] = 0.0 if g == float(rounded) else np.inf
+            continue
+        if math.isinf(g):
+            out[i] = np.inf
+            continue
+        with np.errstate(over="ignore"):  # the spacing at float32's max is beyond it
+            spacing = max(float(np.spacing(np.abs(rounded))), 2.0**-149)
+        out[i] = float(abs(mpmath.mpf(g) - ex)) / min(spacing, 2.0**104)
+    return out

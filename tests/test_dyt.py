@@ -77,3 +77,25 @@ def test_layer():
     y, ctx = layer.forward(np.ones((2, 8), np.float32))
     layer.backward(np.ones_like(y), ctx)
     assert sorted(layer.grads) == ["alpha", "bias", "weight"] and layer.grads["alpha"].shape == (1,)
+
+
+#: stated bound of each backend's float32 tanh, in ulps of y (docs/numba.md, docs/cupy.md; the reference: float64
+#: rounded once)
+TANH_F32_ULPS = {"numpy": 1.0, "numba": 2.0, "cupy": 3.0}
+
+
+def test_float32_tanh_within_the_stated_ulps(dy_):
+    """y = tanh(alpha x) of float32 inputs (every exponent that matters, random mantissas) against mpmath."""
+    import mpmath
+
+    from .helpers import mpmath_ulps
+
+    mpmath.mp.dps = 40
+    rng = np.random.default_rng(5)
+    e = rng.integers(-40, 6, 4000)
+    x = (rng.uniform(1, 2, e.size) * 2.0**e * rng.choice([-1, 1], e.size)).astype(np.float32)
+    x = np.concatenate([x, np.float32([0.0, -0.0, 0.625, 9.02, 1e-40])]).reshape(1, -1)
+    alpha = np.array([1.0], np.float32)
+    y = dy_.to_numpy(pynorm.dyt(dy_.asarray(x), dy_.asarray(alpha), backend=dy_.name))
+    err = mpmath_ulps(y[0], [mpmath.tanh(mpmath.mpf(float(v))) for v in x[0]])
+    assert err.max() <= TANH_F32_ULPS.get(dy_.name, 2.0), (err.max(), x[0, err.argmax()])

@@ -25,7 +25,10 @@ Functions:
 
 Values are computed in the *function math type*: float32 for float16/bfloat16 storage, float64 for
 float32/float64 (:func:`fcast`; the transcendental functions cost the same either way, and float64
-keeps float32's gradients in range). Parameter-gradient partials are per block of
+keeps float32's gradients in range). Tags with the ``fast`` flag (float32 and half storage) evaluate the functions with
+:mod:`._vmath` instead of libm (float32 arithmetic for tanh / sech^2, float64 arithmetic without libm for the
+power), so that every loop vectorizes; their backward is one fused loop (no fix-up pass).
+Parameter-gradient partials are per block of
 :data:`._layout.ROW_BLOCK` rows and column tile, rows added in order, then summed over blocks in
 float64 in block order (:func:`._reduce.sum_blocks`): results do not depend on the thread count.
 """
@@ -39,6 +42,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from . import _vmath as vm
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._layout import EW_TILE, ROW_BLOCK
@@ -102,8 +106,14 @@ def _power_at_zero_ol(fn, p):  # type: ignore[no-untyped-def]
     return lambda fn, p: p - p
 
 
-@overload(_abs_power, jit_options=_PIECE)
+@overload(_abs_power, jit_options=_PIECE, inline="always")
 def _abs_power_ol(fn, t, p):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return {
+            "half": lambda fn, t, p: math.sqrt(np.float32(t)),
+            "one": lambda fn, t, p: t,
+            "two": lambda fn, t, p: t * t,
+        }.get(_exponent(fn), lambda fn, t, p: vm.abs_pow_d(np.float64(t), p))
     return {
         "half": lambda fn, t, p: math.sqrt(t),
         "one": lambda fn, t, p: t,
@@ -111,13 +121,46 @@ def _abs_power_ol(fn, t, p):  # type: ignore[no-untyped-def]
     }.get(_exponent(fn), lambda fn, t, p: t**p)
 
 
-@overload(_power_deriv, jit_options=_PIECE)
+@overload(_power_deriv, jit_options=_PIECE, inline="always")
 def _power_deriv_ol(fn, t, p):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return {
+            "half": lambda fn, t, p: np.float32(0.5) / math.sqrt(np.float32(t)),
+            "one": lambda fn, t, p: p - p + 1.0,
+            "two": lambda fn, t, p: t + t,
+        }.get(_exponent(fn), lambda fn, t, p: p * vm.pow_d(np.float64(t), p - 1.0))
     return {
         "half": lambda fn, t, p: 0.5 / math.sqrt(t),
         "one": lambda fn, t, p: p - p + 1.0,
         "two": lambda fn, t, p: t + t,
     }.get(_exponent(fn), lambda fn, t, p: p * t ** (p - 1.0))
+
+
+def _saturate(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
+    """``dx`` clipped to ``+-big`` (selects only, so that the loop vectorizes; NaN stays NaN)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_saturate, jit_options=_PIECE)
+def _saturate_ol(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
+    if _fast(fn):  # float64 (or float32 with a float32 dtype's big) arithmetic: the clip is the reference's
+        return lambda fn, dx, deriv, big: big if dx > big else (-big if dx < -big else dx)
+    # an infinite p t^(p-1) (float64 subnormals with small p) is flagged by the returned NaN / inf and redone
+    # by _spow_exact
+    return lambda fn, dx, deriv, big: (
+        dx if abs(dx) <= big else (math.copysign(big, dx) if dx == dx and not math.isinf(deriv) else dx)
+    )
+
+
+def _spow_fix(fn, v, g, a, big, dx):  # type: ignore[no-untyped-def]
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_spow_fix, jit_options=_PIECE)
+def _spow_fix_ol(fn, v, g, a, big, dx):  # type: ignore[no-untyped-def]
+    if _fast(fn):  # nothing to redo: the fast pieces' dx is final
+        return lambda fn, v, g, a, big, dx: dx
+    return lambda fn, v, g, a, big, dx: _spow_exact(g, abs(v), a, big) if math.isfinite(g) and math.isfinite(v) else dx
 
 
 def _spow_value(fn, v, p):  # type: ignore[no-untyped-def]
@@ -127,10 +170,7 @@ def _spow_value(fn, v, p):  # type: ignore[no-untyped-def]
 def _spow_grad(fn, v, g, p, big):  # type: ignore[no-untyped-def]
     t = abs(v)
     deriv = _power_deriv(fn, t, p) if t != 0 else _power_at_zero(fn, p)
-    dx = g * deriv
-    # saturate (selects only, so that the loop vectorizes); NaN stays NaN; an infinite p t^(p-1) (float64
-    # subnormals with small p) is flagged by the returned NaN / inf and redone by _spow_exact
-    dx = dx if abs(dx) <= big else (math.copysign(big, dx) if dx == dx and not math.isinf(deriv) else dx)
+    dx = _saturate(fn, g * deriv, deriv, big)
     return dx, f_value(fn, v, p), g - g
 
 
@@ -142,15 +182,78 @@ def _spow_exact(g, t, p, big):  # type: ignore[no-untyped-def]
     return math.copysign(min(math.exp(math.log(abs(g)) + math.log(p) + (p - 1.0) * math.log(t)), big), g)
 
 
+def _fast(fn):  # type: ignore[no-untyped-def]
+    """Whether the tag asks for the vectorizable float32 math of :mod:`._vmath` (float32 and half storage)."""
+    return bool(fn.flags.get("fast", False))
+
+
+def _alpha_z(v, a):  # type: ignore[no-untyped-def]
+    """``(z, zlo)``: ``alpha v`` as a float32 plus its rounding error (float32 arithmetic, ``alpha`` split
+    into two float32 parts, the product's error by an fma), ``z + zlo`` exact to ~2^-48 relative."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_alpha_z, jit_options=_PIECE, inline="always")
+def _alpha_z_ol(v, a):  # type: ignore[no-untyped-def]
+    def impl(v, a):  # type: ignore[no-untyped-def]
+        x = np.float32(v)
+        ahi = np.float32(a)
+        alo = np.float32(np.float64(a) - np.float64(ahi))
+        z = ahi * x
+        lo = vm._fma(ahi, x, -z) + alo * x
+        # an infinite z (x infinite, or the product overflowed) has no rounding error to carry: 0, not NaN
+        return z, lo if abs(z) < np.float32(np.inf) else np.float32(0.0)
+
+    return impl
+
+
 def _tanh_value(fn, v, a):  # type: ignore[no-untyped-def]
-    return math.tanh(a * v)
+    raise RuntimeError(JIT_ONLY)
 
 
 def _tanh_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
-    z = a * v
-    s = math.exp(-2.0 * abs(z))
-    gs = g * (4.0 * s / ((1.0 + s) * (1.0 + s)))
-    return a * gs, math.tanh(z), gs * v
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_tanh_value, jit_options=_PIECE, inline="always")
+def _tanh_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
+    if not _fast(fn):
+        return lambda fn, v, a: math.tanh(a * v)
+
+    def impl(fn, v, a):  # type: ignore[no-untyped-def]
+        z, zlo = _alpha_z(v, a)
+        t = vm.tanh_f32(z)
+        return vm._fma(zlo, np.float32(1.0) - t * t, t)  # tanh(z + zlo) to first order
+
+    return impl
+
+
+@overload(_tanh_grad, jit_options=_PIECE, inline="always")
+def _tanh_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    if not _fast(fn):
+
+        def exact(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+            z = a * v
+            s = math.exp(-2.0 * abs(z))
+            gs = g * (4.0 * s / ((1.0 + s) * (1.0 + s)))
+            return a * gs, math.tanh(z), gs * v
+
+        return exact
+
+    def impl(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+        z, zlo = _alpha_z(v, a)
+        s2, k = vm.sech2_parts(z, zlo)
+        # g sech^2(alpha v) = (g v2) 2^k, the scale in exact factors: full relative accuracy where sech^2 itself
+        # is below float32's range (v2 <= 2^-1.5 keeps g v2 finite)
+        gs = vm.scale_f32(np.float32(g) * s2, k)
+        ahi = np.float32(a)
+        alo = np.float32(np.float64(a) - np.float64(ahi))
+        d = ahi * gs
+        # alpha's tail only for a finite gs: alo gs + ahi gs is NaN for gs = inf (the reference's alpha gs is inf)
+        d = vm._fma(alo, gs, d) if abs(gs) < np.float32(np.inf) else d
+        return d, _tanh_value(fn, v, a), gs * np.float32(v)
+
+    return impl
 
 
 #: each function's implementation of each piece (a new function is one more entry)
@@ -158,11 +261,13 @@ PIECES = {
     "signed_power": {
         f_value: _spow_value,
         f_grad: _spow_grad,
-        f_fix: lambda fn, v, g, a, big, dx: (
-            _spow_exact(g, abs(v), a, big) if math.isfinite(g) and math.isfinite(v) else dx
-        ),
+        f_fix: lambda fn, v, g, a, big, dx: _spow_fix(fn, v, g, a, big, dx),
     },
-    "tanh": {f_value: _tanh_value, f_grad: _tanh_grad, f_fix: lambda fn, v, g, a, big, dx: dx},
+    "tanh": {
+        f_value: lambda fn, v, a: _tanh_value(fn, v, a),
+        f_grad: lambda fn, v, g, a, big: _tanh_grad(fn, v, g, a, big),
+        f_fix: lambda fn, v, g, a, big, dx: dx,
+    },
 }
 
 
@@ -172,7 +277,8 @@ def _register(stub):  # type: ignore[no-untyped-def]
             raise TypeError(f"expected an element-wise function tag, got {fn}")
         return PIECES[fn.choice][stub]
 
-    overload(stub, jit_options=_PIECE, strict=False)(typer)
+    # inlined (numba IR): the loops' bodies are then one function for LLVM to vectorize
+    overload(stub, jit_options=_PIECE, strict=False, inline="always")(typer)
 
 
 for _stub in (f_value, f_grad, f_fix):
@@ -190,14 +296,16 @@ def _ew_fwd_span(fn, x, a, w, b, y, t0, t1):  # type: ignore[no-untyped-def]
         i = t // nt
         j0 = (t - i * nt) * EW_TILE
         j1 = min(j0 + EW_TILE, h)
-        xr = x[i]
-        yr = y[i]
-        for j in range(j0, j1):
+        xr = x[i, j0:j1]
+        yr = y[i, j0:j1]
+        wr = seg(w, j0, j1)
+        br = seg(b, j0, j1)
+        for j in range(j1 - j0):  # from 0: no negative-index select, so that the loop vectorizes without gathers
             v = f_value(fn, fcast(x, ld(xr[j])), av)
             if w is not None:
-                v = v * w[j]
+                v = v * wr[j]
             if b is not None:
-                v = v + b[j]
+                v = v + br[j]
             st(yr, j, v)
 
 
@@ -206,6 +314,43 @@ def ew_fwd(fn, x, a, w, b, y, lo, hi):  # type: ignore[no-untyped-def]
     """``y = f(x; a) [* w] [+ b]`` (storage arrays; ``w``/``b`` ``(H,)`` in the function math type, or None) for
     tasks ``lo <= t < hi``: task ``t`` is row ``t // tiles``, one column tile of :data:`._layout.EW_TILE`."""
     _ew_fwd_span(*borrow((fn, x, a, w, b, y)), lo, hi)
+
+
+def _fused(fn):  # type: ignore[no-untyped-def]
+    """Whether the backward computes every output in one loop (the fast pieces: no fix-up pass)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_fused, jit_options=_PIECE, inline="always")
+def _fused_ol(fn):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return lambda fn: True
+    return lambda fn: False
+
+
+def _unfused_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    """:func:`f_grad` in the per-output loops: a placeholder for the fast tags, which never run them (their fused
+    loop does), so that those loops add nothing to the fast kernels' compile time."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def _unfused_value(fn, v, a):  # type: ignore[no-untyped-def]
+    """:func:`f_value` in the per-output loops (as :func:`_unfused_grad`)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_unfused_grad, jit_options=_PIECE, inline="always")
+def _unfused_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return lambda fn, v, g, a, big: (g, v, g)
+    return lambda fn, v, g, a, big: f_grad(fn, v, g, a, big)
+
+
+@overload(_unfused_value, jit_options=_PIECE, inline="always")
+def _unfused_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
+    if _fast(fn):
+        return lambda fn, v, a: v
+    return lambda fn, v, a: f_value(fn, v, a)
 
 
 @jit(FM_SUM)
@@ -234,17 +379,30 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
             xr = x[i, j0:j1]
             dyr = dy[i, j0:j1]
             dxr = dx[i, j0:j1]
+            if _fused(fn):  # the fast pieces need no fix-up: every output in one vectorized pass
+                for j in range(n):
+                    d = fcast(x, ld(dyr[j]))
+                    g = d * wr[j] if w is not None else d
+                    r = f_grad(fn, fcast(x, ld(xr[j])), g, av, big)
+                    st(dxr, j, r[0])
+                    if pw is not None:
+                        pwr[j] += d * r[1]
+                    if pb is not None:
+                        pbr[j] += d
+                    if pa is not None:
+                        par[j] += r[2]
+                continue
             for j in range(n):
                 d = fcast(x, ld(dyr[j]))
                 g = d * wr[j] if w is not None else d
                 xv = fcast(x, ld(xr[j]))
-                dxv = f_grad(fn, xv, g, av, big)[0]
+                dxv = _unfused_grad(fn, xv, g, av, big)[0]
                 if not abs(dxv) <= big:
                     dxv = f_fix(fn, xv, g, av, big, dxv)
                 st(dxr, j, dxv)
             if pw is not None:
                 for j in range(n):
-                    pwr[j] += fcast(x, ld(dyr[j])) * f_value(fn, fcast(x, ld(xr[j])), av)
+                    pwr[j] += fcast(x, ld(dyr[j])) * _unfused_value(fn, fcast(x, ld(xr[j])), av)
             if pb is not None:
                 for j in range(n):
                     pbr[j] += fcast(x, ld(dyr[j]))
@@ -252,7 +410,7 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
                 for j in range(n):
                     d = fcast(x, ld(dyr[j]))
                     g = d * wr[j] if w is not None else d
-                    par[j] += f_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]
+                    par[j] += _unfused_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]
 
 
 @jit(FM_SUM)

@@ -36,6 +36,11 @@ __all__ = ["OP_IMPLS", "ElementwiseOp"]
 _SLOTS = ("alpha", "weight", "bias")
 
 
+def _fast(dtype: Any) -> bool:
+    """Whether inputs of ``dtype`` take the vectorizable float32 math (float32, float16, bfloat16)."""
+    return np.dtype(dtype).itemsize <= 4
+
+
 def _fmath(dtype: Any) -> np.dtype[Any]:
     """The function math type for inputs of ``dtype`` (see :mod:`._ew_kernels`)."""
     return np.dtype(np.float32) if np.dtype(dtype).itemsize == 2 else np.dtype(np.float64)
@@ -59,12 +64,14 @@ class ElementwiseOp:
     def __repr__(self) -> str:
         return f"<numba element-wise op {self.name!r} (function {self.fn.choice!r})>"
 
-    def _tag(self, p: float) -> Any:
-        """The function's tag; a function whose constant is an option (the signed power's ``p``) has the
-        ``exponent`` flag, which specializes p = 1/2, 1, 2."""
+    def _tag(self, p: float, dtype: Any) -> Any:
+        """The function's tag: flag ``fast`` for float32 and half storage (the vectorizable math of
+        :mod:`._vmath`; float64 keeps libm); a function whose constant is an option (the signed power's ``p``)
+        has the ``exponent`` flag, which specializes p = 1/2, 1, 2."""
+        fast = _fast(dtype)
         if not self.function.option:
-            return self.fn
-        return function(self.kind, exponent={0.5: "half", 1.0: "one", 2.0: "two"}.get(p, "any"))
+            return function(self.kind, fast=fast)
+        return function(self.kind, exponent={0.5: "half", 1.0: "one", 2.0: "two"}.get(p, "any"), fast=fast)
 
     def _scalar(self, named: dict[str, Any], source: Any) -> float:
         """The function's constant: its scalar parameter's value, or its option's (:func:`kernel_args`)."""
@@ -85,13 +92,14 @@ class ElementwiseOp:
         fdt = _fmath(x.dtype)
         y = common.output(out, x.shape, x.dtype)
         if rows:
-            w, b = common.param(named.get("weight"), fdt), common.param(named.get("bias"), fdt)
+            pdt = np.dtype(np.float32) if _fast(x.dtype) else fdt  # the affine of float32 math in float32
+            w, b = common.param(named.get("weight"), pdt), common.param(named.get("bias"), pdt)
             a = self._scalar(named, o)
             launch(
                 kernels.ew_fwd,
                 rows * h,
                 rows * tiles(h, EW_TILE),
-                self._tag(a),
+                self._tag(a, x.dtype),
                 common.storage(x),
                 a,
                 w,
@@ -114,9 +122,10 @@ class ElementwiseOp:
         dx = common.output(dx_out, x.shape, x.dtype)
         if rows:
             a = self._scalar(named, ctx)
+            pdt = np.dtype(np.float32) if _fast(x.dtype) else fdt  # G = w dy of float32 math in float32
             launch(
-                kernels.ew_bwd, rows * h, nb * tiles(h, EW_TILE), self._tag(a), common.storage(x),
-                common.storage(dy), a, common.param(named.get("weight"), fdt), float(finfo(x.dtype).max),
+                kernels.ew_bwd, rows * h, nb * tiles(h, EW_TILE), self._tag(a, x.dtype), common.storage(x),
+                common.storage(dy), a, common.param(named.get("weight"), pdt), float(finfo(x.dtype).max),
                 common.storage(dx),
                 parts["weight"], parts["bias"], parts["alpha"],
             )  # fmt: skip

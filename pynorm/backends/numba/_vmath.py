@@ -1,0 +1,408 @@
+# numba's type stubs do not model intrinsics or jitted calls:
+# mypy: disable-error-code="call-arg,attr-defined,var-annotated,call-overload"
+r"""Transcendental functions that LLVM vectorizes inside numba loops (no libm call in a hot loop).
+
+numba without Intel SVML lowers ``math.tanh``, ``math.exp``, ``x ** p`` to scalar libm calls, which keep
+LLVM from vectorizing the loop around them. The functions here are straight-line arithmetic, bit casts and
+selects (no branch, no call), so a loop of them vectorizes (AVX-512: 16 float32 or 8 float64 lanes). They
+serve the element-wise family's float32 and float16/bfloat16 storage (:mod:`._ew_kernels`); float64
+storage keeps libm.
+
+Error bounds (ulps of the float32 result against the exact value; the measured maxima are those of
+``tests/test_vmath.py``, every float32 exponent sampled against mpmath):
+
+* :func:`exp2_f32` -- :math:`2^t` on float32 arithmetic (range reduction ``t = n + f``, ``|f| <= 1/2``,
+  degree-7 Taylor polynomial, the scale ``2^n`` built from exponent bits in two exact factors so that
+  subnormal results are rounded once): <= 1 ulp, subnormal results included; ``2^t`` overflows to inf for
+  ``t >= 128``, is 0 below ``-150``; NaN gives NaN, ``exp2(-inf) = 0``.
+* :func:`tanh_f32` -- :math:`\tanh z` on float32 arithmetic: ``|z| < 0.625``: ``z + z^3 P(z^2)`` (a degree-4
+  weighted least-squares fit, relative error 4.4e-9); else ``1 - 2 / (1 + 2^(2|z| log2 e))``: <= 2 ulps
+  (measured 1.6); odd, ``tanh(+-0) = +-0``, subnormals exact, ``+-1`` from ``|z| >= 9.01``, NaN gives NaN.
+* :func:`log2_d` / :func:`exp2_d` -- float64 arithmetic, relative error <= 2^-40 (log2, from
+  ``2 atanh((m-1)/(m+1))``, 7 terms) and <= 2^-31 (exp2, degree-8 Taylor polynomial): used for float32
+  results, whose one final rounding dominates (:func:`log2_f32`, :func:`spow_f32`: <= 1 ulp).
+* :func:`spow_f32` -- signed power :math:`\operatorname{sign}(x)|x|^p = \pm 2^{p \log_2|x|}`, ``p > 0``, in
+  float64 arithmetic rounded once to float32: <= 1 ulp for every float32 ``x`` (subnormal ``x`` and
+  results included) and every ``p > 0`` with ``|p log2|x|| <= 1000``; ``+-0 -> +-0``, ``+-inf -> +-inf``,
+  NaN gives NaN (the reference's ``sign(x) |x|^p``).
+* :func:`sech2_parts` -- :math:`\operatorname{sech}^2 z = 4s/(1+s)^2`, ``s = e^{-2|z|}`` (the reference's form)
+  as ``v 2^k`` with ``v`` a normal float32 and ``k`` an integer, so that a product with a large gradient keeps
+  full relative accuracy where ``sech^2 z`` itself is below float32's range: relative error <= 2^-22 (measured
+  < 2 ulps) for ``|z| <= 128``; the argument is a float32 ``z`` plus a correction ``zlo`` (``z + zlo`` to
+  float64 accuracy), so that the rounding of ``alpha x`` to float32 is not amplified by ``2|z|``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ._cache import jit
+
+# the scalar functions are inlined into their callers (numba IR) so that LLVM sees one loop body to vectorize
+
+__all__ = [
+    "abs_pow_d",
+    "exp2_d",
+    "exp2_f32",
+    "exp2_f32_array",
+    "log2_d",
+    "log2_f32",
+    "log2_f32_array",
+    "pow_d",
+    "scale_d",
+    "scale_f32",
+    "sech2_f32_array",
+    "sech2_parts",
+    "spow_f32",
+    "spow_f32_array",
+    "tanh_f32",
+    "tanh_f32_array",
+]
+
+_F32 = np.float32
+
+# ---------------------------------------------------------------------------
+# bit casts and fma
+
+
+@intrinsic
+def _i2f(typingctx, v):  # type: ignore[no-untyped-def]
+    """The float32 whose bits are the low 32 bits of the integer ``v``."""
+    if not isinstance(v, types.Integer) or v.bitwidth < 32:
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        i = args[0]
+        if v.bitwidth > 32:
+            i = builder.trunc(i, ir.IntType(32))
+        return builder.bitcast(i, ir.FloatType())
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def _f2i(typingctx, v):  # type: ignore[no-untyped-def]
+    """The bits of the float32 ``v`` as an int32."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _l2d(typingctx, v):  # type: ignore[no-untyped-def]
+    """The float64 whose bits are the int64 ``v``."""
+    if v != types.int64:
+        return None  # numba's integer arithmetic is int64
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def _d2l(typingctx, v):  # type: ignore[no-untyped-def]
+    """The bits of the float64 ``v`` as an int64."""
+    if v != types.float64:
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.int64(types.float64), codegen
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """``a * b + c`` rounded once (``llvm.fma``; the three arguments of one float type)."""
+    if not (a == b == c and a in (types.float32, types.float64)):
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.fma(*args)
+
+    return a(a, a, a), codegen
+
+
+@jit(inline="always")
+def _pow2i(k):  # type: ignore[no-untyped-def]
+    """``2^k`` as a float32 for an int32 ``-126 <= k <= 127``."""
+    return _i2f((k + np.int32(127)) << np.int32(23))
+
+
+# ---------------------------------------------------------------------------
+# float32 exp2 and tanh
+
+# 2^f = e^(f ln2), Taylor coefficients ln2^k / k!  (|f| <= 1/2: truncation 5.2e-9 relative)
+_E1 = _F32(0.6931471805599453)
+_E2 = _F32(0.2402265069591007)
+_E3 = _F32(0.05550410866482158)
+_E4 = _F32(0.009618129107628477)
+_E5 = _F32(0.0013333558146428443)
+_E6 = _F32(0.00015403530393381606)
+_E7 = _F32(1.525273380405984e-05)
+
+
+@jit(inline="always")
+def _exp2_red(t):  # type: ignore[no-untyped-def]
+    """``(m, n)``: ``2^t = m 2^n`` with ``n`` an int32 in ``[-370, 254]`` (``t`` clamped there; NaN -> -370)
+    and ``m = 2^(t - n)`` (``|t - n| <= 1/2`` inside the range)."""
+    tc = t if t > _F32(-370.0) else _F32(-370.0)
+    tc = tc if tc < _F32(254.0) else _F32(254.0)
+    nf = np.floor(tc + _F32(0.5))
+    f = t - nf
+    p = _fma(f, _E7, _E6)
+    p = _fma(f, p, _E5)
+    p = _fma(f, p, _E4)
+    p = _fma(f, p, _E3)
+    p = _fma(f, p, _E2)
+    p = _fma(f, p, _E1)
+    m = _fma(f, p, _F32(1.0))
+    return m, np.int32(nf)
+
+
+@jit(inline="always")
+def exp2_f32(t):  # type: ignore[no-untyped-def]
+    """:math:`2^t` for a float32 ``t`` (see the module doc: <= 1 ulp)."""
+    m, n = _exp2_red(t)
+    n = n if n > np.int32(-252) else np.int32(-252)
+    hi = (n + np.int32(1)) >> np.int32(1)  # ceil(n / 2): m 2^hi is normal, exact
+    r = m * _pow2i(hi) * _pow2i(n - hi)
+    return _F32(0.0) if t < _F32(-252.0) else r
+
+
+_LOG2E = _F32(1.4426950408889634)
+_LOG2E_LO = _F32(1.4426950408889634 - float(np.float32(1.4426950408889634)))
+# tanh z = z + z^3 P(z^2) on |z| < 0.625 (relative error 4.4e-9)
+_T0 = _F32(-0.33333281944527177)
+_T1 = _F32(0.13331442246872482)
+_T2 = _F32(-0.053739718040140876)
+_T3 = _F32(0.020639094227819895)
+_T4 = _F32(-0.005704992500996458)
+_TANH_SMALL = _F32(0.625)
+
+
+@jit(inline="always")
+def tanh_f32(z):  # type: ignore[no-untyped-def]
+    """:math:`\\tanh z` for a float32 ``z`` (see the module doc: <= 2 ulps)."""
+    az = abs(z)
+    u = az * az
+    q = _fma(u, _T4, _T3)
+    q = _fma(u, q, _T2)
+    q = _fma(u, q, _T1)
+    q = _fma(u, q, _T0)
+    small = _fma(az * u, q, az)
+    a2 = az + az
+    e2 = a2 * _LOG2E
+    e2 = e2 if e2 < _F32(126.0) else _F32(126.0)
+    m, n = _exp2_red(e2)
+    e = m * _pow2i(n)
+    big = _F32(1.0) - _F32(2.0) / (_F32(1.0) + e)
+    t = small if az < _TANH_SMALL else big
+    t = math.copysign(t, z)
+    return t if z == z else z
+
+
+@jit(inline="always")
+def sech2_parts(z, zlo):  # type: ignore[no-untyped-def]
+    """``(v, k)``: :math:`\\operatorname{sech}^2(z + z_{lo}) = v\\,2^k` (float32 ``v``, int32 ``k``; see the module
+    doc). ``v`` is 0 where the exact value is below ``2^-370`` (a float32 product with it is 0)."""
+    a2 = abs(z) + abs(z)
+    u = -(a2 * _LOG2E)
+    m, n = _exp2_red(u)
+    # f = -(2|z| + 2 sign(z) zlo) log2 e - n, with the product's rounding and log2 e's tail added back
+    lo = a2 * _LOG2E_LO + math.copysign(_F32(2.0), z) * zlo * _LOG2E
+    f = _fma(-a2, _LOG2E, -_F32(n)) - lo
+    p = _fma(f, _E7, _E6)
+    p = _fma(f, p, _E5)
+    p = _fma(f, p, _E4)
+    p = _fma(f, p, _E3)
+    p = _fma(f, p, _E2)
+    p = _fma(f, p, _E1)
+    m = _fma(f, p, _F32(1.0))
+    s = m * _pow2i(n if n > np.int32(-126) else np.int32(-126))  # only 1 + s matters below 2^-126
+    d = _F32(1.0) + s
+    v = (_F32(0.5) * m) / (d * d)  # 4 s / (1 + s)^2 = (m / 2 / (1 + s)^2) 2^(n + 3)
+    v = _F32(0.0) if u < _F32(-370.0) else v
+    return v, n + np.int32(3)
+
+
+@jit(inline="always")
+def scale_f32(v, k):  # type: ignore[no-untyped-def]
+    """``v 2^k`` in float32 for a float32 ``v`` and an integer ``-378 <= k <= 127``: three exact power-of-two
+    factors, the largest first (one rounding where the result is normal; in the subnormal range the
+    intermediate roundings add at most one subnormal spacing)."""
+    c1 = k if k > -126 else np.int64(-126)
+    r = k - c1
+    c2 = r if r > -126 else np.int64(-126)
+    c3 = r - c2
+    return v * _pow2i(c1) * _pow2i(c2) * _pow2i(c3)
+
+
+@jit(inline="always")
+def scale_d(v, k):  # type: ignore[no-untyped-def]
+    """``v 2^k`` in float64 for a float64 ``v`` and an int32 ``-1000 <= k <= 1000`` (exact but for over/underflow
+    of the float64 product, far outside float32's range)."""
+    return v * _l2d((np.int64(k) + np.int64(1023)) << np.int64(52))
+
+
+# ---------------------------------------------------------------------------
+# float64-arithmetic log2 / exp2 for float32 results
+
+_INV_LN2 = 1.4426950408889634
+_SQRT2 = 1.4142135623730951
+# ln m = 2 s (1 + s^2/3 + ... + s^12/13), s = (m - 1) / (m + 1), |s| <= 0.1716
+_L3 = 1.0 / 3.0
+_L5 = 1.0 / 5.0
+_L7 = 1.0 / 7.0
+_L9 = 1.0 / 9.0
+_L11 = 1.0 / 11.0
+_L13 = 1.0 / 13.0
+# 2^f, |f| <= 1/2: Taylor coefficients ln2^k / k!, k <= 8 (truncation 2.4e-10 relative)
+_D1 = 0.6931471805599453
+_D2 = 0.2402265069591007
+_D3 = 0.05550410866482158
+_D4 = 0.009618129107628477
+_D5 = 0.0013333558146428443
+_D6 = 0.00015403530393381606
+_D7 = 1.525273380405984e-05
+_D8 = 1.3215486790144307e-06
+
+
+@jit(inline="always")
+def log2_d(t):  # type: ignore[no-untyped-def]
+    """:math:`\\log_2 t` for a positive, finite, normal float64 ``t`` (relative error <= 2^-40; other values:
+    garbage, the callers select)."""
+    bits = _d2l(t)
+    e = ((bits >> np.int64(52)) & np.int64(0x7FF)) - np.int64(1023)
+    m = _l2d((bits & np.int64(0x000FFFFFFFFFFFFF)) | np.int64(0x3FF0000000000000))
+    up = m > _SQRT2
+    m = m * 0.5 if up else m
+    e = e + np.int64(1) if up else e
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    q = _L13
+    q = q * s2 + _L11
+    q = q * s2 + _L9
+    q = q * s2 + _L7
+    q = q * s2 + _L5
+    q = q * s2 + _L3
+    ln = (s + s) * (q * s2 + 1.0)
+    return np.float64(e) + ln * _INV_LN2
+
+
+@jit(inline="always")
+def exp2_d(y):  # type: ignore[no-untyped-def]
+    """:math:`2^y` for a float64 ``y`` (relative error <= 2^-31 on ``[-1000, 1000]``; 0 below, inf above: far outside
+    float32's range, so that ``p t^(p-1)`` for a huge ``p`` is 0 or inf as in the reference, not ``p 2^-1000``;
+    NaN -> 2^-1000, the callers select)."""
+    yc = y if y > -1000.0 else -1000.0
+    yc = yc if yc < 1000.0 else 1000.0
+    nf = np.floor(yc + 0.5)
+    f = yc - nf
+    p = _D8
+    p = p * f + _D7
+    p = p * f + _D6
+    p = p * f + _D5
+    p = p * f + _D4
+    p = p * f + _D3
+    p = p * f + _D2
+    p = p * f + _D1
+    p = p * f + 1.0
+    r = scale_d(p, np.int32(nf))
+    r = 0.0 if y < -1000.0 else r
+    return np.inf if y > 1000.0 else r
+
+
+@jit(inline="always")
+def log2_f32(x):  # type: ignore[no-untyped-def]
+    """:math:`\\log_2 x` for a float32 ``x``, rounded once to float32 (<= 1 ulp): ``log2(0) = -inf``, negative
+    and NaN give NaN, ``log2(inf) = inf``."""
+    t = np.float64(x)
+    r = _F32(log2_d(t))
+    r = r if t > 0.0 else (-np.inf if t == 0.0 else np.nan)
+    return r if t < np.inf else _F32(t)
+
+
+@jit(inline="always")
+def abs_pow_d(t, p):  # type: ignore[no-untyped-def]
+    """``t^p`` in float64 for a float64 ``t >= 0`` (a float32 value, or NaN) and ``p > 0`` (relative error
+    <= 2^-30 for ``|p log2 t| <= 1000``): ``0^p = 0``, ``inf^p = inf``, NaN gives NaN."""
+    r = exp2_d(p * log2_d(t))
+    r = r if t > 0.0 else t * 0.0
+    return r if t < np.inf else t
+
+
+@jit(inline="always")
+def pow_d(t, q):  # type: ignore[no-untyped-def]
+    """``t^q`` in float64 for a float64 ``t > 0`` (a float32 value, inf or NaN) and any finite ``q`` (as
+    :func:`abs_pow_d`): ``inf^q`` is inf for ``q > 0``, 0 for ``q < 0``, 1 for ``q = 0``; NaN gives NaN."""
+    r = exp2_d(q * log2_d(t))
+    r = r if t < np.inf else (t if q > 0.0 else (0.0 if q < 0.0 else 1.0))
+    return r if t == t else t
+
+
+@jit(inline="always")
+def spow_f32(x, p):  # type: ignore[no-untyped-def]
+    """``sign(x) |x|^p`` for a float32 ``x`` and a float64 ``p > 0``, rounded once to float32 (<= 1 ulp)."""
+    return _F32(math.copysign(abs_pow_d(abs(np.float64(x)), p), np.float64(x)))
+
+
+# ---------------------------------------------------------------------------
+# array forms (the tests' view of the scalar functions)
+
+
+@jit()
+def exp2_f32_array(x):  # type: ignore[no-untyped-def]
+    """:func:`exp2_f32` of every element of a 1-d float32 array."""
+    y = np.empty_like(x)
+    for i in range(x.size):
+        y[i] = exp2_f32(x[i])
+    return y
+
+
+@jit()
+def tanh_f32_array(x):  # type: ignore[no-untyped-def]
+    """:func:`tanh_f32` of every element of a 1-d float32 array."""
+    y = np.empty_like(x)
+    for i in range(x.size):
+        y[i] = tanh_f32(x[i])
+    return y
+
+
+@jit()
+def log2_f32_array(x):  # type: ignore[no-untyped-def]
+    """:func:`log2_f32` of every element of a 1-d float32 array."""
+    y = np.empty_like(x)
+    for i in range(x.size):
+        y[i] = log2_f32(x[i])
+    return y
+
+
+@jit()
+def spow_f32_array(x, p):  # type: ignore[no-untyped-def]
+    """:func:`spow_f32` of every element of a 1-d float32 array."""
+    y = np.empty_like(x)
+    for i in range(x.size):
+        y[i] = spow_f32(x[i], p)
+    return y
+
+
+@jit()
+def sech2_f32_array(z):  # type: ignore[no-untyped-def]
+    """``sech^2`` of every element of a 1-d float32 array through :func:`sech2_parts` (``zlo = 0``), as float64
+    ``v 2^k`` (exact products: the float64 value carries the parts' error only)."""
+    y = np.empty(z.size, np.float64)
+    for i in range(z.size):
+        v, k = sech2_parts(z[i], _F32(0.0))
+        y[i] = scale_d(np.float64(v), k)
+    return y

@@ -1,0 +1,149 @@
+"""The numba backend's vectorizable float32 math (:mod:`pynorm.backends.numba._vmath`) against mpmath.
+
+Every float32 exponent is sampled (random mantissas, both signs), plus the edge cases; the error is in ulps
+of the float32 result (the spacing of float32 values at the exact result, at least the smallest subnormal).
+The bounds asserted are the ones the module's docstring states.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="numba is not installed: the numba backend is unavailable")
+mpmath = pytest.importorskip("mpmath")
+
+from pynorm.backends.numba import _vmath as vm  # noqa: E402
+
+from .helpers import mpmath_ulps  # noqa: E402
+
+F32_MAX = float(np.finfo(np.float32).max)
+TINY = 2.0**-149
+
+
+def _every_exponent(per: int, lo: int = 0, hi: int = 255, seed: int = 0) -> np.ndarray:
+    """Positive float32 values: ``per`` random mantissas for every biased exponent in ``[lo, hi)`` (0: the
+    subnormals), and the exponent's smallest and largest value."""
+    rng = np.random.default_rng(seed)
+    e = np.repeat(np.arange(lo, hi, dtype=np.uint32), per + 2)
+    m = rng.integers(0, 1 << 23, e.size, dtype=np.uint32)
+    m[:: per + 2] = 0
+    m[1 :: per + 2] = (1 << 23) - 1
+    bits = (e << np.uint32(23)) | m
+    x = bits.view(np.float32)
+    return x[x > 0]
+
+
+@pytest.fixture(autouse=True)
+def _precision():
+    old = mpmath.mp.dps
+    mpmath.mp.dps = 40
+    yield
+    mpmath.mp.dps = old
+
+
+def test_tanh_within_2_ulps_everywhere():
+    x = _every_exponent(24)
+    x = np.concatenate([x, -x, np.float32([0.625, np.nextafter(np.float32(0.625), np.float32(0)), 9.01, 9.02])])
+    got = vm.tanh_f32_array(x)
+    err = mpmath_ulps(got, [mpmath.tanh(mpmath.mpf(float(v))) for v in x])
+    assert err.max() <= 2.0, (err.max(), x[err.argmax()])
+
+
+def test_tanh_special_values():
+    x = np.float32([0.0, -0.0, TINY, -TINY, 2.0**-126, np.inf, -np.inf, np.nan, 1e30, -1e30])
+    got = vm.tanh_f32_array(x)
+    want = np.float32([0.0, -0.0, TINY, -TINY, 2.0**-126, 1.0, -1.0, np.nan, 1.0, -1.0])
+    np.testing.assert_array_equal(got, want)
+    assert np.signbit(got[1]) and not np.signbit(got[0])
+
+
+def test_exp2_within_1_ulp_over_the_whole_range():
+    t = _every_exponent(24, hi=127 + 8)  # |t| < 256
+    t = np.concatenate([t, -t])
+    t = t[(t > -160) & (t < 130)]
+    t = np.concatenate([t, np.float32([-149.0, -149.5, -150.0, -126.0, -126.5, 127.0, 127.99, 128.0])])
+    err = mpmath_ulps(vm.exp2_f32_array(t), [mpmath.power(2, mpmath.mpf(float(v))) for v in t])
+    assert err.max() <= 1.0, (err.max(), t[err.argmax()])
+
+
+def test_exp2_special_values():
+    got = vm.exp2_f32_array(np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, -300.0, 300.0, 1.0, -149.0]))
+    np.testing.assert_array_equal(got, np.float32([1.0, 1.0, np.inf, 0.0, np.nan, 0.0, np.inf, 2.0, TINY]))
+
+
+def test_log2_within_1_ulp_and_special_values():
+    x = _every_exponent(24)
+    err = mpmath_ulps(vm.log2_f32_array(x), [mpmath.log(mpmath.mpf(float(v)), 2) for v in x])
+    assert err.max() <= 1.0, (err.max(), x[err.argmax()])
+    got = vm.log2_f32_array(np.float32([0.0, -0.0, -1.0, np.inf, -np.inf, np.nan, 1.0, TINY]))
+    np.testing.assert_array_equal(got, np.float32([-np.inf, -np.inf, np.nan, np.inf, np.nan, np.nan, 0.0, -149.0]))
+
+
+@pytest.mark.parametrize("p", [0.01, 0.25, math.pi / 4, 1.5, 3.0, 7.25])
+def test_signed_power_within_1_ulp(p):
+    x = _every_exponent(8, seed=int(p * 100))
+    x = np.concatenate([x, -x])
+    pm = mpmath.mpf(p)
+    exact = [mpmath.sign(mpmath.mpf(float(v))) * abs(mpmath.mpf(float(v))) ** pm for v in x]
+    err = mpmath_ulps(vm.spow_f32_array(x, p), exact)
+    assert err.max() <= 1.0, (err.max(), x[err.argmax()])
+
+
+@pytest.mark.parametrize("p", [0.5, 0.01, 2.0])
+def test_signed_power_special_values(p):
+    x = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0])
+    got = vm.spow_f32_array(x, p)
+    np.testing.assert_array_equal(got, np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0]))
+    assert np.signbit(got[1])
+
+
+def test_sech2_parts_keep_relative_accuracy_below_float32_range():
+    """sech^2 z = v 2^k: within 8 ulps (relative) of mpmath up to |z| = 128, where sech^2 is 2^-369."""
+    rng = np.random.default_rng(1)
+    z = np.concatenate([rng.uniform(0, 2, 3000), rng.uniform(2, 128, 3000), [0.0, 43.0, 44.0, 87.0, 127.9]])
+    z = np.concatenate([z, -z]).astype(np.float32)
+    got = vm.sech2_f32_array(z)
+    rel = [abs(mpmath.mpf(g) / mpmath.sech(mpmath.mpf(float(v))) ** 2 - 1) for g, v in zip(got.tolist(), z)]
+    assert float(max(rel)) <= 8 * 2.0**-24
+    assert vm.sech2_f32_array(np.float32([np.inf, -np.inf, 400.0])).tolist() == [0.0, 0.0, 0.0]
+    assert np.isnan(vm.sech2_f32_array(np.float32([np.nan]))).all()
+
+
+# the kernels on float32 storage: the pieces as the ops see them
+
+
+def test_dyt_float32_forward_and_saturated_gradient_accuracy():
+    import pynorm
+
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.standard_normal(500) * 4, rng.uniform(30, 80, 200), [0.0, -0.0, 1e-40, 3e38]])
+    x = x.astype(np.float32).reshape(1, -1)
+    alpha = np.array([0.7], np.float64)  # not a float32: z = alpha x to float64 accuracy
+    y, ctx = pynorm.dyt_forward(x, alpha, backend="numba")
+    dy = np.full_like(x, 1e30)  # a large gradient times sech^2 far below float32's range
+    g = pynorm.dyt_backward(dy, ctx)
+    am = mpmath.mpf(0.7)
+    zs = [am * mpmath.mpf(float(v)) for v in x[0]]
+    err = mpmath_ulps(y[0], [mpmath.tanh(z) for z in zs])
+    assert err.max() <= 2.0, (err.max(), x[0, err.argmax()])
+    err = mpmath_ulps(g.dx[0], [am * mpmath.sech(z) ** 2 * mpmath.mpf(1e30) for z in zs])
+    assert err.max() <= 8.0, (err.max(), x[0, err.argmax()])
+
+
+@pytest.mark.parametrize("p", [0.5, 0.3, 2.0])
+def test_power_norm_float32_accuracy(p):
+    import pynorm
+
+    x = np.concatenate([_every_exponent(2, seed=3), -_every_exponent(2, seed=4)]).reshape(1, -1)
+    y, ctx = pynorm.power_norm_forward(x, p=p, backend="numba")
+    pm = mpmath.mpf(p)
+    exact = [mpmath.sign(mpmath.mpf(float(v))) * abs(mpmath.mpf(float(v))) ** pm for v in x[0]]
+    err = mpmath_ulps(y[0], exact)
+    assert err.max() <= 1.0, (err.max(), x[0, err.argmax()])
+    dx = pynorm.power_norm_backward(np.ones_like(x), ctx).dx[0]
+    exact = [min(pm * abs(mpmath.mpf(float(v))) ** (pm - 1), F32_MAX) for v in x[0]]
+    err = mpmath_ulps(dx, exact)
+    assert err.max() <= 2.0, (err.max(), x[0, err.argmax()])

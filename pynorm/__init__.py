@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import functional
+from . import errors, functional
 from ._api import add_op, remove_op
 from ._registry import (
     Backend,
@@ -22,34 +22,16 @@ from ._registry import (
     set_num_threads,
     use_backend,
 )
-from .errors import (
-    ArgumentError,
-    ArrayTypeError,
-    BackendUnavailableError,
-    ContextError,
-    DTypeError,
-    PynormError,
-    ShapeError,
-    UnknownBackendError,
-    UnknownOpError,
-)
+from .errors import *  # noqa: F403  (every error and warning class)
 from .functional import *  # noqa: F403  (every op's three functions and gradient tuple, and Context)
 
 __version__ = "0.1.0"
 
 __all__ = [
     *functional.__all__,
-    "ArgumentError",
-    "ArrayTypeError",
+    *errors.__all__,
     "Backend",
     "BackendInfo",
-    "BackendUnavailableError",
-    "ContextError",
-    "DTypeError",
-    "PynormError",
-    "ShapeError",
-    "UnknownBackendError",
-    "UnknownOpError",
     "__version__",
     "add_op",
     "deepnorm_constants",  # noqa: F405  (lazy: pynorm.deepnorm)

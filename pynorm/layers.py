@@ -116,7 +116,7 @@ class Layer:
             raise DTypeError(f"dtype must be float16, bfloat16, float32 or float64, got {self.dtype}")
         self.xp = kwargs.pop("xp", None) or np
         self.backend = kwargs.pop("backend", None)
-        affine = kwargs.pop("elementwise_affine", True)
+        affine = kwargs.pop("elementwise_affine", self.own.get("elementwise_affine", True))
         create = {p.name: bool(kwargs.pop(p.name, True)) for p in spec.params if not p.required}
         for alias, param in self.flags.items():
             create[param] = bool(kwargs.pop(alias, True))
@@ -449,9 +449,10 @@ class _Running(Layer):
     """A norm with running statistics in :attr:`state` (``running_mean`` zeros, ``running_var`` ones, of the
     layer's dtype), used in evaluation mode (:meth:`eval`) and updated in training mode; ``forward(x)``."""
 
-    def __init__(self, normalized_shape: Any, *args: Any, track_running_stats: bool = True, **kwargs: Any) -> None:
+    def __init__(self, normalized_shape: Any, *args: Any, **kwargs: Any) -> None:
+        track = kwargs.pop("track_running_stats", self.own["track_running_stats"])  # the subclass's default
         super().__init__(normalized_shape, *args, **kwargs)
-        self.track_running_stats = bool(track_running_stats)
+        self.track_running_stats = bool(track)
         if self.track_running_stats:
             self.state["running_mean"] = self.xp.zeros(self.normalized_shape, dtype=self.dtype)
             self.state["running_var"] = self.xp.ones(self.normalized_shape, dtype=self.dtype)
@@ -476,11 +477,6 @@ class InstanceNorm(_Running):
     spec = SPECS["instance_norm"]
     own: ClassVar[dict[str, Any]] = {"track_running_stats": False, "elementwise_affine": False}
     managed = ("use_input_stats",)
-
-    def __init__(self, normalized_shape: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("elementwise_affine", False)
-        kwargs.setdefault("track_running_stats", False)
-        super().__init__(normalized_shape, *args, **kwargs)
 
     def forward(self, x: Any, *, out: Any = None) -> tuple[Any, F.Context]:  # type: ignore[override]
         """``(y, ctx)``; see the class doc for the running statistics."""

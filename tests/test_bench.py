@@ -21,7 +21,7 @@ import pytest
 
 import pynorm
 from pynorm.bench import cases, report, runner
-from pynorm.ops import SPECS
+from pynorm.ops import REQUIRED, SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_NUMBA = pynorm._registry.unavailable_reason("numba") is None
@@ -33,18 +33,21 @@ def _rel(a: Any, b: Any) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
-@pytest.mark.parametrize("op", [n for n, s in SPECS.items() if s.layout == "rows"])
+@pytest.mark.parametrize("op", list(SPECS))
 def test_case_is_the_specs_example(op: str) -> None:
     spec = SPECS[op]
     case = cases.make_case(op, (6, 16), seed=3)
+    xs, axis = ((6, 16), -1) if spec.layout == "rows" else ((1, 6, 16), 1)  # (rows, H) or (N, C, S): 6 channels
+    assert case.x.shape == xs
     rng = np.random.default_rng(3)
-    rng.standard_normal((6, 16), dtype=np.float32)  # x comes first from the same generator
-    expected = spec.example_args((6, 16), -1, np.float32, rng)
+    rng.standard_normal(xs, dtype=np.float32)  # x comes first from the same generator
+    expected = spec.example_args(xs, axis, np.float32, rng, options=case.options)
     assert len(case.args) == len(expected)
     for a, e in zip(case.args, expected, strict=True):
         assert (a is None and e is None) or np.array_equal(a, e)
-    assert case.y.shape == spec.output_shape((6, 16), -1, case.named)
-    assert case.y.dtype == spec.dtypes_of_outputs(np.dtype(np.float32), spec.defaults())[0]
+    assert case.y.shape == spec.output_shape(xs, axis, case.named)
+    assert case.y.dtype == spec.dtypes_of_outputs(np.dtype(np.float32), case.options)[0]
+    assert set(case.required) == {k for k, d in spec.defaults().items() if d is REQUIRED}
     assert case.dy.shape == case.y.shape and case.dy.dtype == spec.grad_dtype(np.dtype(np.float32))
     again = cases.make_case(op, (6, 16), seed=3)  # every process builds the same numbers
     assert np.array_equal(again.x, case.x) and np.array_equal(again.dy, case.dy)
@@ -90,6 +93,19 @@ def test_call_args_split_keyword_inputs(op: str) -> None:
     y, _ = getattr(pynorm, f"{op}_forward")(case.x, *pos, **kw, backend="numpy")
     ref, _ = spec.generic_forward()(case.x, *case.args, backend="numpy")
     assert np.array_equal(y[0] if isinstance(y, tuple) else y, ref[0] if isinstance(ref, tuple) else ref)
+
+
+def test_channels_case_reads_rows_as_n_c_s() -> None:
+    """A channels-layout op's case has the rows-layout case's elements: ``(rows / 64, 64, hidden)`` where 64
+    channels divide the rows, its required options from the spec's first test case, and its calls run."""
+    case = cases.make_case("group_norm", (128, 32))
+    assert case.x.shape == (2, 64, 32) and case.required == {"num_groups": SPECS["group_norm"].cases[0]["num_groups"]}
+    assert cases.x_shape_of(SPECS["batch_norm"], (6, 16)) == (1, 6, 16)
+    calls = cases.pynorm_calls(case, "numpy", buffers=True)
+    y, _ = calls["fwd"]()
+    ref = pynorm.group_norm(case.x, *case.args, **case.required, backend="numpy")
+    assert np.array_equal(y, ref) and y is case.y
+    assert cases.op_bytes(case)["fwd"] == 2 * case.x.nbytes + 2 * 4 * 64
 
 
 def test_every_op_has_a_pytorch_baseline_entry_or_is_documented_without() -> None:

@@ -108,10 +108,9 @@ def test_bench_quick(tmp_path: Path) -> None:
 def test_bench_ops_covers_every_op(tmp_path: Path) -> None:
     out = _ok(_run(["bench", "--ops", "--ops-shape", "32x64", "--repeat", "1", "--out", "b"], tmp_path))
     rows = json.loads((tmp_path / "b" / "op_table.json").read_text())["rows"]
-    rows_ops = [op for op in pynorm._registry.backend_ops("numba") if pynorm.ops.SPECS[op].layout == "rows"]
-    assert sorted(r["op"] for r in rows) == sorted(rows_ops)  # (the channels ops: bench/channel_norms.py, ...)
+    assert sorted(r["op"] for r in rows) == sorted(pynorm._registry.backend_ops("numba"))  # every op, channels too
     assert all(r["fwd_s"] > 0 and r["fwd+bwd_s"] > 0 for r in rows)
-    assert "conditional_layer_norm" in out and "layer_norm_linear" in out
+    assert "conditional_layer_norm" in out and "layer_norm_linear" in out and "batch_norm" in out
     try:
         import matplotlib  # noqa: F401
     except ImportError:

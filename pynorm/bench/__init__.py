@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import report, runner
 
-    served = tuple(op for op in pynorm._registry.backend_ops("numba") if pynorm.ops.SPECS[op].layout == "rows")
+    served = tuple(pynorm._registry.backend_ops("numba"))
     only = _op_list(p, "--only", args.only, served)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

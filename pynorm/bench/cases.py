@@ -25,12 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UnknownOpError
-from ..ops import SPECS, OpSpec
+from ..ops import REQUIRED, SPECS, OpSpec
 
-__all__ = ["TORCH_BASELINES", "Case", "TorchBaseline", "call_args", "make_case", "op_bytes", "pynorm_calls"]
+__all__ = [
+    "TORCH_BASELINES", "Case", "TorchBaseline", "call_args", "make_case", "op_bytes", "pynorm_calls", "x_shape_of",
+]  # fmt: skip
 
-#: the dtype of ``x`` in every case
+#: the dtype of ``x`` in the throughput cases
 DTYPE = np.dtype(np.float32)
 
 
@@ -41,7 +42,8 @@ class Case:
     Attributes
     ----------
     spec : the op's spec.
-    shape : ``(rows, hidden)`` of ``x``.
+    shape : the shape of ``x``: ``(rows, hidden)``, or ``(N, C, S)`` for a channels-layout op
+        (:func:`x_shape_of`).
     x : the input, ``N(0, 1) + 3`` (a mean far from 0, as activations have).
     args : the arguments after ``x``, in the spec's order (inputs, then parameters); None where absent.
     y : a buffer of the first output's shape and dtype (``out=``).
@@ -50,12 +52,17 @@ class Case:
     """
 
     spec: OpSpec
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     x: np.ndarray
     args: list[Any]
     y: np.ndarray
     dy: np.ndarray
     options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def required(self) -> dict[str, Any]:
+        """The options a call must pass (those without a default: GroupNorm's ``num_groups``)."""
+        return {k: self.options[k] for k, d in self.spec.defaults().items() if d is REQUIRED}
 
     @property
     def named(self) -> dict[str, Any]:
@@ -64,38 +71,58 @@ class Case:
 
     def output_shapes(self) -> list[tuple[tuple[int, ...], np.dtype]]:
         """``(shape, dtype)`` of every output: the first from the spec's rule, the others of ``x``'s shape."""
-        dts = self.spec.dtypes_of_outputs(DTYPE, self.options)
+        dts = self.spec.dtypes_of_outputs(self.x.dtype, self.options)
         return [(tuple(self.y.shape), np.dtype(dts[0]))] + [(self.shape, np.dtype(d)) for d in dts[1:]]
 
 
-def make_case(op: str, shape: tuple[int, int], seed: int = 0) -> Case:
+#: the channels of a channels-layout op's ``x`` (``(rows / C, C, hidden)``), where they divide the rows
+CHANNELS = 64
+
+
+def x_shape_of(spec: OpSpec, shape: tuple[int, int]) -> tuple[int, ...]:
+    """The shape of ``x`` for a case of ``shape`` ``(rows, hidden)``: ``shape`` itself for a rows-layout op; for a
+    channels-layout op (GroupNorm, InstanceNorm, BatchNorm) ``(N, C, S)`` with ``N C = rows`` and ``S = hidden``
+    (``C`` = :data:`CHANNELS` where it divides the rows, else the rows): the same elements, each of the ``N C``
+    ``(n, c)`` slices of ``S`` contiguous as a row."""
+    rows, hidden = int(shape[0]), int(shape[1])
+    if spec.layout == "rows":
+        return (rows, hidden)
+    c = CHANNELS if rows % CHANNELS == 0 else rows
+    return (rows // c, c, hidden)
+
+
+def make_case(op: str, shape: tuple[int, int], seed: int = 0, dtype: Any = DTYPE) -> Case:
     """The case of op ``op`` (a name of :data:`pynorm.ops.SPECS`) on float32 ``x`` of ``shape``.
 
     Parameters
     ----------
     op : the op's name.
-    shape : ``(rows, hidden)``; the op normalizes the last axis.
+    shape : ``(rows, hidden)``; a rows-layout op normalizes the last axis, a channels-layout op reads ``x`` as
+        :func:`x_shape_of` says.
     seed : the random generator's seed; equal seeds give equal arrays in every process.
+    dtype : the dtype of ``x`` (float32: the throughput tables; the compile-time table times every dtype).
 
     Returns
     -------
     Case
-        ``x``, the spec's example arguments, an output buffer and ``dy``.
+        ``x``, the spec's example arguments, an output buffer and ``dy``; the options are the op's defaults, a
+        required option (GroupNorm's ``num_groups``, BatchNorm's ``training``) taken from the spec's first test
+        case.
     """
     spec = SPECS[op]
-    if spec.layout != "rows":
-        raise UnknownOpError(
-            f"the benchmark times the ops of the rows layout (the numba backend's); {op} reads x as (N, C, *spatial) "
-            f"and has no fast kernels yet"
-        )
+    xs = x_shape_of(spec, shape)
+    axis = -1 if spec.layout == "rows" else 1
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(shape, dtype=np.float32) + 3).astype(DTYPE)
-    args = spec.example_args(shape, -1, DTYPE, rng)
-    options = spec.defaults()
-    yshape = spec.output_shape(shape, -1, dict(zip((*spec.input_names, *spec.param_names), args, strict=True)))
-    ydt = spec.dtypes_of_outputs(DTYPE, options)[0]
-    dy = rng.standard_normal(yshape, dtype=np.float32).astype(spec.grad_dtype(DTYPE))
-    return Case(spec, (int(shape[0]), int(shape[1])), x, args, np.empty(yshape, ydt), dy, options)
+    dt = np.dtype(dtype)
+    x = (rng.standard_normal(xs, dtype=np.float32) + 3).astype(dt)
+    defaults = spec.defaults()
+    first = spec.cases[0] if spec.cases else {}
+    options = {**defaults, **{k: v for k, v in first.items() if defaults[k] is REQUIRED}}
+    args = spec.example_args(xs, axis, dt, rng, options=options)
+    yshape = spec.output_shape(xs, axis, dict(zip((*spec.input_names, *spec.param_names), args, strict=True)))
+    ydt = spec.dtypes_of_outputs(dt, options)[0]
+    dy = rng.standard_normal(yshape, dtype=np.float32).astype(spec.grad_dtype(dt))
+    return Case(spec, xs, x, args, np.empty(yshape, ydt), dy, options)
 
 
 def call_args(spec: OpSpec, args: list[Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -130,7 +157,7 @@ def op_bytes(case: Case) -> dict[str, int]:
     params = [a for a in case.args[n_in:] if a is not None]
     fwd = case.x.nbytes + sum(a.nbytes for _, a in inputs) + sum(a.nbytes for a in params)
     fwd += sum(math.prod(s) * d.itemsize for s, d in case.output_shapes())
-    gdt = np.dtype(spec.grad_dtype(DTYPE))
+    gdt = np.dtype(spec.grad_dtype(case.x.dtype))
     bwd = case.dy.nbytes + case.x.nbytes + sum(a.nbytes for a in params)
     bwd += sum(a.nbytes for i, a in inputs if i.kind != "like_x")
     bwd += case.x.size * gdt.itemsize  # dx
@@ -160,10 +187,10 @@ def pynorm_calls(case: Case, backend: str, buffers: bool) -> dict[str, Callable[
     bwd_fn = getattr(pynorm, f"{name}_backward")
     x, dy = case.x, case.dy
     pos, kw = call_args(case.spec, case.args)
-    fkw: dict[str, Any] = {**kw, "backend": backend}
+    fkw: dict[str, Any] = {**kw, **case.required, "backend": backend}
     if buffers:
         fkw["out"] = case.y
-    bkw: dict[str, Any] = {"dx_out": np.empty(case.shape, case.spec.grad_dtype(DTYPE))} if buffers else {}
+    bkw: dict[str, Any] = {"dx_out": np.empty(case.shape, case.spec.grad_dtype(case.x.dtype))} if buffers else {}
     ctx = fwd_fn(x, *pos, **fkw)[1]
 
     def fwdbwd() -> None:
@@ -289,6 +316,25 @@ def _lin(norm: Callable[[Mapping[str, Any], Mapping[str, Any], int], Callable[[]
     return build
 
 
+def _group(t: Mapping[str, Any], o: Mapping[str, Any], h: int) -> Callable[[], Any]:
+    F = _torch_f()
+    return lambda: F.group_norm(t["x"], o["num_groups"], t["weight"], t["bias"], o["eps"])
+
+
+def _instance(t: Mapping[str, Any], o: Mapping[str, Any], h: int) -> Callable[[], Any]:
+    F = _torch_f()
+    rm, rv = t["running_mean"], t["running_var"]
+    return lambda: F.instance_norm(
+        t["x"], rm, rv, t["weight"], t["bias"], o["use_input_stats"], o["momentum"], o["eps"]
+    )
+
+
+def _batch(t: Mapping[str, Any], o: Mapping[str, Any], h: int) -> Callable[[], Any]:
+    F = _torch_f()
+    rm, rv = t["running_mean"], t["running_var"]
+    return lambda: F.batch_norm(t["x"], rm, rv, t["weight"], t["bias"], o["training"], o["momentum"], o["eps"])
+
+
 #: the ops PyTorch computes, and how (the benchmark's options are each op's defaults, which these match)
 TORCH_BASELINES: dict[str, TorchBaseline] = {
     "layer_norm": TorchBaseline("F.layer_norm(x, (H,), weight, bias, eps)", True, "", _ln),
@@ -355,6 +401,16 @@ TORCH_BASELINES: dict[str, TorchBaseline] = {
         False,
         "nn.Sequential(nn.RMSNorm(H), nn.Linear(H, N))",
         _lin(_rms),
+    ),
+    "group_norm": TorchBaseline("F.group_norm(x, G, weight, bias, eps)", True, "", _group),
+    "instance_norm": TorchBaseline(
+        "F.instance_norm(x, None, None, weight, bias, True, momentum, eps)", True, "", _instance
+    ),
+    "batch_norm": TorchBaseline(
+        "F.batch_norm(x, None, None, weight, bias, True, momentum, eps)",
+        True,
+        "training mode, the batch's statistics",
+        _batch,
     ),
 }
 

@@ -551,16 +551,12 @@ import pynorm
 t_import = time.perf_counter() - t0
 res = {"import_pynorm_s": t_import, "import_pulls_numba": "numba" in sys.modules, "calls": []}
 import numpy as np
-from pynorm.bench.cases import call_args
+from pynorm.bench.cases import call_args, make_case
 for op, dt in json.loads(sys.argv[1]):
-    spec = pynorm.ops.get(op)
     dtype = np.dtype(__import__("ml_dtypes").bfloat16 if dt == "bfloat16" else dt)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((256, 512)).astype(dtype)
-    args = spec.example_args(x.shape, -1, dtype, rng)
-    pos, kw = call_args(spec, args)
-    yshape = spec.output_shape(x.shape, -1, dict(zip((*spec.input_names, *spec.param_names), args)))
-    dy = rng.standard_normal(yshape).astype(spec.grad_dtype(x.dtype))
+    case = make_case(op, (256, 512), 0, dtype)
+    pos, kw = call_args(case.spec, case.args)
+    x, dy, kw = case.x, case.dy, {**kw, **case.required}
     t = time.perf_counter()
     y, ctx = getattr(pynorm, op + "_forward")(x, *pos, **kw, backend="numba")
     t1 = time.perf_counter()
@@ -572,7 +568,7 @@ print("RESULT " + json.dumps(res))
 
 
 def _fresh_process(calls: list[tuple[str, str]], env_extra: dict[str, str] | None = None) -> dict[str, Any]:
-    """The first forward + backward of each ``(op, dtype)`` of ``calls`` (256x512, the spec's example arguments)
+    """The first forward + backward of each ``(op, dtype)`` of ``calls`` (256x512: :func:`.cases.make_case`)
     in a fresh Python process; ``{"error": ...}`` if it fails."""
     env = {**_env(), **(env_extra or {})}
     t = time.perf_counter()

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -104,6 +104,19 @@ class _Table(_Vector):
 AFFINE_SOURCES = {"vector": _Vector(), "scalar": _Scalar(), "table": _Table()}
 
 
+class _Setup(NamedTuple):
+    """What one forward of a :class:`StatsOp` reads of its options and dtypes alone."""
+
+    options: dict[str, Any]  # every option (the spec's defaults filled in)
+    kargs: Any  # kernel_args of them
+    conventions: Conventions
+    h_dtype: Any  # the prologue's h dtype (None: no h)
+    math_dtype: np.dtype[Any]
+    widen: bool
+    kernel_values: dict[str, Any]  # the kernel arguments by name (ctx fields)
+    prologue_values: dict[str, Any]  # the prologue's ctx fields besides the row
+
+
 class StatsOp:
     """One op of the statistics family on this backend (see the module doc).
 
@@ -128,6 +141,7 @@ class StatsOp:
         self.grads = spec.grads
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
+        self._setups: dict[Any, _Setup] = {}  # by options and dtypes (:meth:`_setup`)
 
     def __repr__(self) -> str:
         return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"
@@ -142,23 +156,45 @@ class StatsOp:
         """The parameter-gradient partials' dtype: the math type, float64 where ``xhat`` is not O(1)."""
         return mdt if self.statistic.normalizes else np.dtype(np.float64)
 
-    def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
-        """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
-        (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given)."""
-        n_in = len(self.spec.inputs)
-        if len(args) != n_in + len(self.spec.params):
-            raise TypeError(f"{self.name} forward() takes x, {n_in} input(s) and {len(self.spec.params)} parameter(s)")
+    def _setup(self, options: dict[str, Any], x_dtype: Any, residual_dtype: Any) -> _Setup:
+        """What a forward reads of its options and dtypes alone (kept for the next call with the same ones)."""
+        try:
+            key = (tuple(options.items()), x_dtype, residual_dtype)
+            hit = self._setups.get(key)
+        except TypeError:  # an unhashable option value: read it every time
+            key, hit = None, None
+        if hit is not None:
+            return hit
         unknown = set(options) - set(self._options)
         if unknown:
             raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
         o = {**self._options, **options}
         kargs = kernel_args(self.spec, o)
-        inputs = dict(zip(self.spec.input_names, args[:n_in], strict=True))
-        p = dict(zip(self.spec.param_names, args[n_in:], strict=True))
+        hd = self.prologue.h_dtype(x_dtype, o)
+        mdt, widen = self._math(x_dtype, hd)
+        setup = _Setup(
+            o, kargs, Conventions.of(kargs), hd, mdt, widen, dict(zip(kargs._fields, kargs)),
+            self.prologue.ctx_values(x_dtype, residual_dtype),
+        )  # fmt: skip
+        if key is not None:
+            if len(self._setups) >= 64:
+                self._setups.clear()
+            self._setups[key] = setup
+        return setup
+
+    def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
+        """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
+        (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given)."""
+        spec = self.spec
+        n_in = len(spec.inputs)
+        if len(args) != n_in + len(spec.params):
+            raise TypeError(f"{self.name} forward() takes x, {n_in} input(s) and {len(spec.params)} parameter(s)")
+        inputs = dict(zip(spec.input_names, args[:n_in], strict=True)) if n_in else {}
+        p = dict(zip(spec.param_names, args[n_in:], strict=True))
+        residual = inputs.get(self.residual_name) if self.residual_name else None
+        st = self._setup(options, x.dtype, None if residual is None else residual.dtype)
+        kargs, hd, mdt = st.kargs, st.h_dtype, st.math_dtype
         rows, hidden = x.shape
-        residual = inputs.get(self.residual_name)
-        hd = self.prologue.h_dtype(x.dtype, o)
-        mdt, widen = self._math(x.dtype, hd)
         y = common.output(out, x.shape, x.dtype)
         h = common.output(None, x.shape, hd) if hd is not None else None
         aux = np.empty(rows) if self.statistic.aux else None
@@ -171,19 +207,17 @@ class StatsOp:
             pro = None
             if h is not None and residual is not None:
                 pro = (common.storage(residual), kargs.alpha, common.storage(h))
-                if widen:  # h first, then its exact float64 copy is normalized
+                if st.widen:  # h first, then its exact float64 copy is normalized
                     launch(kernels.prologue_rows, rows * hidden, rows, pro, src)
                     src, pro = h.astype(np.float64), None
             ys = common.storage(y)
             forward_rows(
-                self.stat, Rows(src, pro), Affine(w, b, tab), Conventions.of(kargs), ys,
-                RowStats(aux, rstd), use_stream(ys),
-            )  # fmt: skip
+                self.stat, Rows(src, pro), Affine(w, b, tab), st.conventions, ys, RowStats(aux, rstd), use_stream(ys)
+            )
         floor = (aux != 0.0) if self.statistic.floor else None
         values = {
-            **o, **p, **inputs, **dict(zip(kargs._fields, kargs)), self.prologue.row: h if self.residual else x,
-            **self.statistic.ctx_values(rstd, mean=aux, floor=floor),
-            **self.prologue.ctx_values(x.dtype, None if residual is None else residual.dtype),
+            **st.options, **p, **inputs, **st.kernel_values, self.prologue.row: h if self.residual else x,
+            **self.statistic.ctx_values(rstd, mean=aux, floor=floor), **st.prologue_values,
         }  # fmt: skip
         ctx = self.ctx_type(**{f: values[f] for f in self._fields})
         return ((y, h), ctx) if self.residual else (y, ctx)
@@ -398,6 +432,7 @@ class ChannelOp:
         self.grads = spec.grads
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
+        self._setups: dict[Any, _Setup] = {}  # by options and dtypes (:meth:`_setup`)
 
     def __repr__(self) -> str:
         return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"

@@ -155,8 +155,6 @@ SPEC = OpSpec(
     ),
     grads=BatchNormGrads,
     ctx=BatchNormCtx,
-    reference="pynorm.reference.batch_norm",
-    family="column",
     variant=ColumnVariant("centered"),
     term_scales=term_scales,
     check_arrays=_arrays,

@@ -190,8 +190,6 @@ SPEC = OpSpec(
     ),
     grads=QuantLayerNormGrads,
     ctx=QuantLayerNormCtx,
-    reference="pynorm.reference.quant_norm",
-    family="quantize",
     variant=QuantizeVariant("centered"),
     term_scales=term_scales,
     check=_check,

@@ -16,16 +16,16 @@ CASTINGS = ("fp32", "gemma", "llama", "t5", "apex", "none")
 
 
 @dataclass(frozen=True, eq=False)
-class LayerNormCtx:
-    """What :func:`backward` needs. Every backend fills the same fields.
+class CenteredCtx:
+    """The fields of the ctx of every LayerNorm of ``x`` (this op's, the modality and the quantizing ones'),
+    in this order, before those of the op's own.
 
     Attributes
     ----------
     x : (R, H) array, the input as given to forward (not copied).
-    weight, bias : (H,) arrays or None.
-    mean, rstd : (R,) arrays, per-row mean and ``r`` (see module doc); float32 or
-        wider (the reference keeps its working precision).
-    eps, correction, eps_mode, weight_offset, casting : the conventions used.
+    weight, bias : the parameters as given, or None.
+    mean, rstd : (R,) arrays, per-row mean and ``r``.
+    eps, correction, eps_mode, weight_offset : the LayerNorm conventions used.
     """
 
     x: Any
@@ -37,6 +37,21 @@ class LayerNormCtx:
     correction: int
     eps_mode: str
     weight_offset: float
+
+
+@dataclass(frozen=True, eq=False)
+class LayerNormCtx(CenteredCtx):
+    """What :func:`backward` needs. Every backend fills the same fields.
+
+    Attributes
+    ----------
+    x : (R, H) array, the input as given to forward (not copied).
+    weight, bias : (H,) arrays or None.
+    mean, rstd : (R,) arrays, per-row mean and ``r`` (see module doc); float32 or
+        wider (the reference keeps its working precision).
+    eps, correction, eps_mode, weight_offset, casting : the conventions used.
+    """
+
     casting: str = "fp32"
 
 

@@ -68,6 +68,21 @@ def _check(options: Mapping[str, Any], hidden: int) -> None:
         raise ArgumentError("correction=1 needs more than one normalized element per row (got H = 1)")
 
 
+def widened(
+    x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where the term scales of LayerNorm and RMSNorm start: ``x`` and ``dy`` in extended precision (float64
+    squares of huge float64 inputs would overflow), the float64 effective weight ``w + o`` (ones without a
+    weight) and ``g = |dy (w + o)|``."""
+    wide = np.longdouble
+    x = x2.astype(wide)
+    dy = dy2.astype(wide)
+    h = x.shape[1]
+    w = params.get("weight")
+    weff = np.ones(h) if w is None else np.asarray(w, np.float64).reshape(h) + options.get("weight_offset", 0.0)
+    return x, dy, weff, np.abs(dy * weff.astype(wide))
+
+
 def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
     """Magnitude of the terms each LayerNorm output is computed from (float64 ``(R, H)`` / ``(H,)`` arrays).
 
@@ -83,13 +98,8 @@ def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, opti
       judged on the rounding of a cancelled difference);
     * ``dbias``: ``sum_rows |dy|``.
     """
-    wide = np.longdouble  # float64 squares of huge float64 inputs would overflow
-    x = x2.astype(wide)
-    dy = dy2.astype(wide)
+    x, dy, weff, g = widened(x2, params, dy2, options)
     h = x.shape[1]
-    w = params.get("weight")
-    weff = np.ones(h) if w is None else np.asarray(w, np.float64).reshape(h) + options.get("weight_offset", 0.0)
-    g = np.abs(dy * weff.astype(wide))
     eps = options.get("eps", 1e-5)
     n = h - options.get("correction", 0)
     d = x - x.mean(axis=1, keepdims=True)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["compute_dtype", "ieee", "widened", "xp_of"]
+__all__ = ["compute_dtype", "ieee", "norm_backward", "widened", "xp_of"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -53,3 +53,18 @@ def compute_dtype(*arrays: Any) -> np.dtype[Any]:
 def widened(a: Any) -> Any:
     """``a`` itself for float32/float64, a float32 copy of a 16-bit array."""
     return a if a.dtype.itemsize >= 4 else a.astype(np.float32)
+
+
+def norm_backward(impl: Any, upstream: Any, nctx: Any, x_dtype: Any, dx_dtype: Any, dx_out: Any) -> tuple[Any, Any]:
+    """The inner norm's backward (``impl``'s, from its ctx ``nctx``, whose ``x`` has ``x_dtype``) at ``upstream``
+    taken in ``x_dtype``: ``(grads, dx)`` with ``dx`` in ``dx_dtype`` (the outer op's ``dy``'s, wider where
+    ``x`` was widened), written into ``dx_out`` if given."""
+    wide = x_dtype != dx_dtype
+    g = impl.backward(upstream.astype(x_dtype, copy=False), nctx, dx_out=None if wide else dx_out)
+    dx = g.dx
+    if wide:
+        dx = dx.astype(dx_dtype)
+        if dx_out is not None:
+            dx_out[...] = dx
+            dx = dx_out
+    return g, dx

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _registry
 from ..ops.conditional_norm import ConditionalLayerNormGrads, ConditionalRMSNormGrads
-from . import compute_dtype, ieee, widened, xp_of
+from . import compute_dtype, ieee, norm_backward, widened, xp_of
 
 __all__ = ["ConditionalNormCtx", "bind"]
 
@@ -144,14 +144,7 @@ def _rms(backend: str) -> _Op:
         xp = xp_of(dy)
         _r, h = dy.shape
         groups = ctx.cond.shape[0]
-        wide = ctx.norm.x.dtype != dy.dtype
-        g = impl.backward(dy.astype(ctx.norm.x.dtype) if wide else dy, ctx.norm, dx_out=None if wide else dx_out)
-        dx = g.dx
-        if wide:
-            dx = dx.astype(dy.dtype)
-            if dx_out is not None:
-                dx_out[...] = dx
-                dx = dx_out
+        g, dx = norm_backward(impl, dy, ctx.norm, ctx.norm.x.dtype, dy.dtype, dx_out)
         cd = g.dweight.dtype
         dp = xp.zeros((g.dweight.shape[0], (2 if ctx.shift else 1) * h), dtype=cd)
         dp[:, :h] = g.dweight

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from .. import _registry
 from ..ops.norm_linear import LayerNormLinearCtx, LayerNormLinearGrads, RMSNormLinearCtx, RMSNormLinearGrads
-from . import compute_dtype, ieee, widened
+from . import compute_dtype, ieee, norm_backward, widened
 
 __all__ = ["bind"]
 
@@ -69,14 +69,7 @@ def _make(backend: str, norm_op: str, n_params: int, ctx_type: type, grads_type:
         dW = (dyc.T @ n.astype(cd, copy=False)).astype(W.dtype, copy=False)
         dc = dyc.sum(axis=0).astype(c.dtype, copy=False) if c is not None else None
         del n, dyc
-        wide = x.dtype != dy.dtype
-        g = impl.backward(dnt.astype(x.dtype, copy=False), nc, dx_out=None if wide else dx_out)
-        dx = g.dx
-        if wide:
-            dx = dx.astype(dy.dtype)
-            if dx_out is not None:
-                dx_out[...] = dx
-                dx = dx_out
+        g, dx = norm_backward(impl, dnt, nc, x.dtype, dy.dtype, dx_out)
         return grads_type(dx, *g[1:], dW, dc)
 
     return _Op(ieee(forward), ieee(backward))

@@ -15,7 +15,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ..errors import ArgumentError
 
@@ -150,6 +150,7 @@ class StatsVariant:
     * ``epilogue``: ``"plain"``, ``"prenorm"`` (also store the pre-norm sum), ``"quantize"``.
     """
 
+    family: ClassVar[str] = "stats"  #: the kernel family of variants of this kind (``OpSpec.family``)
     statistic: Literal["centered", "mean_square", "l2"]
     prologue: Literal["plain", "residual"] = "plain"
     affine: Literal["vector", "scalar", "table", "channel"] = "vector"
@@ -161,6 +162,7 @@ class ColumnVariant:
     """A variant of the column-statistics family: statistics per channel over the ``N x S`` values of
     ``(N, C, S)`` input (BatchNorm), then an element-wise pass; ``statistic`` as :class:`StatsVariant`'s."""
 
+    family: ClassVar[str] = "column"
     statistic: Literal["centered"]
 
 
@@ -169,6 +171,7 @@ class ElementwiseVariant:
     """A variant of the element-wise kernel family: the function applied to each element
     (``"signed_power"``: ``sign(x) |x|^p``; ``"tanh"``: ``tanh(alpha x)``), then the per-feature affine."""
 
+    family: ClassVar[str] = "elementwise"
     function: Literal["signed_power", "tanh"]
 
 
@@ -179,6 +182,7 @@ class QuantizeVariant:
     quantize epilogue: per-row or per-tensor ``amax``, then ``clip(rint(y / s))``). A float input is normalized
     by the statistics family's op of the same statistic, and every backward is that op's."""
 
+    family: ClassVar[str] = "quantize"
     statistic: Literal["centered"]
 
 
@@ -190,6 +194,7 @@ class Composite:
     Every backend that implements all of ``builds_on`` offers the op (:func:`pynorm.list_ops`), running
     those ops on itself; a backend may also implement the op directly (the ``numpy`` reference does)."""
 
+    family: ClassVar[str] = "composite"
     builds_on: tuple[str, ...]
     impl: str
 
@@ -206,9 +211,11 @@ class OpSpec:
     grads : the NamedTuple its backward returns: ``dx`` first, then one gradient per parameter.
     ctx : the dataclass every backend's forward returns as its ctx (the reference's; fields named
         after ``x``, the parameters, the per-row statistics and the options).
-    reference : import path of the reference module (``forward``/``backward`` on ``(R, H)`` arrays).
+    reference : import path of the reference module (``forward``/``backward`` on ``(R, H)`` arrays); default, for
+        a spec whose ``ctx`` is defined in ``pynorm.ops.<module>``: ``"pynorm.reference.<module>"``.
     family, variant : the kernel family of the fast backends and the variant implementing the op;
-        ``"composite"`` with a :class:`Composite` for an op built from other ops. The spec is checked against
+        ``"composite"`` with a :class:`Composite` for an op built from other ops. ``family`` defaults to the
+        variant's (``StatsVariant.family``: ``"stats"``, and so on). The spec is checked against
         the family's records when it is made (:func:`pynorm.ops.families.check_spec`: the options, ctx
         fields, parameters and inputs the variant's choices need).
     term_scales : ``term_scales(x2, arrays, dy2, options) -> {output: scale}``, float64 arrays of the
@@ -252,10 +259,10 @@ class OpSpec:
     options: tuple[Option, ...]
     grads: type
     ctx: type
-    reference: str
-    family: Literal["stats", "elementwise", "quantize", "composite", "column"]
     variant: StatsVariant | ElementwiseVariant | QuantizeVariant | Composite | ColumnVariant
     term_scales: Callable[..., dict[str, Any]]
+    reference: str = field(default="", kw_only=True)
+    family: Literal["stats", "elementwise", "quantize", "composite", "column", ""] = field(default="", kw_only=True)
     check: Callable[[Mapping[str, Any], int], None] | None = None
     cases: tuple[dict[str, Any], ...] = field(default=({},))
     summary: str = ""
@@ -277,6 +284,10 @@ class OpSpec:
     def __post_init__(self) -> None:
         from .families import check_spec
 
+        if not self.family:
+            object.__setattr__(self, "family", type(self.variant).family)
+        if not self.reference and self.ctx.__module__.startswith(_BUILT_IN):
+            object.__setattr__(self, "reference", "pynorm.reference." + self.ctx.__module__[len(_BUILT_IN) :])
         check_spec(self)  # the spec against its kernel family's contract (FamilyError)
 
     @property
@@ -409,6 +420,11 @@ class OpSpec:
         if self.check is not None and hidden is not None:
             self.check(out, hidden)
         return out
+
+
+#: the package of the built-in specs: the reference of a spec there is the module of the same name in
+#: :mod:`pynorm.reference` (``pynorm.ops.layer_norm`` -> ``pynorm.reference.layer_norm``)
+_BUILT_IN = "pynorm.ops."
 
 
 #: ``{"module": pynorm}``, the package holding every op's public functions: set by :mod:`pynorm._api` when it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -118,6 +119,27 @@ def _with_add(term_scales: Any) -> Any:
     return scales
 
 
+def _add_spec(module: ModuleType, **own: Any) -> OpSpec:
+    """The fused residual add + the norm of ``module`` (its ``SPEC``): the norm's parameters, conventions
+    (``CONVENTIONS``) and cross-argument check, the residual input and prologue, the add's options and term
+    scales and the ``(y, h)`` outputs; ``own``: the rest (docs, grads, ctx, cases)."""
+    norm: OpSpec = module.SPEC
+    assert isinstance(norm.variant, StatsVariant)
+    return OpSpec(
+        name=f"add_{norm.name}",
+        inputs=(Input("residual", "like_x", "the residual stream added to x (scaled by alpha)"),),
+        params=norm.params,
+        options=(*module.CONVENTIONS, *_ADD_OPTIONS),
+        variant=StatsVariant(norm.variant.statistic, prologue="residual", epilogue="prenorm"),
+        term_scales=_with_add(norm.term_scales),
+        check=norm.check,
+        outputs=("y", "h"),
+        output_dtypes=_dtypes,
+        summary=f"h = x + alpha * residual, y = {norm.name}(h)",
+        **own,
+    )
+
+
 _ADD_LAYER_NORM_DOC = r"""Fused residual add + LayerNorm: ``h = x + alpha * residual``, ``y = layer_norm(h)``; ``((y,
 h), ctx)``.
 
@@ -137,20 +159,12 @@ dbias)``.
 (each rounded once to its input's dtype); ``dweight``/``dbias`` as for :func:`layer_norm_backward`.
 """
 
-ADD_LAYER_NORM = OpSpec(
-    name="add_layer_norm",
+ADD_LAYER_NORM = _add_spec(
+    _ln,
     doc=_ADD_LAYER_NORM_DOC,
     backward_doc=_ADD_LAYER_NORM_BACKWARD_DOC,
-    inputs=(Input("residual", "like_x", "the residual stream added to x (scaled by alpha)"),),
-    params=_ln.SPEC.params,
-    options=(*_ln.CONVENTIONS, *_ADD_OPTIONS),
     grads=AddLayerNormGrads,
     ctx=AddLayerNormCtx,
-    reference="pynorm.reference.add_norm",
-    family="stats",
-    variant=StatsVariant("centered", prologue="residual", epilogue="prenorm"),
-    term_scales=_with_add(_ln.term_scales),
-    check=_ln.SPEC.check,
     cases=(
         {},
         {"alpha": 2.5},
@@ -158,9 +172,6 @@ ADD_LAYER_NORM = OpSpec(
         {"weight_offset": 1.0, "residual_dtype": "float32"},
         {"alpha": 0.5, "residual_dtype": "float64"},
     ),
-    outputs=("y", "h"),
-    output_dtypes=_dtypes,
-    summary="h = x + alpha * residual, y = layer_norm(h)",
 )
 
 
@@ -174,21 +185,11 @@ _ADD_RMS_NORM_BACKWARD_DOC = r"""Backward of the fused add + RMSNorm: ``AddRMSNo
 :func:`add_layer_norm_backward` for ``dh``.
 """
 
-ADD_RMS_NORM = OpSpec(
-    name="add_rms_norm",
+ADD_RMS_NORM = _add_spec(
+    _rms,
     doc=_ADD_RMS_NORM_DOC,
     backward_doc=_ADD_RMS_NORM_BACKWARD_DOC,
-    inputs=(Input("residual", "like_x", "the residual stream added to x (scaled by alpha)"),),
-    params=_rms.SPEC.params,
-    options=(*_rms.CONVENTIONS, *_ADD_OPTIONS),
     grads=AddRMSNormGrads,
     ctx=AddRMSNormCtx,
-    reference="pynorm.reference.add_norm",
-    family="stats",
-    variant=StatsVariant("mean_square", prologue="residual", epilogue="prenorm"),
-    term_scales=_with_add(_rms.term_scales),
     cases=({}, {"alpha": 2.5}, {"weight_offset": 1.0, "residual_dtype": "float32"}, {"alpha": -1.0}),
-    outputs=("y", "h"),
-    output_dtypes=_dtypes,
-    summary="h = x + alpha * residual, y = rms_norm(h)",
 )

@@ -10,14 +10,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import ArgumentError, ShapeError
-from ._spec import REQUIRED, ColumnVariant, OpSpec, Option, check_bool
+from ._spec import REQUIRED, ColumnVariant, Option, check_bool
 from .group_norm import (
-    BIAS,
-    CHANNEL_AXIS,
-    EPS,
     MOMENTUM_DOC,
     RUNNING,
-    WEIGHT,
+    channel_spec,
     check_momentum,
     running_pair,
     running_result,
@@ -123,12 +120,11 @@ Training: LayerNorm's backward on each channel's values (:math:`dx = r (g - \bar
 \sqrt{v^{run}_c + \epsilon}`, element-wise. :math:`dw_c = \sum dy\,\hat x`, :math:`db_c = \sum dy`.
 """
 
-SPEC = OpSpec(
+SPEC = channel_spec(
     name="batch_norm",
     doc=_BATCH_NORM_DOC,
     backward_doc=_BATCH_NORM_BACKWARD_DOC,
     inputs=RUNNING,
-    params=(WEIGHT, BIAS),
     options=(
         Option(
             "training",
@@ -150,13 +146,9 @@ SPEC = OpSpec(
             check_count,
             "the batches the running statistics average already (only with momentum=None)",
         ),
-        EPS,
-        CHANNEL_AXIS,
     ),
     grads=BatchNormGrads,
     ctx=BatchNormCtx,
-    reference="pynorm.reference.batch_norm",
-    family="column",
     variant=ColumnVariant("centered"),
     term_scales=term_scales,
     check_arrays=_arrays,
@@ -164,5 +156,4 @@ SPEC = OpSpec(
     summary="y = (x - mean_c) / sqrt(var_c + eps) * w_c + b_c, statistics over (N, *spatial)",
     result=running_result,
     result_doc="``y``, or ``(y, running_mean', running_var')`` in training with running statistics",
-    layout="channels",
 )

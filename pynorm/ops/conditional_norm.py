@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -158,6 +159,28 @@ _C = Param("c", "vector", 0.0, "(2H,) bias of the projection")
 _ZERO = Option("zero_centered", False, check_bool, "y = (1 + gamma) xhat + beta (adaLN) instead of gamma xhat + beta")
 
 
+def _conditional_spec(
+    module: ModuleType, params: tuple[Param, ...], own_options: tuple[Option, ...] = (), **own: Any
+) -> OpSpec:
+    """The norm of ``module`` (its ``SPEC``) whose scale (and shift) a projection of the ``cond`` input gives,
+    composed of the norm's modality op: ``params`` (the projection's), the norm's conventions (``CONVENTIONS``)
+    but ``weight_offset`` (``zero_centered`` instead), then ``own_options``; its cross-argument check and term
+    scales with the projection's; ``own``: the rest (docs, grads, ctx, cases, summary)."""
+    norm: OpSpec = module.SPEC
+    return OpSpec(
+        name=f"conditional_{norm.name}",
+        inputs=(_COND,),
+        params=params,
+        options=(*(o for o in module.CONVENTIONS if o.name != "weight_offset"), *own_options, _ZERO),
+        variant=Composite((f"modality_{norm.name}",), "pynorm.composite.conditional_norm"),
+        term_scales=_term_scales(norm.term_scales),
+        check=norm.check,
+        check_arrays=_check_arrays,
+        example_shapes=_example_shapes,
+        **own,
+    )
+
+
 _CONDITIONAL_LAYER_NORM_DOC = r"""Conditional LayerNorm forward (adaLN); returns ``(y, ctx)`` for
 :func:`conditional_layer_norm_backward`.
 
@@ -184,24 +207,15 @@ dc)``.
 so ``dcond`` has ``cond``'s shape (summed over the broadcast rows); ``dc`` is None without ``c``.
 """
 
-CONDITIONAL_LAYER_NORM = OpSpec(
-    name="conditional_layer_norm",
+CONDITIONAL_LAYER_NORM = _conditional_spec(
+    _ln,
+    (_W, _C),
     doc=_CONDITIONAL_LAYER_NORM_DOC,
     backward_doc=_CONDITIONAL_LAYER_NORM_BACKWARD_DOC,
-    inputs=(_COND,),
-    params=(_W, _C),
-    options=(*(o for o in _ln.CONVENTIONS if o.name != "weight_offset"), _ZERO),
     grads=ConditionalLayerNormGrads,
     ctx=ConditionalLayerNormCtx,
-    reference="pynorm.reference.conditional_norm",
-    family="composite",
-    variant=Composite(("modality_layer_norm",), "pynorm.composite.conditional_norm"),
-    term_scales=_term_scales(_ln.term_scales),
-    check=_ln.SPEC.check,
     cases=({}, {"zero_centered": True}, {"correction": 1, "eps_mode": "std"}),
     summary="gamma, beta = split(cond @ W.T + c); y = layer_norm(x) * (gamma [+ 1]) + beta",
-    check_arrays=_check_arrays,
-    example_shapes=_example_shapes,
 )
 
 
@@ -224,28 +238,17 @@ _CONDITIONAL_RMS_NORM_BACKWARD_DOC = r"""Conditional RMSNorm backward: ``Conditi
 ``shift=False``) summed per cond row, ``dcond = dP W``, ``dW = dP^T cond``, ``dc = sum_g dP_g``.
 """
 
-CONDITIONAL_RMS_NORM = OpSpec(
-    name="conditional_rms_norm",
-    doc=_CONDITIONAL_RMS_NORM_DOC,
-    backward_doc=_CONDITIONAL_RMS_NORM_BACKWARD_DOC,
-    inputs=(_COND,),
-    params=(
+CONDITIONAL_RMS_NORM = _conditional_spec(
+    _rms,
+    (
         Param("W", "matrix", 0.0, "(2H, C) projection of cond onto [gamma, beta] ((H, C) with shift=False)", True),
         Param("c", "vector", 0.0, "(2H,) bias of the projection ((H,) with shift=False)"),
     ),
-    options=(
-        *(o for o in _rms.CONVENTIONS if o.name != "weight_offset"),
-        Option("shift", True, check_bool, "produce beta too (W of (2H, C)); False: a scale only, W of (H, C)"),
-        _ZERO,
-    ),
+    (Option("shift", True, check_bool, "produce beta too (W of (2H, C)); False: a scale only, W of (H, C)"),),
+    doc=_CONDITIONAL_RMS_NORM_DOC,
+    backward_doc=_CONDITIONAL_RMS_NORM_BACKWARD_DOC,
     grads=ConditionalRMSNormGrads,
     ctx=ConditionalRMSNormCtx,
-    reference="pynorm.reference.conditional_norm",
-    family="composite",
-    variant=Composite(("modality_rms_norm",), "pynorm.composite.conditional_norm"),
-    term_scales=_term_scales(_rms.term_scales),
     cases=({}, {"zero_centered": True}, {"shift": False}, {"shift": False, "zero_centered": True}),
     summary="gamma[, beta] = split(cond @ W.T + c); y = rms_norm(x) * (gamma [+ 1]) [+ beta]",
-    check_arrays=_check_arrays,
-    example_shapes=_example_shapes,
 )

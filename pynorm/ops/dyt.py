@@ -86,8 +86,6 @@ SPEC = OpSpec(
     options=(),
     grads=DyTGrads,
     ctx=DyTCtx,
-    reference="pynorm.reference.dyt",
-    family="elementwise",
     variant=ElementwiseVariant("tanh"),
     term_scales=term_scales,
     summary="y = w * tanh(alpha * x) + b",

@@ -87,6 +87,12 @@ MOMENTUM_DOC = "the weight of the batch's statistics in the running ones"
 BIAS = Param("bias", "channel", 0.0, "per-channel shift, ``(C,)``")
 
 
+def channel_spec(options: tuple[Option, ...], **own: Any) -> OpSpec:
+    """An op of the ``"channels"`` layout with a per-channel ``weight`` and ``bias``: its own ``options``, then
+    ``eps`` and ``channel_axis``; ``own``: the rest of its spec."""
+    return OpSpec(params=(WEIGHT, BIAS), options=(*options, EPS, CHANNEL_AXIS), layout="channels", **own)
+
+
 def _groups(options: Mapping[str, Any], channels: int) -> None:
     g = options["num_groups"]
     if channels % g:
@@ -152,28 +158,22 @@ LayerNorm's backward on each ``(sample, group)``'s values (:func:`layer_norm_bac
 its channel's; :math:`dw_c = \sum_{n, s} dy\,\hat x`, :math:`db_c = \sum_{n, s} dy`.
 """
 
-GROUP_NORM = OpSpec(
+GROUP_NORM = channel_spec(
     name="group_norm",
     doc=_GROUP_NORM_DOC,
     backward_doc=_GROUP_NORM_BACKWARD_DOC,
-    params=(WEIGHT, BIAS),
     options=(
         Option(
             "num_groups", REQUIRED, check_positive_int, "G, the number of groups: it must divide C", annotation="int"
         ),
-        EPS,
-        CHANNEL_AXIS,
     ),
     grads=GroupNormGrads,
     ctx=GroupNormCtx,
-    reference="pynorm.reference.group_norm",
-    family="stats",
     variant=StatsVariant("centered", affine="channel"),
     term_scales=channel_term_scales(lambda options, c: options["num_groups"]),
     check=_groups,
     cases=({"num_groups": 2}, {"num_groups": 1}, {"num_groups": 4, "eps": 0.1}),
     summary="y = (x - mean_group) / sqrt(var_group + eps) * w_c + b_c",
-    layout="channels",
 )
 
 
@@ -222,12 +222,11 @@ def _instance_arrays(
             )
 
 
-INSTANCE_NORM = OpSpec(
+INSTANCE_NORM = channel_spec(
     name="instance_norm",
     doc=_INSTANCE_NORM_DOC,
     backward_doc=_INSTANCE_NORM_BACKWARD_DOC,
     inputs=RUNNING,
-    params=(WEIGHT, BIAS),
     options=(
         Option(
             "use_input_stats",
@@ -236,13 +235,9 @@ INSTANCE_NORM = OpSpec(
             "normalize with each instance's own statistics (True) or with the running ones (False)",
         ),
         Option("momentum", 0.1, check_momentum, MOMENTUM_DOC),
-        EPS,
-        CHANNEL_AXIS,
     ),
     grads=InstanceNormGrads,
     ctx=InstanceNormCtx,
-    reference="pynorm.reference.group_norm",
-    family="stats",
     variant=StatsVariant("centered", affine="channel"),
     term_scales=channel_term_scales(lambda options, c: c),
     check_arrays=_instance_arrays,
@@ -251,5 +246,4 @@ INSTANCE_NORM = OpSpec(
     result=running_result,
     result_doc="``y``, or ``(y, running_mean', running_var')`` when running statistics are given and "
     "``use_input_stats``",
-    layout="channels",
 )

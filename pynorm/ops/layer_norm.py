@@ -16,16 +16,16 @@ CASTINGS = ("fp32", "gemma", "llama", "t5", "apex", "none")
 
 
 @dataclass(frozen=True, eq=False)
-class LayerNormCtx:
-    """What :func:`backward` needs. Every backend fills the same fields.
+class CenteredCtx:
+    """The fields of the ctx of every LayerNorm of ``x`` (this op's, the modality and the quantizing ones'),
+    in this order, before those of the op's own.
 
     Attributes
     ----------
     x : (R, H) array, the input as given to forward (not copied).
-    weight, bias : (H,) arrays or None.
-    mean, rstd : (R,) arrays, per-row mean and ``r`` (see module doc); float32 or
-        wider (the reference keeps its working precision).
-    eps, correction, eps_mode, weight_offset, casting : the conventions used.
+    weight, bias : the parameters as given, or None.
+    mean, rstd : (R,) arrays, per-row mean and ``r``.
+    eps, correction, eps_mode, weight_offset : the LayerNorm conventions used.
     """
 
     x: Any
@@ -37,6 +37,21 @@ class LayerNormCtx:
     correction: int
     eps_mode: str
     weight_offset: float
+
+
+@dataclass(frozen=True, eq=False)
+class LayerNormCtx(CenteredCtx):
+    """What :func:`backward` needs. Every backend fills the same fields.
+
+    Attributes
+    ----------
+    x : (R, H) array, the input as given to forward (not copied).
+    weight, bias : (H,) arrays or None.
+    mean, rstd : (R,) arrays, per-row mean and ``r`` (see module doc); float32 or
+        wider (the reference keeps its working precision).
+    eps, correction, eps_mode, weight_offset, casting : the conventions used.
+    """
+
     casting: str = "fp32"
 
 
@@ -51,6 +66,21 @@ class LayerNormGrads(NamedTuple):
 def _check(options: Mapping[str, Any], hidden: int) -> None:
     if options["correction"] == 1 and hidden == 1:
         raise ArgumentError("correction=1 needs more than one normalized element per row (got H = 1)")
+
+
+def widened(
+    x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where the term scales of LayerNorm and RMSNorm start: ``x`` and ``dy`` in extended precision (float64
+    squares of huge float64 inputs would overflow), the float64 effective weight ``w + o`` (ones without a
+    weight) and ``g = |dy (w + o)|``."""
+    wide = np.longdouble
+    x = x2.astype(wide)
+    dy = dy2.astype(wide)
+    h = x.shape[1]
+    w = params.get("weight")
+    weff = np.ones(h) if w is None else np.asarray(w, np.float64).reshape(h) + options.get("weight_offset", 0.0)
+    return x, dy, weff, np.abs(dy * weff.astype(wide))
 
 
 def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, options: Mapping[str, Any]) -> dict:
@@ -68,13 +98,8 @@ def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, opti
       judged on the rounding of a cancelled difference);
     * ``dbias``: ``sum_rows |dy|``.
     """
-    wide = np.longdouble  # float64 squares of huge float64 inputs would overflow
-    x = x2.astype(wide)
-    dy = dy2.astype(wide)
+    x, dy, weff, g = widened(x2, params, dy2, options)
     h = x.shape[1]
-    w = params.get("weight")
-    weff = np.ones(h) if w is None else np.asarray(w, np.float64).reshape(h) + options.get("weight_offset", 0.0)
-    g = np.abs(dy * weff.astype(wide))
     eps = options.get("eps", 1e-5)
     n = h - options.get("correction", 0)
     d = x - x.mean(axis=1, keepdims=True)
@@ -147,8 +172,6 @@ SPEC = OpSpec(
     options=OPTIONS,
     grads=LayerNormGrads,
     ctx=LayerNormCtx,
-    reference="pynorm.reference.layer_norm",
-    family="stats",
     variant=StatsVariant("centered"),
     term_scales=term_scales,
     check=_check,

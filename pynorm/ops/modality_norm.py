@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -14,19 +15,11 @@ from ._spec import Input, OpSpec, Param, StatsVariant
 
 
 @dataclass(frozen=True, eq=False)
-class ModalityLayerNormCtx:
-    """What the backward needs: ``x``, the ids, the tables, per-row mean and rstd, the conventions."""
+class ModalityLayerNormCtx(_ln.CenteredCtx):
+    """What the backward needs: ``x``, the tables, per-row mean and rstd, the conventions (the fields of
+    :class:`~pynorm.ops.layer_norm.CenteredCtx`), then the ids."""
 
-    x: Any
     modality_ids: Any
-    weight: Any
-    bias: Any
-    mean: Any
-    rstd: Any
-    eps: float
-    correction: int
-    eps_mode: str
-    weight_offset: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,7 +85,27 @@ def _per_row(term_scales: Any, names: tuple[str, ...]) -> Any:
     return scales
 
 
-_IDS = Input("modality_ids", "row_index", "the modality of each row: an integer in [0, M)")
+_WEIGHT_TABLE = Param(
+    "weight", "table", 1.0, "(M, *x.shape[axis:]) table of per-modality scales", True, index="modality_ids"
+)
+
+
+def _modality_spec(module: ModuleType, params: tuple[Param, ...], **own: Any) -> OpSpec:
+    """The norm of ``module`` (its ``SPEC``) with parameter tables (``params``) whose rows the ``modality_ids``
+    input selects: the norm's conventions (``CONVENTIONS``), cross-argument check and term scales (per row);
+    ``own``: the rest (docs, grads, ctx, cases, summary)."""
+    norm: OpSpec = module.SPEC
+    assert isinstance(norm.variant, StatsVariant)
+    return OpSpec(
+        name=f"modality_{norm.name}",
+        inputs=(Input("modality_ids", "row_index", "the modality of each row: an integer in [0, M)"),),
+        params=params,
+        options=module.CONVENTIONS,
+        variant=StatsVariant(norm.variant.statistic, affine="table"),
+        term_scales=_per_row(norm.term_scales, tuple(p.name for p in params)),
+        check=norm.check,
+        **own,
+    )
 
 
 _MODALITY_LAYER_NORM_DOC = r"""Modality-specific LayerNorm: row ``i`` uses row ``modality_ids[i]`` of the parameter
@@ -112,23 +125,16 @@ gradients summed per
 modality in a fixed order (deterministic), rows of unused modalities 0.
 """
 
-MODALITY_LAYER_NORM = OpSpec(
-    name="modality_layer_norm",
-    doc=_MODALITY_LAYER_NORM_DOC,
-    backward_doc=_MODALITY_LAYER_NORM_BACKWARD_DOC,
-    inputs=(_IDS,),
-    params=(
-        Param("weight", "table", 1.0, "(M, *x.shape[axis:]) table of per-modality scales", True, index="modality_ids"),
+MODALITY_LAYER_NORM = _modality_spec(
+    _ln,
+    (
+        _WEIGHT_TABLE,
         Param("bias", "table", 0.0, "(M, *x.shape[axis:]) table of per-modality shifts", index="modality_ids"),
     ),
-    options=_ln.CONVENTIONS,
+    doc=_MODALITY_LAYER_NORM_DOC,
+    backward_doc=_MODALITY_LAYER_NORM_BACKWARD_DOC,
     grads=ModalityLayerNormGrads,
     ctx=ModalityLayerNormCtx,
-    reference="pynorm.reference.modality_norm",
-    family="stats",
-    variant=StatsVariant("centered", affine="table"),
-    term_scales=_per_row(_ln.term_scales, ("weight", "bias")),
-    check=_ln.SPEC.check,
     cases=({}, {"correction": 1}, {"eps_mode": "std", "weight_offset": 1.0}),
     summary="y_i = layer_norm(x_i) with the weight/bias rows of modality ids[i]",
 )
@@ -143,21 +149,13 @@ _MODALITY_RMS_NORM_BACKWARD_DOC = r"""Backward of the modality RMSNorm: ``(dx, d
 modality.
 """
 
-MODALITY_RMS_NORM = OpSpec(
-    name="modality_rms_norm",
+MODALITY_RMS_NORM = _modality_spec(
+    _rms,
+    (_WEIGHT_TABLE,),
     doc=_MODALITY_RMS_NORM_DOC,
     backward_doc=_MODALITY_RMS_NORM_BACKWARD_DOC,
-    inputs=(_IDS,),
-    params=(
-        Param("weight", "table", 1.0, "(M, *x.shape[axis:]) table of per-modality scales", True, index="modality_ids"),
-    ),
-    options=_rms.CONVENTIONS,
     grads=ModalityRMSNormGrads,
     ctx=ModalityRMSNormCtx,
-    reference="pynorm.reference.modality_norm",
-    family="stats",
-    variant=StatsVariant("mean_square", affine="table"),
-    term_scales=_per_row(_rms.term_scales, ("weight",)),
     cases=({}, {"weight_offset": 1.0}),
     summary="y_i = rms_norm(x_i) with the weight row of modality ids[i]",
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -129,6 +130,30 @@ _W = Param("W", "matrix", 0.0, "(N, H) weight of the Linear (a torch Linear(H, N
 _C = Param("c", "vector", 0.0, "(N,) bias of the Linear")
 
 
+def _linear_spec(module: ModuleType, **own: Any) -> OpSpec:
+    """The norm of ``module`` (its ``SPEC``) then a Linear, composed of the norm and matrix products: the norm's
+    parameters, then ``W`` and ``c``; ``return_norm``, the norm's conventions (``CONVENTIONS``) and
+    cross-argument check; ``own``: the rest (docs, grads, ctx, cases)."""
+    norm: OpSpec = module.SPEC
+    return OpSpec(
+        name=f"{norm.name}_linear",
+        params=(*norm.params, _W, _C),
+        options=(_RETURN_NORM, *module.CONVENTIONS),
+        result=_result,
+        result_doc=_RESULT_DOC,
+        variant=Composite((norm.name,), "pynorm.composite.norm_linear"),
+        term_scales=_term_scales(norm.term_scales, norm.param_names),
+        check=norm.check,
+        summary=f"n = {norm.name}(x); out = n @ W.T + c (n recomputed in backward)",
+        outputs=("y", "n"),
+        output_dtypes=_dtypes,
+        out_shape=_out_shape,
+        check_arrays=_check_arrays,
+        example_shapes=_example_shapes,
+        **own,
+    )
+
+
 _LAYER_NORM_LINEAR_DOC = r"""Fused LayerNorm + Linear forward: ``(out, ctx)``, or ``((out, n), ctx)`` with
 ``return_norm=True``.
 
@@ -150,28 +175,13 @@ dc)``.
 ``dbias`` are LayerNorm's backward of :math:`dn_t`; :math:`dW = dy^T n`, :math:`dc = \sum_{rows} dy`.
 """
 
-LAYER_NORM_LINEAR = OpSpec(
-    name="layer_norm_linear",
+LAYER_NORM_LINEAR = _linear_spec(
+    _ln,
     doc=_LAYER_NORM_LINEAR_DOC,
     backward_doc=_LAYER_NORM_LINEAR_BACKWARD_DOC,
-    params=(*_ln.SPEC.params, _W, _C),
-    options=(_RETURN_NORM, *_ln.CONVENTIONS),
-    result=_result,
-    result_doc=_RESULT_DOC,
     grads=LayerNormLinearGrads,
     ctx=LayerNormLinearCtx,
-    reference="pynorm.reference.norm_linear",
-    family="composite",
-    variant=Composite(("layer_norm",), "pynorm.composite.norm_linear"),
-    term_scales=_term_scales(_ln.term_scales, ("weight", "bias")),
-    check=_ln.SPEC.check,
     cases=({}, {"correction": 1, "eps_mode": "std"}, {"weight_offset": 1.0}),
-    summary="n = layer_norm(x); out = n @ W.T + c (n recomputed in backward)",
-    outputs=("y", "n"),
-    output_dtypes=_dtypes,
-    out_shape=_out_shape,
-    check_arrays=_check_arrays,
-    example_shapes=_example_shapes,
 )
 
 
@@ -189,25 +199,11 @@ _RMS_NORM_LINEAR_BACKWARD_DOC = r"""Fused RMSNorm + Linear backward: ``RMSNormLi
 :func:`layer_norm_linear_backward`.
 """
 
-RMS_NORM_LINEAR = OpSpec(
-    name="rms_norm_linear",
+RMS_NORM_LINEAR = _linear_spec(
+    _rms,
     doc=_RMS_NORM_LINEAR_DOC,
     backward_doc=_RMS_NORM_LINEAR_BACKWARD_DOC,
-    params=(*_rms.SPEC.params, _W, _C),
-    options=(_RETURN_NORM, *_rms.CONVENTIONS),
-    result=_result,
-    result_doc=_RESULT_DOC,
     grads=RMSNormLinearGrads,
     ctx=RMSNormLinearCtx,
-    reference="pynorm.reference.norm_linear",
-    family="composite",
-    variant=Composite(("rms_norm",), "pynorm.composite.norm_linear"),
-    term_scales=_term_scales(_rms.term_scales, ("weight",)),
     cases=({}, {"weight_offset": 1.0}),
-    summary="n = rms_norm(x); out = n @ W.T + c (n recomputed in backward)",
-    outputs=("y", "n"),
-    output_dtypes=_dtypes,
-    out_shape=_out_shape,
-    check_arrays=_check_arrays,
-    example_shapes=_example_shapes,
 )

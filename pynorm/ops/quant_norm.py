@@ -23,33 +23,25 @@ MAX_INT8_HIDDEN = 1 << 24
 
 
 @dataclass(frozen=True, eq=False)
-class QuantLayerNormCtx:
-    """What :func:`backward` needs. Every backend fills the same fields.
+class QuantLayerNormCtx(_ln.CenteredCtx):
+    """What :func:`backward` needs. Every backend fills the same fields (those of
+    :class:`~pynorm.ops.layer_norm.CenteredCtx` first).
 
     Attributes
     ----------
     x : (R, H) array, the input as given (int8 or float).
-    x_scale : (R,) float64 array, the per-row scale of an int8 ``x`` (None for a float ``x``).
     weight, bias : (H,) arrays or None.
     mean, rstd : (R,) per-row statistics of the real input (float64 for an int8 ``x``; LayerNorm's
         ctx values for a float ``x``).
     eps, correction, eps_mode, weight_offset : the LayerNorm conventions.
+    x_scale : (R,) float64 array, the per-row scale of an int8 ``x`` (None for a float ``x``).
     quantize, out_scale : the output mode (None, ``"row"``, ``"tensor"``; the given scale or None).
     scale : the scale ``s`` of a quantized output: (R,) float32 (``"row"``), (1,) float32 (``"tensor"``
         or ``out_scale``), None for a float output.
     keep : (R, H) bool, False where the output clipped (only with ``out_scale``; None: nowhere).
     """
 
-    x: Any
     x_scale: Any
-    weight: Any
-    bias: Any
-    mean: Any
-    rstd: Any
-    eps: float
-    correction: int
-    eps_mode: str
-    weight_offset: float
     quantize: str | None
     out_scale: float | None
     scale: Any
@@ -190,8 +182,6 @@ SPEC = OpSpec(
     ),
     grads=QuantLayerNormGrads,
     ctx=QuantLayerNormCtx,
-    reference="pynorm.reference.quant_norm",
-    family="quantize",
     variant=QuantizeVariant("centered"),
     term_scales=term_scales,
     check=_check,

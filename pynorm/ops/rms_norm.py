@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_offset, one_of
-from .layer_norm import CASTINGS
+from .layer_norm import CASTINGS, widened
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,13 +45,7 @@ def term_scales(x2: np.ndarray, params: Mapping[str, Any], dy2: np.ndarray, opti
     With ``x̂ = x r`` and ``g = dy (w + o)``: ``y``: ``|x̂| |w + o|``; ``dx``:
     ``r (|g| + |x̂| mean|g x̂|)``; ``dweight``: ``sum_rows |dy x̂|`` (``x̂`` has no cancellation).
     """
-    wide = np.longdouble
-    x = x2.astype(wide)
-    dy = dy2.astype(wide)
-    h = x.shape[1]
-    w = params.get("weight")
-    weff = np.ones(h) if w is None else np.asarray(w, np.float64).reshape(h) + options.get("weight_offset", 0.0)
-    g = np.abs(dy * weff.astype(wide))
+    x, dy, weff, g = widened(x2, params, dy2, options)
     r = 1 / np.sqrt((x * x).mean(axis=1, keepdims=True) + options.get("eps", 1e-6))
     xhat = np.abs(x * r)
     out = {
@@ -98,8 +92,6 @@ SPEC = OpSpec(
     options=OPTIONS,
     grads=RMSNormGrads,
     ctx=RMSNormCtx,
-    reference="pynorm.reference.rms_norm",
-    family="stats",
     variant=StatsVariant("mean_square"),
     term_scales=term_scales,
     cases=({}, {"weight_offset": 1.0}, {"eps": 0.1}),

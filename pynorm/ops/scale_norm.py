@@ -98,8 +98,6 @@ SPEC = OpSpec(
     ),
     grads=ScaleNormGrads,
     ctx=ScaleNormCtx,
-    reference="pynorm.reference.scale_norm",
-    family="stats",
     variant=StatsVariant("l2", affine="scalar"),
     term_scales=term_scales,
     cases=({}, {"eps_mode": "root"}, {"eps": 0.5}),

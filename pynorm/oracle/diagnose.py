@@ -33,7 +33,7 @@ import numpy as np
 from ..ops import OpSpec
 from ..testing import ulp_error
 from ._dtypes import dtype_name, dtype_of, round_to
-from .evaluate import Budgets, CellResult, Evaluated
+from .evaluate import Budgets, CellResult, Evaluated, scale_like
 from .models import Emulation, Model
 
 __all__ = ["Diagnosis", "render_advice", "run_diagnoses"]
@@ -104,15 +104,6 @@ class Diagnosis:
 # matching one emulation against one cell
 
 
-def _shaped(a: Any, shape: tuple[int, ...]) -> np.ndarray | None:
-    if a is None:
-        return None
-    s = np.asarray(a, dtype=np.float64)
-    if s.size == int(np.prod(shape)):
-        return s.reshape(shape)
-    return s if s.size == 1 else None
-
-
 def _errs(actual: np.ndarray, expected: np.ndarray, dtype: Any, scale: Any) -> np.ndarray:
     if dtype_of(dtype).kind in "iu":
         with np.errstate(invalid="ignore"):
@@ -154,7 +145,7 @@ def _distance(emu: Emulation, ev: Evaluated, name: str, budgets: Budgets, need_f
         u = np.where(undefined, r, u)
     out_dt = ev.dtypes[name]
     meas = emu.measure.get(name, out_dt)
-    scale = _shaped(ev.scales.get(name), u.shape)
+    scale = scale_like(ev.scales.get(name), u.shape)
     cell_dt = ev.dtype
     model_err = _errs(m, r, out_dt, scale)
     if need_fail and not (model_err.size and float(model_err.max()) > budgets.get(cell_dt, name)):

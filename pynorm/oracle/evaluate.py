@@ -248,7 +248,9 @@ def _ulp_errors(actual: Any, expected: Any, dtype: Any, scale: Any = None) -> np
     return ulp_error(actual, expected, dtype, scale=scale)
 
 
-def _scale_like(scale: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+def scale_like(scale: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """A term scale as float64 of ``shape`` (or a single value, kept as it is); None where there is none, or where
+    its size fits neither."""
     if scale is None:
         return None
     s = np.asarray(scale, dtype=np.float64)
@@ -335,7 +337,7 @@ def measure(user: Any, ref: np.ndarray, dtype: Any, scale: Any, budget: float) -
     # "huge" row clipped to one value), where the exact result is undefined and any value is accepted
     undefined = np.isnan(r64)
     cmp = np.where(undefined, r64, u64) if undefined.any() else u64
-    sc = _scale_like(scale, ref.shape)
+    sc = scale_like(scale, ref.shape)
     err = _ulp_errors(cmp, r64, dtype, sc)
     ulps = float(err.max()) if err.size else 0.0
     both = np.isfinite(cmp) & np.isfinite(r64)

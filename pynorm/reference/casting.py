@@ -58,6 +58,7 @@ from ._common import round_to, working_dtype, write_result
 
 __all__ = [
     "CASTINGS",
+    "backward_terms",
     "effective_weight",
     "layer_norm_backward_none",
     "layer_norm_forward_none",
@@ -95,6 +96,22 @@ def effective_weight(weight: np.ndarray | None, offset: float, wp: np.dtype[Any]
 
 # ---------------------------------------------------------------------------
 # "none": every operation in x's dtype
+
+
+def backward_terms(dy: np.ndarray, ctx: Any, wp: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, Any, Any]:
+    """The start of a LayerNorm or RMSNorm backward under ``ctx.casting`` (any but ``"none"``), in ``wp``:
+    ``(dyw, g, w, q)`` -- ``dy`` (rounded to the weight's dtype first for ``"t5"``), the gradient and weight the
+    normalization's gradient formula takes (``g = rnd(dy w_e)`` and None where the gradient passes the rounded
+    ``q``; else ``dy`` and ``w_e``), and the dtype of that ``q`` (None: none on the way; else ``xhat`` is rounded
+    to it for the weight's gradient)."""
+    dyw = dy.astype(wp)
+    w = effective_weight(ctx.weight, ctx.weight_offset, wp, ctx.casting)
+    qd = quantized_dtype(ctx.casting, ctx.x.dtype, getattr(ctx.weight, "dtype", None))
+    if qd is None or ctx.casting == "apex":  # Apex's backward recomputes xhat in float32: no q on the way
+        return dyw, dyw, w, None
+    if ctx.casting == "t5":
+        dyw = round_to(dyw, qd).astype(wp)  # HF's T5 output (and so its dy) is in the weight's dtype
+    return dyw, (round_to(dyw * w, qd).astype(wp) if w is not None else dyw), None, qd
 
 
 class _InDtype:

@@ -63,7 +63,10 @@ def _modulation(cond: np.ndarray, W: np.ndarray, c: np.ndarray | None, wp: Any) 
     return p + c.astype(wp) if c is not None else p
 
 
-def _param_grads(dp: np.ndarray, ctx: Any, wp: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _param_grads(parts: list[np.ndarray], ctx: Any, wp: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(dcond, dW, dc)`` from the ``(R, H)`` per-row gradients of gamma (and beta), summed per cond row into
+    ``dP``."""
+    dp = np.concatenate([reduce_rows(part, ctx.cond.shape[0]) for part in parts], axis=1)
     dcond = round_to(dp @ ctx.W.astype(wp), ctx.cond.dtype)
     dW = round_to(dp.T @ ctx.cond.astype(wp), ctx.W.dtype)
     dc = round_to(dp.sum(axis=0), ctx.c.dtype) if ctx.c is not None else None
@@ -97,9 +100,13 @@ def layer_norm_forward(
     return write_result(y, x.dtype, out), ctx
 
 
-def _scale_of(ctx: Any, wp: np.dtype[Any], r: int, h: int) -> np.ndarray:
-    """The ``(R, H)`` per-row scale the forward applied: ``gamma`` (plus 1 with ``zero_centered``)."""
-    return expand(_modulation(ctx.cond, ctx.W, ctx.c, wp)[:, :h], r) + wp.type(1.0 if ctx.zero_centered else 0.0)
+def _upstream(dy: np.ndarray, ctx: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The working dtype of a backward, the ``(R, H)`` per-row scale the forward applied (``gamma``, plus 1 with
+    ``zero_centered``) and ``dy`` in that dtype."""
+    wp = _wp(ctx.x, ctx.cond, ctx.W, ctx.c)
+    r, h = ctx.x.shape
+    gamma = expand(_modulation(ctx.cond, ctx.W, ctx.c, wp)[:, :h], r) + wp.type(1.0 if ctx.zero_centered else 0.0)
+    return wp, gamma, dy.astype(wp)
 
 
 @_ieee
@@ -107,18 +114,12 @@ def layer_norm_backward(
     dy: np.ndarray, ctx: ConditionalLayerNormCtx, *, dx_out: np.ndarray | None = None
 ) -> ConditionalLayerNormGrads:
     """``(dx, dcond, dW, dc)`` of the conditional LayerNorm."""
-    x = ctx.x
-    wp = _wp(x, ctx.cond, ctx.W, ctx.c)
-    r, h = x.shape
-    g = ctx.cond.shape[0]
-    gamma = _scale_of(ctx, wp, r, h)
-    dyw = dy.astype(wp)
+    wp, gamma, dyw = _upstream(dy, ctx)
     dx, xhat = _ln.input_grad(
-        dyw, x.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), gamma, correction=ctx.correction,
+        dyw, ctx.x.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), gamma, correction=ctx.correction,
         eps_mode=ctx.eps_mode,
     )  # fmt: skip
-    dp = np.concatenate([reduce_rows(dyw * xhat, g), reduce_rows(dyw, g)], axis=1)
-    return ConditionalLayerNormGrads(write_result(dx, x.dtype, dx_out), *_param_grads(dp, ctx, wp))
+    return ConditionalLayerNormGrads(write_result(dx, ctx.x.dtype, dx_out), *_param_grads([dyw * xhat, dyw], ctx, wp))
 
 
 @_ieee
@@ -151,16 +152,10 @@ def rms_norm_backward(
     dy: np.ndarray, ctx: ConditionalRMSNormCtx, *, dx_out: np.ndarray | None = None
 ) -> ConditionalRMSNormGrads:
     """``(dx, dcond, dW, dc)`` of the conditional RMSNorm."""
-    x = ctx.x
-    wp = _wp(x, ctx.cond, ctx.W, ctx.c)
-    r, h = x.shape
-    g = ctx.cond.shape[0]
-    gamma = _scale_of(ctx, wp, r, h)
-    dyw = dy.astype(wp)
-    dx, xhat = _rms.input_grad(dyw, x.astype(wp), ctx.rstd.astype(wp), gamma)
-    parts = [reduce_rows(dyw * xhat, g)] + ([reduce_rows(dyw, g)] if ctx.shift else [])
-    dp = np.concatenate(parts, axis=1)
-    return ConditionalRMSNormGrads(write_result(dx, x.dtype, dx_out), *_param_grads(dp, ctx, wp))
+    wp, gamma, dyw = _upstream(dy, ctx)
+    dx, xhat = _rms.input_grad(dyw, ctx.x.astype(wp), ctx.rstd.astype(wp), gamma)
+    parts = [dyw * xhat, dyw] if ctx.shift else [dyw * xhat]
+    return ConditionalRMSNormGrads(write_result(dx, ctx.x.dtype, dx_out), *_param_grads(parts, ctx, wp))
 
 
 class _Op(NamedTuple):

@@ -27,6 +27,17 @@ def _f(a: np.ndarray) -> np.ndarray:
     return np.vectorize(float, otypes=[np.float64])(a)
 
 
+def _setup(x: np.ndarray, w: np.ndarray | None, eps: float, offset: float, dps: int) -> tuple[Any, ...]:
+    """``(mp, eps, we, y, dx, dw)``: the mpmath context at ``dps`` digits, ``eps`` in it, the effective weight
+    ``w + offset`` (ones without ``w``), the ``(R, H)`` object arrays of ``y`` and ``dx`` to fill and the ``H`` zero
+    sums of ``dweight``."""
+    mp = _mp(dps)
+    h = x.shape[1]
+    offset = mp.mpf(float(offset))
+    we = [mp.mpf(float(v)) + offset for v in w] if w is not None else [mp.mpf(1)] * h
+    return mp, mp.mpf(float(eps)), we, np.empty(x.shape, dtype=object), np.empty(x.shape, dtype=object), [mp.mpf(0)] * h
+
+
 def layer_norm(
     x: np.ndarray,
     w: np.ndarray | None,
@@ -39,13 +50,8 @@ def layer_norm(
     dps: int = 50,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Exact LayerNorm ``(y, dx, dweight, dbias)`` of ``(R, H)`` inputs, rounded to float64 at the end."""
-    mp = _mp(dps)
-    eps = mp.mpf(float(eps))
-    offset = mp.mpf(float(offset))
+    mp, eps, we, y, dx, dw = _setup(x, w, eps, offset, dps)
     rows, h = x.shape
-    y = np.empty((rows, h), dtype=object)
-    dx = np.empty((rows, h), dtype=object)
-    dw = [mp.mpf(0)] * h
     db = [mp.mpf(0)] * h
     for i in range(rows):
         xs = [mp.mpf(float(v)) for v in x[i]]
@@ -57,7 +63,6 @@ def layer_norm(
         s = mp.sqrt(var)
         r = 1 / mp.sqrt(var + eps) if eps_mode == "var" else 1 / (s + eps)
         xh = [t * r for t in d]
-        we = [mp.mpf(float(v)) + offset for v in w] if w is not None else [mp.mpf(1)] * h
         bb = [mp.mpf(float(v)) for v in b] if b is not None else [mp.mpf(0)] * h
         g = [gs[j] * we[j] for j in range(h)]
         gbar = mp.fsum(g) / h
@@ -78,19 +83,13 @@ def rms_norm(
     x: np.ndarray, w: np.ndarray | None, dy: np.ndarray, eps: float, offset: float = 0.0, dps: int = 50
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Exact RMSNorm ``(y, dx, dweight)`` of ``(R, H)`` inputs, rounded to float64 at the end."""
-    mp = _mp(dps)
-    eps = mp.mpf(float(eps))
-    offset = mp.mpf(float(offset))
+    mp, eps, we, y, dx, dw = _setup(x, w, eps, offset, dps)
     rows, h = x.shape
-    y = np.empty((rows, h), dtype=object)
-    dx = np.empty((rows, h), dtype=object)
-    dw = [mp.mpf(0)] * h
     for i in range(rows):
         xs = [mp.mpf(float(v)) for v in x[i]]
         gs = [mp.mpf(float(v)) for v in dy[i]]
         r = 1 / mp.sqrt(mp.fsum(t * t for t in xs) / h + eps)
         xh = [t * r for t in xs]
-        we = [mp.mpf(float(v)) + offset for v in w] if w is not None else [mp.mpf(1)] * h
         g = [gs[j] * we[j] for j in range(h)]
         c = mp.fsum(g[j] * xh[j] for j in range(h)) / h
         for j in range(h):

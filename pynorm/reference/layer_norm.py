@@ -154,20 +154,12 @@ def backward(dy: np.ndarray, ctx: LayerNormCtx, *, dx_out: np.ndarray | None = N
         )  # fmt: skip
         return LayerNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)
     wp = np.result_type(ctx.mean.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
-    dyw = dy.astype(wp)
-    w = _cast.effective_weight(weight, ctx.weight_offset, wp, ctx.casting)
-    qd = _cast.quantized_dtype(ctx.casting, x.dtype, getattr(weight, "dtype", None))
-    through_q = qd is not None and ctx.casting != "apex"  # the gradient passes the rounded q
-    if through_q and ctx.casting == "t5":
-        dyw = round_to(dyw, qd).astype(wp)  # HF's T5 output (and so its dy) is in the weight's dtype
-    g = dyw
-    if through_q:
-        g = round_to(dyw * w, qd).astype(wp) if w is not None else dyw
+    dyw, g, w, qd = _cast.backward_terms(dy, ctx, wp)
     dx, xhat = input_grad(
-        g, x.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), None if through_q else w,
-        correction=ctx.correction, eps_mode=ctx.eps_mode,
+        g, x.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), w, correction=ctx.correction,
+        eps_mode=ctx.eps_mode,
     )  # fmt: skip
-    if through_q:
+    if qd is not None:
         xhat = round_to(xhat, qd).astype(wp)
     dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None

@@ -71,7 +71,7 @@ def layer_norm_forward(
     w = _table_rows(weight, modality_ids, weight_offset, wp)
     y = _ln.affine(d * rstd[:, None], w, _table_rows(bias, modality_ids, 0.0, wp))
     ctx = ModalityLayerNormCtx(
-        x, modality_ids, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset)
+        x, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), modality_ids
     )
     return write_result(y, x.dtype, out), ctx
 

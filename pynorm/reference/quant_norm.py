@@ -187,7 +187,7 @@ def forward(
     else:
         result = yfloat if yfloat is not None else y64
     ctx = QuantLayerNormCtx(
-        x, xs, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), quantize,
+        x, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), xs, quantize,
         None if out_scale is None else float(out_scale), scale, keep,
     )  # fmt: skip
     return write_result(result, odt, out), ctx

@@ -90,15 +90,9 @@ def backward(dy: np.ndarray, ctx: RMSNormCtx, *, dx_out: np.ndarray | None = Non
         dx, dweight = _cast.rms_norm_backward_none(dy, x, weight, eps=ctx.eps, weight_offset=ctx.weight_offset)
         return RMSNormGrads(write_result(dx, x.dtype, dx_out), dweight)
     wp = np.result_type(ctx.rstd.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
-    dyw = dy.astype(wp)
-    w = _cast.effective_weight(weight, ctx.weight_offset, wp, ctx.casting)
-    qd = _cast.quantized_dtype(ctx.casting, x.dtype, getattr(weight, "dtype", None))
-    through_q = qd is not None and ctx.casting != "apex"  # the gradient passes the rounded q
-    if through_q and ctx.casting == "t5":
-        dyw = round_to(dyw, qd).astype(wp)  # HF's T5 output (and so its dy) is in the weight's dtype
-    g = round_to(dyw * w, qd).astype(wp) if through_q and w is not None else dyw
-    dx, xhat = input_grad(g, x.astype(wp), ctx.rstd.astype(wp), None if through_q else w)
-    if through_q:
+    dyw, g, w, qd = _cast.backward_terms(dy, ctx, wp)
+    dx, xhat = input_grad(g, x.astype(wp), ctx.rstd.astype(wp), w)
+    if qd is not None:
         xhat = round_to(xhat, qd).astype(wp)
     dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     return RMSNormGrads(write_result(dx, x.dtype, dx_out), dweight)

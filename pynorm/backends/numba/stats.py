@@ -432,7 +432,6 @@ class ChannelOp:
         self.grads = spec.grads
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
-        self._setups: dict[Any, _Setup] = {}  # by options and dtypes (:meth:`_setup`)
 
     def __repr__(self) -> str:
         return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"

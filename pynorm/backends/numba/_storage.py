@@ -42,6 +42,7 @@ __all__ = [
     "st",
     "st_exact",
     "tcast",
+    "tile",
     "tiny_sum",
     "wat",
 ]
@@ -265,6 +266,16 @@ def _r_ok_ol(a, r):  # type: ignore[no-untyped-def]
     if a.dtype == types.float64:
         return lambda a, r: 2.0**-1000 < r < 2.0**1000
     return lambda a, r: 2.0**-120 < r < 2.0**120
+
+
+@jit(inline="always")
+def tile(t, n, size):  # type: ignore[no-untyped-def]
+    """``(i, j0, j1)`` of task ``t`` over rows of ``n`` values cut into tiles of ``size`` (``ceil(n / size)``
+    tasks a row, in order): the row (or row block) ``i`` and the tile's values ``j0 <= j < j1``."""
+    nt = (n + size - 1) // size
+    i = t // nt
+    j0 = (t - i * nt) * size
+    return i, j0, min(j0 + size, n)
 
 
 def seg(a, lo, hi):  # type: ignore[no-untyped-def]

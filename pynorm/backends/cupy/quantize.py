@@ -12,17 +12,17 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 import cupy
 import numpy as np
 
-from ...ops import SPECS, Served
-from ...ops.families import base_norm, kernel_args
+from ...ops import Served
+from ...ops.families import kernel_args
 from ...ops.layer_norm import LayerNormCtx
 from ...ops.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, quantizing
 from ...reference.quant_norm import output_scale
+from .._quant import QuantOpBase
 from . import _host, _launch
 from ._args import QuantDequantArgs, QuantFloatArgs, QuantInt8Args, QuantMaskArgs
 from ._loader import FAMILY_FILES, get_kernel, supports
@@ -44,20 +44,13 @@ def _param_type(weight: Any, bias: Any) -> tuple[str, Any, Any]:
     return wt, _host.prepare_param(weight, wt), _host.prepare_param(bias, wt)
 
 
-class QuantOp:
+class QuantOp(QuantOpBase):
     """``quant_layer_norm`` on this backend (see the module doc)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.spec = SPECS[name]
-        self.norm_name = base_norm(self.spec, SPECS)
+    def _stats_ops(self) -> Any:
+        from .stats import OP_IMPLS
 
-    @property
-    def norm(self) -> Any:
-        """The statistics family's op of the spec's statistic (:func:`pynorm.ops.families.base_norm`)."""
-        from .stats import OP_IMPLS as STATS
-
-        return STATS[self.norm_name]
+        return OP_IMPLS
 
     def _quant(self, kernel: str, t: str, rows: int, hidden: int, args: Any) -> None:
         k = get_kernel(_FILE, kernel, (t,))
@@ -118,9 +111,7 @@ class QuantOp:
                 scale = cupy.empty(rows, dtype=cupy.float32)
                 run(ROW, 0.0, result, None, scale, None, None)
         arrays = dict(x=x, x_scale=xs, weight=weight, bias=bias, mean=mean, rstd=rstd, scale=scale, keep=keep)
-        values = {**self.spec.defaults(), **conventions, **dict(zip(kargs._fields, kargs)), **arrays}
-        values.update(quantize=quantize, out_scale=out_scale)
-        return result, QuantLayerNormCtx(**{f.name: values[f.name] for f in fields(QuantLayerNormCtx)})
+        return result, self._ctx(conventions, kargs, arrays, quantize=quantize, out_scale=out_scale)
 
     def backward(self, dy: cupy.ndarray, ctx: QuantLayerNormCtx, *, dx_out: Any = None) -> QuantLayerNormGrads:
         rows, hidden = (int(d) for d in dy.shape)

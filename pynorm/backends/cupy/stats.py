@@ -40,6 +40,7 @@ import numpy as np
 from ...errors import ContextError, DTypeError
 from ...ops import OpSpec, Served, StatsVariant
 from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statistic_of
+from .._spec import param_names, prologue_input_names
 from . import _host, _launch
 from ._args import BwdApplyArgs, BwdArgs, BwdStatsArgs, FwdArgs
 from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
@@ -108,12 +109,8 @@ class StatsOp:
         self.residual = self.prologue.residual
         self.table = affine.index
         self.scalar = affine.broadcast  # one scalar weight: its gradient is the sum over every column
-        names = spec.param_names  # the scale, then the shift (checked against the affine source's record)
-        self.weight_name = names[0]
-        self.bias_name = names[1] if len(names) > 1 else ""
-        kinds: dict[str, str] = {i.kind: i.name for i in spec.inputs}
-        self.residual_name = kinds.get(self.prologue.input_kind, "")
-        self.ids_name = kinds.get("row_index", "")
+        self.weight_name, self.bias_name = param_names(spec)
+        self.residual_name, self.ids_name = prologue_input_names(spec, self.prologue)
         self.ctx_fields = {f.name for f in fields(spec.ctx)}
 
     def _split(self, args: tuple[Any, ...]) -> tuple[dict[str, Any], Any, Any]:

@@ -35,7 +35,7 @@ import numpy as np
 
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
-from ._storage import at, ld, st
+from ._storage import at, ld, st, tile
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -98,6 +98,13 @@ def layout(n: int, c: int, s: int) -> tuple[int, int, int]:
     return nb, g, -(-n // nb) * -(-c // g)
 
 
+@jit(inline="always")
+def _row_task(t, c_):  # type: ignore[no-untyped-def]
+    """Task ``t`` of the element-wise passes: the row ``(n, c) = divmod(t, C)``."""
+    i = t // c_
+    return i, t - i * c_
+
+
 @jit(FM_SUM)
 def _row_sum(xr):  # type: ignore[no-untyped-def]
     """float64 sum of a row (storage form)."""
@@ -149,12 +156,9 @@ def _chan(mh, ml, m2, na, mean_h, mean_l, m2b, nb):  # type: ignore[no-untyped-d
 @jit(_FM_EXACT)
 def _col_stats_span(x, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
     n_, c_, s_ = x.shape
-    ng = (c_ + g - 1) // g
     sf = np.float64(s_)
     for t in range(t0, t1):
-        j = t // ng
-        c0 = (t - j * ng) * g
-        c1 = min(c0 + g, c_)
+        j, c0, c1 = tile(t, c_, g)
         n0 = j * nb
         for i in range(n0, min(n0 + nb, n_)):
             na = np.float64((i - n0) * s_)
@@ -220,14 +224,11 @@ def _short_devs(x, n0, n1, c0, c1, m, a1, a2):  # type: ignore[no-untyped-def]
 @jit(_FM_EXACT)
 def _col_stats_short_span(x, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
     n_, c_, s_ = x.shape
-    ng = (c_ + g - 1) // g
     m = np.empty(g)
     a1 = np.empty(g)
     a2 = np.empty(g)
     for t in range(t0, t1):
-        j = t // ng
-        c0 = (t - j * ng) * g
-        c1 = min(c0 + g, c_)
+        j, c0, c1 = tile(t, c_, g)
         n0 = j * nb
         n1 = min(n0 + nb, n_)
         cnt = np.float64((n1 - n0) * s_)
@@ -281,14 +282,11 @@ def _short_bwd(x, dy, k, cc, n0, n1, c0, c1, g0, p0, e0):  # type: ignore[no-unt
 @jit(_FM_EXACT)
 def _col_bwd_sums_short_span(x, dy, k, cc, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
     n_, c_ = x.shape[0], x.shape[1]
-    ng = (c_ + g - 1) // g
     g0 = np.empty(g)
     p0 = np.empty(g)
     e0 = np.empty(g)
     for t in range(t0, t1):
-        j = t // ng
-        c0 = (t - j * ng) * g
-        c1 = min(c0 + g, c_)
+        j, c0, c1 = tile(t, c_, g)
         _short_bwd(x, dy, k, cc, j * nb, min(j * nb + nb, n_), c0, c1, g0, p0, e0)
         for c in range(c0, c1):
             part[c, j, 0] = g0[c - c0]
@@ -343,11 +341,8 @@ def _row_bwd(xr, dyr, k, cc):  # type: ignore[no-untyped-def]
 @jit(_FM_EXACT)
 def _col_bwd_sums_span(x, dy, k, cc, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
     n_, c_ = x.shape[0], x.shape[1]
-    ng = (c_ + g - 1) // g
     for t in range(t0, t1):
-        j = t // ng
-        c0 = (t - j * ng) * g
-        c1 = min(c0 + g, c_)
+        j, c0, c1 = tile(t, c_, g)
         for c in range(c0, c1):
             part[c, j, 0] = 0.0
             part[c, j, 1] = 0.0
@@ -384,8 +379,7 @@ def _col_apply_span(x, k, cc, sw, b, y, t0, t1):  # type: ignore[no-untyped-def]
     c_ = x.shape[1]
     s_ = x.shape[2]
     for t in range(t0, t1):
-        i = t // c_
-        c = t - i * c_
+        i, c = _row_task(t, c_)
         xr = x[i, c]
         yr = y[i, c]
         kc = k[c]
@@ -412,8 +406,7 @@ def _col_dx_span(x, dy, k, cc, a, m1, q, dx, t0, t1):  # type: ignore[no-untyped
     c_ = x.shape[1]
     s_ = x.shape[2]
     for t in range(t0, t1):
-        i = t // c_
-        c = t - i * c_
+        i, c = _row_task(t, c_)
         xr = x[i, c]
         dyr = dy[i, c]
         dxr = dx[i, c]
@@ -438,8 +431,7 @@ def _col_scale_span(dy, a, dx, t0, t1):  # type: ignore[no-untyped-def]
     c_ = dy.shape[1]
     s_ = dy.shape[2]
     for t in range(t0, t1):
-        i = t // c_
-        c = t - i * c_
+        i, c = _row_task(t, c_)
         dyr = dy[i, c]
         dxr = dx[i, c]
         ac = a[c]

@@ -46,7 +46,7 @@ from . import _vmath as vm
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._layout import EW_TILE, ROW_BLOCK
-from ._storage import JIT_ONLY, ld, seg, seg2, st
+from ._storage import JIT_ONLY, ld, seg, seg2, st, tile
 
 __all__ = ["PIECES", "ew_bwd", "ew_fwd", "f_fix", "f_grad", "f_value", "fcast"]
 
@@ -290,12 +290,9 @@ def _ew_fwd_span(fn, x, a, w, b, y, t0, t1):  # type: ignore[no-untyped-def]
     """Tasks ``t0 <= t < t1`` (task ``t``: row ``t // tiles``, one column tile) of :func:`ew_fwd` (its body: see
     :func:`._stats_kernels._fwd_span`)."""
     h = x.shape[1]
-    nt = (h + EW_TILE - 1) // EW_TILE
     av = fcast(x, a)
     for t in range(t0, t1):
-        i = t // nt
-        j0 = (t - i * nt) * EW_TILE
-        j1 = min(j0 + EW_TILE, h)
+        i, j0, j1 = tile(t, h, EW_TILE)
         xr = x[i, j0:j1]
         yr = y[i, j0:j1]
         wr = seg(w, j0, j1)
@@ -358,12 +355,9 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
     """Tasks ``t0 <= t < t1`` (task ``t``: row block ``t // tiles``, one column tile) of :func:`ew_bwd` (its body:
     see :func:`._stats_kernels._fwd_span`)."""
     rows, h = x.shape
-    nt = (h + EW_TILE - 1) // EW_TILE
     av = fcast(x, a)
     for t in range(t0, t1):
-        blk = t // nt
-        j0 = (t - blk * nt) * EW_TILE
-        j1 = min(j0 + EW_TILE, h)
+        blk, j0, j1 = tile(t, h, EW_TILE)
         n = j1 - j0
         pwr = seg2(pw, blk, j0, j1)
         pbr = seg2(pb, blk, j0, j1)

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import numpy as np
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from ._cache import jit
-from ._storage import JIT_ONLY, ld, st, st_exact
+from ._storage import JIT_ONLY, fma, ld, st, st_exact
 
 __all__ = [
     "aff_add",
@@ -60,18 +60,6 @@ def _none(t):  # type: ignore[no-untyped-def]
     return t is None or isinstance(t, types.NoneType)
 
 
-@intrinsic
-def _fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
-    """``a * b + c`` with one rounding (float64)."""
-    if not all(t == types.float64 for t in (a, b, c)):
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.fma(*args)
-
-    return types.float64(types.float64, types.float64, types.float64), codegen
-
-
 def _hsum(x, r, alpha):  # type: ignore[no-untyped-def]
     """``x + alpha * r`` in float64 (see the module doc)."""
     raise RuntimeError(JIT_ONLY)
@@ -80,7 +68,7 @@ def _hsum(x, r, alpha):  # type: ignore[no-untyped-def]
 @overload(_hsum, jit_options={"fastmath": False, "error_model": "numpy"})
 def _hsum_ol(x, r, alpha):  # type: ignore[no-untyped-def]
     if x == types.float64 or r == types.float64:
-        return lambda x, r, alpha: _fma(alpha, np.float64(r), np.float64(x))
+        return lambda x, r, alpha: fma(alpha, np.float64(r), np.float64(x))
     return lambda x, r, alpha: np.float64(x) + alpha * np.float64(r)
 
 

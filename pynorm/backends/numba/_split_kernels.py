@@ -33,7 +33,7 @@ from ._io import _h_row, arow, ep_row, pslot, pzero
 from ._layout import ROW_BLOCK, SPLIT_SEG
 from ._rowstats import bwd_centring, bwd_finish, eps_outside, fwd_finish, fwd_shift, rfactor, row_aux, seg_sums
 from ._stats_kernels import _FWD_PENDING, FAST, PENDING, _bwd_sums, write_dx, write_y
-from ._storage import at, r_ok, tcast
+from ._storage import at, r_ok, tcast, tile
 from ._stream import sfence
 
 __all__ = [
@@ -48,15 +48,6 @@ __all__ = [
 ]
 
 
-@jit()
-def _segment(t, h):  # type: ignore[no-untyped-def]
-    """``(row or block, j0, j1)`` of task ``t`` over a row of ``h`` columns."""
-    nseg = (h + SPLIT_SEG - 1) // SPLIT_SEG
-    i = t // nseg
-    j0 = (t - i * nseg) * SPLIT_SEG
-    return i, j0, min(j0 + SPLIT_SEG, h)
-
-
 # ---------------------------------------------------------------------------
 # forward
 
@@ -64,7 +55,7 @@ def _segment(t, h):  # type: ignore[no-untyped-def]
 @jit()
 def _prologue_span(pro, x, t0, t1):  # type: ignore[no-untyped-def]
     for t in range(t0, t1):
-        i, j0, j1 = _segment(t, x.shape[1])
+        i, j0, j1 = tile(t, x.shape[1], SPLIT_SEG)
         _h_row(x[i, j0:j1], pro[0][i, j0:j1], pro[1], pro[2][i, j0:j1])
 
 
@@ -78,7 +69,7 @@ def prologue(pro, x, lo, hi):  # type: ignore[no-untyped-def]
 @jit(FM_SUM)
 def _fwd_sums_span(stat, x, k, s1, s2, t0, t1):  # type: ignore[no-untyped-def]
     for t in range(t0, t1):
-        i, j0, j1 = _segment(t, x.shape[1])
+        i, j0, j1 = tile(t, x.shape[1], SPLIT_SEG)
         xr = x[i]
         kk = fwd_shift(stat, xr)
         if j0 == 0:
@@ -131,7 +122,7 @@ def _fwd_finish_rows(stat, x, k, s1, s2, eps, corr, mode, c, aux, rstd):  # type
 @jit(FM_SUM)
 def _fwd_write_span(stat, x, w, b, tab, k, c, rstd, y, stream, t0, t1):  # type: ignore[no-untyped-def]
     for t in range(t0, t1):
-        i, j0, j1 = _segment(t, x.shape[1])
+        i, j0, j1 = tile(t, x.shape[1], SPLIT_SEG)
         if rstd[i] != _FWD_PENDING:
             xr = x[i]
             write_y(stat, xr, arow(w, tab, i), arow(b, tab, i), tcast(xr, k[i]), tcast(xr, c[i]),
@@ -176,7 +167,7 @@ def _bwd_prep(stat, x, mean, rstd, k, c, ok):  # type: ignore[no-untyped-def]
 def _bwd_sums_span(stat, x, dy, w, tab, k, c, rstd, ok, mode, pw, pb, sums, t0, t1):  # type: ignore[no-untyped-def]
     rows, h = x.shape
     for t in range(t0, t1):
-        blk, j0, j1 = _segment(t, h)
+        blk, j0, j1 = tile(t, h, SPLIT_SEG)
         pzero(pw, tab, blk, j0, j1)
         pzero(pb, tab, blk, j0, j1)
         for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
@@ -233,7 +224,7 @@ def _bwd_finish_rows(stat, x, k, c, rstd, ok, corr, mode, mean, sums, gbar, coef
 @jit(FM_SUM)
 def _bwd_write_span(stat, x, dy, w, tab, k, c, rstd, gbar, coef, scale, ep, dx, stream, t0, t1):  # type: ignore[no-untyped-def]
     for t in range(t0, t1):
-        i, j0, j1 = _segment(t, x.shape[1])
+        i, j0, j1 = tile(t, x.shape[1], SPLIT_SEG)
         if scale[i] == FAST:
             xr = x[i]
             write_dx(stat, xr, dy[i], arow(w, tab, i), tcast(xr, k[i]), tcast(xr, c[i]), tcast(xr, rstd[i]),

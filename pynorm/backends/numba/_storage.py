@@ -31,6 +31,8 @@ from ._cache import jit
 __all__ = [
     "JIT_ONLY",
     "at",
+    "bitcast",
+    "fma",
     "ld",
     "opt_add",
     "opt_mul",
@@ -40,6 +42,7 @@ __all__ = [
     "st",
     "st_exact",
     "tcast",
+    "tile",
     "tiny_sum",
     "wat",
 ]
@@ -51,15 +54,37 @@ JIT_ONLY = "this helper is a numba @overload: it exists only inside numba-jitted
 # bit-level conversions
 
 
+def bitcast(src, dst, name):  # type: ignore[no-untyped-def]
+    """An intrinsic ``name(v)``: the value of numba type ``dst`` with the bits of ``v`` of type ``src`` (of the
+    same width); no other argument type."""
+
+    def cast(typingctx, v):  # type: ignore[no-untyped-def]
+        if v != src:
+            return None
+
+        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+            return builder.bitcast(args[0], context.get_value_type(dst))
+
+        return dst(src), codegen
+
+    cast.__name__ = cast.__qualname__ = name
+    cast.__doc__ = f"The bits of the {src} ``v`` as a {dst}."
+    return intrinsic(cast)
+
+
 @intrinsic
-def _f32_bits(typingctx, v):  # type: ignore[no-untyped-def]
-    if v != types.float32:
+def fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """``a * b + c`` rounded once (``llvm.fma``; the three arguments of one float type)."""
+    if not (a == b == c and a in (types.float32, types.float64)):
         return None
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.IntType(32))
+        return builder.fma(*args)
 
-    return types.uint32(types.float32), codegen
+    return a(a, a, a), codegen
+
+
+_f32_bits = bitcast(types.float32, types.uint32, "_f32_bits")
 
 
 @intrinsic
@@ -241,6 +266,16 @@ def _r_ok_ol(a, r):  # type: ignore[no-untyped-def]
     if a.dtype == types.float64:
         return lambda a, r: 2.0**-1000 < r < 2.0**1000
     return lambda a, r: 2.0**-120 < r < 2.0**120
+
+
+@jit(inline="always")
+def tile(t, n, size):  # type: ignore[no-untyped-def]
+    """``(i, j0, j1)`` of task ``t`` over rows of ``n`` values cut into tiles of ``size`` (``ceil(n / size)``
+    tasks a row, in order): the row (or row block) ``i`` and the tile's values ``j0 <= j < j1``."""
+    nt = (n + size - 1) // size
+    i = t // nt
+    j0 = (t - i * nt) * size
+    return i, j0, min(j0 + size, n)
 
 
 def seg(a, lo, hi):  # type: ignore[no-untyped-def]

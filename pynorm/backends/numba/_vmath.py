@@ -42,6 +42,8 @@ from numba import types
 from numba.extending import intrinsic
 
 from ._cache import jit
+from ._storage import bitcast
+from ._storage import fma as _fma
 
 # the scalar functions are inlined into their callers (numba IR) so that LLVM sees one loop body to vectorize
 
@@ -85,52 +87,9 @@ def _i2f(typingctx, v):  # type: ignore[no-untyped-def]
     return types.float32(v), codegen
 
 
-@intrinsic
-def _f2i(typingctx, v):  # type: ignore[no-untyped-def]
-    """The bits of the float32 ``v`` as an int32."""
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(types.float32), codegen
-
-
-@intrinsic
-def _l2d(typingctx, v):  # type: ignore[no-untyped-def]
-    """The float64 whose bits are the int64 ``v``."""
-    if v != types.int64:
-        return None  # numba's integer arithmetic is int64
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return types.float64(types.int64), codegen
-
-
-@intrinsic
-def _d2l(typingctx, v):  # type: ignore[no-untyped-def]
-    """The bits of the float64 ``v`` as an int64."""
-    if v != types.float64:
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.bitcast(args[0], ir.IntType(64))
-
-    return types.int64(types.float64), codegen
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
-    """``a * b + c`` rounded once (``llvm.fma``; the three arguments of one float type)."""
-    if not (a == b == c and a in (types.float32, types.float64)):
-        return None
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.fma(*args)
-
-    return a(a, a, a), codegen
+_f2i = bitcast(types.float32, types.int32, "_f2i")
+_l2d = bitcast(types.int64, types.float64, "_l2d")
+_d2l = bitcast(types.float64, types.int64, "_d2l")
 
 
 @jit(inline="always")
@@ -153,6 +112,18 @@ _E7 = _F32(1.525273380405984e-05)
 
 
 @jit(inline="always")
+def _exp2_poly(f):  # type: ignore[no-untyped-def]
+    """``2^f`` for a float32 ``|f| <= 1/2``: the degree-7 Taylor polynomial, by Horner's rule in fma."""
+    p = _fma(f, _E7, _E6)
+    p = _fma(f, p, _E5)
+    p = _fma(f, p, _E4)
+    p = _fma(f, p, _E3)
+    p = _fma(f, p, _E2)
+    p = _fma(f, p, _E1)
+    return _fma(f, p, _F32(1.0))
+
+
+@jit(inline="always")
 def _exp2_red(t):  # type: ignore[no-untyped-def]
     """``(m, n)``: ``2^t = m 2^n`` with ``n`` an int32 in ``[-370, 254]`` (``t`` clamped there; NaN -> -370)
     and ``m = 2^(t - n)`` (``|t - n| <= 1/2`` inside the range)."""
@@ -160,13 +131,7 @@ def _exp2_red(t):  # type: ignore[no-untyped-def]
     tc = tc if tc < _F32(254.0) else _F32(254.0)
     nf = np.floor(tc + _F32(0.5))
     f = t - nf
-    p = _fma(f, _E7, _E6)
-    p = _fma(f, p, _E5)
-    p = _fma(f, p, _E4)
-    p = _fma(f, p, _E3)
-    p = _fma(f, p, _E2)
-    p = _fma(f, p, _E1)
-    m = _fma(f, p, _F32(1.0))
+    m = _exp2_poly(f)
     return m, np.int32(nf)
 
 
@@ -222,13 +187,7 @@ def sech2_parts(z, zlo):  # type: ignore[no-untyped-def]
     # f = -(2|z| + 2 sign(z) zlo) log2 e - n, with the product's rounding and log2 e's tail added back
     lo = a2 * _LOG2E_LO + math.copysign(_F32(2.0), z) * zlo * _LOG2E
     f = _fma(-a2, _LOG2E, -_F32(n)) - lo
-    p = _fma(f, _E7, _E6)
-    p = _fma(f, p, _E5)
-    p = _fma(f, p, _E4)
-    p = _fma(f, p, _E3)
-    p = _fma(f, p, _E2)
-    p = _fma(f, p, _E1)
-    m = _fma(f, p, _F32(1.0))
+    m = _exp2_poly(f)
     s = m * _pow2i(n if n > np.int32(-126) else np.int32(-126))  # only 1 + s matters below 2^-126
     d = _F32(1.0) + s
     v = (_F32(0.5) * m) / (d * d)  # 4 s / (1 + s)^2 = (m / 2 / (1 + s)^2) 2^(n + 3)
@@ -361,31 +320,25 @@ def spow_f32(x, p):  # type: ignore[no-untyped-def]
 # array forms (the tests' view of the scalar functions)
 
 
-@jit()
-def exp2_f32_array(x):  # type: ignore[no-untyped-def]
-    """:func:`exp2_f32` of every element of a 1-d float32 array."""
-    y = np.empty_like(x)
-    for i in range(x.size):
-        y[i] = exp2_f32(x[i])
-    return y
+def _array_form(f):  # type: ignore[no-untyped-def]
+    """A jitted loop applying the one-argument scalar function ``f`` to every element of a 1-d float32 array
+    (numba cannot pass ``*args`` to an inlined closure: :func:`spow_f32_array` is written out)."""
+
+    @jit()
+    def array_form(x):  # type: ignore[no-untyped-def]
+        y = np.empty_like(x)
+        for i in range(x.size):
+            y[i] = f(x[i])
+        return y
+
+    array_form.__name__ = array_form.__qualname__ = f"{f.__name__}_array"
+    array_form.__doc__ = f":func:`{f.__name__}` of every element of a 1-d float32 array."
+    return array_form
 
 
-@jit()
-def tanh_f32_array(x):  # type: ignore[no-untyped-def]
-    """:func:`tanh_f32` of every element of a 1-d float32 array."""
-    y = np.empty_like(x)
-    for i in range(x.size):
-        y[i] = tanh_f32(x[i])
-    return y
-
-
-@jit()
-def log2_f32_array(x):  # type: ignore[no-untyped-def]
-    """:func:`log2_f32` of every element of a 1-d float32 array."""
-    y = np.empty_like(x)
-    for i in range(x.size):
-        y[i] = log2_f32(x[i])
-    return y
+exp2_f32_array = _array_form(exp2_f32)
+tanh_f32_array = _array_form(tanh_f32)
+log2_f32_array = _array_form(log2_f32)
 
 
 @jit()

@@ -16,16 +16,16 @@ bitwise independent of the thread count, and for an int8 input bitwise equal to 
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 import numpy as np
 
-from ...ops import SPECS, Served
-from ...ops.families import R_OUTSIDE, base_norm, kernel_args
+from ...ops import Served
+from ...ops.families import R_OUTSIDE, kernel_args
 from ...ops.layer_norm import LayerNormCtx
 from ...ops.quant_norm import QuantLayerNormCtx, QuantLayerNormGrads, quantizing
 from ...reference.quant_norm import output_scale
+from .._quant import QuantOpBase
 from . import _common as common
 from . import _quant_kernels as kernels
 from ._threads import launch
@@ -40,21 +40,14 @@ _A0 = np.empty(0)
 _K0 = np.empty((0, 0), np.bool_)
 
 
-class QuantOp:
+class QuantOp(QuantOpBase):
     """``quant_layer_norm`` on this backend (see the module doc); the norm of a float input and every backward
     are the statistics family's op of the spec's statistic."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.spec = SPECS[name]
-        self.norm_name = base_norm(self.spec, SPECS)
+    def _stats_ops(self) -> Any:
+        from .stats import OP_IMPLS
 
-    @property
-    def norm(self) -> Any:
-        """The statistics family's op of the spec's statistic (:func:`pynorm.ops.families.base_norm`)."""
-        from .stats import OP_IMPLS as STATS
-
-        return STATS[self.norm_name]
+        return OP_IMPLS
 
     def forward(
         self, x: np.ndarray, x_scale: Any, weight: Any, bias: Any, *, out: Any = None, quantize: str | None = None,
@@ -118,7 +111,7 @@ class QuantOp:
                 scale = np.empty(rows, np.float32)
                 launch(kernels.quant_rows, work, rows, src, kernels.ROW, 0.0, _Y0, result, scale, _A0, _K0, *row_stats)
         arrays = dict(x=x, x_scale=xs, weight=weight, bias=bias, mean=mean, rstd=rstd, scale=scale, keep=keep)
-        return result, _ctx(self.spec, conventions, kargs, arrays, quantize=quantize, out_scale=out_scale)
+        return result, self._ctx(conventions, kargs, arrays, quantize=quantize, out_scale=out_scale)
 
     def backward(self, dy: np.ndarray, ctx: QuantLayerNormCtx, dx_out: Any = None) -> QuantLayerNormGrads:
         rows, h = dy.shape
@@ -148,13 +141,6 @@ class QuantOp:
             return QuantLayerNormGrads(dx, grads.dweight, grads.dbias)
         grads = self.norm.backward(g, lctx, dx_out=dx_out)
         return QuantLayerNormGrads(grads.dx, grads.dweight, grads.dbias)
-
-
-def _ctx(spec: Any, conventions: Any, kargs: Any, arrays: dict[str, Any], **epilogue: Any) -> QuantLayerNormCtx:
-    """The op's ctx: the conventions as given (those :func:`kernel_args` read, as it read them), the epilogue's
-    options and the arrays, by field name."""
-    values = {**spec.defaults(), **conventions, **dict(zip(kargs._fields, kargs)), **arrays, **epilogue}
-    return QuantLayerNormCtx(**{f.name: values[f.name] for f in fields(QuantLayerNormCtx)})
 
 
 #: the per-row input scales whose real int8 input float32 holds with room for its statistics (2^-60 to 2^60)

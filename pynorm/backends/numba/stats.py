@@ -45,6 +45,7 @@ import numpy as np
 from ..._dtypes import round_to
 from ...ops import OpSpec, Served
 from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statistic_of
+from .._spec import param_names, prologue_input_names
 from . import _common as common
 from . import _stats_kernels as kernels
 from ._args import Affine, Conventions, Grad, Partials, Rows, RowStats, plain
@@ -117,34 +118,64 @@ class _Setup(NamedTuple):
     prologue_values: dict[str, Any]  # the prologue's ctx fields besides the row
 
 
-class StatsOp:
-    """One op of the statistics family on this backend (see the module doc).
-
-    ``statistic``, ``prologue``: the records of the spec's statistic and prologue
-    (:mod:`pynorm.ops.families`); ``stat``: the statistic's tag (:mod:`._variant`)."""
+class _Op:
+    """What :class:`StatsOp` and :class:`ChannelOp` share: the spec's records, names and contract, and the
+    checking of a forward's arguments."""
 
     def __init__(self, spec: OpSpec) -> None:
         self.spec = spec
         self.name = spec.name
         self.statistic = statistic_of(spec)
         self.stat = statistic(self.statistic.name)
-        self.prologue = prologue_of(spec)
-        self.residual = self.prologue.residual
-        self.affine = AFFINE_SOURCES[affine_of(spec).name]
-        names = spec.param_names  # the scale, then the shift (checked against the affine source's record)
-        self.weight_name = names[0]
-        self.bias_name = names[1] if len(names) > 1 else ""
-        kinds: dict[str, str] = {i.kind: i.name for i in spec.inputs}
-        self.residual_name = kinds.get(self.prologue.input_kind, "")
-        self.ids_name = kinds.get("row_index", "")
+        self.weight_name, self.bias_name = param_names(spec)
         self.ctx_type = spec.ctx
         self.grads = spec.grads
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
-        self._setups: dict[Any, _Setup] = {}  # by options and dtypes (:meth:`_setup`)
 
     def __repr__(self) -> str:
         return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"
+
+    def _arguments(self, args: tuple[Any, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A forward's ``(inputs by name, parameters by name)`` from the arguments after ``x``; TypeError for a
+        wrong count."""
+        spec = self.spec
+        n_in = len(spec.inputs)
+        if len(args) != n_in + len(spec.params):
+            raise TypeError(f"{self.name} forward() takes x, {n_in} input(s) and {len(spec.params)} parameter(s)")
+        return dict(zip(spec.input_names, args[:n_in], strict=True)), dict(
+            zip(spec.param_names, args[n_in:], strict=True)
+        )
+
+    def _options_of(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Every option of a forward (the spec's defaults filled in); TypeError for an unknown one."""
+        unknown = set(options) - set(self._options)
+        if unknown:
+            raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
+        return {**self._options, **options}
+
+    def _bind(
+        self, args: tuple[Any, ...], options: dict[str, Any]
+    ) -> tuple[dict[str, Any], Any, dict[str, Any], dict[str, Any]]:
+        """A forward's ``(options with the defaults, kernel_args, inputs by name, parameters by name)``."""
+        inputs, p = self._arguments(args)
+        o = self._options_of(options)
+        return o, kernel_args(self.spec, o), inputs, p
+
+
+class StatsOp(_Op):
+    """One op of the statistics family on this backend (see the module doc).
+
+    ``statistic``, ``prologue``: the records of the spec's statistic and prologue
+    (:mod:`pynorm.ops.families`); ``stat``: the statistic's tag (:mod:`._variant`)."""
+
+    def __init__(self, spec: OpSpec) -> None:
+        super().__init__(spec)
+        self.prologue = prologue_of(spec)
+        self.residual = self.prologue.residual
+        self.affine = AFFINE_SOURCES[affine_of(spec).name]
+        self.residual_name, self.ids_name = prologue_input_names(spec, self.prologue)
+        self._setups: dict[Any, _Setup] = {}  # by options and dtypes (:meth:`_setup`)
 
     def _math(self, x_dtype: Any, h_dtype: Any) -> tuple[np.dtype[Any], bool]:
         """``(math dtype, widen)``: float64 when x or h is float64; ``widen``: h is narrower than that."""
@@ -165,10 +196,7 @@ class StatsOp:
             key, hit = None, None
         if hit is not None:
             return hit
-        unknown = set(options) - set(self._options)
-        if unknown:
-            raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
-        o = {**self._options, **options}
+        o = self._options_of(options)
         kargs = kernel_args(self.spec, o)
         hd = self.prologue.h_dtype(x_dtype, o)
         mdt, widen = self._math(x_dtype, hd)
@@ -185,12 +213,7 @@ class StatsOp:
     def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
         """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
         (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given)."""
-        spec = self.spec
-        n_in = len(spec.inputs)
-        if len(args) != n_in + len(spec.params):
-            raise TypeError(f"{self.name} forward() takes x, {n_in} input(s) and {len(spec.params)} parameter(s)")
-        inputs = dict(zip(spec.input_names, args[:n_in], strict=True)) if n_in else {}
-        p = dict(zip(spec.param_names, args[n_in:], strict=True))
+        inputs, p = self._arguments(args)
         residual = inputs.get(self.residual_name) if self.residual_name else None
         st = self._setup(options, x.dtype, None if residual is None else residual.dtype)
         kargs, hd, mdt = st.kargs, st.h_dtype, st.math_dtype
@@ -405,7 +428,7 @@ _GROUPS, _USE_STATS, _MOMENTUM = "num_groups", "use_input_stats", "momentum"
 assert {_GROUPS, _USE_STATS, _MOMENTUM} <= set(AFFINES["channel"].options)
 
 
-class ChannelOp:
+class ChannelOp(_Op):
     """An op of the statistics family with the channel affine source on this backend: ``x`` is ``(N, C, S)``
     (the dispatcher's channels layout), a row is one sample's group -- ``C / G`` channels by ``S`` positions,
     contiguous -- and the kernels take the table ``(G, S, C / G)`` (:mod:`._io`). The statistic and the kernels
@@ -418,23 +441,9 @@ class ChannelOp:
     :func:`._stats_kernels.bwd_given`)."""
 
     def __init__(self, spec: OpSpec) -> None:
-        self.spec = spec
-        self.name = spec.name
-        self.statistic = statistic_of(spec)
-        self.stat = statistic(self.statistic.name)
+        super().__init__(spec)
         self.row = prologue_of(spec).row
-        aff = affine_of(spec)
-        names = spec.param_names
-        self.weight_name = names[0]
-        self.bias_name = names[1] if len(names) > 1 else ""
-        self.running = tuple(i.name for i in spec.inputs if i.kind in aff.inputs)
-        self.ctx_type = spec.ctx
-        self.grads = spec.grads
-        self._fields = tuple(f.name for f in fields(spec.ctx))
-        self._options = spec.defaults()
-
-    def __repr__(self) -> str:
-        return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"
+        self.running = tuple(i.name for i in spec.inputs if i.kind in affine_of(spec).inputs)
 
     def _groups(self, source: Any, c: int) -> int:
         get = source.get if isinstance(source, dict) else lambda k, d: getattr(source, k, d)
@@ -443,17 +452,7 @@ class ChannelOp:
     def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
         """Forward of the ``(N, C, S)`` array ``x`` (then the running statistics, if the spec has them, and the
         parameters): ``(y, ctx)``, or ``((y, running_mean', running_var'), ctx)`` (the reference's contract)."""
-        spec = self.spec
-        n_in = len(spec.inputs)
-        if len(args) != n_in + len(spec.params):
-            raise TypeError(f"{self.name} forward() takes x, {n_in} input(s) and {len(spec.params)} parameter(s)")
-        unknown = set(options) - set(self._options)
-        if unknown:
-            raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
-        o = {**self._options, **options}
-        kargs = kernel_args(spec, o)
-        inputs = dict(zip(spec.input_names, args[:n_in], strict=True))
-        p = dict(zip(spec.param_names, args[n_in:], strict=True))
+        o, kargs, inputs, p = self._bind(args, options)
         run = [inputs.get(k) for k in self.running]
         given = bool(run) and run[0] is not None and not o.get(_USE_STATS, True)
         n, c, s = x.shape

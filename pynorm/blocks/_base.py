@@ -4,13 +4,20 @@ A :class:`Module` holds ``params`` and ``grads`` dicts (as :mod:`pynorm.layers` 
 children (modules or pynorm layers); ``forward(...) -> (y, ctx)`` and ``backward(dy, ctx) -> dx``
 keep nothing about a call in ``self``, so a module may appear several times in one graph.
 Parameter gradients are *added* into ``grads`` in the parameter's dtype.
+
+The keyword options of the constructors are declared once: their types in ``TypedDict`` s
+(:class:`ArrayKw`, :class:`InitKw` here, the attention's, block's and stack's next to those classes),
+their defaults and order in :data:`OPTION_DEFAULTS`; :func:`keyword_options` turns an
+``__init__(..., **kw: Unpack[SomeKw])`` into the plain keyword-only signature users see.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ForwardRef, TypedDict, TypeVar
 
 import numpy as np
 
@@ -18,7 +25,21 @@ from .._registry import get_backend
 from ..errors import ArgumentError, DTypeError
 from ..ops import check_positive_int as positive_int
 
-__all__ = ["Module", "RngLike", "as_rng", "compute_dtype", "positive_int", "resolve_xp", "to_dtype", "xavier_normal"]
+__all__ = [
+    "OPTION_DEFAULTS",
+    "ArrayKw",
+    "InitKw",
+    "Module",
+    "RngLike",
+    "as_rng",
+    "compute_dtype",
+    "keyword_options",
+    "options_for",
+    "positive_int",
+    "resolve_xp",
+    "to_dtype",
+    "xavier_normal",
+]
 
 #: What every ``rng=`` argument of the blocks accepts (NumPy's ``rng`` convention, Scientific Python SPEC 7):
 #: None (fresh OS entropy), an int seed >= 0, a ``SeedSequence`` or a ``numpy.random.Generator`` (used as
@@ -35,6 +56,116 @@ def as_rng(rng: Any, name: str = "rng") -> np.random.Generator:
             f"got {rng!r}"
         )
     return np.random.default_rng(rng)
+
+
+# ---------------------------------------------------------------------------------------------
+# keyword options: types once (TypedDicts), defaults and order once (OPTION_DEFAULTS)
+
+
+class ArrayKw(TypedDict, total=False):
+    """Every module's last keywords: parameter ``dtype`` and array module (``backend``, ``xp``), as :class:`Module`."""
+
+    dtype: Any
+    backend: str | None
+    xp: Any
+
+
+class InitKw(ArrayKw, total=False):
+    """:class:`ArrayKw` and ``rng``: the keywords of a module that initialises parameters."""
+
+    rng: RngLike
+
+
+#: The default of every keyword option taken through ``**kw: Unpack[...]`` by a blocks constructor, in the
+#: order the signatures list them (a signature lists the options it has in this order).
+OPTION_DEFAULTS: dict[str, Any] = {
+    "placement": "pre",
+    "norm": "layer",
+    "modality_kind": "layer",
+    "hybrid_layers": 0,
+    "n_modalities": None,
+    "final_norm": None,
+    "qk_norm": None,
+    "io_norms": False,
+    "io_norm_kind": None,
+    "causal": False,
+    "qk_gain": 1.0,
+    "v_gain": 1.0,
+    "o_gain": 1.0,
+    "alpha": None,
+    "beta": None,
+    "n_layers": None,
+    "learnable_alpha": False,
+    "eps": None,
+    "checkpoint": False,
+    "record": True,
+    "rng": None,
+    "dtype": np.float32,
+    "backend": None,
+    "xp": None,
+}
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def _annotation(tp: Any) -> Any:
+    """A TypedDict item's annotation as the source spells it (a string, as ``from __future__ import annotations``
+    leaves every other annotation)."""
+    return tp.__forward_arg__ if isinstance(tp, ForwardRef) else tp
+
+
+def keyword_options(options: Any, rest: str | None = None) -> Callable[[_Init], _Init]:
+    """Decorate an ``__init__(self, ..., **kw: Unpack[options])`` so that callers see plain keywords.
+
+    Parameters
+    ----------
+    options : the ``TypedDict`` of the keyword options (type checkers read it from the annotation).
+    rest : the name of a ``**`` parameter that takes any other keyword (its items stay in ``kw``).
+
+    Returns
+    -------
+    A decorator. The decorated ``__init__``'s ``__signature__`` (what :func:`inspect.signature` reports) has the
+    function's own parameters, then each key of ``options`` as a keyword-only parameter with its default from
+    :data:`OPTION_DEFAULTS` and its annotation from ``options``, in that table's order, then ``**rest``. A call
+    is bound to that signature (an unknown keyword is a TypeError, as with a written-out signature) and the
+    function receives ``kw`` with every option present, defaults filled in.
+    """
+
+    def decorate(init: _Init) -> _Init:
+        written = inspect.signature(init)
+        own = [p for p in written.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        names = [n for n in OPTION_DEFAULTS if n in options.__annotations__]
+        missing = set(options.__annotations__) - set(names)
+        if missing:
+            raise TypeError(f"{init.__qualname__}: no default in OPTION_DEFAULTS for {sorted(missing)}")
+        kw_only = inspect.Parameter.KEYWORD_ONLY
+        params = own + [
+            inspect.Parameter(
+                n, kw_only, default=OPTION_DEFAULTS[n], annotation=_annotation(options.__annotations__[n])
+            )
+            for n in names
+        ]
+        if rest is not None:
+            params.append(inspect.Parameter(rest, inspect.Parameter.VAR_KEYWORD, annotation="Any"))
+        sig = written.replace(parameters=params)
+        defaults = {n: OPTION_DEFAULTS[n] for n in names}
+
+        @functools.wraps(init)
+        def wrapper(*args: Any, **kw: Any) -> None:
+            sig.bind(*args, **kw)
+            init(*args, **{**defaults, **kw})
+
+        wrapper.__signature__ = sig  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def options_for(target: Any, kw: Any, **override: Any) -> dict[str, Any]:
+    """The items of ``kw`` that ``target`` (a class or function) takes as keyword-only parameters, updated by
+    ``override``: how a module passes its options on to a child that shares some of them."""
+    names = [p.name for p in inspect.signature(target).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    return {**{n: kw[n] for n in names if n in kw}, **override}
 
 
 def choice(v: Any, name: str, allowed: tuple[Any, ...]) -> Any:

@@ -12,7 +12,7 @@ activations stay 16-bit between sublayers while the math and the parameters are 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,15 +20,20 @@ from .. import functional as F
 from .. import layers as L
 from ..errors import ArgumentError, DTypeError, ShapeError
 from ..ops import check_real
-from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int, xavier_normal
+from ._base import ArrayKw, InitKw, Module, as_rng, choice, compute_dtype, keyword_options, positive_int, xavier_normal
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "IO_NORM_KINDS",
     "NORM_KINDS",
+    "AttentionKw",
     "Embedding",
     "FeedForward",
     "Linear",
     "MultiHeadAttention",
+    "MultiHeadAttentionKw",
     "Norm",
     "gelu_tanh",
     "gelu_tanh_grad",
@@ -74,23 +79,15 @@ class Linear(Module):
     copies: backward uses the weight forward used, even if ``params["W"]`` was replaced in between).
     """
 
+    @keyword_options(InitKw)
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        *,
-        gain: float = 1.0,
-        rng: RngLike = None,
-        dtype: Any = np.float32,
-        backend: str | None = None,
-        xp: Any = None,
+        self, in_features: int, out_features: int, bias: bool = True, *, gain: float = 1.0, **kw: Unpack[InitKw]
     ) -> None:
-        super().__init__(dtype, xp, backend)
+        super().__init__(kw["dtype"], kw["xp"], kw["backend"])
         self.in_features = positive_int(in_features, "in_features")
         self.out_features = positive_int(out_features, "out_features")
         gain = check_real(gain, "gain")
-        rng = as_rng(rng)
+        rng = as_rng(kw["rng"])
         self.add_param("W", xavier_normal(rng, self.out_features, self.in_features, gain))
         if bias:
             self.add_param("b", np.zeros(self.out_features))
@@ -153,24 +150,14 @@ class FeedForward(Module):
     ``u`` and the activation ``a``.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int | None = None,
-        *,
-        gain: float = 1.0,
-        rng: RngLike = None,
-        dtype: Any = np.float32,
-        backend: str | None = None,
-        xp: Any = None,
-    ) -> None:
-        super().__init__(dtype, xp, backend)
+    @keyword_options(InitKw)
+    def __init__(self, d_model: int, d_ff: int | None = None, *, gain: float = 1.0, **kw: Unpack[InitKw]) -> None:
+        super().__init__(kw["dtype"], kw["xp"], kw["backend"])
         d_model = positive_int(d_model, "d_model")
         d_ff = 4 * d_model if d_ff is None else positive_int(d_ff, "d_ff")
-        rng = as_rng(rng)
-        kw = {"gain": gain, "rng": rng, "dtype": dtype, "backend": backend, "xp": self.xp}
-        self.fc1 = Linear(d_model, d_ff, **kw)
-        self.fc2 = Linear(d_ff, d_model, **kw)
+        lin = {**kw, "gain": gain, "rng": as_rng(kw["rng"]), "xp": self.xp}
+        self.fc1 = Linear(d_model, d_ff, **lin)
+        self.fc2 = Linear(d_ff, d_model, **lin)
         self.children = {"fc1": self.fc1, "fc2": self.fc2}
 
     def forward(self, x: Any) -> tuple[Any, Any]:
@@ -209,6 +196,7 @@ class Norm(Module):
     The norm math is the ops' own (fp32 or better for 16-bit inputs, one rounding).
     """
 
+    @keyword_options(ArrayKw)
     def __init__(
         self,
         d: int,
@@ -217,14 +205,12 @@ class Norm(Module):
         eps: float | None = None,
         modality_kind: str = "layer",
         n_modalities: int | None = None,
-        dtype: Any = np.float32,
-        backend: str | None = None,
-        xp: Any = None,
+        **array: Unpack[ArrayKw],
     ) -> None:
-        super().__init__(dtype, xp, backend)
+        super().__init__(array["dtype"], array["xp"], array["backend"])
         self.kind = choice(kind, "norm", NORM_KINDS)
         self.d = positive_int(d, "d")
-        kw = {"dtype": dtype, "backend": backend, "xp": self.xp}
+        kw = {**array, "xp": self.xp}
         e: dict[str, Any] = {} if eps is None else {"eps": eps}
         inner: Any
         if kind == "layer":
@@ -319,6 +305,24 @@ def masked_softmax_backward(dp: Any, p: Any) -> Any:
     return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
 
 
+class AttentionKw(InitKw, total=False):
+    """The attention's options that a :class:`~pynorm.blocks.Block` (and a stack, to each block) passes on."""
+
+    qk_norm: str | None
+    io_norms: bool
+    io_norm_kind: str | None
+    causal: bool
+    eps: float | None
+
+
+class MultiHeadAttentionKw(AttentionKw, total=False):
+    """:class:`MultiHeadAttention`'s keyword options: :class:`AttentionKw` and the projections' gains."""
+
+    qk_gain: float
+    v_gain: float
+    o_gain: float
+
+
 class MultiHeadAttention(Module):
     r"""Multi-head self-attention with optional QK-norm and optional input/output norms.
 
@@ -367,48 +371,33 @@ class MultiHeadAttention(Module):
     (``b_o``; with ``io_norms``, ``ln_out``'s bias and ``W_o``) get their gradient from it as from any row.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        *,
-        qk_norm: str | None = None,
-        io_norms: bool = False,
-        io_norm_kind: str | None = None,
-        causal: bool = False,
-        qk_gain: float = 1.0,
-        v_gain: float = 1.0,
-        o_gain: float = 1.0,
-        eps: float | None = None,
-        rng: RngLike = None,
-        dtype: Any = np.float32,
-        backend: str | None = None,
-        xp: Any = None,
-    ) -> None:
-        super().__init__(dtype, xp, backend)
+    @keyword_options(MultiHeadAttentionKw)
+    def __init__(self, d_model: int, n_heads: int, **kw: Unpack[MultiHeadAttentionKw]) -> None:
+        super().__init__(kw["dtype"], kw["xp"], kw["backend"])
         self.d_model = positive_int(d_model, "d_model")
         self.n_heads = positive_int(n_heads, "n_heads")
         if self.d_model % self.n_heads:
             raise ArgumentError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.d_k = self.d_model // self.n_heads
-        self.qk_norm = choice(qk_norm, "qk_norm", (None, "layer", "rms"))
-        self.io_norms = bool(io_norms)
-        self.causal = bool(causal)
-        rng = as_rng(rng)
-        kw = {"rng": rng, "dtype": dtype, "backend": backend, "xp": self.xp}
+        self.qk_norm = choice(kw["qk_norm"], "qk_norm", (None, "layer", "rms"))
+        self.io_norms = bool(kw["io_norms"])
+        self.causal = bool(kw["causal"])
+        array = {"dtype": kw["dtype"], "backend": kw["backend"], "xp": self.xp}
+        lin = {**array, "rng": as_rng(kw["rng"])}
         d = self.d_model
-        self.q = Linear(d, d, gain=qk_gain, **kw)
-        self.k = Linear(d, d, gain=qk_gain, **kw)
-        self.v = Linear(d, d, gain=v_gain, **kw)
-        self.o = Linear(d, d, gain=o_gain, **kw)
+        self.q = Linear(d, d, gain=kw["qk_gain"], **lin)
+        self.k = Linear(d, d, gain=kw["qk_gain"], **lin)
+        self.v = Linear(d, d, gain=kw["v_gain"], **lin)
+        self.o = Linear(d, d, gain=kw["o_gain"], **lin)
         self.children = {"q": self.q, "k": self.k, "v": self.v, "o": self.o}
-        nkw = {"eps": eps, "dtype": dtype, "backend": backend, "xp": self.xp}
+        nkw = {**array, "eps": kw["eps"]}
         self.q_norm = self.k_norm = self.ln_q = self.ln_kv = self.ln_out = None
         if self.qk_norm is not None:
             self.q_norm = Norm(self.d_k, self.qk_norm, **nkw)
             self.k_norm = Norm(self.d_k, self.qk_norm, **nkw)
             self.children |= {"q_norm": self.q_norm, "k_norm": self.k_norm}
         self.io_norm_kind = None
+        io_norm_kind = kw["io_norm_kind"]
         if io_norm_kind is not None:
             choice(io_norm_kind, "io_norm_kind", IO_NORM_KINDS)
             if not self.io_norms:
@@ -513,21 +502,12 @@ class Embedding(Module):
     returns ``y`` in ``dtype`` (default: the parameters'); ``backward`` returns None (tokens have no gradient).
     """
 
-    def __init__(
-        self,
-        vocab: int,
-        d_model: int,
-        max_len: int,
-        *,
-        rng: RngLike = None,
-        dtype: Any = np.float32,
-        backend: str | None = None,
-        xp: Any = None,
-    ) -> None:
-        super().__init__(dtype, xp, backend)
+    @keyword_options(InitKw)
+    def __init__(self, vocab: int, d_model: int, max_len: int, **kw: Unpack[InitKw]) -> None:
+        super().__init__(kw["dtype"], kw["xp"], kw["backend"])
         self.vocab, self.d_model = positive_int(vocab, "vocab"), positive_int(d_model, "d_model")
         self.max_len = positive_int(max_len, "max_len")
-        rng = as_rng(rng)
+        rng = as_rng(kw["rng"])
         self.add_param("E", rng.standard_normal((self.vocab, self.d_model)))
         self.add_param("P", rng.standard_normal((self.max_len, self.d_model)))
 

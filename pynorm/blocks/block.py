@@ -22,17 +22,20 @@ Backward, per sublayer (``dy`` the gradient of its output):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..deepnorm import deepnorm_constants
 from ..errors import ArgumentError
 from ..ops import check_real
-from ._base import Module, RngLike, as_rng, choice, compute_dtype, positive_int
-from .sublayers import NORM_KINDS, FeedForward, MultiHeadAttention, Norm, _cast
+from ._base import Module, as_rng, choice, compute_dtype, keyword_options, options_for, positive_int
+from .sublayers import NORM_KINDS, AttentionKw, FeedForward, MultiHeadAttention, Norm, _cast
 
-__all__ = ["PLACEMENTS", "Block"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["PLACEMENTS", "Block", "BlockKw", "LayerKw"]
 
 PLACEMENTS = ("pre", "post", "sandwich", "deepnorm")
 
@@ -40,6 +43,24 @@ PLACEMENTS = ("pre", "post", "sandwich", "deepnorm")
 def _add(x: Any, f: Any) -> Any:
     cdt = compute_dtype(x.dtype)
     return _cast(x.astype(cdt, copy=False) + f.astype(cdt, copy=False), x.dtype)
+
+
+class LayerKw(AttentionKw, total=False):
+    """The options a :class:`Block` and a :class:`~pynorm.blocks.Stack` share (a stack passes them to each block)."""
+
+    placement: str
+    norm: str
+    modality_kind: str
+    n_modalities: int | None
+    learnable_alpha: bool
+
+
+class BlockKw(LayerKw, total=False):
+    """:class:`Block`'s keyword options: :class:`LayerKw` and DeepNorm's constants."""
+
+    alpha: float | None
+    beta: float | None
+    n_layers: int | None
 
 
 class Block(Module):
@@ -73,35 +94,18 @@ class Block(Module):
     ...) by placement and option: ``docs/blocks.md``, "Parameter names".
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int | None = None,
-        *,
-        placement: str = "pre",
-        norm: str = "layer",
-        modality_kind: str = "layer",
-        n_modalities: int | None = None,
-        qk_norm: str | None = None,
-        io_norms: bool = False,
-        io_norm_kind: str | None = None,
-        causal: bool = False,
-        alpha: float | None = None,
-        beta: float | None = None,
-        n_layers: int | None = None,
-        learnable_alpha: bool = False,
-        eps: float | None = None,
-        rng: RngLike = None,
-        dtype: Any = np.float32,
-        backend: str | None = None,
-        xp: Any = None,
-    ) -> None:
-        super().__init__(dtype, xp, backend)
+    @keyword_options(BlockKw)
+    def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, **kw: Unpack[BlockKw]) -> None:
+        super().__init__(kw["dtype"], kw["xp"], kw["backend"])
+        placement, norm, causal = kw["placement"], kw["norm"], kw["causal"]
+        alpha, beta, n_layers, learnable_alpha = kw["alpha"], kw["beta"], kw["n_layers"], kw["learnable_alpha"]
         self.placement = choice(placement, "placement", PLACEMENTS)
         self.norm_kind = choice(norm, "norm", NORM_KINDS)
-        if io_norm_kind is None and io_norms:
-            io_norm_kind = choice(modality_kind, "modality_kind", ("layer", "rms")) if norm == "modality" else norm
+        io_norm_kind = kw["io_norm_kind"]
+        if io_norm_kind is None and kw["io_norms"]:
+            io_norm_kind = (
+                choice(kw["modality_kind"], "modality_kind", ("layer", "rms")) if norm == "modality" else norm
+            )
         d_model = positive_int(d_model, "d_model")
         if placement == "deepnorm":
             if alpha is None or beta is None:
@@ -119,17 +123,17 @@ class Block(Module):
         self.learnable_alpha = bool(learnable_alpha)
         if self.learnable_alpha:
             self.add_param("alpha", np.full((1,), self.alpha))
-        rng = as_rng(rng)
+        rng = as_rng(kw["rng"])
         g = self.beta
+        sub = {"rng": rng, "xp": self.xp}
         self.attn = MultiHeadAttention(
-            d_model, n_heads, qk_norm=qk_norm, io_norms=io_norms, io_norm_kind=io_norm_kind, causal=causal,
-            v_gain=g, o_gain=g, eps=eps, rng=rng, dtype=dtype, backend=backend, xp=self.xp,
-        )  # fmt: skip
-        self.ffn = FeedForward(d_model, d_ff, gain=g, rng=rng, dtype=dtype, backend=backend, xp=self.xp)
-        nkw = {"eps": eps, "modality_kind": modality_kind, "n_modalities": n_modalities, "dtype": dtype}
-        nkw |= {"backend": backend, "xp": self.xp}
+            d_model,
+            n_heads,
+            **options_for(MultiHeadAttention, kw, io_norm_kind=io_norm_kind, v_gain=g, o_gain=g, **sub),
+        )
+        self.ffn = FeedForward(d_model, d_ff, **options_for(FeedForward, kw, gain=g, **sub))
         names = ("norm1_in", "norm1_out", "norm2_in", "norm2_out") if placement == "sandwich" else ("norm1", "norm2")
-        self.norms = {n: Norm(d_model, norm, **nkw) for n in names}
+        self.norms = {n: Norm(d_model, norm, **options_for(Norm, kw, xp=self.xp)) for n in names}
         self.children = {"attn": self.attn, "ffn": self.ffn, **self.norms}
 
     @property

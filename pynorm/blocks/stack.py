@@ -13,16 +13,28 @@ at the price of a second forward (``bench/bench_checkpoint.py`` measures it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ArgumentError, ShapeError
-from ._base import Module, RngLike, as_rng, choice, positive_int
-from .block import PLACEMENTS, Block
+from ._base import Module, as_rng, choice, keyword_options, options_for, positive_int
+from .block import PLACEMENTS, Block, LayerKw
 from .sublayers import Norm
 
-__all__ = ["Stack", "StackCtx"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["Stack", "StackCtx", "StackKw"]
+
+
+class StackKw(LayerKw, total=False):
+    """:class:`Stack`'s keyword options: each block's (:class:`~pynorm.blocks.block.LayerKw`) and the stack's own."""
+
+    hybrid_layers: int
+    final_norm: bool | None
+    checkpoint: bool
+    record: bool
 
 
 @dataclass
@@ -70,33 +82,12 @@ class Stack(Module):
     ``final_norm.norm.<...>`` (the table: ``docs/blocks.md``, "Parameter names").
     """
 
+    @keyword_options(StackKw)
     def __init__(
-        self,
-        n_layers: int,
-        d_model: int,
-        n_heads: int,
-        d_ff: int | None = None,
-        *,
-        placement: str = "pre",
-        norm: str = "layer",
-        modality_kind: str = "layer",
-        hybrid_layers: int = 0,
-        n_modalities: int | None = None,
-        final_norm: bool | None = None,
-        qk_norm: str | None = None,
-        io_norms: bool = False,
-        io_norm_kind: str | None = None,
-        causal: bool = False,
-        learnable_alpha: bool = False,
-        eps: float | None = None,
-        checkpoint: bool = False,
-        record: bool = True,
-        rng: RngLike = None,
-        dtype: Any = np.float32,
-        backend: str | None = None,
-        xp: Any = None,
+        self, n_layers: int, d_model: int, n_heads: int, d_ff: int | None = None, **kw: Unpack[StackKw]
     ) -> None:
-        super().__init__(dtype, xp, backend)
+        super().__init__(kw["dtype"], kw["xp"], kw["backend"])
+        placement, norm, hybrid_layers = kw["placement"], kw["norm"], kw["hybrid_layers"]
         self.n_layers = positive_int(n_layers, "n_layers")
         self.placement = choice(placement, "placement", PLACEMENTS)
         if isinstance(hybrid_layers, bool) or not isinstance(hybrid_layers, (int, np.integer)):
@@ -106,43 +97,21 @@ class Stack(Module):
         if hybrid_layers and norm not in ("layer", "rms"):
             raise ArgumentError(f"hybrid_layers needs norm='layer' or 'rms' (the modality tables' kind), got {norm!r}")
         self.hybrid_layers = int(hybrid_layers)
-        self.checkpoint = bool(checkpoint)
-        self.record = bool(record)
-        rng = as_rng(rng)
+        self.checkpoint = bool(kw["checkpoint"])
+        self.record = bool(kw["record"])
+        sub = {"rng": as_rng(kw["rng"]), "xp": self.xp, "n_layers": self.n_layers if placement == "deepnorm" else None}
         self.blocks: list[Block] = []
         for i in range(self.n_layers):
-            kind = "modality" if i < self.hybrid_layers else norm
-            self.blocks.append(
-                Block(
-                    d_model,
-                    n_heads,
-                    d_ff,
-                    placement=placement,
-                    norm=kind,
-                    modality_kind=modality_kind if i >= self.hybrid_layers else norm,
-                    n_modalities=n_modalities,
-                    qk_norm=qk_norm,
-                    io_norms=io_norms,
-                    io_norm_kind=io_norm_kind,
-                    causal=causal,
-                    n_layers=self.n_layers if placement == "deepnorm" else None,
-                    learnable_alpha=learnable_alpha,
-                    eps=eps,
-                    rng=rng,
-                    dtype=dtype,
-                    backend=backend,
-                    xp=self.xp,
-                )
-            )
+            hybrid = i < self.hybrid_layers  # a modality norm whose tables are of kind `norm`
+            kinds = {"norm": "modality", "modality_kind": norm} if hybrid else {}
+            self.blocks.append(Block(d_model, n_heads, d_ff, **options_for(Block, kw, **sub, **kinds)))
         self.children = {f"layers.{i}": b for i, b in enumerate(self.blocks)}
+        final_norm = kw["final_norm"]
         if final_norm is None:
             final_norm = placement in ("pre", "sandwich")
         self.final_norm = None
         if final_norm:
-            self.final_norm = Norm(
-                d_model, norm, eps=eps, modality_kind=modality_kind, n_modalities=n_modalities, dtype=dtype,
-                backend=backend, xp=self.xp,
-            )  # fmt: skip
+            self.final_norm = Norm(d_model, norm, **options_for(Norm, kw, xp=self.xp))
             self.children["final_norm"] = self.final_norm
         self.history: dict[str, list[list[float]]] = {"grad_norm": [], "update_norm": []}
 

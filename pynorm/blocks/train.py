@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ArgumentError
-from ._base import Module, RngLike, as_rng, compute_dtype, positive_int, to_dtype
-from .stack import Stack
+from ._base import InitKw, Module, as_rng, compute_dtype, keyword_options, positive_int, to_dtype
+from .stack import Stack, StackKw
 from .sublayers import Embedding, Linear, _cast
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Adam", "LossScaler", "SequenceModel", "StepResult", "cross_entropy", "sort_task", "train_step"]
 
@@ -177,6 +180,7 @@ class SequenceModel(Module):
     ``head.W``, ``head.b``.
     """
 
+    @keyword_options(InitKw, rest="stack_kw")
     def __init__(
         self,
         vocab: int,
@@ -185,19 +189,14 @@ class SequenceModel(Module):
         d_model: int,
         n_heads: int,
         d_ff: int | None = None,
-        *,
-        rng: RngLike = None,
-        dtype: Any = np.float32,
-        backend: str | None = None,
-        xp: Any = None,
-        **stack_kw: Any,
+        **kw: Unpack[StackKw],
     ) -> None:
-        super().__init__(dtype, xp, backend)
-        rng = as_rng(rng)
-        kw = {"dtype": dtype, "backend": backend, "xp": self.xp}
-        self.embed = Embedding(vocab, d_model, seq_len, rng=rng, **kw)
-        self.stack = Stack(n_layers, d_model, n_heads, d_ff, rng=int(rng.integers(2**31)), **kw, **stack_kw)
-        self.head = Linear(d_model, vocab, rng=rng, **kw)
+        super().__init__(kw["dtype"], kw["xp"], kw["backend"])
+        rng = as_rng(kw["rng"])
+        array = {"dtype": kw["dtype"], "backend": kw["backend"], "xp": self.xp}
+        self.embed = Embedding(vocab, d_model, seq_len, rng=rng, **array)
+        self.stack = Stack(n_layers, d_model, n_heads, d_ff, **{**kw, **array, "rng": int(rng.integers(2**31))})
+        self.head = Linear(d_model, vocab, rng=rng, **array)
         self.children = {"embed": self.embed, "stack": self.stack, "head": self.head}
 
     def forward(

@@ -97,6 +97,22 @@ def test_rng_is_one_argument_everywhere(cls):
         make(seed=0)
 
 
+def test_keyword_options_bind_like_written_out_signatures():
+    # the constructors take their options through **kw (pynorm.blocks._base.keyword_options): a call is
+    # still bound to the public signature, and the options' defaults reach the constructor
+    for bad in ((6, 2, 10, 1), (6,)):
+        with pytest.raises(TypeError):
+            Block(*bad)
+    with pytest.raises(TypeError, match="hybrid_layers"):  # a stack's option, not a block's
+        Block(6, 2, 10, hybrid_layers=1)
+    stack = Stack(2, 6, 2, 10, rng=0)
+    assert stack.placement == "pre" and stack.record and not stack.checkpoint and stack.final_norm is not None
+    assert [b.norm_kind for b in stack.blocks] == ["layer", "layer"]
+    hybrid = Stack(2, 6, 2, 10, hybrid_layers=1, norm="rms", n_modalities=2, rng=0)
+    assert [b.norm_kind for b in hybrid.blocks] == ["modality", "rms"]
+    assert hybrid.blocks[0].norms["norm1"].inner.kind == "rms"
+
+
 def test_modules_built_from_one_generator_draw_consecutive_streams():
     g = np.random.default_rng(7)
     first, second = Linear(4, 4, rng=g), Linear(4, 4, rng=g)

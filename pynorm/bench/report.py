@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,19 @@ def _r(v: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _text(head: str, lines: list[str], note: str = "") -> str:
+    """A terminal table: the header ``head``, its rule, the rows ``lines`` and the ``note`` below them (if any)."""
+    return "\n".join([head, "-" * len(head), *lines, *([note] if note else [])])
+
+
+def _markdown(head: str, rows: list[list[str]]) -> str:
+    """A docs table: the header ``head`` (the column names, separated by ``" | "``), its rule, then one line per
+    row of cells."""
+    lines = [f"| {head} |", "|" + "---|" * len(head.split(" | "))]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------
 # the default run: shapes
 
@@ -120,50 +134,54 @@ def _ratio(r: dict[str, Any], lib: str, op: str, phase: str) -> float | None:
     return r["ratios"].get(lib, {}).get(op, {}).get(phase)
 
 
+def _numba_rows(results: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], str, str, dict[str, Any]]]:
+    """``(result, "RxH", op, its numba timings)``: one table row per op of each shape's result."""
+    for r in results:
+        shape = f"{r['shape'][0]}x{r['shape'][1]}"
+        for op, nb in r["numba"].items():
+            yield r, shape, op, nb
+
+
 def shapes_text(results: list[dict[str, Any]]) -> str:
     """The terminal table of :func:`pynorm.bench.runner.shapes_table`."""
     w = max([10, *(len(op) for r in results for op in r["numba"])])
+    lines = [
+        f"{shape:>11s} {op:{w}s} {r['limits']['copy_gbs']:9.1f} {r['limits']['numpy_copyto_gbs']:6.1f} | "
+        f"{nb['fwd']['gbs']:8.1f} {100 * nb['fwd']['frac_copy']:4.0f}% | "
+        f"{nb['bwd']['gbs']:8.1f} {100 * nb['bwd']['frac_copy']:4.0f}% | "
+        f"{nb['fwd+bwd']['gbs']:8.1f} {100 * nb['fwd+bwd']['frac_copy']:4.0f}% | "
+        f"{nb['alloc_over_out']:9.2f} | "
+        f"{_r(_ratio(r, 'numpy', op, 'fwd+bwd')):>7s} {_r(_ratio(r, 'torch', op, 'fwd+bwd')):>7s} "
+        f"(fwd: {_r(_ratio(r, 'numpy', op, 'fwd')):>5s} {_r(_ratio(r, 'torch', op, 'fwd')):>5s})"
+        for r, shape, op, nb in _numba_rows(results)
+    ]
     head = (
         f"{'shape':>11s} {'op':{w}s} {'copy GB/s':>9s} {'copyto':>6s} | {'fwd GB/s':>8s} {'%copy':>5s}"
         f" | {'bwd GB/s':>8s} {'%copy':>5s} | {'f+b GB/s':>8s} {'%copy':>5s} | {'alloc/out':>9s}"
         f" | {'x numpy':>7s} {'x torch':>7s} (fwd+bwd; fwd: {'numpy':>5s} {'torch':>5s})"
     )
-    lines = [head, "-" * len(head)]
-    for r in results:
-        shape = f"{r['shape'][0]}x{r['shape'][1]}"
-        for op, nb in r["numba"].items():
-            lines.append(
-                f"{shape:>11s} {op:{w}s} {r['limits']['copy_gbs']:9.1f} {r['limits']['numpy_copyto_gbs']:6.1f} | "
-                f"{nb['fwd']['gbs']:8.1f} {100 * nb['fwd']['frac_copy']:4.0f}% | "
-                f"{nb['bwd']['gbs']:8.1f} {100 * nb['bwd']['frac_copy']:4.0f}% | "
-                f"{nb['fwd+bwd']['gbs']:8.1f} {100 * nb['fwd+bwd']['frac_copy']:4.0f}% | "
-                f"{nb['alloc_over_out']:9.2f} | "
-                f"{_r(_ratio(r, 'numpy', op, 'fwd+bwd')):>7s} {_r(_ratio(r, 'torch', op, 'fwd+bwd')):>7s} "
-                f"(fwd: {_r(_ratio(r, 'numpy', op, 'fwd')):>5s} {_r(_ratio(r, 'torch', op, 'fwd')):>5s})"
-            )
-    lines.append(
+    note = (
         "(copy: the same-size copy on the backend's threads, timed in the same rounds; copyto: numpy.copyto, one "
         "thread; x numpy / x torch: the baseline's time over pynorm's, each baseline timed in its own process)"
     )
-    return "\n".join(lines)
+    return _text(head, lines, note)
 
 
 def markdown_shapes(report: dict[str, Any]) -> str:
     """The docs table of the default run (``bench_results.json``)."""
-    head = (
-        "| shape | op | copy GB/s | fwd GB/s (% copy) | bwd GB/s (% copy) | fwd+bwd GB/s (% copy) "
-        "| x NumPy (fwd / fwd+bwd) | x PyTorch (fwd / fwd+bwd) |"
+    rows = []
+    for r, shape, op, nb in _numba_rows(report["results"]):
+        cells = [shape, f"`{op}`", f"{r['limits']['copy_gbs']:.1f}"]
+        cells += [f"{nb[ph]['gbs']:.1f} ({100 * nb[ph]['frac_copy']:.0f}%)" for ph in ("fwd", "bwd", "fwd+bwd")]
+        for lib in ("numpy", "torch"):
+            f, fb = _ratio(r, lib, op, "fwd"), _ratio(r, lib, op, "fwd+bwd")
+            cells.append("-" if f is None else f"{f:.1f} / {_r(fb)}")
+        rows.append(cells)
+    return _markdown(
+        "shape | op | copy GB/s | fwd GB/s (% copy) | bwd GB/s (% copy) | fwd+bwd GB/s (% copy) "
+        "| x NumPy (fwd / fwd+bwd) | x PyTorch (fwd / fwd+bwd)",
+        rows,
     )
-    lines = [head, "|" + "---|" * 8]
-    for r in report["results"]:
-        shape = f"{r['shape'][0]}x{r['shape'][1]}"
-        for op, nb in r["numba"].items():
-            cells = [f"{nb[ph]['gbs']:.1f} ({100 * nb[ph]['frac_copy']:.0f}%)" for ph in ("fwd", "bwd", "fwd+bwd")]
-            for lib in ("numpy", "torch"):
-                f, fb = _ratio(r, lib, op, "fwd"), _ratio(r, lib, op, "fwd+bwd")
-                cells.append("-" if f is None else f"{f:.1f} / {_r(fb)}")
-            lines.append(f"| {shape} | `{op}` | {r['limits']['copy_gbs']:.1f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _plt() -> Any:
@@ -227,12 +245,7 @@ def _speedup(row: dict[str, Any], lib: str, phase: str) -> float | None:
 def ops_text(rows: list[dict[str, Any]], torch_native: dict[str, bool] | None = None) -> str:
     """The terminal table of :func:`pynorm.bench.runner.op_table`; a ``*`` marks a PyTorch baseline that is the
     op's formula in PyTorch ops rather than one PyTorch function (``torch_native``: op -> native)."""
-    head = (
-        f"{'op':22s} | {'copy GB/s':>9s} | {'fwd ms':>7s} {'GB/s':>6s} {'%copy':>5s} {'%run':>5s} | "
-        f"{'f+b ms':>7s} {'GB/s':>6s} {'%copy':>5s} {'%run':>5s} | {'x numpy fwd':>11s} {'f+b':>5s} | "
-        f"{'x torch fwd':>11s} {'f+b':>6s}"
-    )
-    lines = [head, "-" * len(head)]
+    lines: list[str] = []
     for r in rows:
         mark = "" if torch_native is None or torch_native.get(r["op"], True) else "*"
         tf, tfb = _speedup(r, "torch", "fwd"), _speedup(r, "torch", "fwd+bwd")
@@ -243,25 +256,28 @@ def ops_text(rows: list[dict[str, Any]], torch_native: dict[str, bool] | None = 
             f"{_r(_speedup(r, 'numpy', 'fwd')):>11s} {_r(_speedup(r, 'numpy', 'fwd+bwd')):>5s} | "
             f"{_r(tf) + (mark if tf is not None else ''):>11s} {_r(tfb) + (mark if tfb is not None else ''):>6s}"
         )
-    if rows:
-        lines.append(
-            f"(%copy: against the copies timed in that op's rounds; %run: against the run's median copy, "
-            f"{rows[0]['run_copy_gbs']:.1f} GB/s; x numpy / x torch: the baseline's time over pynorm's, each "
-            f"baseline in its own process" + ("; *: the op's formula in PyTorch ops)" if torch_native else ")")
-        )
-    return "\n".join(lines)
+    head = (
+        f"{'op':22s} | {'copy GB/s':>9s} | {'fwd ms':>7s} {'GB/s':>6s} {'%copy':>5s} {'%run':>5s} | "
+        f"{'f+b ms':>7s} {'GB/s':>6s} {'%copy':>5s} {'%run':>5s} | {'x numpy fwd':>11s} {'f+b':>5s} | "
+        f"{'x torch fwd':>11s} {'f+b':>6s}"
+    )
+    if not rows:
+        return _text(head, lines)
+    note = (
+        f"(%copy: against the copies timed in that op's rounds; %run: against the run's median copy, "
+        f"{rows[0]['run_copy_gbs']:.1f} GB/s; x numpy / x torch: the baseline's time over pynorm's, each "
+        f"baseline in its own process" + ("; *: the op's formula in PyTorch ops)" if torch_native else ")")
+    )
+    return _text(head, lines, note)
 
 
 def markdown_ops(report: dict[str, Any]) -> str:
     """The docs table of ``--ops`` (``op_table.json``)."""
     native = {op: b["native"] for op, b in report.get("torch_baselines", {}).items()}
-    head = (
-        "| op | fwd ms | fwd % copy | fwd+bwd ms | fwd+bwd % copy | x NumPy (fwd / fwd+bwd) "
-        "| x PyTorch (fwd / fwd+bwd) | PyTorch baseline |"
-    )
-    lines = [head, "|" + "---|" * 8]
+    rows = []
     for r in report["rows"]:
         cells = [
+            f"`{r['op']}`",
             f"{r['fwd_s'] * 1e3:.1f}",
             f"{100 * r['fwd_frac_copy']:.0f}%",
             f"{r['fwd+bwd_s'] * 1e3:.1f}",
@@ -270,18 +286,22 @@ def markdown_ops(report: dict[str, Any]) -> str:
         for lib in ("numpy", "torch"):
             f, fb = _speedup(r, lib, "fwd"), _speedup(r, lib, "fwd+bwd")
             cells.append("-" if f is None else f"{f:.1f} / {_r(fb)}")
-        kind = "-" if r["op"] not in native else ("function" if native[r["op"]] else "composition")
-        lines.append(f"| `{r['op']}` | " + " | ".join(cells) + f" | {kind} |")
-    return "\n".join(lines)
+        cells.append("-" if r["op"] not in native else ("function" if native[r["op"]] else "composition"))
+        rows.append(cells)
+    return _markdown(
+        "op | fwd ms | fwd % copy | fwd+bwd ms | fwd+bwd % copy | x NumPy (fwd / fwd+bwd) "
+        "| x PyTorch (fwd / fwd+bwd) | PyTorch baseline",
+        rows,
+    )
 
 
 def markdown_torch(report: dict[str, Any]) -> str:
     """The PyTorch baselines of a run (``torch_baselines`` of ``op_table.json``): each op's PyTorch code."""
-    lines = ["| op | PyTorch (autograd, CPU) | kind |", "|---|---|---|"]
+    rows = []
     for op, b in report.get("torch_baselines", {}).items():
         kind = "function" if b["native"] else "composition"
-        lines.append(f"| `{op}` | `{b['expr']}` | {kind}{': ' + b['why'] if b['why'] else ''} |")
-    return "\n".join(lines)
+        rows.append([f"`{op}`", f"`{b['expr']}`", f"{kind}{': ' + b['why'] if b['why'] else ''}"])
+    return _markdown("op | PyTorch (autograd, CPU) | kind", rows)
 
 
 def chart_ops(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -330,11 +350,7 @@ def _us(row: dict[str, Any], lib: str, phase: str) -> float | None:
 
 def small_text(res: dict[str, Any]) -> str:
     """The terminal table of :func:`pynorm.bench.runner.small_calls`."""
-    head = (
-        f"{'op':22s} | {'numba fwd':>9s} {'bwd':>6s} {'f+b':>6s} | {'ref fwd':>7s} {'bwd':>6s} {'f+b':>6s} | "
-        f"{'torch fwd':>9s} {'bwd':>6s} {'f+b':>6s} | {'x ref f+b':>9s} {'x torch f+b':>11s}"
-    )
-    lines = [head, "-" * len(head)]
+    lines: list[str] = []
     for r in res["rows"]:
         cells = []
         for lib, w in (("pynorm", 9), ("numpy", 7), ("torch", 9)):
@@ -345,23 +361,23 @@ def small_text(res: dict[str, Any]) -> str:
         xr = r["ratio"].get("numpy", {}).get("fwd+bwd")
         xt = r["ratio"].get("torch", {}).get("fwd+bwd")
         lines.append(f"{r['op']:22s} | " + " | ".join(cells) + f" | {_r(xr, '{:.2f}'):>9s} {_r(xt, '{:.2f}'):>11s}")
-    lines.append(
+    head = (
+        f"{'op':22s} | {'numba fwd':>9s} {'bwd':>6s} {'f+b':>6s} | {'ref fwd':>7s} {'bwd':>6s} {'f+b':>6s} | "
+        f"{'torch fwd':>9s} {'bwd':>6s} {'f+b':>6s} | {'x ref f+b':>9s} {'x torch f+b':>11s}"
+    )
+    note = (
         f"(microseconds per call, {res['shape'][0]}x{res['shape'][1]} float32, allocating calls; numpy.copyto of x: "
         f"{res['copyto_us']:.2f} us in the same rounds; x ref / x torch: that library's time over numba's; "
         f"PyTorch on {res.get('torch_threads', 1)} thread, its bwd is its fwd+bwd minus its fwd)"
     )
-    return "\n".join(lines)
+    return _text(head, lines, note)
 
 
 def markdown_small(report: dict[str, Any]) -> str:
     """The docs table of ``--small`` (``small_calls.json``)."""
-    head = (
-        "| op | numba fwd / bwd µs | numba fwd / numpy.copyto | reference fwd / bwd µs | PyTorch fwd / bwd µs "
-        "| x reference (fwd+bwd) | x PyTorch (fwd+bwd) |"
-    )
-    lines = [head, "|" + "---|" * 7]
+    rows = []
     for r in report["rows"]:
-        cells = []
+        cells = [f"`{r['op']}`"]
         fwd = _us(r, "pynorm", "fwd")
         for lib in ("pynorm", "numpy", "torch"):
             f, b = _us(r, lib, "fwd"), _us(r, lib, "bwd")
@@ -370,8 +386,12 @@ def markdown_small(report: dict[str, Any]) -> str:
                 cells.append("-" if fwd is None else f"{fwd / report['copyto_us']:.0f}x")
         for lib in ("numpy", "torch"):
             cells.append(_r(r["ratio"].get(lib, {}).get("fwd+bwd"), "{:.2f}"))
-        lines.append(f"| `{r['op']}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return _markdown(
+        "op | numba fwd / bwd µs | numba fwd / numpy.copyto | reference fwd / bwd µs | PyTorch fwd / bwd µs "
+        "| x reference (fwd+bwd) | x PyTorch (fwd+bwd)",
+        rows,
+    )
 
 
 def chart_small(res: dict[str, Any], path: Path) -> bool:
@@ -409,7 +429,7 @@ def compile_text(rows: list[dict[str, Any]]) -> str:
         f"{'op':22s} {'dtype':9s} | {'cold fwd':>8s} {'cold bwd':>8s} {'cold f+b':>8s} | {'warm f+b':>8s}"
         f" | {'import':>6s} | {'process (cold/warm)':>19s}"
     )
-    lines = [head, "-" * len(head)]
+    lines: list[str] = []
     for r in rows:
         if "cold_s" not in r or "warm_s" not in r:
             lines.append(f"{r['op']:22s} {r['dtype']:9s} | failed: {r.get('cold_error') or r.get('warm_error')}")
@@ -419,4 +439,4 @@ def compile_text(rows: list[dict[str, Any]]) -> str:
             f" {r['warm_s']:7.3f}s | {r['warm_import_pynorm_s']:5.3f}s | {r['cold_process_s']:8.1f}s /"
             f" {r['warm_process_s']:6.2f}s"
         )
-    return "\n".join(lines)
+    return _text(head, lines)

@@ -10,23 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
-from ._spec import (
-    REQUIRED,
-    ColumnVariant,
-    Composite,
-    ElementwiseVariant,
-    Input,
-    OpSpec,
-    Option,
-    Param,
-    QuantizeVariant,
-    StatsVariant,
-    check_bool,
-    check_eps,
-    check_positive_int,
-    check_real,
-    one_of,
-)
+from . import _spec
+from ._spec import *  # noqa: F403  (the specs' vocabulary, re-exported: the names of _spec.__all__)
+from ._spec import OpSpec
 from .add_norm import ADD_LAYER_NORM, ADD_RMS_NORM
 from .batch_norm import SPEC as BATCH_NORM
 from .conditional_norm import CONDITIONAL_LAYER_NORM, CONDITIONAL_RMS_NORM
@@ -55,31 +41,17 @@ __all__ = [
     "MODALITY_RMS_NORM",
     "POWER_NORM",
     "QUANT_LAYER_NORM",
-    "REQUIRED",
     "RMS_NORM",
     "RMS_NORM_LINEAR",
     "SCALE_NORM",
     "SPECS",
-    "ColumnVariant",
-    "Composite",
-    "ElementwiseVariant",
-    "Input",
-    "OpSpec",
-    "Option",
-    "Param",
-    "QuantizeVariant",
     "Served",
-    "StatsVariant",
-    "check_bool",
-    "check_eps",
-    "check_positive_int",
-    "check_real",
     "get",
     "on_change",
-    "one_of",
     "register",
     "unregister",
 ]
+__all__ += _spec.__all__
 
 #: every op, by name, in the order of the docs
 SPECS: dict[str, OpSpec] = {

@@ -17,18 +17,15 @@ from ._spec import Input, OpSpec, Option, StatsVariant, check_real
 
 
 @dataclass(frozen=True, eq=False)
-class AddLayerNormCtx:
-    """What the backward needs: the rounded sum ``h``, the parameters, ``h``'s per-row mean and rstd."""
-
+class _Sum:
     h: Any
-    weight: Any
-    bias: Any
-    mean: Any
-    rstd: Any
-    eps: float
-    correction: int
-    eps_mode: str
-    weight_offset: float
+
+
+@dataclass(frozen=True, eq=False)
+class AddLayerNormCtx(_ln.CenteredStats, _Sum):
+    """What the backward needs: the rounded sum ``h``, then the parameters, ``h``'s per-row mean and rstd and the
+    conventions (:class:`~pynorm.ops.layer_norm.CenteredStats`), then the residual add's."""
+
     alpha: float
     x_dtype: Any
     residual_in_dtype: Any

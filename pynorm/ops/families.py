@@ -103,13 +103,13 @@ class Statistic:
     ----------
     name : the axis value.
     summary : ``v`` and the centring, in one line.
+    rules : ``eps_mode`` option value -> r rule; one key ``None`` (the rule) for a statistic without an
+        ``eps_mode`` option. A rule is a code the statistic's pieces implement (the three of the module doc are
+        the kernels' shared ones; a statistic with its own ``r`` -- none at all, ``r = 1`` -- has its own code).
     mean : the statistic centres the row on its mean and fills ``ctx.mean`` (float, per row); the kernels keep
         it as the row's *aux* value.
     floor : fills ``ctx.floor`` (bool, per row: ``r`` took the floor of :data:`R_FLOOR`); the kernels keep it as
         the row's aux value (1.0 where taken).
-    rules : ``eps_mode`` option value -> r rule; one key ``None`` (the rule) for a statistic without an
-        ``eps_mode`` option. A rule is a code the statistic's pieces implement (the three of the module doc are
-        the kernels' shared ones; a statistic with its own ``r`` -- none at all, ``r = 1`` -- has its own code).
     correction : takes the ``correction`` option (``v`` over ``H - correction`` degrees of freedom).
     eps : takes the ``eps`` option (its r rules use it; then every spec of the statistic declares it).
     normalizes : ``r`` brings the row to unit magnitude (``xhat = O(1)``): the kernels may keep sums of
@@ -125,10 +125,10 @@ class Statistic:
 
     name: str
     summary: str
-    mean: bool
-    floor: bool
     rules: Mapping[str | None, int]
-    correction: bool
+    mean: bool = False
+    floor: bool = False
+    correction: bool = False
     eps: bool = True
     normalizes: bool = True
     cuda: str = ""
@@ -201,9 +201,8 @@ STATISTICS: dict[str, Statistic] = {
         Statistic(
             "centered",
             "v = var(x) over H - correction; the row centred on its mean (LayerNorm)",
-            mean=True,
-            floor=False,
             rules={"var": R_INSIDE, "std": R_OUTSIDE},
+            mean=True,
             correction=True,
             cuda="pynorm::Centered",
             numba="pynorm.backends.numba._rowstats:CENTERED",
@@ -211,20 +210,15 @@ STATISTICS: dict[str, Statistic] = {
         Statistic(
             "mean_square",
             "v = mean(x^2); the row not centred (RMSNorm)",
-            mean=False,
-            floor=False,
             rules={None: R_INSIDE},
-            correction=False,
             cuda="pynorm::MeanSquare",
             numba="pynorm.backends.numba._rowstats:MEAN_SQUARE",
         ),
         Statistic(
             "l2",
             "v = sum(x^2), the squared L2 norm; the row not centred (ScaleNorm)",
-            mean=False,
-            floor=True,
             rules={"floor": R_FLOOR, "root": R_INSIDE},
-            correction=False,
+            floor=True,
             cuda="pynorm::SumSquare",
             numba="pynorm.backends.numba._rowstats:L2",
         ),

@@ -16,19 +16,20 @@ CASTINGS = ("fp32", "gemma", "llama", "t5", "apex", "none")
 
 
 @dataclass(frozen=True, eq=False)
-class CenteredCtx:
-    """The fields of the ctx of every LayerNorm of ``x`` (this op's, the modality and the quantizing ones'),
-    in this order, before those of the op's own.
+class CenteredStats:
+    """The fields that follow the normalized row in the ctx of every LayerNorm (:class:`CenteredCtx`'s after
+    ``x``, the fused add + LayerNorm's after ``h``).
+
+    A ctx lists this class first among its bases and the class of its row second: dataclass fields come in
+    reverse MRO order, so the row is the ctx's first field and these follow it.
 
     Attributes
     ----------
-    x : (R, H) array, the input as given to forward (not copied).
     weight, bias : the parameters as given, or None.
     mean, rstd : (R,) arrays, per-row mean and ``r``.
     eps, correction, eps_mode, weight_offset : the LayerNorm conventions used.
     """
 
-    x: Any
     weight: Any
     bias: Any
     mean: Any
@@ -37,6 +38,23 @@ class CenteredCtx:
     correction: int
     eps_mode: str
     weight_offset: float
+
+
+@dataclass(frozen=True, eq=False)
+class _Input:
+    x: Any
+
+
+@dataclass(frozen=True, eq=False)
+class CenteredCtx(CenteredStats, _Input):
+    """The fields of the ctx of every LayerNorm of ``x`` (this op's, the modality and the quantizing ones'),
+    in this order, before those of the op's own.
+
+    Attributes
+    ----------
+    x : (R, H) array, the input as given to forward (not copied).
+    weight, bias, mean, rstd, eps, correction, eps_mode, weight_offset : :class:`CenteredStats`.
+    """
 
 
 @dataclass(frozen=True, eq=False)

@@ -486,6 +486,15 @@ def _stats_model(kind: str, p: np.dtype[Any]) -> Emulator:
     return emulate
 
 
+def _in_precision(
+    code: str, p: np.dtype[Any], kind: str, says: str, fix: str, baseline: str, evidence: Any = None
+) -> Model:
+    """The model ``code/<p>`` of a LayerNorm computing its statistics the ``kind`` way in ``p``
+    (:func:`_stats_model`), compared with the model ``baseline/<p>``."""
+    pn = dtype_name(p)
+    return Model(f"{code}/{pn}", code, says, fix, _stats_model(kind, p), baseline=f"{baseline}/{pn}", evidence=evidence)
+
+
 def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emulation | None:
     out_dt = dtype_of(ev.dtypes["y"])
     meas = _measure_dtype(p, out_dt)
@@ -893,38 +902,38 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                 )
             )
             out.append(
-                Model(
-                    f"mean_in_precision/{pn}",
+                _in_precision(
                     "mean_in_precision",
+                    p,
+                    "mean",
                     f"the mean is computed in {pn} without a correction: on rows with a large common offset its "
                     f"error shifts every x - mean; on constant rows it leaves x - mean != 0 (the exact x̂ is 0)",
                     "centre with a corrected two-pass mean (m += mean(x - m)), or accumulate in a wider type",
-                    _stats_model("mean", p),
-                    baseline=f"correct/{pn}",
-                    evidence=_mean_evidence,
+                    "correct",
+                    _mean_evidence,
                 )
             )
             out.append(
-                Model(
-                    f"one_pass/{pn}",
+                _in_precision(
+                    "one_pass",
+                    p,
                     "one_pass",
                     f"the variance is computed in one pass, E[x^2] - E[x]^2 ({pn}), which loses everything on rows "
                     f"with a large mean",
                     "compute it from the centred values (two passes) or by Welford/Chan",
-                    _stats_model("one_pass", p),
-                    baseline=f"mean_in_precision/{pn}",
-                    evidence=_one_pass_evidence,
+                    "mean_in_precision",
+                    _one_pass_evidence,
                 )
             )
             out.append(
-                Model(
-                    f"xr_minus_mean_r/{pn}",
+                _in_precision(
                     "xr_minus_mean_r",
+                    p,
+                    "xr",
                     f"x̂ is computed as x * rstd - mean * rstd ({pn}): two terms of size |x| rstd cancel on rows "
                     f"with a large mean",
                     "compute (x - mean) * rstd",
-                    _stats_model("xr", p),
-                    baseline=f"mean_in_precision/{pn}",
+                    "mean_in_precision",
                 )
             )
     if "casting" in names:

@@ -95,7 +95,7 @@ def layer_norm_backward(
     )
     wp = np.result_type(nc.mean.dtype, _wp(x, weight, bias, ctx.W, ctx.c))
     dnt, dW, dc = _linear_grads(dy, n, ctx.W, ctx.c, dn, wp)
-    w = None if weight is None else weight.astype(wp) + wp.type(nc.weight_offset)
+    w = _ln._effective_weight(weight, nc.weight_offset, wp)
     dx, xhat = _ln.input_grad(
         dnt, x.astype(wp), nc.mean.astype(wp), nc.rstd.astype(wp), w, correction=nc.correction, eps_mode=nc.eps_mode
     )
@@ -130,7 +130,7 @@ def rms_norm_backward(
     n, _ = _rms.forward(x, weight, eps=nc.eps, weight_offset=nc.weight_offset)
     wp = np.result_type(nc.rstd.dtype, _wp(x, weight, ctx.W, ctx.c))
     dnt, dW, dc = _linear_grads(dy, n, ctx.W, ctx.c, dn, wp)
-    w = None if weight is None else weight.astype(wp) + wp.type(nc.weight_offset)
+    w = _ln._effective_weight(weight, nc.weight_offset, wp)
     dx, xhat = _rms.input_grad(dnt, x.astype(wp), nc.rstd.astype(wp), w)
     dweight = round_to(np.sum(dnt * xhat, axis=0), weight.dtype) if weight is not None else None
     return RMSNormLinearGrads(write_result(dx, x.dtype, dx_out), dweight, dW, dc)

@@ -255,7 +255,7 @@ class _Plan:
 def _flat_shape(kind: str, a: Array | None, lead: tuple[int, ...], norm_shape: tuple[int, ...]) -> Any:
     """The shape an input or parameter of ``kind`` reaches the backend in when a plain reshape gives it (None:
     absent, or one that :func:`_flat_input` / :func:`_flat_param` must build on every call: a broadcast feature
-    parameter, a row scale's float64 copy)."""
+    parameter, a row scale's float64 copy, a matrix or vector passed as it is)."""
     if a is None:
         return None
     rows, h = math.prod(lead), math.prod(norm_shape)
@@ -264,8 +264,6 @@ def _flat_shape(kind: str, a: Array | None, lead: tuple[int, ...], norm_shape: t
     flat = {
         "scalar": (1,),
         "table": (a.shape[0], h) if a.ndim else None,
-        "matrix": tuple(a.shape),
-        "vector": tuple(a.shape),
         "like_x": (rows, h),
         "row_index": (rows,),
         "cond": (math.prod(a.shape[:-1]), a.shape[-1]) if a.ndim else None,
@@ -471,10 +469,11 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
                 )
             g = g.reshape(rows, h)
         extra[f"d{oname}"] = g
-    inner_arrays = ctx_arrays(ctx.inner)
-    dx_out = check_out(
-        dx_out, "dx_out", dy, (dy, *inner_arrays, *(g for g in extra.values() if g is not None)), ctx.x_shape
-    )
+    if dx_out is not None:  # (it must overlap no array the ctx holds: walking them costs microseconds)
+        dx_out = check_out(
+            dx_out, "dx_out", dy, (dy, *ctx_arrays(ctx.inner), *(g for g in extra.values() if g is not None)),
+            ctx.x_shape,
+        )  # fmt: skip
     mod = _registry.op_module(ctx.backend, op)
     grads = mod.backward(
         dy.reshape(rows, y_h), ctx.inner, dx_out=None if dx_out is None else dx_out.reshape(rows, h), **extra

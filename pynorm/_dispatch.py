@@ -41,6 +41,7 @@ from ._validate import (
 )
 from .errors import ArrayTypeError, ContextError, DTypeError, ShapeError
 from .ops import OpSpec
+from .ops._spec import filled
 
 __all__ = ["FLOAT_DTYPES", "Context", "backward", "check_axis", "forward"]
 
@@ -169,12 +170,13 @@ def forward(
     key = _plan_key(spec, x, inputs, params, axis, backend, out, options)
     plan = _PLANS.get(key) if key is not None else None
     if plan is not None:  # the same call shape as before: only what depends on the values is checked again
-        by_name = dict(zip(spec.input_names, inputs, strict=True))
-        for si, a in zip(spec.inputs, inputs, strict=True):
-            check_input_values(si, a)
-        for sp, p in zip(spec.params, params, strict=True):
-            if p is not None:
-                check_param_values(sp, p, by_name)
+        if plan.value_checks:
+            by_name = dict(zip(spec.input_names, inputs, strict=True))
+            for i, sp in plan.value_checks:
+                if i < 0:
+                    check_input_values(spec.inputs[~i], inputs[~i])
+                elif params[i] is not None:
+                    check_param_values(sp, params[i], by_name)
         if out is not None:
             check_out(out, "out", x, tuple(a for a in (x, *inputs, *params) if a is not None), plan.y_shape, out.dtype)
         return _run(spec, plan, x, tuple(inputs), tuple(params), out, backend)
@@ -203,6 +205,16 @@ def forward(
     plan = _Plan(
         ax, math.prod(x.shape[:ax]), h, norm_shape, y_shape, math.prod(y_shape[ax:]), opts, to_backend,
         tuple(n for n, a in zip(("x", *names), (x, *ins, *ps), strict=True) if a is not None),
+        tuple(_flat_shape(si.kind, a, x.shape[:ax], norm_shape) for si, a in zip(spec.inputs, ins, strict=True)),
+        tuple(_flat_shape(sp.kind, p, x.shape[:ax], norm_shape) for sp, p in zip(spec.params, ps, strict=True)),
+        tuple(None if p is None else tuple(p.shape) for p in ps),
+        tuple(a.dtype for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
+        tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
+        (
+            *((~i, si) for i, si in enumerate(spec.inputs) if si.kind in ("row_scale", "running")),
+            *((i, sp) for i, sp in enumerate(spec.params) if sp.kind == "table" or sp.finite),
+        ),
+        None if key is None else ("numpy", "ndarray"),
     )  # fmt: skip
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
@@ -214,7 +226,8 @@ def forward(
 @dataclass(frozen=True)
 class _Plan:
     """What the checks of one call shape established (:func:`_plan_key`): the flattening, the validated options,
-    the names of the arrays present (for the backend's resolution)."""
+    the names of the arrays present (for the backend's resolution), and what the call's :class:`Context` reads of
+    the shapes and dtypes alone."""
 
     axis: int
     rows: int
@@ -225,6 +238,37 @@ class _Plan:
     options: dict[str, Any]
     to_backend: dict[str, Any]
     present_names: tuple[str, ...]
+    #: each input's and parameter's shape as the backend sees it (:func:`_flat_shape`; None: absent, or
+    #: flattened by :func:`_flat_input` / :func:`_flat_param` on every call)
+    input_flat: tuple[tuple[int, ...] | None, ...]
+    param_flat: tuple[tuple[int, ...] | None, ...]
+    param_shapes: tuple[tuple[int, ...] | None, ...]
+    input_dtypes: tuple[Any, ...]  # of the differentiable inputs
+    input_shapes: tuple[tuple[int, ...], ...]  # of the differentiable inputs
+    #: the checks that depend on the values, run on every call: ``(i, spec_param)`` for parameter ``i``,
+    #: ``(~i, spec_input)`` for input ``i``
+    value_checks: tuple[tuple[int, Any], ...]
+    #: ``("numpy", "ndarray")`` when the plan is kept (every array of its key an exact numpy.ndarray), else None
+    family: tuple[str, str] | None
+
+
+def _flat_shape(kind: str, a: Array | None, lead: tuple[int, ...], norm_shape: tuple[int, ...]) -> Any:
+    """The shape an input or parameter of ``kind`` reaches the backend in when a plain reshape gives it (None:
+    absent, or one that :func:`_flat_input` / :func:`_flat_param` must build on every call: a broadcast feature
+    parameter, a row scale's float64 copy, a matrix or vector passed as it is)."""
+    if a is None:
+        return None
+    rows, h = math.prod(lead), math.prod(norm_shape)
+    if kind == "feature":
+        return (h,) if tuple(a.shape) == norm_shape else None
+    flat = {
+        "scalar": (1,),
+        "table": (a.shape[0], h) if a.ndim else None,
+        "like_x": (rows, h),
+        "row_index": (rows,),
+        "cond": (math.prod(a.shape[:-1]), a.shape[-1]) if a.ndim else None,
+    }
+    return flat.get(kind)
 
 
 #: the plans of recent call shapes (at most :data:`_MAX_PLANS`, the oldest dropped first)
@@ -249,53 +293,59 @@ def _plan_key(
 ) -> tuple[Any, ...] | None:  # fmt: skip
     """The key of a call's plan: the op, every array's :func:`_array_key`, ``axis``, ``backend`` and the options
     (None -- no plan -- for arguments a plan cannot stand for: a non-array, an unhashable option)."""
-    arrays = tuple(_array_key(a) for a in (x, *inputs, *params, out))
+    arrays = tuple(map(_array_key, (x, *inputs, *params, out)))
     if ... in arrays or type(axis) is not int:
         return None
+    values = tuple(options.values())
     try:  # (the types too: True == 1 and hash(True) == hash(1), but True is no eps)
-        opts = tuple((k, type(v), v) for k, v in options.items())
-        hash(opts)
+        key = (spec.name, arrays, axis, backend, tuple(options), values, tuple(map(type, values)))
+        hash(key)
     except TypeError:
         return None
-    return (spec.name, arrays, axis, backend, opts)
+    return key
 
 
 def _run(
     spec: OpSpec, plan: _Plan, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...], out: Any, backend: str | None
 ) -> tuple[Any, Context]:
     """Resolve the backend, flatten, call it and wrap its ctx, for arguments ``plan`` holds for."""
-    present = tuple(a for a in (x, *ins, *ps) if a is not None)
-    name, mod = _registry.resolve(spec.name, present, plan.present_names, backend)
+    if plan.family is not None:  # (every array an exact numpy.ndarray: the plan's key says so)
+        name, mod = _registry.resolve_family(spec.name, plan.family, plan.present_names, backend)
+    else:
+        present = tuple(a for a in (x, *ins, *ps) if a is not None)
+        name, mod = _registry.resolve(spec.name, present, plan.present_names, backend)
     rows, h = plan.rows, plan.h
-    flat_in = tuple(_flat_input(si.kind, a, rows, h) for si, a in zip(spec.inputs, ins, strict=True))
-    flat_p = tuple(_flat_param(sp.kind, p, plan.norm_shape) for sp, p in zip(spec.params, ps, strict=True))
+    flat_in = tuple(
+        a if a is None else (a.reshape(f) if f is not None else _flat_input(si.kind, a, rows, h))
+        for si, a, f in zip(spec.inputs, ins, plan.input_flat, strict=True)
+    )
+    flat_p = tuple(
+        p if p is None else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, plan.norm_shape))
+        for sp, p, f in zip(spec.params, ps, plan.param_flat, strict=True)
+    )
     res, inner = mod.forward(
         x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, plan.y_h),
         **plan.to_backend,
     )  # fmt: skip
-    outs = res if len(spec.outputs) > 1 else (res,)
-    shaped = tuple(
-        out if (i == 0 and out is not None) else o.reshape(plan.y_shape if i == 0 else x.shape)
-        for i, o in enumerate(outs)
-    )
-    x_shape = tuple(x.shape)
-    ctx = Context(
-        spec.name,
-        name,
-        x_shape,
-        x.dtype,
-        plan.axis,
-        tuple(None if p is None else tuple(p.shape) for p in ps),
-        inner,
-        tuple(a.dtype for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
-        tuple(o.dtype for o in shaped[1:]),
-        _registry.array_family(x),
-        None if plan.y_shape == x_shape else plan.y_shape,
-        tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
-    )
+    x_shape = x.shape
+    if len(spec.outputs) > 1:
+        shaped = tuple(
+            out if (i == 0 and out is not None) else o.reshape(plan.y_shape if i == 0 else x_shape)
+            for i, o in enumerate(res)
+        )
+        first, more = shaped[0], tuple(o.dtype for o in shaped[1:])
+    else:
+        first, more = (out if out is not None else res.reshape(plan.y_shape)), ()
+        shaped = (first,)
+    ctx = filled(Context, {
+        "op": spec.name, "backend": name, "x_shape": x_shape, "x_dtype": x.dtype, "axis": plan.axis,
+        "param_shapes": plan.param_shapes, "inner": inner, "input_dtypes": plan.input_dtypes, "output_dtypes": more,
+        "array_family": plan.family or _registry.array_family(x),
+        "y_shape": None if plan.y_shape == x_shape else plan.y_shape, "input_shapes": plan.input_shapes,
+    })  # fmt: skip
     if spec.result is not None:
         return spec.result(shaped, ctx, plan.options), ctx
-    return (shaped if len(spec.outputs) > 1 else shaped[0]), ctx
+    return (shaped if len(spec.outputs) > 1 else first), ctx
 
 
 def _to_channels(a: Array, axis: int) -> Array:
@@ -419,10 +469,11 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
                 )
             g = g.reshape(rows, h)
         extra[f"d{oname}"] = g
-    inner_arrays = ctx_arrays(ctx.inner)
-    dx_out = check_out(
-        dx_out, "dx_out", dy, (dy, *inner_arrays, *(g for g in extra.values() if g is not None)), ctx.x_shape
-    )
+    if dx_out is not None:  # (it must overlap no array the ctx holds: walking them costs microseconds)
+        dx_out = check_out(
+            dx_out, "dx_out", dy, (dy, *ctx_arrays(ctx.inner), *(g for g in extra.values() if g is not None)),
+            ctx.x_shape,
+        )  # fmt: skip
     mod = _registry.op_module(ctx.backend, op)
     grads = mod.backward(
         dy.reshape(rows, y_h), ctx.inner, dx_out=None if dx_out is None else dx_out.reshape(rows, h), **extra

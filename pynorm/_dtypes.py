@@ -46,6 +46,8 @@ def have_bfloat16() -> bool:
 
 def dtype_of(d: Any) -> np.dtype[Any]:
     """The NumPy dtype named ``d`` (``"bfloat16"`` through ``ml_dtypes``), or ``np.dtype(d)``."""
+    if isinstance(d, np.dtype):
+        return d
     if isinstance(d, str) and d == "bfloat16":
         import ml_dtypes
 
@@ -118,6 +120,6 @@ def round_to(a: Any, dtype: Any) -> np.ndarray:
     dtype's range to ±inf, as IEEE says."""
     dtype = dtype_of(dtype)
     with np.errstate(over="ignore", invalid="ignore"):
-        if dtype.name == "bfloat16":
+        if dtype_name(dtype) == "bfloat16":  # (cached: NumPy computes dtype.name in Python)
             return _to_bfloat16(a, dtype)
         return np.asarray(a).astype(dtype)

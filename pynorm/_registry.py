@@ -368,7 +368,13 @@ def resolve(
     op: str, arrays: tuple[Any, ...], names: tuple[str, ...], backend: str | None = None
 ) -> tuple[str, ModuleType]:
     """Pick the backend for ``op`` on ``arrays``; return ``(name, op module)``."""
-    family = family_of(arrays, names)
+    return resolve_family(op, family_of(arrays, names), names, backend)
+
+
+def resolve_family(
+    op: str, family: tuple[str, str], names: tuple[str, ...], backend: str | None = None
+) -> tuple[str, ModuleType]:
+    """:func:`resolve` for arrays already known to be of one ``family`` (a ``(module, class)`` pair)."""
     explicit = backend if backend is not None else _current.get()
     env = None if explicit is not None else (os.environ.get(ENV_VAR) or None)
     return _memoized(("resolve", explicit, env, family, op), lambda: _resolve(op, family, names, explicit, env))

@@ -331,6 +331,9 @@ def check_out(
     return out
 
 
+_SCALARS = frozenset((bool, int, float, str))  # what a ctx holds besides arrays, skipped without attribute tests
+
+
 def ctx_arrays(inner: Any) -> tuple[Array, ...]:
     """Every array a backend's ctx holds, nested ctx objects included (a composite's ctx holds its ops'):
     ``dx_out`` must overlap none of them, whatever the backend keeps."""
@@ -338,7 +341,9 @@ def ctx_arrays(inner: Any) -> tuple[Array, ...]:
     todo = [inner]
     while todo:
         v = todo.pop()
-        if hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "reshape"):
+        if v is None or type(v) in _SCALARS:
+            continue
+        if type(v) is np.ndarray or (hasattr(v, "shape") and hasattr(v, "dtype") and hasattr(v, "reshape")):
             found.append(v)
         elif isinstance(v, (tuple, list)):
             todo.extend(v)

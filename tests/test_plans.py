@@ -3,6 +3,8 @@ never the checks that depend on the values, and every argument that changes the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -81,3 +83,60 @@ def test_a_call_that_cannot_have_a_plan_takes_the_full_path() -> None:
     assert np.array_equal(y1, pynorm.layer_norm(big.astype("<f4"), backend="numpy"))
     with pytest.raises(ShapeError):
         pynorm.layer_norm(np.ones((2, 0)), backend="numpy")
+
+
+def test_every_ctx_type_can_be_filled_without_its_init() -> None:
+    # ops._spec.filled makes a ctx (and the dispatcher's Context) without the dataclass's __init__: a type with a
+    # __post_init__ or an InitVar would lose it
+    import dataclasses
+
+    from pynorm.ops import SPECS
+
+    for t in {*(s.ctx for s in SPECS.values()), _dispatch.Context}:
+        assert dataclasses.is_dataclass(t), t
+        assert not hasattr(t, "__post_init__"), t
+        assert all(f.init for f in dataclasses.fields(t)), t
+
+
+def _fields(ctx: object) -> dict[str, object]:
+    import dataclasses
+
+    return {f.name: getattr(ctx, f.name) for f in dataclasses.fields(ctx)}  # type: ignore[arg-type]
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return bool(a == b) and type(a) is type(b)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "add_rms_norm", "modality_layer_norm", "scale_norm"])
+def test_a_planned_call_gives_the_context_of_the_full_path(op: str, backend: Any) -> None:
+    # the plan's Context and the backend's ctx are built from what the first call kept (the dispatcher's plan, the
+    # backend's setup): every field must be what the first call, through the full checks, gave
+    from pynorm.ops import SPECS
+
+    spec = SPECS[op]
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    inputs = {"residual": rng.standard_normal((6, 8)).astype(np.float32), "modality_ids": np.arange(6) % 2}
+    params = {"weight": rng.standard_normal((2, 8) if op.startswith("modality") else 8).astype(np.float32)}
+    if op == "scale_norm":
+        params = {"g": np.array([1.5], np.float32)}
+    if op == "add_rms_norm":
+        params["weight"] = params["weight"].reshape(8)
+    fwd = getattr(pynorm, f"{op}_forward")
+    args = [inputs[n] for n in spec.input_names]
+    _dispatch._PLANS.clear()
+    full = fwd(x, *args, **params, backend=backend.name)
+    planned = fwd(x, *args, **params, backend=backend.name)
+    (y1, c1), (y2, c2) = planned, full
+    for a, b in zip(y1 if isinstance(y1, tuple) else (y1,), y2 if isinstance(y2, tuple) else (y2,), strict=True):
+        assert np.array_equal(a, b)
+    outer1, outer2 = _fields(c1), _fields(c2)
+    inner1, inner2 = _fields(outer1.pop("inner")), _fields(outer2.pop("inner"))
+    for k in outer1:
+        assert _same(outer1[k], outer2[k]), k
+    assert inner1.keys() == inner2.keys()
+    for k in inner1:
+        assert _same(inner1[k], inner2[k]), (k, inner1[k], inner2[k])

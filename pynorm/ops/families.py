@@ -550,8 +550,8 @@ class _Reader:
 
     def __call__(self, source: Any) -> StatsArgs | ElementwiseArgs:
         d = self.defaults
-        if type(source) is dict or isinstance(source, Mapping):
-            get: Any = source.get
+        if type(source) is dict or (not hasattr(source, "__dataclass_fields__") and isinstance(source, Mapping)):
+            get: Any = source.get  # (a ctx is a dataclass: no ABC check for it, which costs a microsecond)
         else:
             get = lambda name, default: getattr(source, name, default)  # noqa: E731  (a ctx)
 

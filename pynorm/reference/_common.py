@@ -86,8 +86,7 @@ def center(a: np.ndarray, mean: np.ndarray) -> np.ndarray:
 
 def write_result(value: np.ndarray, dtype: Any, out: np.ndarray | None) -> np.ndarray:
     """Round ``value`` to ``dtype`` and return it, or copy it into ``out`` and return ``out``."""
-    with np.errstate(over="ignore"):  # a result beyond the dtype's range rounds to +-inf, as IEEE says
-        r = round_to(value, dtype)
+    r = round_to(value, dtype)  # (a result beyond the dtype's range rounds to +-inf, as IEEE says)
     if out is None:
         return r
     np.copyto(out, r, casting="no")

@@ -10,6 +10,7 @@ vectors, negligible next to the ``(R, H)`` work.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -89,9 +90,7 @@ class _BufferPool:
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         dtype = np.dtype(dtype)
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = dtype.itemsize * math.prod(shape)
         if nbytes < self.min_bytes or self.max_bytes <= 0:
             return np.empty(shape, dtype)
         with self._lock:

@@ -37,6 +37,7 @@ the split kernels (:mod:`._split_kernels`), rows cut into segments across thread
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import fields
 from typing import Any, NamedTuple
 
@@ -44,6 +45,7 @@ import numpy as np
 
 from ..._dtypes import round_to
 from ...ops import OpSpec, Served
+from ...ops._spec import filled
 from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statistic_of
 from .._spec import param_names, prologue_input_names
 from . import _common as common
@@ -114,8 +116,8 @@ class _Setup(NamedTuple):
     h_dtype: Any  # the prologue's h dtype (None: no h)
     math_dtype: np.dtype[Any]
     widen: bool
-    kernel_values: dict[str, Any]  # the kernel arguments by name (ctx fields)
-    prologue_values: dict[str, Any]  # the prologue's ctx fields besides the row
+    ctx_static: dict[str, Any]  # the ctx fields of the options, kernel arguments and prologue (dtypes)
+    ctx_args: tuple[tuple[str, int], ...]  # the ctx fields that are inputs or parameters: (name, argument index)
 
 
 class _Op:
@@ -176,6 +178,13 @@ class StatsOp(_Op):
         self.affine = AFFINE_SOURCES[affine_of(spec).name]
         self.residual_name, self.ids_name = prologue_input_names(spec, self.prologue)
         self._setups: dict[Any, _Setup] = {}  # by options and dtypes (:meth:`_setup`)
+        names = (*spec.input_names, *spec.param_names)
+        self._n_args = len(names)
+        #: ``(weight, bias, ids, residual)`` of a forward's arguments after ``x`` with a None appended (None: absent)
+        self._pick = operator.itemgetter(
+            *(names.index(n) if n in names else -1 for n in (self.weight_name, self.bias_name, self.ids_name,
+                                                             self.residual_name))
+        )  # fmt: skip
 
     def _math(self, x_dtype: Any, h_dtype: Any) -> tuple[np.dtype[Any], bool]:
         """``(math dtype, widen)``: float64 when x or h is float64; ``widen``: h is narrower than that."""
@@ -200,10 +209,25 @@ class StatsOp(_Op):
         kargs = kernel_args(self.spec, o)
         hd = self.prologue.h_dtype(x_dtype, o)
         mdt, widen = self._math(x_dtype, hd)
-        setup = _Setup(
-            o, kargs, Conventions.of(kargs), hd, mdt, widen, dict(zip(kargs._fields, kargs)),
-            self.prologue.ctx_values(x_dtype, residual_dtype),
-        )  # fmt: skip
+        # each ctx field from its source: the prologue's dtypes, else the row or a statistic (per call), else a
+        # kernel argument, else an input or parameter (per call: ctx_args), else an option
+        pro = self.prologue.ctx_values(x_dtype, residual_dtype)
+        per_call = {self.prologue.row, *self.statistic.fills}
+        kv = dict(zip(kargs._fields, kargs))
+        index = {n: i for i, n in enumerate((*self.spec.input_names, *self.spec.param_names))}
+        static, ctx_args = {}, []
+        for f in self._fields:
+            if f in pro:
+                static[f] = pro[f]
+            elif f in per_call:
+                continue
+            elif f in kv:
+                static[f] = kv[f]
+            elif f in index:
+                ctx_args.append((f, index[f]))
+            else:
+                static[f] = o[f]
+        setup = _Setup(o, kargs, Conventions.of(kargs), hd, mdt, widen, static, tuple(ctx_args))
         if key is not None:
             if len(self._setups) >= 64:
                 self._setups.clear()
@@ -213,8 +237,9 @@ class StatsOp(_Op):
     def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
         """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
         (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given)."""
-        inputs, p = self._arguments(args)
-        residual = inputs.get(self.residual_name) if self.residual_name else None
+        if len(args) != self._n_args:
+            self._arguments(args)  # (raises the TypeError)
+        weight, bias, ids, residual = self._pick((*args, None))
         st = self._setup(options, x.dtype, None if residual is None else residual.dtype)
         kargs, hd, mdt = st.kargs, st.h_dtype, st.math_dtype
         rows, hidden = x.shape
@@ -223,9 +248,7 @@ class StatsOp(_Op):
         aux = np.empty(rows) if self.statistic.aux else None
         rstd = np.empty(rows)
         if rows:
-            w, b, tab = self.affine.prepare(
-                p[self.weight_name], p.get(self.bias_name), inputs.get(self.ids_name), kargs.weight_offset, mdt, hidden
-            )
+            w, b, tab = self.affine.prepare(weight, bias, ids, kargs.weight_offset, mdt, hidden)
             src = common.storage(x)
             pro = None
             if h is not None and residual is not None:
@@ -237,12 +260,12 @@ class StatsOp(_Op):
             forward_rows(
                 self.stat, Rows(src, pro), Affine(w, b, tab), st.conventions, ys, RowStats(aux, rstd), use_stream(ys)
             )
-        floor = (aux != 0.0) if self.statistic.floor else None
-        values = {
-            **st.options, **p, **inputs, **st.kernel_values, self.prologue.row: h if self.residual else x,
-            **self.statistic.ctx_values(rstd, mean=aux, floor=floor), **st.prologue_values,
-        }  # fmt: skip
-        ctx = self.ctx_type(**{f: values[f] for f in self._fields})
+        values = st.ctx_static.copy()
+        for f, i in st.ctx_args:
+            values[f] = args[i]
+        values[self.prologue.row] = h if self.residual else x
+        values.update(self.statistic.ctx_values(rstd, mean=aux, floor=(aux != 0.0) if self.statistic.floor else None))
+        ctx = filled(self.ctx_type, values)
         return ((y, h), ctx) if self.residual else (y, ctx)
 
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None, dh: np.ndarray | None = None) -> Any:
@@ -304,11 +327,11 @@ def split_rows(tasks: int, x: np.ndarray) -> bool:
     that the split kernels add (float32 chunk sums are converted to float64 before they are added, which
     keeps them apart)."""
     rows, hidden = x.shape
-    if x.dtype == np.float64 or rows == 0 or hidden == 0:
+    work = rows * hidden
+    if (work < SPLIT_MIN_WORK and not FORCE_SPLIT) or x.dtype == np.float64 or work == 0:
         return False
     if FORCE_SPLIT:
         return True
-    work = rows * hidden
     return hidden >= 2 * SPLIT_SEG and work >= SPLIT_MIN_WORK and tasks < threads_for(work)
 
 

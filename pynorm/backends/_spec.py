@@ -1,4 +1,5 @@
-"""What the numba and cupy hosts of the statistics family read from an op's spec in the same way."""
+"""What the numba and cupy hosts of the statistics and element-wise families read from an op's spec in the same
+way."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from ..ops import OpSpec
 
-__all__ = ["param_names", "prologue_input_names"]
+__all__ = ["EW_SLOTS", "check_ew_slots", "param_names", "prologue_input_names"]
 
 
 def param_names(spec: OpSpec) -> tuple[str, str]:
@@ -21,3 +22,14 @@ def prologue_input_names(spec: OpSpec, prologue: Any) -> tuple[str, str]:
     (``""`` where it has none)."""
     kinds: dict[str, str] = {i.kind: i.name for i in spec.inputs}
     return kinds.get(prologue.input_kind, ""), kinds.get("row_index", "")
+
+
+#: the parameters the element-wise kernels (both backends) have a slot for, in the kernels' order
+EW_SLOTS = ("alpha", "weight", "bias")
+
+
+def check_ew_slots(spec: OpSpec) -> None:
+    """ValueError unless every parameter of the element-wise op ``spec`` has a slot in :data:`EW_SLOTS`."""
+    unknown = set(spec.param_names) - set(EW_SLOTS)
+    if unknown:
+        raise ValueError(f"op {spec.name!r}: the element-wise kernels have no parameter slot for {sorted(unknown)}")

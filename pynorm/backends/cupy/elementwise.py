@@ -23,6 +23,8 @@ import cupy
 from ...errors import ContextError
 from ...ops import OpSpec, Served
 from ...ops.families import kernel_args
+from .._spec import EW_SLOTS as _SLOTS
+from .._spec import check_ew_slots
 from . import _host, _launch
 from ._args import EwBwdArgs, EwFwdArgs
 from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
@@ -30,16 +32,13 @@ from ._loader import FAMILY_FILES, get_kernel, supports, variant_args
 __all__ = ["OP_IMPLS", "ElementwiseOp"]
 
 _FILE = FAMILY_FILES["elementwise"]
-_SLOTS = ("alpha", "weight", "bias")
 
 
 class ElementwiseOp:
     """Forward and backward of one op of the element-wise family (see the module docstring)."""
 
     def __init__(self, spec: OpSpec) -> None:
-        unknown = set(spec.param_names) - set(_SLOTS)
-        if unknown:
-            raise ValueError(f"op {spec.name!r}: the element-wise kernels have no parameter slot for {unknown}")
+        check_ew_slots(spec)
         self.spec = spec
         self.variant = variant_args(spec)
         self.ctx_fields = {f.name for f in fields(spec.ctx)}

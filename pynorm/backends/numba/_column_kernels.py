@@ -22,7 +22,9 @@ named so. Tasks (:mod:`._threads`):
   ``sum(xc)`` with ``xc = (x - k_c) - cc_c``, rows in order; :func:`col_sum_blocks` adds them in block order.
 * :func:`col_apply`, :func:`col_dx`, :func:`col_scale` -- task ``t`` is the row ``(n, c) = divmod(t, C)`` of
   ``S`` values: ``y = ((x - k_c) - cc_c) sw_c [+ b_c]``, ``dx = a_c ((dy - m1_c) - xc q_c)``, ``dx = a_c dy``, in
-  the math type (the two centring subtractions never refolded: ``contract`` only).
+  the math type (the two centring subtractions never refolded: ``contract`` only). One row's pass is one inline
+  helper (:func:`_apply_row`, :func:`_dx_row`), which the short-row kernels (:func:`col_apply_short`,
+  :func:`col_dx_short`: task ``t`` is sample ``t``, its ``C`` rows in order) run as well.
 
 The row sums are compiled with ``reassoc`` (vectorized); the centring subtractions inside them are helpers without
 fastmath flags (:func:`_dev`, :func:`_centre`), which keep their flags when inlined, so LLVM cannot refold
@@ -35,7 +37,7 @@ import numpy as np
 
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
-from ._storage import at, ld, st, tile
+from ._storage import at, ld, opt_add, st, tile
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -374,24 +376,26 @@ def col_sum_blocks(part, out, lo, hi):  # type: ignore[no-untyped-def]
             out[c, q] = acc
 
 
+@jit(inline="always")
+def _apply_row(xr, yr, k, cc, sw, bc, c):  # type: ignore[no-untyped-def]
+    """One row ``(n, c)`` of the forward pass: ``y = ((x - k_c) - cc_c) sw_c + bc`` (``bc``: a scalar, or None:
+    nothing added)."""
+    kc = k[c]
+    ccc = cc[c]
+    swc = sw[c]
+    for j in range(xr.shape[0]):
+        st(yr, j, opt_add(((ld(xr[j]) - kc) - ccc) * swc, bc, 0))
+
+
 @jit(_FM_EXACT)
 def _col_apply_span(x, k, cc, sw, b, y, t0, t1):  # type: ignore[no-untyped-def]
     c_ = x.shape[1]
-    s_ = x.shape[2]
     for t in range(t0, t1):
         i, c = _row_task(t, c_)
-        xr = x[i, c]
-        yr = y[i, c]
-        kc = k[c]
-        ccc = cc[c]
-        swc = sw[c]
         if b is not None:
-            bc = b[c]
-            for j in range(s_):
-                st(yr, j, ((ld(xr[j]) - kc) - ccc) * swc + bc)
+            _apply_row(x[i, c], y[i, c], k, cc, sw, b[c], c)
         else:
-            for j in range(s_):
-                st(yr, j, ((ld(xr[j]) - kc) - ccc) * swc)
+            _apply_row(x[i, c], y[i, c], k, cc, sw, None, c)
 
 
 @jit(_FM_EXACT)
@@ -401,23 +405,25 @@ def col_apply(x, k, cc, sw, b, y, lo, hi):  # type: ignore[no-untyped-def]
     _col_apply_span(*borrow((x, k, cc, sw, b, y)), lo, hi)
 
 
+@jit(inline="always")
+def _dx_row(xr, dyr, dxr, k, cc, a, m1, q, c):  # type: ignore[no-untyped-def]
+    """One row ``(n, c)`` of the training backward: ``dx = a_c ((dy - m1_c) - ((x - k_c) - cc_c) q_c)``."""
+    kc = k[c]
+    ccc = cc[c]
+    ac = a[c]
+    mc = m1[c]
+    qc = q[c]
+    for j in range(xr.shape[0]):
+        xc = (ld(xr[j]) - kc) - ccc
+        st(dxr, j, ac * ((ld(dyr[j]) - mc) - xc * qc))
+
+
 @jit(_FM_EXACT)
 def _col_dx_span(x, dy, k, cc, a, m1, q, dx, t0, t1):  # type: ignore[no-untyped-def]
     c_ = x.shape[1]
-    s_ = x.shape[2]
     for t in range(t0, t1):
         i, c = _row_task(t, c_)
-        xr = x[i, c]
-        dyr = dy[i, c]
-        dxr = dx[i, c]
-        kc = k[c]
-        ccc = cc[c]
-        ac = a[c]
-        mc = m1[c]
-        qc = q[c]
-        for j in range(s_):
-            xc = (ld(xr[j]) - kc) - ccc
-            st(dxr, j, ac * ((ld(dyr[j]) - mc) - xc * qc))
+        _dx_row(x[i, c], dy[i, c], dx[i, c], k, cc, a, m1, q, c)
 
 
 @jit(_FM_EXACT)
@@ -448,17 +454,11 @@ def col_scale(dy, a, dx, lo, hi):  # type: ignore[no-untyped-def]
 @jit(_FM_EXACT)
 def _col_apply_short_span(x, k, cc, sw, b, y, t0, t1):  # type: ignore[no-untyped-def]
     c_ = x.shape[1]
-    s_ = x.shape[2]
     for i in range(t0, t1):
         xi = x[i]
         yi = y[i]
         for c in range(c_):
-            kc = k[c]
-            ccc = cc[c]
-            swc = sw[c]
-            bc = at(b, c)
-            for j in range(s_):
-                st(yi, (c, j), ((ld(xi[c, j]) - kc) - ccc) * swc + bc)
+            _apply_row(xi[c], yi[c], k, cc, sw, at(b, c), c)
 
 
 @jit(_FM_EXACT)
@@ -471,20 +471,12 @@ def col_apply_short(x, k, cc, sw, b, y, lo, hi):  # type: ignore[no-untyped-def]
 @jit(_FM_EXACT)
 def _col_dx_short_span(x, dy, k, cc, a, m1, q, dx, t0, t1):  # type: ignore[no-untyped-def]
     c_ = x.shape[1]
-    s_ = x.shape[2]
     for i in range(t0, t1):
         xi = x[i]
         di = dy[i]
         oi = dx[i]
         for c in range(c_):
-            kc = k[c]
-            ccc = cc[c]
-            ac = a[c]
-            mc = m1[c]
-            qc = q[c]
-            for j in range(s_):
-                xc = (ld(xi[c, j]) - kc) - ccc
-                st(oi, (c, j), ac * ((ld(di[c, j]) - mc) - xc * qc))
+            _dx_row(xi[c], di[c], oi[c], k, cc, a, m1, q, c)
 
 
 @jit(_FM_EXACT)

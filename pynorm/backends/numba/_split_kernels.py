@@ -32,7 +32,7 @@ from ._cache import FM_SUM, jit
 from ._io import _h_row, arow, ep_row, pslot, pzero
 from ._layout import ROW_BLOCK, SPLIT_SEG
 from ._rowstats import bwd_centring, bwd_finish, eps_outside, fwd_finish, fwd_shift, rfactor, row_aux, seg_sums
-from ._stats_kernels import _FWD_PENDING, FAST, PENDING, _bwd_sums, write_dx, write_y
+from ._stats_kernels import _FWD_PENDING, FAST, _bwd_sums, mark_pending, write_dx, write_y
 from ._storage import at, r_ok, tcast, tile
 from ._stream import sfence
 
@@ -127,8 +127,7 @@ def _fwd_write_span(stat, x, w, b, tab, k, c, rstd, y, stream, t0, t1):  # type:
             xr = x[i]
             write_y(stat, xr, arow(w, tab, i), arow(b, tab, i), tcast(xr, k[i]), tcast(xr, c[i]),
                     tcast(xr, rstd[i]), y[i], stream, j0, j1)  # fmt: skip
-    if stream is not None:
-        sfence()
+    sfence(stream)
 
 
 @jit(FM_SUM)
@@ -215,9 +214,7 @@ def _bwd_finish_rows(stat, x, k, c, rstd, ok, corr, mode, mean, sums, gbar, coef
                                       mode, at(mean, i))  # fmt: skip
             gbar[i] = np.float64(gb)
             coef[i] = np.float64(cf)
-        scale[i] = FAST if good else PENDING
-        if not good:
-            pending += 1
+        pending += mark_pending(scale, i, good)
     return pending
 
 
@@ -229,8 +226,7 @@ def _bwd_write_span(stat, x, dy, w, tab, k, c, rstd, gbar, coef, scale, ep, dx, 
             xr = x[i]
             write_dx(stat, xr, dy[i], arow(w, tab, i), tcast(xr, k[i]), tcast(xr, c[i]), tcast(xr, rstd[i]),
                      tcast(xr, gbar[i]), tcast(xr, coef[i]), dx[i], ep_row(ep, i), stream, j0, j1)  # fmt: skip
-    if stream is not None:
-        sfence()
+    sfence(stream)
 
 
 @jit(FM_SUM)

@@ -101,6 +101,7 @@ __all__ = [
     "fwd",
     "fwd_given",
     "fwd_slow",
+    "mark_pending",
     "params_by_cols",
     "prologue_rows",
     "redo_blocks",
@@ -113,6 +114,15 @@ FAST = 1 << 20
 PENDING = FAST + 1
 #: ``rstd`` of a forward row that needs the slow path (set by :func:`fwd`, replaced by :func:`fwd_slow`)
 _FWD_PENDING = -1.0
+
+
+@jit(inline="always")
+def mark_pending(scale, i, ok):  # type: ignore[no-untyped-def]
+    """``scale[i]``: :data:`FAST` where row ``i``'s fast path succeeded (``ok``), else :data:`PENDING`; returns 1 for
+    a pending row (the backward kernels count them), else 0."""
+    scale[i] = FAST if ok else PENDING
+    return 0 if ok else 1
+
 
 # ---------------------------------------------------------------------------
 # how a row's outputs are written: ``stream`` None (plain stores) or True (streaming stores for
@@ -316,8 +326,7 @@ def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, i0
         else:
             rstd[i] = _FWD_PENDING
             pending += 1
-    if stream is not None:
-        sfence()
+    sfence(stream)
     return pending
 
 
@@ -389,8 +398,7 @@ def _given_span(stat, x, w, b, tab, mean, rstd, y, stream, i0, i1):  # type: ign
         xr = x[i]
         write_out(stat, xr, arow(w, tab, i), arow(b, tab, i), tcast(xr, mean[i]), tcast(xr, 0.0), tcast(xr, rstd[i]),
                   y[i], stream)  # fmt: skip
-    if stream is not None:
-        sfence()
+    sfence(stream)
 
 
 @jit(FM_SUM)
@@ -586,11 +594,8 @@ def _bwd_blocks(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, sca
         for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, x.shape[0])):
             ok = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i],
                           ep_row(ep, i), pw, pb, pslot(tab, blk, i), stream)[0]  # fmt: skip
-            scale[i] = FAST if ok else PENDING
-            if not ok:
-                pending += 1
-    if stream is not None:
-        sfence()
+            pending += mark_pending(scale, i, ok)
+    sfence(stream)
     return pending
 
 
@@ -622,13 +627,10 @@ def _bwd_rows_span(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, c
     for i in range(i0, i1):
         ok, c = _bwd_row(stat, x[i], dy[i], arow(w, tab, i), at(mean, i), rstd[i], corr, mode, dx[i],
                          ep_row(ep, i), None, None, 0, stream)  # fmt: skip
-        scale[i] = FAST if ok else PENDING
+        pending += mark_pending(scale, i, ok)
         if cs is not None:
             cs[i] = c
-        if not ok:
-            pending += 1
-    if stream is not None:
-        sfence()
+    sfence(stream)
     return pending
 
 
@@ -708,8 +710,7 @@ def _bwd_given_span(stat, x, dy, w, tab, mean, rstd, dx, pw, pb, stream, i0, i1)
         wr = arow(w, tab, i)
         row_sums(stat, xr, dy[i], wr, k, zero, rt, False, pw, pb, pslot(tab, 0, i))
         write_dx_out(stat, xr, dy[i], wr, k, zero, rt, zero, zero, dx[i], None, stream)
-    if stream is not None:
-        sfence()
+    sfence(stream)
 
 
 @jit(FM_SUM)

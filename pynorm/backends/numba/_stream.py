@@ -79,20 +79,21 @@ def _misalign(typingctx, a):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def sfence(typingctx):  # type: ignore[no-untyped-def]
-    """Order this thread's streaming stores before its later stores (x86 ``sfence``)."""
+def sfence(typingctx, stream):  # type: ignore[no-untyped-def]
+    """Order this thread's streaming stores before its later stores (x86 ``sfence``) where the kernel streams:
+    nothing when its ``stream`` argument is None."""
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         from numba.core import cgutils
 
-        if _X86:
+        if _X86 and not isinstance(stream, types.NoneType):
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence"
             )
             builder.call(fn, [])
         return context.get_dummy_value()
 
-    return types.none(), codegen
+    return types.none(stream), codegen
 
 
 @jit()

@@ -24,6 +24,8 @@ import numpy as np
 from ..._dtypes import finfo, round_to
 from ...ops import OpSpec, Served
 from ...ops.families import function_of, kernel_args
+from .._spec import EW_SLOTS as _SLOTS
+from .._spec import check_ew_slots
 from . import _common as common
 from . import _ew_kernels as kernels
 from ._layout import EW_TILE, blocks, tiles
@@ -31,9 +33,6 @@ from ._threads import launch
 from ._variant import function
 
 __all__ = ["OP_IMPLS", "ElementwiseOp"]
-
-#: the parameters the element-wise kernels have a slot for
-_SLOTS = ("alpha", "weight", "bias")
 
 
 def _fast(dtype: Any) -> bool:
@@ -50,9 +49,7 @@ class ElementwiseOp:
     """One op of the element-wise family on this backend (see the module doc)."""
 
     def __init__(self, spec: OpSpec) -> None:
-        unknown = set(spec.param_names) - set(_SLOTS)
-        if unknown:
-            raise ValueError(f"{spec.name}: the element-wise kernels have no parameter slot for {sorted(unknown)}")
+        check_ew_slots(spec)
         self.spec = spec
         self.name = spec.name
         self.function = function_of(spec)  # the function's record (pynorm.ops.families)

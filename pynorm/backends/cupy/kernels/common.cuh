@@ -188,6 +188,18 @@ __device__ __forceinline__ void store_item(S* __restrict__ row, const Pack<S, N>
   }
 }
 
+// a block's partial column sums: this thread's V columns b .. b + V - 1 (those < H) of row
+// blockIdx.x of `part` (one row of H per block); nothing for a null `part` (not wanted)
+template <int V, typename A>
+__device__ __forceinline__ void store_column_partial(A* __restrict__ part, const A (&acc)[V], int b, int H) {
+  const long long poff = static_cast<long long>(blockIdx.x) * H;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    const int i = b + e;
+    if (i < H && part != nullptr) part[poff + i] = acc[e];
+  }
+}
+
 // row `off` of an optional array (null stays null)
 template <typename P> __device__ __forceinline__ P* row_at(P* p, long long off) { return p != nullptr ? p + off : p; }
 

@@ -195,16 +195,9 @@ ew_bwd(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ 
     }
     store_item<V>(dx + off, o, b, H, vm);
   }
-  const long long poff = static_cast<long long>(blockIdx.x) * H;
-#pragma unroll
-  for (int e = 0; e < V; ++e) {
-    const int i = b + e;
-    if (i < H) {
-      if (part_w != nullptr) part_w[poff + i] = aw[e];
-      if (part_b != nullptr) part_b[poff + i] = ab[e];
-      if (Fn::kAlpha && part_a != nullptr) part_a[poff + i] = aa[e];
-    }
-  }
+  store_column_partial(part_w, aw, b, H);
+  store_column_partial(part_b, ab, b, H);
+  if (Fn::kAlpha) store_column_partial(part_a, aa, b, H);
 }
 
 }  // namespace pynorm

@@ -735,15 +735,8 @@ stats_bwd_apply(const T* __restrict__ dy, const row_t<Pro, T>* __restrict__ x,
     }
     store_dx<Pro>(dx + off, row_at(dres, off), row_at(dh, off), v, b, H, vm, alpha);
   }
-  const long long poff = static_cast<long long>(blockIdx.x) * H;
-#pragma unroll
-  for (int e = 0; e < V; ++e) {
-    const int i = b + e;
-    if (i < H) {
-      if (part_w != nullptr) part_w[poff + i] = aw[e];
-      if (Affine::kBias && part_b != nullptr) part_b[poff + i] = ab[e];
-    }
-  }
+  store_column_partial(part_w, aw, b, H);
+  if (Affine::kBias) store_column_partial(part_b, ab, b, H);
 }
 
 }  // namespace pynorm

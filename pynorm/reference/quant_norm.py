@@ -56,6 +56,7 @@ int8 input), ``dweight``, ``dbias`` as LayerNorm's.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -151,6 +152,14 @@ def real_input(x: np.ndarray, x_scale: np.ndarray | None) -> np.ndarray:
     return x.astype(np.float64) * np.asarray(x_scale, dtype=np.float64)[:, None]
 
 
+#: LayerNorm's conventions but ``eps`` (which a caller must give), with the defaults of its reference forward
+_LN_DEFAULTS: dict[str, Any] = {
+    n: p.default
+    for n, p in inspect.signature(_ln.forward).parameters.items()
+    if n in ("correction", "eps_mode", "weight_offset")
+}
+
+
 @_ieee
 def forward(
     x: np.ndarray,
@@ -158,17 +167,16 @@ def forward(
     weight: np.ndarray | None,
     bias: np.ndarray | None,
     *,
-    eps: float,
-    correction: int = 0,
-    eps_mode: str = "var",
-    weight_offset: float = 0.0,
     quantize: str | None = None,
     out_scale: float | None = None,
     out: np.ndarray | None = None,
+    **conventions: Any,
 ) -> tuple[np.ndarray, QuantLayerNormCtx]:
     """Forward of the ``(R, H)`` array ``x`` (int8 with ``x_scale`` of shape ``(R,)``, or float); returns
-    ``(y_or_q, ctx)`` with the scale of a quantized output in ``ctx.scale`` (see the module docstring)."""
-    conv: dict[str, Any] = {"eps": eps, "correction": correction, "eps_mode": eps_mode, "weight_offset": weight_offset}
+    ``(y_or_q, ctx)`` with the scale of a quantized output in ``ctx.scale`` (see the module docstring).
+    ``conventions``: LayerNorm's (``eps``, ``correction``, ``eps_mode``, ``weight_offset``), with the defaults
+    and meaning of :func:`pynorm.reference.layer_norm.forward`."""
+    conv = {**_LN_DEFAULTS, **conventions}
     odt = output_dtype(x.dtype, quantize, out_scale)
     if x_scale is not None:
         xs = np.asarray(x_scale, dtype=np.float64).reshape(x.shape[0])
@@ -187,7 +195,8 @@ def forward(
     else:
         result = yfloat if yfloat is not None else y64
     ctx = QuantLayerNormCtx(
-        x, weight, bias, mean, rstd, float(eps), int(correction), eps_mode, float(weight_offset), xs, quantize,
+        x, weight, bias, mean, rstd, float(conv["eps"]), int(conv["correction"]), conv["eps_mode"],
+        float(conv["weight_offset"]), xs, quantize,
         None if out_scale is None else float(out_scale), scale, keep,
     )  # fmt: skip
     return write_result(result, odt, out), ctx

@@ -13,14 +13,19 @@ The source docstrings are not changed. Loaded by mkdocs.yml (``extensions: - doc
 
 The ops' functions (``pynorm.functional``) are made at import time from the op specs; griffe reads their
 signatures from ``pynorm/functional.pyi`` and this extension takes their docstrings from the imported functions.
+A function whose runtime signature is set at import (``__signature__``: the blocks' constructors, whose keyword
+options ``pynorm.blocks._base.keyword_options`` declares once) gets the parameters of that signature, which is
+what ``inspect.signature`` and users see, instead of the ``**kw`` of its source.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 from typing import Any
 
-from griffe import Docstring, Extension, Object
+from griffe import Docstring, Extension, Function, Object, Parameter, ParameterKind, Parameters
 
 _MATH_ROLE = re.compile(r":math:`([^`]+)`")
 _XREF_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|exc|obj):`(~?)([^`]+)`")
@@ -105,8 +110,52 @@ def convert(text: str) -> str:
     return "\n".join(out)
 
 
+def _runtime(path: str) -> Any:
+    """The imported object of a dotted ``path`` (None if it cannot be found)."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name, None)
+        return obj
+    return None
+
+
+def _expression(value: Any) -> str:
+    """A default value as source text (a class by its dotted name: ``numpy.float32``)."""
+    if isinstance(value, type):
+        return f"{value.__module__.partition('.')[0]}.{value.__qualname__}"
+    return repr(value)
+
+
+def _parameters(sig: inspect.Signature) -> Parameters:
+    """griffe's parameters of a runtime signature."""
+    empty = inspect.Parameter.empty
+    return Parameters(
+        *(
+            Parameter(
+                p.name,
+                annotation=None if p.annotation is empty else str(p.annotation),
+                kind=ParameterKind(p.kind.description),
+                default=None if p.default is empty else _expression(p.default),
+            )
+            for p in sig.parameters.values()
+        )
+    )
+
+
 class RstToMarkdown(Extension):
     """Convert each loaded object's docstring (see the module docstring)."""
+
+    def on_function_instance(self, *, func: Function, **kwargs: Any) -> None:
+        if not func.path.startswith("pynorm.blocks."):
+            return
+        sig = getattr(_runtime(func.path), "__signature__", None)
+        if isinstance(sig, inspect.Signature):
+            func.parameters = _parameters(sig)
 
     def on_instance(self, *, obj: Object, **kwargs: Any) -> None:
         if obj.docstring is None and obj.path.startswith("pynorm.functional.") and obj.is_function:

@@ -327,7 +327,7 @@ def _run(
         x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, plan.y_h),
         **plan.to_backend,
     )  # fmt: skip
-    x_shape = x.shape
+    x_shape = tuple(x.shape)
     if len(spec.outputs) > 1:
         shaped = tuple(
             out if (i == 0 and out is not None) else o.reshape(plan.y_shape if i == 0 else x_shape)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar
 
 from ..ops import SPECS
 from ..ops.families import base_norm
@@ -14,21 +15,24 @@ __all__ = ["QuantOpBase"]
 
 class QuantOpBase:
     """``quant_layer_norm`` on a backend: its spec, and the statistics family's op of the spec's statistic
-    (:attr:`norm`: the norm of a float input and every backward) from the backend's :meth:`_stats_ops`."""
+    (:attr:`norm`: the norm of a float input and every backward) from the backend's statistics module
+    (:attr:`stats_module`, whose ``OP_IMPLS`` it reads on first use)."""
+
+    #: the backend's statistics module (``pynorm.backends.<backend>.stats``), set by each backend's subclass
+    stats_module: ClassVar[str]
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.spec = SPECS[name]
         self.norm_name = base_norm(self.spec, SPECS)
-
-    def _stats_ops(self) -> Any:
-        """The backend's statistics family (its ``stats.OP_IMPLS``; imported on first use)."""
-        raise NotImplementedError
+        self._norm: Any = None
 
     @property
     def norm(self) -> Any:
         """The statistics family's op of the spec's statistic (:func:`pynorm.ops.families.base_norm`)."""
-        return self._stats_ops()[self.norm_name]
+        if self._norm is None:
+            self._norm = importlib.import_module(self.stats_module).OP_IMPLS[self.norm_name]
+        return self._norm
 
     def _ctx(self, conventions: Any, kargs: Any, arrays: dict[str, Any], **epilogue: Any) -> QuantLayerNormCtx:
         """The op's ctx: the conventions as given (those :func:`kernel_args` read, as it read them), the

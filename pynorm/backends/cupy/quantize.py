@@ -47,10 +47,7 @@ def _param_type(weight: Any, bias: Any) -> tuple[str, Any, Any]:
 class QuantOp(QuantOpBase):
     """``quant_layer_norm`` on this backend (see the module doc)."""
 
-    def _stats_ops(self) -> Any:
-        from .stats import OP_IMPLS
-
-        return OP_IMPLS
+    stats_module = "pynorm.backends.cupy.stats"
 
     def _quant(self, kernel: str, t: str, rows: int, hidden: int, args: Any) -> None:
         k = get_kernel(_FILE, kernel, (t,))

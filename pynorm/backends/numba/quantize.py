@@ -44,10 +44,7 @@ class QuantOp(QuantOpBase):
     """``quant_layer_norm`` on this backend (see the module doc); the norm of a float input and every backward
     are the statistics family's op of the spec's statistic."""
 
-    def _stats_ops(self) -> Any:
-        from .stats import OP_IMPLS
-
-        return OP_IMPLS
+    stats_module = "pynorm.backends.numba.stats"
 
     def forward(
         self, x: np.ndarray, x_scale: Any, weight: Any, bias: Any, *, out: Any = None, quantize: str | None = None,

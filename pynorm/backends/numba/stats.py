@@ -110,8 +110,7 @@ AFFINE_SOURCES = {"vector": _Vector(), "scalar": _Scalar(), "table": _Table()}
 class _Setup(NamedTuple):
     """What one forward of a :class:`StatsOp` reads of its options and dtypes alone."""
 
-    options: dict[str, Any]  # every option (the spec's defaults filled in)
-    kargs: Any  # kernel_args of them
+    kargs: Any  # kernel_args of the options (the spec's defaults filled in)
     conventions: Conventions
     h_dtype: Any  # the prologue's h dtype (None: no h)
     math_dtype: np.dtype[Any]
@@ -178,13 +177,12 @@ class StatsOp(_Op):
         self.affine = AFFINE_SOURCES[affine_of(spec).name]
         self.residual_name, self.ids_name = prologue_input_names(spec, self.prologue)
         self._setups: dict[Any, _Setup] = {}  # by options and dtypes (:meth:`_setup`)
-        names = (*spec.input_names, *spec.param_names)
-        self._n_args = len(names)
+        #: the position of each input and parameter among a forward's arguments after ``x``
+        self._index = {n: i for i, n in enumerate((*spec.input_names, *spec.param_names))}
         #: ``(weight, bias, ids, residual)`` of a forward's arguments after ``x`` with a None appended (None: absent)
         self._pick = operator.itemgetter(
-            *(names.index(n) if n in names else -1 for n in (self.weight_name, self.bias_name, self.ids_name,
-                                                             self.residual_name))
-        )  # fmt: skip
+            *(self._index.get(n, -1) for n in (self.weight_name, self.bias_name, self.ids_name, self.residual_name))
+        )
 
     def _math(self, x_dtype: Any, h_dtype: Any) -> tuple[np.dtype[Any], bool]:
         """``(math dtype, widen)``: float64 when x or h is float64; ``widen``: h is narrower than that."""
@@ -214,7 +212,7 @@ class StatsOp(_Op):
         pro = self.prologue.ctx_values(x_dtype, residual_dtype)
         per_call = {self.prologue.row, *self.statistic.fills}
         kv = dict(zip(kargs._fields, kargs))
-        index = {n: i for i, n in enumerate((*self.spec.input_names, *self.spec.param_names))}
+        index = self._index
         static, ctx_args = {}, []
         for f in self._fields:
             if f in pro:
@@ -227,7 +225,7 @@ class StatsOp(_Op):
                 ctx_args.append((f, index[f]))
             else:
                 static[f] = o[f]
-        setup = _Setup(o, kargs, Conventions.of(kargs), hd, mdt, widen, static, tuple(ctx_args))
+        setup = _Setup(kargs, Conventions.of(kargs), hd, mdt, widen, static, tuple(ctx_args))
         if key is not None:
             if len(self._setups) >= 64:
                 self._setups.clear()
@@ -237,7 +235,7 @@ class StatsOp(_Op):
     def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
         """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
         (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given)."""
-        if len(args) != self._n_args:
+        if len(args) != len(self._index):
             self._arguments(args)  # (raises the TypeError)
         weight, bias, ids, residual = self._pick((*args, None))
         st = self._setup(options, x.dtype, None if residual is None else residual.dtype)
@@ -328,11 +326,11 @@ def split_rows(tasks: int, x: np.ndarray) -> bool:
     keeps them apart)."""
     rows, hidden = x.shape
     work = rows * hidden
-    if (work < SPLIT_MIN_WORK and not FORCE_SPLIT) or x.dtype == np.float64 or work == 0:
-        return False
     if FORCE_SPLIT:
-        return True
-    return hidden >= 2 * SPLIT_SEG and work >= SPLIT_MIN_WORK and tasks < threads_for(work)
+        return work > 0 and x.dtype != np.float64
+    if work < SPLIT_MIN_WORK or work == 0 or x.dtype == np.float64:  # (the size first: a small call's test)
+        return False
+    return hidden >= 2 * SPLIT_SEG and tasks < threads_for(work)
 
 
 def _channel(table: Any) -> bool:

@@ -12,9 +12,12 @@ from that argument's numba type at compile time, so a plain variant compiles non
   reference), stores it, and returns ``h[i]`` -- the row the statistics are taken of, while it is in
   cache; :func:`src_done` is that row again (the slow path, after :func:`src_row` wrote it);
 * affine source ``tab`` -- ``None`` (``w``/``b`` are ``(H,)`` vectors) or ``(ids, M)``: ``w``/``b``
-  are ``(M, H)`` tables and row ``i`` uses row ``ids[i]`` (:func:`arow`); the parameter-gradient
-  partials then have ``M`` rows per row block, and row ``i`` adds into row ``blk * M + ids[i]``
-  (:func:`pslot`, :func:`pzero`), so each modality's sums keep the plain norm's order;
+  are ``(M, H)`` tables and row ``i`` uses row ``ids[i]`` (:func:`arow`). The backward's ``tab`` is
+  ``(ids, M, slot, starts)`` (:func:`._reduce.table_slots`): the parameter-gradient partials have one row
+  per (row block, id the block holds), row ``i`` adds into row ``slot[i]`` and block ``blk`` owns rows
+  ``starts[blk]:starts[blk + 1]`` (:func:`pslot`, :func:`pzero`), so each id's sums keep the plain norm's
+  order, and the partials are at most ``R`` rows whatever ``M`` is (a row for every (block, id) would be
+  ``R / 32 * M``: quadratic in the rows when each row has its own table row, as a conditional norm's may);
 * affine source ``tab`` = ``(G, S, P)`` (three integers: the channel source, GroupNorm's) -- row ``i`` is sample
   ``i // G``'s group ``g = i % G``: ``P = C / G`` channels of ``S`` positions each, element ``j`` scaled by
   ``w[g P + j // S]`` and shifted by ``b[...]``. :func:`arow` gives the row's *channel row* ``(w[g P : g P + P] or
@@ -152,7 +155,7 @@ def _pslot_ol(tab, blk, i):  # type: ignore[no-untyped-def]
         return lambda tab, blk, i: blk
     if channel(tab):
         return lambda tab, blk, i: i
-    return lambda tab, blk, i: blk * tab[1] + tab[0][i]
+    return lambda tab, blk, i: tab[2][i]
 
 
 def pzero(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
@@ -172,7 +175,7 @@ def _pzero_ol(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
         return vec
 
     def table(p, tab, blk, j0, j1):  # type: ignore[no-untyped-def]
-        p[blk * tab[1] : (blk + 1) * tab[1], j0:j1] = 0
+        p[tab[3][blk] : tab[3][blk + 1], j0:j1] = 0
 
     return table
 

@@ -8,10 +8,10 @@ import numpy as np
 
 from ._borrow import borrow
 from ._cache import FM_SUM, jit
-from ._layout import COL_TILE
+from ._layout import COL_TILE, ROW_BLOCK
 from ._storage import st_exact
 
-__all__ = ["sum_blocks"]
+__all__ = ["sum_blocks", "sum_slots", "table_slots"]
 
 
 #: columns summed at once (a float64 scratch of 16 KiB): each column is independent, so this changes no result
@@ -37,3 +37,71 @@ def sum_blocks(p, out, lo, hi):  # type: ignore[no-untyped-def]
         o = out[j0 : j0 + n]
         for j in range(n):
             st_exact(o, j, acc[j])
+
+
+@jit()
+def table_slots(ids, slot, starts, ptr, order):  # type: ignore[no-untyped-def]
+    """The table affine source's partials layout (:mod:`._io`) for rows selecting table rows ``ids`` (each in
+    ``0 <= ids[i] < M``, ``M = ptr.shape[0] - 1``): one partials row per (row block, id the block holds), block by
+    block, a block's ids in the order they first appear in it. Fills ``slot[i]`` (row ``i``'s partials row),
+    ``starts`` (block ``blk``'s rows are ``starts[blk]:starts[blk + 1]``), and ``order[ptr[g]:ptr[g + 1]]`` (id
+    ``g``'s partials rows, blocks in order: the order :func:`sum_slots` adds them in); returns the number of
+    partials rows, at most ``min(R, blocks * M)``."""
+    rows = ids.shape[0]
+    nb = starts.shape[0] - 1
+    held = np.empty(ROW_BLOCK, np.int64)  # the current block's ids, by slot
+    owner = np.empty(rows, np.int64)  # each partials row's id
+    ptr[:] = 0
+    n = 0
+    for blk in range(nb):
+        starts[blk] = n
+        k = 0
+        for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
+            g = ids[i]
+            s = -1
+            for q in range(k):
+                if held[q] == g:
+                    s = n - k + q
+                    break
+            if s < 0:
+                held[k] = g
+                k += 1
+                s = n
+                owner[n] = g
+                n += 1
+                ptr[g + 1] += 1
+            slot[i] = s
+    starts[nb] = n
+    for g in range(ptr.shape[0] - 1):
+        ptr[g + 1] += ptr[g]
+    fill = ptr[:-1].copy()
+    for s in range(n):
+        g = owner[s]
+        order[fill[g]] = s
+        fill[g] += 1
+    return n
+
+
+@jit(FM_SUM)
+def sum_slots(p, order, ptr, out, lo, hi):  # type: ignore[no-untyped-def]
+    """``out[g, j] = sum_k p[order[k], j]`` over ``ptr[g] <= k < ptr[g + 1]`` (:func:`table_slots`: id ``g``'s
+    partials rows, blocks in order) in float64, rounded once to ``out``'s storage dtype (an id no row selects gets
+    0), for the columns of tiles ``lo <= t < hi``. The sums equal :func:`sum_blocks` of a layout with a row for
+    every (block, id), whose rows for an id a block does not hold are zeros: adding ``+0.0`` to a float64 sum
+    begun at ``+0.0`` changes no bit."""
+    p, order, ptr, out = borrow((p, order, ptr, out))
+    m, h = out.shape
+    buf = np.empty(_SUB)
+    c1 = min(hi * COL_TILE, h)
+    for j0 in range(lo * COL_TILE, c1, _SUB):
+        n = min(_SUB, c1 - j0)
+        acc = buf[:n]
+        for g in range(m):
+            acc[:] = 0.0
+            for k in range(ptr[g], ptr[g + 1]):
+                pr = p[order[k], j0 : j0 + n]
+                for j in range(n):
+                    acc[j] += np.float64(pr[j])
+            o = out[g, j0 : j0 + n]
+            for j in range(n):
+                st_exact(o, j, acc[j])

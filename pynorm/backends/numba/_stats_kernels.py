@@ -10,7 +10,7 @@ large float32 outputs, :mod:`._stream`). The conventions of a statistic (``corr`
 root, outside it or as a floor, :data:`._rowstats.INSIDE`...) are run-time arguments. The other axes of
 :class:`pynorm.ops.StatsVariant` are optional arguments whose helpers live in :mod:`._io`: the prologue
 ``pro`` (``h = x + alpha * residual``, stored, then normalized), the affine source ``tab`` (parameter
-tables indexed per row; the partials get one row per modality and block) and the epilogue ``ep`` (the
+tables indexed per row; the partials get one row per block and table row the block uses) and the epilogue ``ep`` (the
 gradient at ``h`` plus ``dh``, stored as ``dx`` and ``alpha`` times it as ``dresidual``).
 
 Forward (:func:`fwd`): one pass over the rows (split across threads, :mod:`._threads`); each row's statistics are taken
@@ -603,7 +603,7 @@ def _bwd_blocks(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, sca
 def bwd_fused(stat, x, dy, affine, row_stats, conv, grad, partials, scale, stream, lo, hi):  # type: ignore[no-untyped-def]
     """Backward of row blocks ``lo <= blk < hi`` (:data:`._layout.ROW_BLOCK` rows each) of the normalized rows
     ``x`` given ``dy`` (storage form): ``grad`` (:class:`._args.Grad`: ``dx``, through the epilogue), and the
-    blocks' partial sums ``partials`` (:class:`._args.Partials`; ``M`` rows per block with a table affine source,
+    blocks' partial sums ``partials`` (:class:`._args.Partials`; one row per block and table row it uses with a table affine source,
     :mod:`._io`). ``affine``: the weight and table (:class:`._args.Affine`, no bias); ``row_stats``: the
     forward's; ``conv``: its conventions.
 

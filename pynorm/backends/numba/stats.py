@@ -51,7 +51,8 @@ from .._spec import param_names, prologue_input_names
 from . import _common as common
 from . import _stats_kernels as kernels
 from ._args import Affine, Conventions, Grad, Partials, Rows, RowStats, plain
-from ._layout import CHUNK, ROW_BLOCK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
+from ._layout import CHUNK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
+from ._reduce import sum_slots, table_slots
 from ._threads import launch, threads_for
 from ._variant import Tag, record_of, statistic
 
@@ -59,15 +60,21 @@ __all__ = ["AFFINE_SOURCES", "OP_IMPLS", "ChannelOp", "StatsOp", "backward_rows"
 
 
 class _Vector:
-    """Affine source ``"vector"``: ``(H,)`` weight (plus the offset) and bias; gradients by column."""
+    """Affine source ``"vector"``: ``(H,)`` weight (plus the offset) and bias; gradients by column.
+
+    An affine source's backward: :meth:`layout` gives the kernels' table and the partials' layout (here the
+    rows: one partials row per row block), :meth:`partials` the scratch, :meth:`reduce` the gradient."""
 
     def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
         return common.effective_weight(w, offset, mdt), common.param(b, mdt), None
 
-    def partials(self, rows: int, h: int, pdt: Any, param: Any) -> np.ndarray | None:
-        return common.block_partials(rows, h, pdt, param is not None)
+    def layout(self, tab: Any, rows: int) -> tuple[Any, Any]:
+        return tab, rows
 
-    def reduce(self, part: np.ndarray, param: Any) -> np.ndarray:
+    def partials(self, layout: Any, h: int, pdt: Any, param: Any) -> np.ndarray | None:
+        return common.block_partials(layout, h, pdt, param is not None)
+
+    def reduce(self, part: np.ndarray, param: Any, layout: Any) -> np.ndarray:
         return common.reduce_blocks(part, param.dtype)
 
 
@@ -79,28 +86,40 @@ class _Scalar(_Vector):
         vec = None if w is None else np.full(h, np.asarray(w).reshape(-1)[0], dtype=mdt)
         return vec, None if b is None else np.full(h, np.asarray(b).reshape(-1)[0], dtype=mdt), None
 
-    def reduce(self, part: np.ndarray, param: Any) -> np.ndarray:
+    def reduce(self, part: np.ndarray, param: Any, layout: Any) -> np.ndarray:
         cols = common.reduce_blocks(part, np.float64)
         return round_to(np.asarray([math.fsum(cols.tolist())]), param.dtype)
 
 
 class _Table(_Vector):
     """Affine source ``"table"``: ``(M, H)`` weight (plus the offset) and bias tables, row ``ids[i]`` serving
-    row ``i``; partials have ``M`` rows per row block (:mod:`._io`), gradients are ``(M, H)`` tables."""
+    row ``i``; gradients are ``(M, H)`` tables. The partials have one row per (row block, id the block holds)
+    (:func:`._reduce.table_slots`, :mod:`._io`): at most ``R`` rows, whatever ``M`` is."""
 
     def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
         m = (w if w is not None else b).shape[0]
         tab = (np.ascontiguousarray(ids, dtype=np.int64), int(m))
         return common.effective_weight(w, offset, mdt), common.param(b, mdt), tab
 
-    def partials(self, rows: int, h: int, pdt: Any, param: Any) -> np.ndarray | None:
-        if param is None:
-            return None
-        return np.empty((-(-rows // ROW_BLOCK) * param.shape[0], h), pdt)
+    def layout(self, tab: Any, rows: int) -> tuple[Any, Any]:
+        ids, m = tab
+        slot, starts = np.empty(rows, np.int64), np.empty(blocks(rows) + 1, np.int64)
+        ptr, order = np.empty(m + 1, np.int64), np.empty(rows, np.int64)
+        n = table_slots(ids, slot, starts, ptr, order)
+        return (ids, m, slot, starts), (n, order, ptr)
 
-    def reduce(self, part: np.ndarray, param: Any) -> np.ndarray:
-        m, h = param.shape
-        return common.reduce_blocks(part.reshape(-1, m * h), param.dtype).reshape(m, h)
+    def partials(self, layout: Any, h: int, pdt: Any, param: Any) -> np.ndarray | None:
+        return None if param is None else np.empty((layout[0], h), pdt)
+
+    def reduce(self, part: np.ndarray, param: Any, layout: Any) -> np.ndarray:
+        n, order, ptr = layout
+        out = np.empty(param.shape, param.dtype)
+        if n == 0 or out.size == 0:
+            out[...] = 0
+        else:
+            h = out.shape[1]
+            launch(sum_slots, n * h // 4, tiles(h), part, order, ptr, common.storage(out))  # one add per element
+        return out
 
 
 #: the affine sources of :class:`pynorm.ops.StatsVariant` (``variant.affine``) this backend has
@@ -279,13 +298,14 @@ class StatsOp(_Op):
         dx = common.output(dx_out, x.shape, x_dtype)
         dres = common.output(None, x.shape, ctx.residual_in_dtype) if self.residual else None
         pdt = self._partials_dtype(mdt)
-        pw = self.affine.partials(rows, hidden, pdt, weight)
-        pb = self.affine.partials(rows, hidden, pdt, bias)
+        w, _, tab = self.affine.prepare(
+            weight, None, getattr(ctx, self.ids_name, None) if self.ids_name else None, kargs.weight_offset, mdt,
+            hidden,
+        )  # fmt: skip
+        tab, layout = self.affine.layout(tab, rows)
+        pw = self.affine.partials(layout, hidden, pdt, weight)
+        pb = self.affine.partials(layout, hidden, pdt, bias)
         if rows:
-            w, _, tab = self.affine.prepare(
-                weight, None, getattr(ctx, self.ids_name, None) if self.ids_name else None, kargs.weight_offset, mdt,
-                hidden,
-            )  # fmt: skip
             field = self.statistic.aux_field
             aux = common.stats(getattr(ctx, field)) if field else None
             src = x.astype(np.float64) if widen else common.storage(x)
@@ -301,7 +321,7 @@ class StatsOp(_Op):
         grads = []
         for n in self.spec.param_names:
             part, param = (pw, weight) if n == self.weight_name else (pb, bias)
-            grads.append(None if part is None or param is None else self.affine.reduce(part, param))
+            grads.append(None if part is None or param is None else self.affine.reduce(part, param, layout))
         return self.grads(dx, *([dres] if self.residual else []), *grads)
 
 

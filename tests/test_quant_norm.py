@@ -172,6 +172,44 @@ def test_float_input_is_layer_norm_then_quantized(backend, kw):
     np.testing.assert_array_equal(q, np.clip(np.rint(y64 / sb.astype(np.float64)), -127, 127).astype(np.int8))
 
 
+@pytest.mark.parametrize("dt", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("kw", [{"quantize": "row"}, {"quantize": "tensor"}, {"out_scale": 0.02}], ids=str)
+def test_float_input_quantized_in_every_dtype_with_hard_rows(backend, kw, dt):
+    # the numba backend quantizes each row in the norm's own pass (its output never stored): the codes, scales
+    # and clip mask must be this backend's layer_norm output through the quantizer, on rows its fast path
+    # leaves to the slow one (offsets, huge and tiny values), NaN/inf elements and a constant row
+    rng = np.random.default_rng(11)
+    d = dtype(dt)
+    big = 1e4 if d.itemsize >= 4 else 100.0
+    x64 = rng.standard_normal((70, 300)) * 2
+    x64[3] += big
+    x64[5] *= 1e30 if d.itemsize >= 4 and d != np.float16 else 100.0
+    x64[7] *= 1e-30 if d.itemsize >= 4 and d != np.float16 else 1e-4
+    x64[9] = 2.5
+    x64[11, 4], x64[13, 7] = np.nan, np.inf
+    with np.errstate(over="ignore"):
+        x = x64.astype(d)
+    w, b = _params(rng, 300, d)
+    y_ln = backend.to_numpy(pynorm.layer_norm(*_on(backend, x, w, b), backend=backend.name)).astype(np.float64)
+    (q, s), ctx = _call(backend, x, w, b, **kw)
+    q, s = backend.to_numpy(q), backend.to_numpy(s)
+    mag = np.where(np.isnan(y_ln), 0.0, np.abs(y_ln))
+    if "out_scale" in kw:
+        s_want = np.float32([kw["out_scale"]])
+    else:
+        amax = mag.max(axis=-1) if kw["quantize"] == "row" else np.asarray([mag.max()])
+        s_want = (amax / 127).astype(np.float32)
+        s_want = np.where((s_want > 0) & np.isfinite(s_want), s_want, np.float32(1.0))
+    np.testing.assert_array_equal(s, s_want)
+    sb = s_want[:, None] if kw.get("quantize") == "row" else s_want
+    with np.errstate(invalid="ignore"):
+        t = np.rint(y_ln / sb.astype(np.float64))
+        want = np.clip(np.where(np.isnan(t), 0.0, t), -127, 127).astype(np.int8)
+    np.testing.assert_array_equal(q, want)
+    if "out_scale" in kw:
+        np.testing.assert_array_equal(backend.to_numpy(ctx.inner.keep), ~(np.abs(t) > 127))
+
+
 def test_zero_and_nonfinite_scales_are_one_and_nan_codes_zero(backend):
     x = np.zeros((3, 8), np.int8)
     x[1, :4] = 5  # a half-constant row

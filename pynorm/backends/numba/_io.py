@@ -26,6 +26,13 @@ from that argument's numba type at compile time, so a plain variant compiles non
   with the channel's scalars (:func:`chan_at`), and the partials have one row per row (``pslot(tab, blk, i) = i``,
   ``P`` float64 columns: each channel's ``sum dy xhat`` / ``sum dy``, set by :func:`pput`, never accumulated), so
   the host's per-channel sums over the samples do not depend on the threads;
+* the forward's sink ``y`` -- the ``(R, H)`` storage array ``y`` (row ``i`` written in place), or the quantize
+  epilogue ``(mode, s_given, q, srow, amax, keep, proto)`` (``quant_layer_norm`` of a float input): row ``i`` is
+  written into a scratch row of ``proto``'s dtype, ``y``'s (:func:`yscratch`, :func:`yrow`), still in cache
+  when :func:`ydone` quantizes it by the epilogue ``mode`` of :func:`._quant_kernels.quant_rows` (:data:`AMAX`:
+  the row's ``max |y|`` only; :data:`ROW`: int8 ``q`` with the row's scale ``srow[i]``; :data:`GIVEN`: with
+  ``s_given``, and ``keep`` where it has rows) -- the same values as that kernel on the stored ``y``, with no
+  ``y`` in memory;
 * epilogue ``ep`` -- ``None`` (``dx`` is stored) or ``(dh, alpha, dresidual)``: the gradient at
   ``h`` is ``v + dh`` (``dh`` may be None), stored as ``dx`` and as ``dresidual = alpha * (v + dh)``,
   each rounded once (:func:`ep_row`, :func:`put`, :func:`put_exact`).
@@ -38,6 +45,7 @@ from numba import types
 from numba.extending import overload
 
 from ._cache import jit
+from ._quant_kernels import AMAX, ROW, amax_of, codes, row_scale
 from ._storage import JIT_ONLY, fma, ld, st, st_exact
 
 __all__ = [
@@ -56,6 +64,9 @@ __all__ = [
     "pzero",
     "src_done",
     "src_row",
+    "ydone",
+    "yrow",
+    "yscratch",
 ]
 
 
@@ -308,3 +319,52 @@ def _put_make(store):  # type: ignore[no-untyped-def]
 
 overload(put, jit_options={"fastmath": False, "error_model": "numpy"})(_put_make(st))
 overload(put_exact, jit_options={"fastmath": False, "error_model": "numpy"})(_put_make(st_exact))
+
+
+def yscratch(y, h):  # type: ignore[no-untyped-def]
+    """The scratch row of a quantize sink ``y`` (``h`` elements of ``y``'s dtype), None for an array ``y``."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(yscratch, inline="always")
+def _yscratch_ol(y, h):  # type: ignore[no-untyped-def]
+    if isinstance(y, types.Array):
+        return lambda y, h: None
+    return lambda y, h: np.empty(h, y[6].dtype)
+
+
+def yrow(y, i, buf):  # type: ignore[no-untyped-def]
+    """Where the forward writes row ``i``: ``y[i]``, or the sink's scratch ``buf``."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(yrow, inline="always")
+def _yrow_ol(y, i, buf):  # type: ignore[no-untyped-def]
+    if isinstance(y, types.Array):
+        return lambda y, i, buf: y[i]
+    return lambda y, i, buf: buf
+
+
+def ydone(y, i, buf):  # type: ignore[no-untyped-def]
+    """Row ``i`` written (into :func:`yrow`): nothing for an array ``y``; the quantize sink's epilogue."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(ydone, jit_options={"fastmath": False, "error_model": "numpy"})
+def _ydone_ol(y, i, buf):  # type: ignore[no-untyped-def]
+    if isinstance(y, types.Array):
+        return lambda y, i, buf: None
+
+    def quantize(y, i, buf):  # type: ignore[no-untyped-def]
+        mode, s_given, q, srow, amax, keep = y[0], y[1], y[2], y[3], y[4], y[5]
+        if mode == AMAX:
+            amax[i] = amax_of(buf)
+        elif mode == ROW:
+            s = row_scale(amax_of(buf))
+            srow[i] = s
+            codes(buf, np.float64(s), q[i], keep[0:0].reshape(-1), False)
+        else:
+            with_keep = keep.shape[0] > 0
+            codes(buf, s_given, q[i], keep[i] if with_keep else keep[0:0].reshape(-1), with_keep)
+
+    return quantize

@@ -28,9 +28,9 @@ from numba.extending import overload
 
 from ._borrow import borrow
 from ._cache import jit
-from ._storage import JIT_ONLY, ld
+from ._storage import JIT_ONLY, _bf16_to_f32, _bits_f32, _half_to_f32, bitcast, ld
 
-__all__ = ["AMAX", "FLOAT", "GIVEN", "ROW", "dequantize", "masked", "quant_rows"]
+__all__ = ["AMAX", "FLOAT", "GIVEN", "ROW", "amax_of", "codes", "dequantize", "masked", "quant_rows", "row_scale"]
 
 _QMAX = 127.0
 
@@ -104,7 +104,7 @@ def _load_row_ol(src, st, i, buf):  # type: ignore[no-untyped-def]
 
 
 @jit(inline="always")
-def _scale(amax):  # type: ignore[no-untyped-def]
+def row_scale(amax):  # type: ignore[no-untyped-def]
     """``float32(amax / 127)``, 1 where that is not a positive finite float32."""
     s = np.float32(amax / _QMAX)
     if s > 0 and s < np.inf:
@@ -113,40 +113,79 @@ def _scale(amax):  # type: ignore[no-untyped-def]
 
 
 @jit(inline="always")
-def _codes(buf, sd, qr, kr, with_keep):  # type: ignore[no-untyped-def]
+def codes(buf, sd, qr, kr, with_keep):  # type: ignore[no-untyped-def]
     """``qr = clip(rint(buf / sd), -127, 127)`` (0 for NaN), branch-free; ``kr`` False where it clipped."""
     for j in range(buf.shape[0]):
-        t = np.rint(buf[j] / sd)
+        t = np.rint(np.float64(ld(buf[j])) / sd)
         c = t if t == t else 0.0
         c = _QMAX if c > _QMAX else c
         c = -_QMAX if c < -_QMAX else c
         qr[j] = np.int8(c)
     if with_keep:
         for j in range(buf.shape[0]):
-            kr[j] = not (abs(np.rint(buf[j] / sd)) > _QMAX)
+            kr[j] = not (abs(np.rint(np.float64(ld(buf[j])) / sd)) > _QMAX)
+
+
+def amax_of(buf):  # type: ignore[no-untyped-def]
+    """``max |buf|`` of a contiguous storage row as a float64, ignoring NaN; 0 for an empty or all-NaN row.
+
+    On the bits (a vectorized integer maximum): for a non-NaN value the magnitude's order is that of its bits
+    without the sign, and a NaN's are above infinity's, so they count as 0. Exact, so the same value in any
+    order and any dtype the row's values are stored in."""
+    raise RuntimeError(JIT_ONLY)
+
+
+_bits_f64 = bitcast(types.uint64, types.float64, "_bits_f64")
+
+
+def _amax_bits(unsigned, mask, inf, value):  # type: ignore[no-untyped-def]
+    """:func:`amax_of` of a row viewed as the ``unsigned`` integers, ``mask`` clearing the sign bit, ``inf`` the
+    bits of +inf, ``value`` the jitted conversion of a magnitude's bits to a float64."""
+    mask, inf, zero = unsigned(mask), unsigned(inf), unsigned(0)
+
+    def impl(buf):  # type: ignore[no-untyped-def]
+        u = buf.view(unsigned)
+        m = zero
+        for j in range(u.shape[0]):
+            b = u[j] & mask
+            m = max(m, b if b <= inf else zero)  # (max(): a reduction LLVM vectorizes)
+        return value(unsigned(m))
+
+    return impl
 
 
 @jit(inline="always")
-def _amax(buf):  # type: ignore[no-untyped-def]
-    """``max |buf|`` ignoring NaN (which never compares greater), 0 for an empty or all-NaN row; four
-    independent maxima (exact and order-free, so the result is the same) to break the dependency chain."""
-    a0 = a1 = a2 = a3 = 0.0
-    n = buf.shape[0]
-    j = 0
-    while j + 4 <= n:
-        v0, v1, v2, v3 = abs(buf[j]), abs(buf[j + 1]), abs(buf[j + 2]), abs(buf[j + 3])
-        a0 = v0 if v0 > a0 else a0
-        a1 = v1 if v1 > a1 else a1
-        a2 = v2 if v2 > a2 else a2
-        a3 = v3 if v3 > a3 else a3
-        j += 4
-    while j < n:
-        v = abs(buf[j])
-        a0 = v if v > a0 else a0
-        j += 1
-    a0 = a1 if a1 > a0 else a0
-    a2 = a3 if a3 > a2 else a2
-    return a2 if a2 > a0 else a0
+def _f32_value(m):  # type: ignore[no-untyped-def]
+    return np.float64(_bits_f32(m))
+
+
+@jit(inline="always")
+def _f64_value(m):  # type: ignore[no-untyped-def]
+    return _bits_f64(m)
+
+
+@jit(inline="always")
+def _half_value(m):  # type: ignore[no-untyped-def]
+    return np.float64(_half_to_f32(np.int16(m)))
+
+
+@jit(inline="always")
+def _bf16_value(m):  # type: ignore[no-untyped-def]
+    return np.float64(_bf16_to_f32(m))
+
+
+@overload(amax_of, jit_options={"fastmath": False, "error_model": "numpy"})
+def _amax_of_ol(buf):  # type: ignore[no-untyped-def]
+    dt = buf.dtype
+    if dt == types.float32:
+        return _amax_bits(np.uint32, 0x7FFFFFFF, 0x7F800000, _f32_value)
+    if dt == types.float64:
+        return _amax_bits(np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, _f64_value)
+    if dt == types.int16:  # float16 storage
+        return _amax_bits(np.uint16, 0x7FFF, 0x7C00, _half_value)
+    if dt == types.uint16:  # bfloat16 storage
+        return _amax_bits(np.uint16, 0x7FFF, 0x7F80, _bf16_value)
+    return None
 
 
 #: epilogues of :func:`quant_rows`
@@ -176,15 +215,15 @@ def quant_rows(src, mode, s_given, y, q, srow, amax, keep, mean, rstd, lo, hi): 
             for j in range(h):
                 yr[j] = np.float32(buf[j])
         elif mode == GIVEN:
-            _codes(buf, s_given, q[i], keep[i] if with_keep else keep[0:0].reshape(-1), with_keep)
+            codes(buf, s_given, q[i], keep[i] if with_keep else keep[0:0].reshape(-1), with_keep)
         else:
-            a = _amax(buf)
+            a = amax_of(buf)
             if mode == AMAX:
                 amax[i] = a
             else:
-                s = _scale(a)
+                s = row_scale(a)
                 srow[i] = s
-                _codes(buf, np.float64(s), q[i], keep[0:0].reshape(-1), False)
+                codes(buf, np.float64(s), q[i], keep[0:0].reshape(-1), False)
 
 
 def _shape(src):  # type: ignore[no-untyped-def]

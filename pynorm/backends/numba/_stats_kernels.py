@@ -66,6 +66,9 @@ from ._io import (
     pzero,
     src_done,
     src_row,
+    ydone,
+    yrow,
+    yscratch,
 )
 from ._layout import CHUNK, COL_TILE, LANES, ROW_BLOCK
 from ._rowstats import (
@@ -316,10 +319,12 @@ def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, i0
     them to its body as arguments (numba prunes ``is None`` branches on arguments only).
     """
     pending = 0
+    buf = yscratch(y, x.shape[1])
     for i in range(i0, i1):
         xr = src_row(pro, x, i)
-        ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, y[i], stream)
+        ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, yrow(y, i, buf), stream)
         if ok:
+            ydone(y, i, buf)
             if aux is not None:
                 aux[i] = m
             rstd[i] = r
@@ -333,8 +338,9 @@ def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, i0
 @jit(FM_SUM)
 def fwd(stat, rows, affine, conv, y, row_stats, stream, lo, hi):  # type: ignore[no-untyped-def]
     """Forward of rows ``lo <= i < hi`` of ``rows`` (:class:`._args.Rows`: ``x`` in storage form and its
-    prologue) into ``y`` (storage form), with the scale and shift of ``affine`` (:class:`._args.Affine`) and the
-    conventions ``conv`` (:class:`._args.Conventions`); writes ``row_stats`` (:class:`._args.RowStats`: the
+    prologue) into ``y`` (storage form; or the quantize epilogue's sink, :mod:`._io`), with the scale and shift
+    of ``affine`` (:class:`._args.Affine`) and the conventions ``conv`` (:class:`._args.Conventions`); writes
+    ``row_stats`` (:class:`._args.RowStats`: the
     statistic's aux value, or None, and ``r``, float64).
 
     Returns the number of rows left for :func:`fwd_slow` (their ``rstd`` is -1). ``stream``: None, or
@@ -383,10 +389,12 @@ def fwd_slow(stat, rows, affine, conv, y, row_stats):  # type: ignore[no-untyped
 
 @jit()
 def _fwd_slow_rows(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd):  # type: ignore[no-untyped-def]
+    buf = yscratch(y, x.shape[1])
     for i in range(x.shape[0]):
         if rstd[i] == _FWD_PENDING:
             xr = src_done(pro, x, i)
-            m, r = _fwd_row_slow(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, y[i])
+            m, r = _fwd_row_slow(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, yrow(y, i, buf))
+            ydone(y, i, buf)
             if aux is not None:
                 aux[i] = m
             rstd[i] = r
@@ -603,9 +611,9 @@ def _bwd_blocks(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, sca
 def bwd_fused(stat, x, dy, affine, row_stats, conv, grad, partials, scale, stream, lo, hi):  # type: ignore[no-untyped-def]
     """Backward of row blocks ``lo <= blk < hi`` (:data:`._layout.ROW_BLOCK` rows each) of the normalized rows
     ``x`` given ``dy`` (storage form): ``grad`` (:class:`._args.Grad`: ``dx``, through the epilogue), and the
-    blocks' partial sums ``partials`` (:class:`._args.Partials`; one row per block and table row it uses with a table affine source,
-    :mod:`._io`). ``affine``: the weight and table (:class:`._args.Affine`, no bias); ``row_stats``: the
-    forward's; ``conv``: its conventions.
+    blocks' partial sums ``partials`` (:class:`._args.Partials`; with a table affine source, one row per block
+    and table row it uses, :mod:`._io`). ``affine``: the weight and table (:class:`._args.Affine`, no bias);
+    ``row_stats``: the forward's; ``conv``: its conventions.
 
     ``scale[i]``: :data:`FAST`, or :data:`PENDING` for the rows left for :func:`bwd_slow` (their
     number is returned; their blocks' partials are then for :func:`redo_blocks`).

@@ -4,8 +4,11 @@
   float64 sequence of :mod:`pynorm.reference.quant_norm`, and the epilogue (float32 ``y``, or int8 ``q``
   with per-row / per-tensor / given scales) in one parallel pass per row (two for a per-tensor scale:
   the rows' ``amax``, then ``q``);
-* float input: the statistics family's LayerNorm (:mod:`.stats`, so ``y`` is bitwise ``layer_norm``'s),
-  then, when quantizing, :func:`._quant_kernels.quant_rows` on its ``y``;
+* float input: the statistics family's LayerNorm (:mod:`.stats`, so ``y`` is bitwise ``layer_norm``'s); when
+  quantizing, its forward kernel with the quantize epilogue as its sink (:mod:`._io`: each row normalized into a
+  scratch row and quantized from it, no ``y`` in memory; a per-tensor scale in two passes, the rows' ``amax``
+  then ``q``), or -- for few wide rows, which take the split kernels -- ``y`` stored and then
+  :func:`._quant_kernels.quant_rows` on it. Either way, the same bits;
 * backward: straight-through (:func:`._quant_kernels.masked` where a given ``out_scale`` clipped), then the
   statistics family's LayerNorm backward at the real input (:func:`._quant_kernels.dequantize` for int8:
   ``float32(x * x_scale)``) with the forward's per-row statistics.
@@ -29,6 +32,7 @@ from .._quant import QuantOpBase
 from . import _common as common
 from . import _quant_kernels as kernels
 from ._threads import launch
+from .stats import split_rows
 
 __all__ = ["OP_IMPLS", "QuantOp"]
 
@@ -55,60 +59,80 @@ class QuantOp(QuantOpBase):
         kargs = kernel_args(self.spec, conventions)
         quant = quantizing(quantize, out_scale)
         xs = None
-        if x_scale is None:
-            y, lctx = self.norm.forward(x, weight, bias, out=None if quant else out, **conventions)
-            mean, rstd = lctx.mean, lctx.rstd
-            src: Any = common.storage(y)
-        else:
-            xs = np.ascontiguousarray(x_scale, dtype=np.float64)
-            mean, rstd = np.empty(rows), np.empty(rows)
-            weff = _A0 if weight is None else weight.astype(np.float64) + np.float64(kargs.weight_offset)
-            b64 = _A0 if bias is None else bias.astype(np.float64)
-            src = (
-                np.ascontiguousarray(x), xs, weff, b64, weight is not None, bias is not None, kargs.eps,
-                kargs.correction, kargs.mode == R_OUTSIDE,
-            )  # fmt: skip
-        row_stats = (mean, rstd) if x_scale is not None else (_A0, _A0)
-        scale = keep = None
         result: Any
-        work = rows * h
-        if not quant and x_scale is None:
-            result = y
-        elif not quant:
-            result = common.output(out, (rows, h), np.float32)
-            launch(kernels.quant_rows, work, rows, src, kernels.FLOAT, 0.0, result, _Q0, _S0, _A0, _K0, *row_stats)
+        scale: np.ndarray | None = None
+        keep: np.ndarray | None = None
+        if x_scale is None and quant and not split_rows(rows, common.storage(x)):
+            # the norm's forward kernel with the quantize epilogue as its sink: no y in memory
+            proto = np.empty(0, common.storage(x).dtype)
+            stats: list[Any] = []
+
+            def amax_pass(amax: np.ndarray) -> None:
+                self.norm.forward(x, weight, bias, sink=(kernels.AMAX, 0.0, _Q0, _S0, amax, _K0, proto), **conventions)
+
+            def codes_pass(mode: int, s_given: float, q: np.ndarray, srow: np.ndarray, keep: np.ndarray) -> None:
+                _, lctx = self.norm.forward(x, weight, bias, sink=(mode, s_given, q, srow, _A0, keep, proto),
+                                            **conventions)  # fmt: skip
+                stats.extend((lctx.mean, lctx.rstd))
+
+            result, scale, keep = self._quantize(rows, h, out, quantize, out_scale, amax_pass, codes_pass)
+            mean, rstd = stats
         else:
-            result = common.output(out, (rows, h), np.int8)
-            if out_scale is not None or quantize == "tensor":
-                if out_scale is not None:
-                    scale = np.asarray([out_scale], np.float32)
-                    keep = np.empty((rows, h), np.bool_)
-                else:
-                    amax = np.zeros(rows)
-                    launch(
-                        kernels.quant_rows, work, rows, src, kernels.AMAX, 0.0, _Y0, result, _S0, amax, _K0, *row_stats
-                    )
-                    scale = output_scale(np.asarray([amax.max() if rows else 0.0]))
-                kp = _K0 if keep is None else keep
-                launch(
-                    kernels.quant_rows,
-                    work,
-                    rows,
-                    src,
-                    kernels.GIVEN,
-                    float(scale[0]),
-                    _Y0,
-                    result,
-                    _S0,
-                    _A0,
-                    kp,
-                    *row_stats,
-                )
+            if x_scale is None:
+                y, lctx = self.norm.forward(x, weight, bias, out=None if quant else out, **conventions)
+                mean, rstd = lctx.mean, lctx.rstd
+                src: Any = common.storage(y)
             else:
-                scale = np.empty(rows, np.float32)
-                launch(kernels.quant_rows, work, rows, src, kernels.ROW, 0.0, _Y0, result, scale, _A0, _K0, *row_stats)
+                xs = np.ascontiguousarray(x_scale, dtype=np.float64)
+                mean, rstd = np.empty(rows), np.empty(rows)
+                weff = _A0 if weight is None else weight.astype(np.float64) + np.float64(kargs.weight_offset)
+                b64 = _A0 if bias is None else bias.astype(np.float64)
+                src = (
+                    np.ascontiguousarray(x), xs, weff, b64, weight is not None, bias is not None, kargs.eps,
+                    kargs.correction, kargs.mode == R_OUTSIDE,
+                )  # fmt: skip
+            row_stats = (mean, rstd) if x_scale is not None else (_A0, _A0)
+            work = rows * h
+
+            def rows_pass(mode: int, s_given: float, y: Any, q: Any, srow: Any, amax: Any, keep: Any) -> None:
+                launch(kernels.quant_rows, work, rows, src, mode, s_given, y, q, srow, amax, keep, *row_stats)
+
+            if not quant and x_scale is None:
+                result = y
+            elif not quant:
+                result = common.output(out, (rows, h), np.float32)
+                rows_pass(kernels.FLOAT, 0.0, result, _Q0, _S0, _A0, _K0)
+            else:
+                result, scale, keep = self._quantize(
+                    rows, h, out, quantize, out_scale, lambda amax: rows_pass(kernels.AMAX, 0.0, _Y0, _Q0, _S0, amax,
+                                                                              _K0),
+                    lambda mode, s_given, q, srow, kp: rows_pass(mode, s_given, _Y0, q, srow, _A0, kp),
+                )  # fmt: skip
         arrays = dict(x=x, x_scale=xs, weight=weight, bias=bias, mean=mean, rstd=rstd, scale=scale, keep=keep)
         return result, self._ctx(conventions, kargs, arrays, quantize=quantize, out_scale=out_scale)
+
+    @staticmethod
+    def _quantize(
+        rows: int, h: int, out: Any, quantize: str | None, out_scale: float | None, amax_pass: Any, codes_pass: Any
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The int8 epilogue's passes over the rows, by output mode: ``(q, scale, keep)``. ``amax_pass(amax)``
+        writes the rows' ``max |y|``; ``codes_pass(mode, s_given, q, srow, keep)`` the codes (:data:`ROW`: and the
+        rows' scales; :data:`GIVEN`: with ``s_given``, and ``keep`` where it has rows)."""
+        q = common.output(out, (rows, h), np.int8)
+        keep = None
+        if out_scale is not None or quantize == "tensor":
+            if out_scale is not None:
+                scale = np.asarray([out_scale], np.float32)
+                keep = np.empty((rows, h), np.bool_)
+            else:
+                amax = np.zeros(rows)
+                amax_pass(amax)
+                scale = output_scale(np.asarray([amax.max() if rows else 0.0]))
+            codes_pass(kernels.GIVEN, float(scale[0]), q, _S0, _K0 if keep is None else keep)
+        else:
+            scale = np.empty(rows, np.float32)
+            codes_pass(kernels.ROW, 0.0, q, scale, _K0)
+        return q, scale, keep
 
     def backward(self, dy: np.ndarray, ctx: QuantLayerNormCtx, dx_out: Any = None) -> QuantLayerNormGrads:
         rows, h = dy.shape

@@ -251,16 +251,22 @@ class StatsOp(_Op):
             self._setups[key] = setup
         return setup
 
-    def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
+    def forward(
+        self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, sink: tuple[Any, ...] | None = None,
+        **options: Any,
+    ) -> tuple[Any, Any]:  # fmt: skip
         """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
-        (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given)."""
+        (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given).
+
+        ``sink``: the quantize epilogue (:mod:`._io`; ``quant_layer_norm`` of a float input), which takes each
+        row in place of ``y``: no ``y`` is written (``y`` is None) and the rows are whole-row tasks."""
         if len(args) != len(self._index):
             self._arguments(args)  # (raises the TypeError)
         weight, bias, ids, residual = self._pick((*args, None))
         st = self._setup(options, x.dtype, None if residual is None else residual.dtype)
         kargs, hd, mdt = st.kargs, st.h_dtype, st.math_dtype
         rows, hidden = x.shape
-        y = common.output(out, x.shape, x.dtype)
+        y = common.output(out, x.shape, x.dtype) if sink is None else None
         h = common.output(None, x.shape, hd) if hd is not None else None
         aux = np.empty(rows) if self.statistic.aux else None
         rstd = np.empty(rows)
@@ -273,10 +279,11 @@ class StatsOp(_Op):
                 if st.widen:  # h first, then its exact float64 copy is normalized
                     launch(kernels.prologue_rows, rows * hidden, rows, pro, src)
                     src, pro = h.astype(np.float64), None
-            ys = common.storage(y)
+            ys = common.storage(y) if y is not None else None
             forward_rows(
-                self.stat, Rows(src, pro), Affine(w, b, tab), st.conventions, ys, RowStats(aux, rstd), use_stream(ys)
-            )
+                self.stat, Rows(src, pro), Affine(w, b, tab), st.conventions, sink if ys is None else ys,
+                RowStats(aux, rstd), ys is not None and use_stream(ys),
+            )  # fmt: skip
         values = st.ctx_static.copy()
         for f, i in st.ctx_args:
             values[f] = args[i]
@@ -368,12 +375,12 @@ def forward_rows(
 ) -> None:
     """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd` (or the split kernels), then the slow
     path for the rows it left. ``rows``, ``affine``, ``conv``, ``row_stats``: the bundles of :mod:`._args`;
-    ``stream``: streaming stores for ``y``."""
+    ``stream``: streaming stores for ``y``. ``y`` a quantize sink (:mod:`._io`): whole rows, never split."""
     rows_, aff, cv, rs = plain(rows), plain(affine), plain(conv), plain(row_stats)
     x, pro = rows
     n, h = x.shape
-    if not _channel(affine.table) and split_rows(
-        n, x if pro is None else pro[2]
+    if (
+        not _channel(affine.table) and not isinstance(y, tuple) and split_rows(n, x if pro is None else pro[2])
     ):  # (the rows normalized are h's with a prologue)
         from . import _split_kernels as split
 

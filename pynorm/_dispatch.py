@@ -315,17 +315,20 @@ def _run(
         present = tuple(a for a in (x, *ins, *ps) if a is not None)
         name, mod = _registry.resolve(spec.name, present, plan.present_names, backend)
     rows, h = plan.rows, plan.h
-    flat_in = tuple(
-        a if a is None else (a.reshape(f) if f is not None else _flat_input(si.kind, a, rows, h))
+    # (lists, and no reshape of an array already in its flat shape: a repeated small call's microseconds)
+    flat_in = [
+        a if a is None or a.shape == f else (a.reshape(f) if f is not None else _flat_input(si.kind, a, rows, h))
         for si, a, f in zip(spec.inputs, ins, plan.input_flat, strict=True)
-    )
-    flat_p = tuple(
-        p if p is None else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, plan.norm_shape))
+    ]
+    flat_p = [
+        p
+        if p is None or p.shape == f
+        else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, plan.norm_shape))
         for sp, p, f in zip(spec.params, ps, plan.param_flat, strict=True)
-    )
+    ]
     res, inner = mod.forward(
-        x.reshape(rows, h), *flat_in, *flat_p, out=None if out is None else out.reshape(rows, plan.y_h),
-        **plan.to_backend,
+        x if x.shape == (rows, h) else x.reshape(rows, h), *flat_in, *flat_p,
+        out=None if out is None else out.reshape(rows, plan.y_h), **plan.to_backend,
     )  # fmt: skip
     x_shape = tuple(x.shape)
     if len(spec.outputs) > 1:
@@ -479,12 +482,13 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
         dy.reshape(rows, y_h), ctx.inner, dx_out=None if dx_out is None else dx_out.reshape(rows, h), **extra
     )
     dx = dx_out if dx_out is not None else grads[0].reshape(ctx.x_shape)
-    n_in = sum(1 for si in spec.inputs if si.differentiable)
-    d_inputs = tuple(g.reshape(s) for g, s in zip(grads[1 : 1 + n_in], ctx.input_shapes, strict=True))
+    n_in = len(ctx.input_shapes)  # (the differentiable inputs')
+    d_inputs = [g.reshape(s) for g, s in zip(grads[1 : 1 + n_in], ctx.input_shapes, strict=True)]
     norm_shape = ctx.x_shape[ctx.axis :]
-    xp = xp_of(dy)
-    d_params = tuple(
-        _unflat_feature_grad(g, s, norm_shape, xp) if sp.kind == "feature" else (None if g is None else g.reshape(s))
+    d_params = [
+        g
+        if g is None or g.shape == s  # (a gradient already in its parameter's shape: a small call's microseconds)
+        else (_unflat_feature_grad(g, s, norm_shape, xp_of(dy)) if sp.kind == "feature" else g.reshape(s))
         for sp, g, s in zip(spec.params, grads[1 + n_in :], ctx.param_shapes, strict=True)
-    )
+    ]
     return spec.grads(dx, *d_inputs, *d_params)

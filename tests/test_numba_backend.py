@@ -601,7 +601,7 @@ def test_float64_extreme_rows_take_the_slow_path(variant: tuple[str, dict[str, A
         x = extreme_f64(kind, (5, 300), rng)
         dy = rng.standard_normal(x.shape)
         stat, aff, conv_k, row_stats = _kernel_args(op, conv, x, None, None)
-        stats.forward_rows(stat, Rows(x), aff, conv_k, np.empty_like(x), row_stats, False)
+        stats.forward_rows(stat, plain(Rows(x)), plain(aff), plain(conv_k), np.empty_like(x), plain(row_stats), False)
         scale = np.empty(5, np.int64)
         cs = np.empty(5) if stats.OP_IMPLS[op].statistic.mean else None
         aff_, rs_, conv_, grad_ = (plain(b) for b in (aff, row_stats, conv_k, Grad(np.empty_like(x))))
@@ -786,7 +786,7 @@ def test_streaming_stores_match_plain_stores(variant: tuple[str, dict[str, Any]]
             buf = np.full(rows * h + 16, np.float32(7.0))
             y = buf[off : off + rows * h].reshape(rows, h)
             stat, aff, conv_k, row_stats = _kernel_args(op, conv, x, w, b)
-            stats.forward_rows(stat, Rows(x), aff, conv_k, y, row_stats, stream)
+            stats.forward_rows(stat, plain(Rows(x)), plain(aff), plain(conv_k), y, plain(row_stats), stream)
             outs.append((buf.copy(), *row_stats))
         for a, c in zip(outs[0], outs[1], strict=True):
             np.testing.assert_array_equal(a, c)
@@ -811,7 +811,7 @@ def test_streaming_backward_matches_plain_stores(variant: tuple[str, dict[str, A
     w = rng.standard_normal(h).astype(np.float32) if "w" in params else None
     b = rng.standard_normal(h).astype(np.float32) if "b" in params and "bias" in SPECS[op].param_names else None
     stat, aff, conv_k, row_stats = _kernel_args(op, conv, x, w, b)
-    stats.forward_rows(stat, Rows(x), aff, conv_k, np.empty_like(x), row_stats, False)
+    stats.forward_rows(stat, plain(Rows(x)), plain(aff), plain(conv_k), np.empty_like(x), plain(row_stats), False)
     nb = -(-rows // _layout.ROW_BLOCK)
     streamed = []
     for off in (0, 5):
@@ -824,8 +824,9 @@ def test_streaming_backward_matches_plain_stores(variant: tuple[str, dict[str, A
                 pw = np.empty((nb, h), np.float32) if w is not None else None
                 pb = np.empty((nb, h), np.float32) if b is not None else None
                 scale, cs = stats.backward_rows(
-                    stat, path, x, dy, aff._replace(bias=None), row_stats, conv_k, Grad(dx), Partials(pw, pb), stream
-                )
+                    stat, path, x, dy, plain(aff._replace(bias=None)), plain(row_stats), plain(conv_k),
+                    plain(Grad(dx)), plain(Partials(pw, pb)), stream,
+                )  # fmt: skip
                 res += [buf.copy(), pw, pb, scale, cs]
             got.append(res)
         for a, c in zip(got[0], got[1], strict=True):
@@ -869,7 +870,7 @@ def test_backward_paths_agree(variant: tuple[str, dict[str, Any]], dt: Any, shap
     xs, dys = _storage_of(x), _storage_of(dy)
     bias = b if "bias" in SPECS[op].param_names else None
     stat, aff, conv_k, row_stats = _kernel_args(op, conv, xs, w, bias)
-    stats.forward_rows(stat, Rows(xs), aff, conv_k, np.empty_like(xs), row_stats, False)
+    stats.forward_rows(stat, plain(Rows(xs)), plain(aff), plain(conv_k), np.empty_like(xs), plain(row_stats), False)
     nb = -(-shape[0] // _layout.ROW_BLOCK)
     mdt = np.float64 if np.dtype(dt) == np.float64 else np.float32
     out = {}
@@ -877,8 +878,9 @@ def test_backward_paths_agree(variant: tuple[str, dict[str, Any]], dt: Any, shap
         dx = np.empty_like(xs)
         pw, pb = np.empty((nb, shape[1]), mdt), (np.empty((nb, shape[1]), mdt) if bias is not None else None)
         scale, _ = stats.backward_rows(
-            stat, path, xs, dys, aff._replace(bias=None), row_stats, conv_k, Grad(dx), Partials(pw, pb), False
-        )
+            stat, path, xs, dys, plain(aff._replace(bias=None)), plain(row_stats), plain(conv_k), plain(Grad(dx)),
+            plain(Partials(pw, pb)), False,
+        )  # fmt: skip
         out[path] = (dx, scale, pw.astype(np.float64).sum(0), None if pb is None else pb.astype(np.float64).sum(0))
     (dx_f, sc_f, w_f, b_f), (dx_r, sc_r, w_r, b_r) = out["fused"], out["rows"]
     np.testing.assert_array_equal(dx_f, dx_r)

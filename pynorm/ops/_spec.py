@@ -291,11 +291,11 @@ class OpSpec:
             object.__setattr__(self, "reference", "pynorm.reference." + self.ctx.__module__[len(_BUILT_IN) :])
         check_spec(self)  # the spec against its kernel family's contract (FamilyError)
 
-    @property
+    @functools.cached_property
     def param_names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
 
-    @property
+    @functools.cached_property
     def input_names(self) -> tuple[str, ...]:
         return tuple(i.name for i in self.inputs)
 

@@ -87,7 +87,8 @@ class Grad(NamedTuple):
 
 
 class Partials(NamedTuple):
-    """Per-row-block partial sums of the parameter gradients (``(blocks * M, H)``, ``M`` = 1 without a table), in
+    """Per-row-block partial sums of the parameter gradients (``(blocks, H)``; with a table, a row per block and
+    table row it uses, :mod:`._io`), in
     the math type -- float64 for a statistic that does not normalize (:attr:`pynorm.ops.families.Statistic.
     normalizes`); None where the parameter is absent."""
 

@@ -50,7 +50,7 @@ from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statis
 from .._spec import param_names, prologue_input_names
 from . import _common as common
 from . import _stats_kernels as kernels
-from ._args import Affine, Conventions, Grad, Partials, Rows, RowStats, plain
+from ._args import Affine, Conventions, Grad, Partials, RowStats, plain
 from ._layout import CHUNK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
 from ._reduce import sum_slots, table_slots
 from ._threads import launch, threads_for
@@ -130,7 +130,7 @@ class _Setup(NamedTuple):
     """What one forward of a :class:`StatsOp` reads of its options and dtypes alone."""
 
     kargs: Any  # kernel_args of the options (the spec's defaults filled in)
-    conventions: Conventions
+    conventions: tuple[Any, ...]  # the Conventions bundle, plain (:func:`._args.plain`)
     h_dtype: Any  # the prologue's h dtype (None: no h)
     math_dtype: np.dtype[Any]
     widen: bool
@@ -244,7 +244,7 @@ class StatsOp(_Op):
                 ctx_args.append((f, index[f]))
             else:
                 static[f] = o[f]
-        setup = _Setup(kargs, Conventions.of(kargs), hd, mdt, widen, static, tuple(ctx_args))
+        setup = _Setup(kargs, plain(Conventions.of(kargs)), hd, mdt, widen, static, tuple(ctx_args))
         if key is not None:
             if len(self._setups) >= 64:
                 self._setups.clear()
@@ -281,8 +281,8 @@ class StatsOp(_Op):
                     src, pro = h.astype(np.float64), None
             ys = common.storage(y) if y is not None else None
             forward_rows(
-                self.stat, Rows(src, pro), Affine(w, b, tab), st.conventions, sink if ys is None else ys,
-                RowStats(aux, rstd), ys is not None and use_stream(ys),
+                self.stat, (src, pro), (w, b, tab), st.conventions, sink if ys is None else ys, (aux, rstd),
+                ys is not None and use_stream(ys),
             )  # fmt: skip
         values = st.ctx_static.copy()
         for f, i in st.ctx_args:
@@ -322,8 +322,8 @@ class StatsOp(_Op):
             dxs = common.storage(dx)
             backward_rows(
                 self.stat, "fused" if use_fused(rows, hidden) else "rows", src, common.storage(dy),
-                Affine(w, None, tab), RowStats(aux, common.stats(ctx.rstd)), Conventions.of(kargs),
-                Grad(dxs, ep), Partials(pw, pb), ep is None and use_stream(dxs),
+                (w, None, tab), (aux, common.stats(ctx.rstd)), plain(Conventions.of(kargs)), (dxs, ep), (pw, pb),
+                ep is None and use_stream(dxs),
             )  # fmt: skip
         grads = []
         for n in self.spec.param_names:
@@ -371,16 +371,19 @@ def _segments(rows: int, hidden: int) -> int:
 
 
 def forward_rows(
-    stat: Tag, rows: Rows, affine: Affine, conv: Conventions, y: Any, row_stats: RowStats, stream: bool
-) -> None:
+    stat: Tag, rows: tuple[Any, ...], aff: tuple[Any, ...], cv: tuple[Any, ...], y: Any, rs: tuple[Any, ...],
+    stream: bool,
+) -> None:  # fmt: skip
     """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd` (or the split kernels), then the slow
-    path for the rows it left. ``rows``, ``affine``, ``conv``, ``row_stats``: the bundles of :mod:`._args`;
-    ``stream``: streaming stores for ``y``. ``y`` a quantize sink (:mod:`._io`): whole rows, never split."""
-    rows_, aff, cv, rs = plain(rows), plain(affine), plain(conv), plain(row_stats)
+    path for the rows it left. ``rows``, ``aff``, ``cv``, ``rs``: the :mod:`._args` bundles ``Rows``, ``Affine``,
+    ``Conventions``, ``RowStats`` as plain tuples (:func:`._args.plain`: what the kernels take; a small call
+    builds no named tuple); ``stream``: streaming stores for ``y``. ``y`` a quantize sink (:mod:`._io`): whole
+    rows, never split."""
+    rows_ = rows
     x, pro = rows
     n, h = x.shape
     if (
-        not _channel(affine.table) and not isinstance(y, tuple) and split_rows(n, x if pro is None else pro[2])
+        not _channel(aff[2]) and not isinstance(y, tuple) and split_rows(n, x if pro is None else pro[2])
     ):  # (the rows normalized are h's with a prologue)
         from . import _split_kernels as split
 
@@ -392,7 +395,7 @@ def forward_rows(
         s1, s2 = np.zeros((2, n, -(-h // CHUNK)))
         launch(split.fwd_sums, n * h, tasks, stat, x, shifts, s1, s2)
         pending = split.fwd_finish_rows(stat, x, shifts, s1, s2, cv, c, rs)
-        launch(split.fwd_write, n * h, tasks, stat, x, aff, shifts, c, row_stats.rstd, y, True if stream else None)
+        launch(split.fwd_write, n * h, tasks, stat, x, aff, shifts, c, rs[1], y, True if stream else None)
         rows_ = (x, None)
     else:
         pending = launch(kernels.fwd, n * h, n, stat, rows_, aff, cv, y, rs, True if stream else None)
@@ -405,18 +408,19 @@ def backward_rows(
     path: str,
     x: Any,
     dy: Any,
-    affine: Affine,
-    row_stats: RowStats,
-    conv: Conventions,
-    grad: Grad,
-    partials: Partials,
+    aff: tuple[Any, ...],
+    rs: tuple[Any, ...],
+    cv: tuple[Any, ...],
+    gr: tuple[Any, ...],
+    parts: tuple[Any, ...],
     stream: bool,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The backward's kernels on storage arrays along ``path`` (``"fused"`` or ``"rows"``, see
-    :func:`._layout.use_fused`): ``grad`` (``dx``, through its epilogue) and the block ``partials`` (fields None
-    where not wanted); the other bundles as the forward's (:mod:`._args`; ``affine`` without bias). Returns the rows'
-    ``scale`` (:data:`._stats_kernels.FAST` or the slow path's exponent) and, on the rows path of a centred
-    statistic, their centring residuals ``c``."""
+    :func:`._layout.use_fused`): ``gr`` (the ``Grad`` bundle: ``dx``, through its epilogue) and the block partials
+    ``parts`` (the ``Partials`` bundle, fields None where not wanted); ``aff`` (``Affine`` without bias), ``rs``
+    (``RowStats``), ``cv`` (``Conventions``): every :mod:`._args` bundle as a plain tuple (:func:`._args.plain`), as
+    :func:`forward_rows` takes them. Returns the rows' ``scale`` (:data:`._stats_kernels.FAST` or the slow path's
+    exponent) and, on the rows path of a centred statistic, their centring residuals ``c``."""
     if path not in ("fused", "rows"):
         raise ValueError(f"unknown backward path {path!r}")
     rows, h = x.shape
@@ -424,9 +428,8 @@ def backward_rows(
     streaming = True if stream else None
     scale = np.empty(rows, np.int64)
     cs = np.empty(rows) if not fused and record_of(stat).mean else None
-    params = partials.weight is not None or partials.bias is not None
-    aff, rs, cv, gr, parts = plain(affine), plain(row_stats), plain(conv), plain(grad), plain(partials)
-    if not _channel(affine.table) and split_rows(blocks(rows) if fused else rows, x):
+    params = parts[0] is not None or parts[1] is not None
+    if not _channel(aff[2]) and split_rows(blocks(rows) if fused else rows, x):
         slow = _backward_split(stat, x, dy, aff, rs, cv, gr, parts if fused else (None, None), scale, cs, streaming)
     elif fused:
         slow = launch(kernels.bwd_fused, rows * h, blocks(rows), stat, x, dy, aff, rs, cv, gr, parts, scale, streaming)
@@ -435,10 +438,10 @@ def backward_rows(
     if slow:
         kernels.bwd_slow(stat, x, dy, aff, rs, cv, gr, scale, cs)
         if fused and params:
-            redo = kernels.redo_channel if _channel(affine.table) else kernels.redo_blocks
-            redo(stat, x, dy, affine.table, rs, scale, parts)
+            redo = kernels.redo_channel if _channel(aff[2]) else kernels.redo_blocks
+            redo(stat, x, dy, aff[2], rs, scale, parts)
     if not fused and params:
-        launch(kernels.params_by_cols, rows * h, tiles(h), stat, x, dy, affine.table, rs, scale if slow else None, cs,
+        launch(kernels.params_by_cols, rows * h, tiles(h), stat, x, dy, aff[2], rs, scale if slow else None, cs,
                parts)  # fmt: skip
     return scale, cs
 
@@ -524,7 +527,7 @@ class ChannelOp(_Op):
                 launch(kernels.fwd_given, rows * h, rows, self.stat, xs, plain(aff), (mean, rstd), ys,
                        True if stream else None)  # fmt: skip
             else:
-                forward_rows(self.stat, Rows(xs, None), aff, Conventions.of(kargs), ys, RowStats(mean, rstd), stream)
+                forward_rows(self.stat, (xs, None), plain(aff), plain(Conventions.of(kargs)), ys, (mean, rstd), stream)
         values = {**o, **p, self.row: x, **self.statistic.ctx_values(rstd, mean=mean)}
         ctx = self.ctx_type(**{f: values[f] for f in self._fields})
         if not run or run[0] is None or given:
@@ -564,8 +567,8 @@ class ChannelOp(_Op):
             dxs = common.storage(dx).reshape(rows, h)
             stream = use_stream(dxs)
             if getattr(ctx, _USE_STATS, True):
-                backward_rows(self.stat, "fused", xs, dys, aff, rs, Conventions.of(kargs), Grad(dxs, None),
-                              Partials(pw, pb), stream)  # fmt: skip
+                backward_rows(self.stat, "fused", xs, dys, plain(aff), plain(rs), plain(Conventions.of(kargs)),
+                              (dxs, None), (pw, pb), stream)  # fmt: skip
             else:
                 launch(kernels.bwd_given, rows * h, rows, self.stat, xs, dys, plain(aff), plain(rs),
                        plain(Grad(dxs, None)), plain(Partials(pw, pb)), True if stream else None)  # fmt: skip

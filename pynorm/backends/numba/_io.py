@@ -29,8 +29,8 @@ from that argument's numba type at compile time, so a plain variant compiles non
 * the forward's sink ``y`` -- the ``(R, H)`` storage array ``y`` (row ``i`` written in place), or the quantize
   epilogue ``(mode, s_given, q, srow, amax, keep, proto)`` (``quant_layer_norm`` of a float input): row ``i`` is
   written into a scratch row of ``proto``'s dtype, ``y``'s (:func:`yscratch`, :func:`yrow`), still in cache
-  when :func:`ydone` quantizes it by the epilogue ``mode`` of :func:`._quant_kernels.quant_rows` (:data:`AMAX`:
-  the row's ``max |y|`` only; :data:`ROW`: int8 ``q`` with the row's scale ``srow[i]``; :data:`GIVEN`: with
+  when :func:`ydone` quantizes it by the epilogue ``mode`` of :func:`._quant_kernels.quant_rows` (``AMAX``:
+  the row's ``max |y|`` only; ``ROW``: int8 ``q`` with the row's scale ``srow[i]``; ``GIVEN``: with
   ``s_given``, and ``keep`` where it has rows) -- the same values as that kernel on the stored ``y``, with no
   ``y`` in memory;
 * epilogue ``ep`` -- ``None`` (``dx`` is stored) or ``(dh, alpha, dresidual)``: the gradient at
@@ -45,7 +45,7 @@ from numba import types
 from numba.extending import overload
 
 from ._cache import jit
-from ._quant_kernels import AMAX, ROW, amax_of, codes, row_scale
+from ._quant_kernels import quantize_row
 from ._storage import JIT_ONLY, fma, ld, st, st_exact
 
 __all__ = [
@@ -355,16 +355,4 @@ def _ydone_ol(y, i, buf):  # type: ignore[no-untyped-def]
     if isinstance(y, types.Array):
         return lambda y, i, buf: None
 
-    def quantize(y, i, buf):  # type: ignore[no-untyped-def]
-        mode, s_given, q, srow, amax, keep = y[0], y[1], y[2], y[3], y[4], y[5]
-        if mode == AMAX:
-            amax[i] = amax_of(buf)
-        elif mode == ROW:
-            s = row_scale(amax_of(buf))
-            srow[i] = s
-            codes(buf, np.float64(s), q[i], keep[0:0].reshape(-1), False)
-        else:
-            with_keep = keep.shape[0] > 0
-            codes(buf, s_given, q[i], keep[i] if with_keep else keep[0:0].reshape(-1), with_keep)
-
-    return quantize
+    return lambda y, i, buf: quantize_row(buf, i, y[0], y[1], y[2], y[3], y[4], y[5])

@@ -30,7 +30,19 @@ from ._borrow import borrow
 from ._cache import jit
 from ._storage import JIT_ONLY, _bf16_to_f32, _bits_f32, _half_to_f32, bitcast, ld
 
-__all__ = ["AMAX", "FLOAT", "GIVEN", "ROW", "amax_of", "codes", "dequantize", "masked", "quant_rows", "row_scale"]
+__all__ = [
+    "AMAX",
+    "FLOAT",
+    "GIVEN",
+    "ROW",
+    "amax_of",
+    "codes",
+    "dequantize",
+    "masked",
+    "quant_rows",
+    "quantize_row",
+    "row_scale",
+]
 
 _QMAX = 127.0
 
@@ -202,7 +214,6 @@ def quant_rows(src, mode, s_given, y, q, srow, amax, keep, mean, rstd, lo, hi): 
     src, y, q, srow, amax, keep, mean, rstd = borrow((src, y, q, srow, amax, keep, mean, rstd))
     h = _shape(src)[1]
     with_stats = mean.shape[0] > 0
-    with_keep = keep.shape[0] > 0
     buf = np.empty(h)
     for i in range(lo, hi):
         st = row_state(src, i)
@@ -214,16 +225,26 @@ def quant_rows(src, mode, s_given, y, q, srow, amax, keep, mean, rstd, lo, hi): 
             yr = y[i]
             for j in range(h):
                 yr[j] = np.float32(buf[j])
-        elif mode == GIVEN:
-            codes(buf, s_given, q[i], keep[i] if with_keep else keep[0:0].reshape(-1), with_keep)
         else:
-            a = amax_of(buf)
-            if mode == AMAX:
-                amax[i] = a
-            else:
-                s = row_scale(a)
-                srow[i] = s
-                codes(buf, np.float64(s), q[i], keep[0:0].reshape(-1), False)
+            quantize_row(buf, i, mode, s_given, q, srow, amax, keep)
+
+
+@jit(inline="always")
+def quantize_row(buf, i, mode, s_given, q, srow, amax, keep):  # type: ignore[no-untyped-def]
+    """Row ``i``'s values ``buf`` (a storage row) through a quantizing epilogue ``mode`` of :func:`quant_rows`
+    (:data:`AMAX`, :data:`ROW` or :data:`GIVEN`): what :func:`quant_rows` and the statistics kernels' quantize
+    sink (:func:`._io.ydone`) both do with a row."""
+    if mode == GIVEN:
+        with_keep = keep.shape[0] > 0
+        codes(buf, s_given, q[i], keep[i] if with_keep else keep[0:0].reshape(-1), with_keep)
+        return
+    a = amax_of(buf)
+    if mode == AMAX:
+        amax[i] = a
+    else:
+        s = row_scale(a)
+        srow[i] = s
+        codes(buf, np.float64(s), q[i], keep[0:0].reshape(-1), False)
 
 
 def _shape(src):  # type: ignore[no-untyped-def]

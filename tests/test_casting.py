@@ -337,6 +337,54 @@ def test_none_overflows_like_a_float16_model(op: str, backend: Any) -> None:
     assert np.all(np.abs(f(x, backend="numpy")[0]) > 0.5)
 
 
+def _ordered_sum(t: np.ndarray) -> float:
+    s = 0.0
+    for v in t.tolist():
+        s += v
+    return s
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16", "float32"])
+def test_numba_none_sums_in_any_order_only_where_that_is_exact(dt: str) -> None:
+    """The numba "none" kernels add a row's terms in any order (vectorized) only where the float64 sum is exact;
+    their sum is the row-order sum bitwise, for terms of every spread of exponents, and for a row where another
+    order rounds differently."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba._intype_kernels import precision_of, sum_terms
+
+    rng = np.random.default_rng(3)
+    p = precision_of(dtype(dt))
+    for spread in (0, 8, 20, 40, 80):
+        t = rng.standard_normal(4099) * 2.0 ** rng.integers(-spread, 1, 4099)
+        t = t.astype(dtype(dt)).astype(np.float64)
+        assert sum_terms(t, p) == _ordered_sum(t), spread
+    t = np.array([2.0**60, 1.0, -(2.0**60), 1.0] * 64)  # row order: 1.0; exactly: 128.0
+    assert _ordered_sum(t) == 1.0
+    assert sum_terms(t, p) == 1.0
+    t = np.array([np.inf, 1.0, -np.inf, 2.0, np.nan, 0.0])
+    assert np.isnan(sum_terms(t, p))
+    assert sum_terms(np.zeros(5), p) == 0.0
+
+
+@pytest.mark.parametrize("h", [8192, 8193])
+def test_numba_none_float16_rows_at_the_exact_sum_limit(h: int) -> None:
+    """float16 rows of up to 8192 elements sum in any order (their float64 sums are exact), longer ones as other
+    dtypes; rows of the largest float16 values are the worst case of that bound: bitwise the reference."""
+    pytest.importorskip("numba")
+    x = np.full((3, h), 65504.0, np.float16)
+    x[1, ::2] = -65504.0
+    x[2] = np.random.default_rng(4).standard_normal(h).astype(np.float16)
+    w = np.linspace(0.5, 1.5, h).astype(np.float16)
+    dy = np.random.default_rng(5).standard_normal((3, h)).astype(np.float16)
+    for op in OPS:
+        f, b = getattr(pynorm.functional, op + "_forward"), getattr(pynorm.functional, op + "_backward")
+        with np.errstate(all="ignore"):
+            got, ref = (b(dy, f(x, w, casting="none", backend=be)[1]) for be in ("numba", "numpy"))
+            y_got, y_ref = (f(x, w, casting="none", backend=be)[0] for be in ("numba", "numpy"))
+        assert np.array_equal(y_got, y_ref, equal_nan=True), op
+        assert np.array_equal(got.dx, ref.dx, equal_nan=True), op
+
+
 # ---------------------------------------------------------------------------
 # bad input
 

@@ -23,7 +23,8 @@ package's ``COMPOSED["casting"]``: ``cast``, ``copy_into`` and ``InType``):
   dtype; the numba backend's ``_intype_kernels``, the cupy backend's ``intype.cu``).
 
 The cost: one more pass over the activations each way (``q`` is written and read back) than the
-fused ``"fp32"`` kernel for ``"llama"``/``"t5"``; ``"none"`` is a plain row-by-row kernel.
+fused ``"fp32"`` kernel for ``"llama"``/``"t5"``; ``"none"`` is a row-by-row kernel whose cost is its arithmetic
+(every operation rounded), not its memory traffic.
 """
 
 from __future__ import annotations

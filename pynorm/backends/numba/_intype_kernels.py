@@ -3,24 +3,38 @@
 r"""LayerNorm / RMSNorm with every operation rounded to ``x``'s dtype: ``casting="none"``.
 
 The sequences are :mod:`pynorm.reference.casting`'s (``layer_norm_forward_none`` and the others), the same
-operations in the same order. Each operation is evaluated in float64 and rounded once to the storage
-dtype (:func:`rn`): for ``+ - * / sqrt`` of values of that dtype the float64 result, rounded again, is the
-correctly rounded result in the dtype (float64 carries more than ``2p + 2`` bits of every narrower
-format), so this *is* arithmetic in float16 / bfloat16 / float32. ``1/sqrt`` is one operation
-(``torch.rsqrt``): its float64 value rounded once. Sums accumulate in float64 (as PyTorch's reductions
-accumulate wider than their dtype) and are rounded once where the reference rounds them. Compiled with
-``fastmath=False``: nothing is contracted or reassociated.
+operations in the same order. Each operation is evaluated in a wider *math type* and rounded once to the
+storage dtype (:func:`rt`), which is the correctly rounded result in the dtype:
+
+* float16: the element-wise operations (``+ - *`` of float16 values) in float32. Products of two float16
+  values are exact in float32 (22 significant bits); sums and differences are rounded twice, to float32 then
+  to float16, which is correct rounding because ``24 >= 2 * 11 + 2`` (Figueroa, "When is double rounding
+  innocuous?", SIGNUM 1995) and float32's exponent range holds every such result without underflow. The
+  conversions are F16C's ``vcvtps2ph``/``vcvtph2ps``, so the loops vectorize;
+* bfloat16: in float64, rounded to odd in float32 then to bfloat16 (a product of two bfloat16 values can be a
+  float32 subnormal, where the ``2p + 2`` argument does not hold);
+* float32: in float64 (``53 >= 2 * 24 + 2``); float64: itself.
+
+The per-row scalars (``sum / n``, ``rnd(v + eps)``, ``1/sqrt``, the ``std`` coefficients) are computed in float64
+and rounded once (:func:`rw`): ``1/sqrt`` is one operation (``torch.rsqrt``), its float64 value rounded once.
+Sums accumulate in float64 (as PyTorch's reductions accumulate wider than their dtype) and are rounded once
+where the reference rounds them. Compiled with ``fastmath=False`` (nothing contracted), except one thing: a
+row sum of float16 values over at most :data:`EXACT_H` elements is *exact* in float64 -- every float16 value is
+a multiple of ``2^-24`` below ``2^16``, so such a sum is a multiple of ``2^-24`` below ``2^29``: 53 bits -- so
+any order of its additions gives the same bits, and those sums are reassociated so they vectorize
+(:func:`_sum_any`; inf and NaN propagate the same in any order). Other rows sum in row order.
 
 ``centered`` selects LayerNorm (mean, centred variance, ``corr``, ``std``: eps outside the root) or
-RMSNorm (mean square); ``we``/``bt`` (the weight ``rnd(w + o)`` and the bias ``rnd(b)``, float64 arrays
-of values of the dtype) are None where absent. Rows are independent (tasks of :func:`._threads.launch`); the parameter
-gradients are summed over rows in row order, per column (:func:`params`): results do not depend on the
-thread count.
+RMSNorm (mean square); ``we``/``bt`` (the weight ``rnd(w + o)`` and the bias ``rnd(b)``, arrays of values of
+the dtype in the math type, :func:`math_dtype`) are None where absent. Rows are independent (tasks of
+:func:`._threads.launch`); the parameter gradients are summed over rows in row order, per column
+(:func:`params`): results do not depend on the thread count.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from numba import types
@@ -29,18 +43,44 @@ from numba.extending import overload
 from ._borrow import borrow
 from ._cache import jit
 from ._layout import COL_TILE
-from ._storage import JIT_ONLY, _bf16_to_f32, _f32_to_bf16, _f32_to_half, _f64_to_f32_odd, _half_to_f32, ld, st_exact
+from ._storage import JIT_ONLY, _bf16_to_f32, _f32_to_bf16, _f32_to_half, _f64_to_f32_odd, _half_to_f32, ld, st
 
-__all__ = ["bwd", "fwd", "params", "rn"]
+__all__ = ["EXACT_H", "PARAMS_COLS", "bwd", "fwd", "math_dtype", "params", "precision_of", "rt", "rw", "sum_terms"]
+
+#: the longest float16 row whose float64 sums are exact (see the module doc): ``8192 * 65504 < 2^29``
+EXACT_H = 8192
 
 
-def rn(a, v):  # type: ignore[no-untyped-def]
-    """The float64 ``v`` rounded once to storage array ``a``'s dtype, as a float64."""
+def precision_of(dtype: Any) -> int:
+    """Significant bits of ``dtype`` (float16 11, bfloat16 8, float32 24, float64 53): :func:`sum_terms`' ``p``."""
+    return {2: 11 if np.dtype(dtype) == np.float16 else 8, 4: 24, 8: 53}[np.dtype(dtype).itemsize]
+
+
+def math_dtype(dtype: np.dtype) -> type:
+    """The math type of storage dtype ``dtype`` (float16 -> float32, else float64): the parameters' array dtype."""
+    return np.float32 if np.dtype(dtype) == np.float16 else np.float64
+
+
+def rt(a, v):  # type: ignore[no-untyped-def]
+    """The math-type result ``v`` of one operation rounded once to storage array ``a``'s dtype, in the math type."""
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(rn, inline="always")
-def _rn_ol(a, v):  # type: ignore[no-untyped-def]
+def rw(a, v):  # type: ignore[no-untyped-def]
+    """A float64 ``v`` (a per-row scalar) rounded once to ``a``'s dtype, in the math type."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def lm(a, j):  # type: ignore[no-untyped-def]
+    """Element ``j`` of storage array ``a`` in the math type (exact)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+_EXACT = {"fastmath": False, "error_model": "numpy"}
+
+
+@overload(rt, inline="always", jit_options=_EXACT)
+def _rt_ol(a, v):  # type: ignore[no-untyped-def]
     if a.dtype == types.float64:
         return lambda a, v: np.float64(v)
     if a.dtype == types.float32:
@@ -48,125 +88,279 @@ def _rn_ol(a, v):  # type: ignore[no-untyped-def]
     if a.dtype == types.uint16:
         return lambda a, v: np.float64(_bf16_to_f32(_f32_to_bf16(_f64_to_f32_odd(v))))
     if a.dtype == types.int16:
-        return lambda a, v: np.float64(_half_to_f32(_f32_to_half(_f64_to_f32_odd(v))))
+        return lambda a, v: _half_to_f32(_f32_to_half(np.float32(v)))
     return None
 
 
+@overload(rw, inline="always", jit_options=_EXACT)
+def _rw_ol(a, v):  # type: ignore[no-untyped-def]
+    if a.dtype == types.int16:
+        return lambda a, v: _half_to_f32(_f32_to_half(_f64_to_f32_odd(v)))
+    return lambda a, v: rt(a, v)
+
+
+@overload(lm, inline="always", jit_options=_EXACT)
+def _lm_ol(a, j):  # type: ignore[no-untyped-def]
+    if a.dtype == types.int16:
+        return lambda a, j: ld(a[j])
+    return lambda a, j: np.float64(ld(a[j]))
+
+
 @jit()
-def _stats(xr, centered, eps, corr, std):  # type: ignore[no-untyped-def]
-    """``(m, v, r)`` of one row: mean (0 for RMSNorm), variance or mean square, ``r``."""
-    h = xr.shape[0]
-    m = 0.0
-    s2 = 0.0
-    if centered:
-        s = 0.0
-        for j in range(h):
-            s += np.float64(ld(xr[j]))
-        m = rn(xr, s / h)
-        for j in range(h):
-            d = rn(xr, np.float64(ld(xr[j])) - m)
-            s2 += rn(xr, d * d)
-        v = rn(xr, s2 / (h - corr))
-    else:
-        for j in range(h):
-            xv = np.float64(ld(xr[j]))
-            s2 += rn(xr, xv * xv)
-        v = rn(xr, s2 / h)
-    if std:
-        r = rn(xr, 1.0 / rn(xr, rn(xr, math.sqrt(v)) + eps))
-    else:
-        r = rn(xr, 1.0 / math.sqrt(rn(xr, v + eps)))
-    return m, v, r
+def _dev(xr, j, centered, m):  # type: ignore[no-untyped-def]
+    """``rnd(x_j - m)`` (LayerNorm), ``x_j`` (RMSNorm)."""
+    return rt(xr, lm(xr, j) - m) if centered else lm(xr, j)
 
 
 @jit()
 def _xhat(xr, j, centered, m, r):  # type: ignore[no-untyped-def]
-    xv = np.float64(ld(xr[j]))
-    if centered:
-        xv = rn(xr, xv - m)
-    return rn(xr, xv * r)
+    return rt(xr, _dev(xr, j, centered, m) * r)
 
 
 @jit()
-def fwd(x, we, bt, centered, eps, corr, std, y, mean, rstd, lo, hi):  # type: ignore[no-untyped-def]
-    """``y`` (storage dtype) and the float64 ``mean``/``rstd`` of rows ``lo <= i < hi`` of ``x``."""
+def _term(xr, j, centered, m, sq):  # type: ignore[no-untyped-def]
+    """A row sum's term, as float64: ``x_j`` (the mean's), or ``rnd(d_j^2)`` (the variance's, ``sq``)."""
+    if not sq:
+        return np.float64(lm(xr, j))
+    d = _dev(xr, j, centered, m)
+    return np.float64(rt(xr, d * d))
+
+
+@jit()
+def _gterm(xr, dyr, we, j, centered, m, r):  # type: ignore[no-untyped-def]
+    """``(g, rnd(g xhat))`` of element ``j``: ``g = rnd(dy we)`` (``dy`` without a weight)."""
+    g = lm(dyr, j)
+    if we is not None:
+        g = rt(xr, g * we[j])
+    return g, rt(xr, g * _xhat(xr, j, centered, m, r))
+
+
+@jit(fastmath={"reassoc"})
+def _sum_any(xr, centered, m, sq):  # type: ignore[no-untyped-def]
+    """The row sum of :func:`_term` in any order (exact sums only, see the module doc)."""
+    s = 0.0
+    for j in range(xr.shape[0]):
+        s += _term(xr, j, centered, m, sq)
+    return s
+
+
+@jit(fastmath={"reassoc"})
+def _gsums_any(xr, dyr, we, centered, m, r):  # type: ignore[no-untyped-def]
+    """``(sum g, sum rnd(g xhat))`` of a row in any order (exact sums only)."""
+    sg = 0.0
+    sgx = 0.0
+    for j in range(xr.shape[0]):
+        g, gx = _gterm(xr, dyr, we, j, centered, m, r)
+        sg += np.float64(g)
+        sgx += np.float64(gx)
+    return sg, sgx
+
+
+def precision(a):  # type: ignore[no-untyped-def]
+    """Significant bits of storage array ``a``'s dtype (float16 11, bfloat16 8, float32 24, float64 53)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(precision, inline="always")
+def _precision_ol(a):  # type: ignore[no-untyped-def]
+    bits = {types.int16: 11, types.uint16: 8, types.float32: 24, types.float64: 53}[a.dtype]
+    return lambda a: bits
+
+
+@jit()
+def _fill(xr, centered, m, sq, buf):  # type: ignore[no-untyped-def]
+    """``buf[j] = `` :func:`_term` ``(j)`` for the row (no sum: the loop vectorizes)."""
+    for j in range(xr.shape[0]):
+        buf[j] = _term(xr, j, centered, m, sq)
+
+
+@jit()
+def _gfill(xr, dyr, we, centered, m, r, bg, bgx):  # type: ignore[no-untyped-def]
+    """``(bg[j], bgx[j]) = `` :func:`_gterm` ``(j)`` for the row."""
+    for j in range(xr.shape[0]):
+        g, gx = _gterm(xr, dyr, we, j, centered, m, r)
+        bg[j] = np.float64(g)
+        bgx[j] = np.float64(gx)
+
+
+@jit()
+def _spread(t):  # type: ignore[no-untyped-def]
+    """``(emax, emin)``: the largest biased float64 exponent of the terms ``t`` and the smallest of the nonzero ones
+    (integer maxima: any order, vectorized)."""
+    emax = 0
+    emin = 4096
+    u = t.view(np.uint64)
+    for j in range(u.shape[0]):
+        e = np.int64((u[j] >> np.uint64(52)) & np.uint64(0x7FF))
+        emax = max(emax, e)
+        emin = min(emin, e if e != 0 else 4096)
+    return emax, emin
+
+
+@jit(fastmath={"reassoc"})
+def _sum_vec(t):  # type: ignore[no-untyped-def]
+    s = 0.0
+    for j in range(t.shape[0]):
+        s += t[j]
+    return s
+
+
+@jit()
+def _sum_ord(t):  # type: ignore[no-untyped-def]
+    s = 0.0
+    for j in range(t.shape[0]):
+        s += t[j]
+    return s
+
+
+@jit()
+def sum_terms(t, p):  # type: ignore[no-untyped-def]
+    """The float64 sum of the terms ``t`` in row order, each a value of ``p`` significant bits. Taken in any order
+    (vectorized) where that sum is exact: every partial sum is a multiple of ``2^(emin - bias - p + 1)`` below
+    ``n 2^(emax - bias + 1)``, so it is exact when ``(emax - emin) + ceil(log2 n) + p <= 53``; else in row order.
+    Non-finite terms (exponent 2047) take the ordered sum."""
+    n = t.shape[0]
+    emax, emin = _spread(t)
+    if emax == 0:
+        return 0.0
+    log_n = 0
+    while (1 << log_n) < n:
+        log_n += 1
+    if emax < 2047 and (emax - emin) + log_n + p <= 53:
+        return _sum_vec(t)
+    return _sum_ord(t)
+
+
+@jit()
+def _rowsum(xr, centered, m, sq, exact, buf):  # type: ignore[no-untyped-def]
+    """A row sum of :func:`_term`: fused and in any order (``exact``: float16 rows of at most :data:`EXACT_H`), else
+    its terms written to ``buf`` then :func:`sum_terms`."""
+    if exact:
+        return _sum_any(xr, centered, m, sq)
+    t = buf[: xr.shape[0]]
+    _fill(xr, centered, m, sq, t)
+    return sum_terms(t, precision(xr))
+
+
+@jit()
+def _stats(xr, centered, eps, corr, std, exact, buf):  # type: ignore[no-untyped-def]
+    """``(m, v, r)`` of one row in the math type: mean (0 for RMSNorm), variance or mean square, ``r``."""
+    h = xr.shape[0]
+    m = rw(xr, 0.0)
+    if centered:
+        m = rw(xr, _rowsum(xr, centered, m, False, exact, buf) / h)
+        v = rw(xr, _rowsum(xr, centered, m, True, exact, buf) / (h - corr))
+    else:
+        v = rw(xr, _rowsum(xr, centered, m, True, exact, buf) / h)
+    v64 = np.float64(v)
+    if std:
+        r = rw(xr, 1.0 / np.float64(rw(xr, np.float64(rw(xr, math.sqrt(v64))) + eps)))
+    else:
+        r = rw(xr, 1.0 / math.sqrt(np.float64(rw(xr, v64 + eps))))
+    return m, v, r
+
+
+@jit()
+def fwd(x, we, bt, centered, eps, corr, std, exact, y, mean, rstd, lo, hi):  # type: ignore[no-untyped-def]
+    """``y`` (storage dtype) and the float64 ``mean``/``rstd`` of rows ``lo <= i < hi`` of ``x`` (``exact``: the
+    row sums may be reassociated)."""
     x, y, mean, rstd = borrow((x, y, mean, rstd))  # (we/bt: optional, indexed only)
+    buf = np.empty(x.shape[1])
     for i in range(lo, hi):
         xr = x[i]
         yr = y[i]
-        m, _, r = _stats(xr, centered, eps, corr, std)
+        m, _, r = _stats(xr, centered, eps, corr, std, exact, buf)
         for j in range(xr.shape[0]):
             t = _xhat(xr, j, centered, m, r)
             if we is not None:
-                t = rn(xr, t * we[j])
+                t = rt(xr, t * we[j])
             if bt is not None:
-                t = rn(xr, t + bt[j])
-            st_exact(yr, j, t)
+                t = rt(xr, t + bt[j])
+            st(yr, j, t)
         mean[i] = m
         rstd[i] = r
 
 
 @jit()
-def bwd(x, dy, we, centered, eps, corr, std, dx, lo, hi):  # type: ignore[no-untyped-def]
-    """``dx`` of rows ``lo <= i < hi``: ``g = rnd(dy we)``, ``gbar = rnd(sum g / H)``, ``c = rnd(sum rnd(g xhat) / n)``
+def bwd(x, dy, we, centered, eps, corr, std, exact, mean, rstd, dx, lo, hi):  # type: ignore[no-untyped-def]
+    """``dx`` of rows ``lo <= i < hi`` from the forward's ``mean``/``rstd`` (values of the dtype; the variance is
+    taken again for ``std``): ``g = rnd(dy we)``, ``gbar = rnd(sum g / H)``, ``c = rnd(sum rnd(g xhat) / n)``
     (``std``: ``rnd(c / rnd(s r))``, 0 where ``s = 0``), ``dx = rnd(r rnd(rnd(g - gbar) - rnd(xhat c)))``
     (RMSNorm: ``rnd(r rnd(g - rnd(xhat c)))``)."""
-    x, dy, dx = borrow((x, dy, dx))  # (we: optional, indexed only)
+    x, dy, mean, rstd, dx = borrow((x, dy, mean, rstd, dx))  # (we: optional, indexed only)
+    bg = np.empty(x.shape[1])
+    bgx = np.empty(x.shape[1])
     for i in range(lo, hi):
         xr = x[i]
         dyr = dy[i]
         dxr = dx[i]
         h = xr.shape[0]
-        m, v, r = _stats(xr, centered, eps, corr, std)
-        sg = 0.0
-        sgx = 0.0
-        for j in range(h):
-            g = np.float64(ld(dyr[j]))
-            if we is not None:
-                g = rn(xr, g * we[j])
-            sg += g
-            sgx += rn(xr, g * _xhat(xr, j, centered, m, r))
-        gbar = rn(xr, sg / h)
-        coef = rn(xr, sgx / (h - corr if centered else h))
+        m = rw(xr, mean[i])
+        r = rw(xr, rstd[i])
+        v = m
         if std:
-            s = rn(xr, math.sqrt(v))
-            coef = rn(xr, coef / rn(xr, s * r)) if s > 0 else 0.0
+            m, v, r = _stats(xr, centered, eps, corr, std, exact, bg)
+        if exact:
+            sg, sgx = _gsums_any(xr, dyr, we, centered, m, r)
+        else:
+            _gfill(xr, dyr, we, centered, m, r, bg, bgx)
+            sg = sum_terms(bg, precision(xr))
+            sgx = sum_terms(bgx, precision(xr))
+        gbar = rw(xr, sg / h)
+        coef = rw(xr, sgx / (h - corr if centered else h))
+        if std:
+            s = rw(xr, math.sqrt(np.float64(v)))
+            sr = np.float64(rw(xr, np.float64(s) * np.float64(r)))
+            coef = rw(xr, np.float64(coef) / sr) if s > 0 else rw(xr, 0.0)
         for j in range(h):
-            g = np.float64(ld(dyr[j]))
+            g = lm(dyr, j)
             if we is not None:
-                g = rn(xr, g * we[j])
-            tx = rn(xr, _xhat(xr, j, centered, m, r) * coef)
+                g = rt(xr, g * we[j])
+            tx = rt(xr, _xhat(xr, j, centered, m, r) * coef)
             if centered:
-                t = rn(xr, r * rn(xr, rn(xr, g - gbar) - tx))
+                t = rt(xr, r * rt(xr, rt(xr, g - gbar) - tx))
             else:
-                t = rn(xr, r * rn(xr, g - tx))
-            st_exact(dxr, j, t)
+                t = rt(xr, r * rt(xr, g - tx))
+            st(dxr, j, t)
+
+
+@jit()
+def _pw_row(xr, dyr, centered, m, r, aw):  # type: ignore[no-untyped-def]
+    """``aw[j] += rnd(dy_j xhat_j)`` over a row's columns (one array written, indices from 0: the loop
+    vectorizes)."""
+    for j in range(aw.shape[0]):
+        aw[j] += np.float64(rt(xr, lm(dyr, j) * _xhat(xr, j, centered, m, r)))
+
+
+@jit()
+def _pb_row(dyr, ab):  # type: ignore[no-untyped-def]
+    """``ab[j] += dy_j`` over a row's columns."""
+    for j in range(ab.shape[0]):
+        ab[j] += np.float64(lm(dyr, j))
+
+
+#: the widest column range one pass of :func:`params` accumulates (its float64 sums stay in the L2 cache)
+PARAMS_COLS = 4096
 
 
 @jit()
 def params(x, dy, centered, mean, rstd, pw, pb, lo, hi):  # type: ignore[no-untyped-def]
     """``pw[j] = sum_rows rnd(dy xhat)``, ``pb[j] = sum_rows dy`` in float64, rows in order (each None: skipped),
-    for column tiles ``lo <= c < hi`` (:data:`._layout.COL_TILE` columns each), each walking the rows in order
-    (contiguous reads within a row)."""
+    for the columns of tiles ``lo <= c < hi`` (:data:`._layout.COL_TILE` columns each). The span's columns are
+    taken in ranges of up to :data:`PARAMS_COLS`, each by one walk over the rows (long contiguous reads of every
+    row; a column's sum is in row order whatever the ranges)."""
     x, dy, mean, rstd = borrow((x, dy, mean, rstd))  # (pw/pb: optional, indexed only)
     rows, h = x.shape
-    for c in range(lo, hi):
-        j0 = c * COL_TILE
-        j1 = min(j0 + COL_TILE, h)
+    for j0 in range(lo * COL_TILE, min(hi * COL_TILE, h), PARAMS_COLS):
+        j1 = min(j0 + PARAMS_COLS, hi * COL_TILE, h)
         aw = np.zeros(j1 - j0)
         ab = np.zeros(j1 - j0)
         for i in range(rows):
-            xr = x[i]
-            dyr = dy[i]
-            m = mean[i]
-            r = rstd[i]
-            for j in range(j0, j1):
-                dv = np.float64(ld(dyr[j]))
-                if pw is not None:
-                    aw[j - j0] += rn(xr, dv * _xhat(xr, j, centered, m, r))
-                ab[j - j0] += dv
-        for j in range(j0, j1):
             if pw is not None:
-                pw[j] = aw[j - j0]
+                _pw_row(x[i, j0:j1], dy[i, j0:j1], centered, rw(x, mean[i]), rw(x, rstd[i]), aw)
             if pb is not None:
-                pb[j] = ab[j - j0]
+                _pb_row(dy[i, j0:j1], ab)
+        if pw is not None:
+            pw[j0:j1] = aw
+        if pb is not None:
+            pb[j0:j1] = ab

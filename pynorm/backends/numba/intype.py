@@ -34,10 +34,15 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def _in_dtype(p: Any, dtype: Any, offset: float = 0.0) -> np.ndarray | None:
-    """``rnd(p + offset)`` in ``dtype``, as contiguous float64 values (None stays None)."""
+    """``rnd(p + offset)`` in ``dtype``, as contiguous values of the kernels' math type (None stays None)."""
     if p is None:
         return None
-    return np.ascontiguousarray(round_to(p.astype(np.float64) + offset, dtype), dtype=np.float64)
+    return np.ascontiguousarray(round_to(p.astype(np.float64) + offset, dtype), dtype=kernels.math_dtype(dtype))
+
+
+def _exact(x: np.ndarray) -> bool:
+    """Whether the kernels may reassociate ``x``'s row sums (exact: float16 rows of at most ``EXACT_H``)."""
+    return x.dtype == np.float16 and x.shape[1] <= kernels.EXACT_H
 
 
 class InType:
@@ -61,7 +66,7 @@ class InType:
             launch(
                 kernels.fwd, rows * h, rows, common.storage(x), _in_dtype(weight, x.dtype, kargs.weight_offset),
                 _in_dtype(bias, x.dtype), self.centered, kargs.eps, kargs.correction, kargs.mode == R_OUTSIDE,
-                common.storage(y), mean, rstd,
+                _exact(x), common.storage(y), mean, rstd,
             )  # fmt: skip
         return y, mean, rstd
 
@@ -78,13 +83,14 @@ class InType:
         if rows:
             xs, dys = common.storage(x), common.storage(dy)
             we = _in_dtype(weight, x.dtype, kargs.weight_offset)
+            m = common.stats(mean) if mean is not None else np.zeros(rows)
+            r = common.stats(rstd)
             launch(
                 kernels.bwd, rows * h, rows, xs, dys, we, self.centered, kargs.eps, kargs.correction,
-                kargs.mode == R_OUTSIDE, common.storage(dx),
+                kargs.mode == R_OUTSIDE, _exact(x), m, r, common.storage(dx),
             )  # fmt: skip
             if pw is not None or pb is not None:
-                m = common.stats(mean) if mean is not None else np.zeros(rows)
-                launch(kernels.params, rows * h, tiles(h), xs, dys, self.centered, m, common.stats(rstd), pw, pb)
+                launch(kernels.params, rows * h, tiles(h), xs, dys, self.centered, m, r, pw, pb)
         dweight = None if pw is None else round_to(pw, weight.dtype)
         dbias = None if pb is None else round_to(pb, bias.dtype)
         return dx, dweight, dbias

@@ -16,6 +16,7 @@ The reference computes every op in a *working precision* wider than its inputs a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -93,8 +94,10 @@ EXTENDED_FLOAT64: bool = bool(_LD.nmant > 52 and _LD.maxexp > 1024)
 _WP64 = np.dtype(np.longdouble) if EXTENDED_FLOAT64 else np.dtype(np.float64)
 
 
+@functools.lru_cache(maxsize=256)
 def working_dtype(*dtypes: Any) -> np.dtype[Any]:
-    """The dtype the reference computes in for inputs of ``dtypes`` (None entries ignored)."""
+    """The dtype the reference computes in for inputs of ``dtypes`` (None entries ignored; cached: a small call's
+    microseconds)."""
     widest = max(np.dtype(d).itemsize for d in dtypes if d is not None)
     return _WP64 if widest >= 8 else np.dtype(np.float64)
 

@@ -52,8 +52,8 @@ def row_mean(a: np.ndarray) -> np.ndarray:
     offset keep the accuracy of their deviations.
     """
     h = a.shape[1]
-    m1 = np.sum(a, axis=1) / h
-    return m1 + np.sum(a - m1[:, None], axis=1) / h
+    m1 = np.add.reduce(a, axis=1) / h
+    return m1 + np.add.reduce(a - m1[:, None], axis=1) / h
 
 
 def finite_rows(v: np.ndarray, *sums: np.ndarray) -> np.ndarray:
@@ -81,7 +81,7 @@ def center(a: np.ndarray, mean: np.ndarray) -> np.ndarray:
     the mean of the deviations removes that shift; constant rows stay exactly 0.
     """
     d = a - mean[:, None]
-    return d - (np.sum(d, axis=1) / a.shape[1])[:, None]
+    return d - (np.add.reduce(d, axis=1) / a.shape[1])[:, None]
 
 
 def write_result(value: np.ndarray, dtype: Any, out: np.ndarray | None) -> np.ndarray:

@@ -179,8 +179,8 @@ def layer_norm_backward(
         eps_mode=ctx.eps_mode,
     )  # fmt: skip
     dx, dres = _split(_upstream(g, dh, wp), ctx, dx_out)
-    dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
-    dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None
+    dweight = round_to(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    dbias = round_to(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
     return AddLayerNormGrads(dx, dres, dweight, dbias)
 
 
@@ -220,7 +220,7 @@ def rms_norm_backward(
         dyw, h.astype(wp), ctx.rstd.astype(wp), _ln._effective_weight(weight, ctx.weight_offset, wp)
     )
     dx, dres = _split(_upstream(g, dh, wp), ctx, dx_out)
-    dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    dweight = round_to(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     return AddRMSNormGrads(dx, dres, dweight)
 
 

@@ -59,7 +59,7 @@ def forward(
     if training:
         mean = row_mean(cols)
         d = center(cols, mean)
-        var = np.sum(d * d, axis=1) / wp.type(n * s)
+        var = np.add.reduce(d * d, axis=1) / wp.type(n * s)
         rstd = 1 / np.sqrt(var + wp.type(eps))
     else:
         mean, var = running_mean.astype(wp), running_var.astype(wp)
@@ -105,12 +105,13 @@ def backward(dy: np.ndarray, ctx: BatchNormCtx, *, dx_out: Any = None) -> BatchN
     g = g0 * w if w is not None else g0
     if ctx.training:
         k = wp.type(n * s)
-        dx = rstd * (g - (np.sum(g, axis=1) / k)[:, None] - xhat * (np.sum(g * xhat, axis=1) / k)[:, None])
+        gbar = np.add.reduce(g, axis=1) / k
+        dx = rstd * (g - gbar[:, None] - xhat * (np.add.reduce(g * xhat, axis=1) / k)[:, None])
     else:
         dx = rstd * g
     dx = np.ascontiguousarray(dx.reshape(c, n, s).transpose(1, 0, 2))
-    dweight = round_to(np.sum(g0 * xhat, axis=1), weight.dtype) if weight is not None else None
-    dbias = round_to(np.sum(g0, axis=1), bias.dtype) if bias is not None else None
+    dweight = round_to(np.add.reduce(g0 * xhat, axis=1), weight.dtype) if weight is not None else None
+    dbias = round_to(np.add.reduce(g0, axis=1), bias.dtype) if bias is not None else None
     return BatchNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)
 
 

@@ -126,7 +126,7 @@ class _InDtype:
 
     def mean(self, a: np.ndarray, n: int) -> np.ndarray:
         """``rnd(sum(a) / n)`` per row, the sum in working precision."""
-        return self(np.sum(a, axis=1) / self.wp.type(n))
+        return self(np.add.reduce(a, axis=1) / self.wp.type(n))
 
 
 def _none_setup(x: np.ndarray, *params: Any) -> tuple[_InDtype, np.ndarray]:
@@ -191,8 +191,8 @@ def layer_norm_backward_none(
         with np.errstate(divide="ignore", invalid="ignore"):
             coef = np.where(s > 0, rnd(coef / rnd(s * rstd)), rnd.wp.type(0))
     dx = rnd(rstd[:, None] * rnd(rnd(g - gbar[:, None]) - rnd(xhat * coef[:, None])))
-    dweight = round_to(np.sum(rnd(dyw * xhat), axis=0), weight.dtype) if weight is not None else None
-    dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None
+    dweight = round_to(np.add.reduce(rnd(dyw * xhat), axis=0), weight.dtype) if weight is not None else None
+    dbias = round_to(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
     return round_to(dx, x.dtype), dweight, dbias
 
 
@@ -228,5 +228,5 @@ def rms_norm_backward_none(
     g = rnd(dyw * w) if w is not None else dyw
     c = rnd.mean(rnd(g * xhat), xw.shape[1])
     dx = rnd(rstd[:, None] * rnd(g - rnd(xhat * c[:, None])))
-    dweight = round_to(np.sum(rnd(dyw * xhat), axis=0), weight.dtype) if weight is not None else None
+    dweight = round_to(np.add.reduce(rnd(dyw * xhat), axis=0), weight.dtype) if weight is not None else None
     return round_to(dx, x.dtype), dweight

@@ -71,6 +71,6 @@ def backward(dy: np.ndarray, ctx: DyTCtx, *, dx_out: np.ndarray | None = None) -
     g = dyw * weight.astype(wp) if weight is not None else dyw
     gs = g * sech2(z)
     dalpha = round_to(np.sum(gs * xw).reshape(1), alpha.dtype)
-    dweight = round_to(np.sum(dyw * np.tanh(z), axis=0), weight.dtype) if weight is not None else None
-    dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None
+    dweight = round_to(np.add.reduce(dyw * np.tanh(z), axis=0), weight.dtype) if weight is not None else None
+    dbias = round_to(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
     return DyTGrads(write_result(a * gs, x.dtype, dx_out), dalpha, dweight, dbias)

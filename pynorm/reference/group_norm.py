@@ -129,7 +129,7 @@ def instance_norm_forward(
         xw = x.reshape(n * c, s).astype(wp)
         m = row_mean(xw)
         d = center(xw, m)
-        unbiased = np.sum(d * d, axis=1) / wp.type(s - 1)
+        unbiased = np.add.reduce(d * d, axis=1) / wp.type(s - 1)
         batch_mean = m.reshape(n, c).mean(axis=0)
         batch_var = unbiased.reshape(n, c).mean(axis=0)
         rm = _running_update(running_mean, batch_mean, momentum, wp)

@@ -66,7 +66,7 @@ def statistics(xw: np.ndarray, *, eps: float, correction: int, eps_mode: str) ->
     wp = xw.dtype
     mean = row_mean(xw)
     d = center(xw, mean)
-    var = np.sum(d * d, axis=1) / wp.type(xw.shape[1] - correction)
+    var = np.add.reduce(d * d, axis=1) / wp.type(xw.shape[1] - correction)
     e = wp.type(eps)
     rstd = 1 / np.sqrt(var + e) if eps_mode == "var" else 1 / (np.sqrt(var) + e)
     return d, mean, rstd
@@ -89,12 +89,12 @@ def input_grad(
     d = center(xw, mean)
     xhat = d * rstd[:, None]
     g = dyw * w if w is not None else dyw
-    gbar = np.sum(g, axis=1) / wp.type(h)
-    gx = np.sum(g * xhat, axis=1)
+    gbar = np.add.reduce(g, axis=1) / wp.type(h)
+    gx = np.add.reduce(g * xhat, axis=1)
     if eps_mode == "var":
         coef = gx / n
     else:
-        s = np.sqrt(np.sum(d * d, axis=1) / n)
+        s = np.sqrt(np.add.reduce(d * d, axis=1) / n)
         with np.errstate(divide="ignore", invalid="ignore"):
             coef = np.where(s > 0, gx / (n * s * rstd), wp.type(0))
     coef = finite_rows(coef, gbar, gx)
@@ -161,6 +161,6 @@ def backward(dy: np.ndarray, ctx: LayerNormCtx, *, dx_out: np.ndarray | None = N
     )  # fmt: skip
     if qd is not None:
         xhat = round_to(xhat, qd).astype(wp)
-    dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
-    dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None
+    dweight = round_to(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    dbias = round_to(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
     return LayerNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)

@@ -99,8 +99,8 @@ def layer_norm_backward(
     dx, xhat = _ln.input_grad(
         dnt, x.astype(wp), nc.mean.astype(wp), nc.rstd.astype(wp), w, correction=nc.correction, eps_mode=nc.eps_mode
     )
-    dweight = round_to(np.sum(dnt * xhat, axis=0), weight.dtype) if weight is not None else None
-    dbias = round_to(np.sum(dnt, axis=0), bias.dtype) if bias is not None else None
+    dweight = round_to(np.add.reduce(dnt * xhat, axis=0), weight.dtype) if weight is not None else None
+    dbias = round_to(np.add.reduce(dnt, axis=0), bias.dtype) if bias is not None else None
     return LayerNormLinearGrads(write_result(dx, x.dtype, dx_out), dweight, dbias, dW, dc)
 
 
@@ -132,7 +132,7 @@ def rms_norm_backward(
     dnt, dW, dc = _linear_grads(dy, n, ctx.W, ctx.c, dn, wp)
     w = _ln._effective_weight(weight, nc.weight_offset, wp)
     dx, xhat = _rms.input_grad(dnt, x.astype(wp), nc.rstd.astype(wp), w)
-    dweight = round_to(np.sum(dnt * xhat, axis=0), weight.dtype) if weight is not None else None
+    dweight = round_to(np.add.reduce(dnt * xhat, axis=0), weight.dtype) if weight is not None else None
     return RMSNormLinearGrads(write_result(dx, x.dtype, dx_out), dweight, dW, dc)
 
 

@@ -78,6 +78,6 @@ def backward(dy: np.ndarray, ctx: PowerNormCtx, *, dx_out: np.ndarray | None = N
     deriv = np.where(a == 0, wp.type(1.0 if p == 1 else 0.0), wp.type(p) * a ** wp.type(p - 1))
     g = dyw * weight.astype(wp) if weight is not None else dyw
     dx = saturate(g * deriv, x.dtype)
-    dweight = round_to(np.sum(dyw * _signed_power(xw, p), axis=0), weight.dtype) if weight is not None else None
-    dbias = round_to(np.sum(dyw, axis=0), bias.dtype) if bias is not None else None
+    dweight = round_to(np.add.reduce(dyw * _signed_power(xw, p), axis=0), weight.dtype) if weight is not None else None
+    dbias = round_to(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
     return PowerNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)

@@ -220,6 +220,6 @@ def backward(dy: np.ndarray, ctx: QuantLayerNormCtx, *, dx_out: np.ndarray | Non
     dyw = g.astype(wp)
     w = _ln._effective_weight(ctx.weight, ctx.weight_offset, wp)
     dx, xhat = _ln.input_grad(dyw, xr, mean, rstd, w, correction=ctx.correction, eps_mode=ctx.eps_mode)
-    dweight = round_to(np.sum(dyw * xhat, axis=0), ctx.weight.dtype) if ctx.weight is not None else None
-    dbias = round_to(np.sum(dyw, axis=0), ctx.bias.dtype) if ctx.bias is not None else None
+    dweight = round_to(np.add.reduce(dyw * xhat, axis=0), ctx.weight.dtype) if ctx.weight is not None else None
+    dbias = round_to(np.add.reduce(dyw, axis=0), ctx.bias.dtype) if ctx.bias is not None else None
     return QuantLayerNormGrads(write_result(dx, dy.dtype, dx_out), dweight, dbias)

@@ -37,7 +37,7 @@ __all__ = ["RMSNormCtx", "RMSNormGrads", "backward", "forward"]
 def statistics(xw: np.ndarray, *, eps: float) -> np.ndarray:
     """``r`` of each row of the ``(R, H)`` working-precision array ``xw``."""
     wp = xw.dtype
-    ms = np.sum(xw * xw, axis=1) / wp.type(xw.shape[1])
+    ms = np.add.reduce(xw * xw, axis=1) / wp.type(xw.shape[1])
     return finite_rows(1 / np.sqrt(ms + wp.type(eps)), ms)
 
 
@@ -47,7 +47,7 @@ def input_grad(
     """``(dx, xhat)`` in working precision for the upstream gradient ``dyw`` of ``y = xhat * w``."""
     xhat = xw * rstd[:, None]
     g = dyw * w if w is not None else dyw
-    c = np.sum(g * xhat, axis=1) / xw.dtype.type(xw.shape[1])
+    c = np.add.reduce(g * xhat, axis=1) / xw.dtype.type(xw.shape[1])
     c = finite_rows(c, c)
     return rstd[:, None] * (g - xhat * c[:, None]), xhat
 
@@ -94,5 +94,5 @@ def backward(dy: np.ndarray, ctx: RMSNormCtx, *, dx_out: np.ndarray | None = Non
     dx, xhat = input_grad(g, x.astype(wp), ctx.rstd.astype(wp), w)
     if qd is not None:
         xhat = round_to(xhat, qd).astype(wp)
-    dweight = round_to(np.sum(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    dweight = round_to(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     return RMSNormGrads(write_result(dx, x.dtype, dx_out), dweight)

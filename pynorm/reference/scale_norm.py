@@ -41,7 +41,7 @@ def forward(
     """ScaleNorm forward of the ``(R, H)`` array ``x`` with the ``(1,)`` scalar ``g`` (or None)."""
     wp = working_dtype(x.dtype, getattr(g, "dtype", None))
     xw = x.astype(wp)
-    s2 = np.sum(xw * xw, axis=1)
+    s2 = np.add.reduce(xw * xw, axis=1)
     e = wp.type(eps)
     if eps_mode == "floor":
         n = np.sqrt(s2)
@@ -66,7 +66,7 @@ def backward(dy: np.ndarray, ctx: ScaleNormCtx, *, dx_out: np.ndarray | None = N
     xhat = x.astype(wp) * rstd[:, None]
     dyw = dy.astype(wp)
     big_g = dyw * g.astype(wp)[0] if g is not None else dyw
-    gx = np.sum(big_g * xhat, axis=1)
+    gx = np.add.reduce(big_g * xhat, axis=1)
     coef = finite_rows(np.where(ctx.floor, wp.type(0), gx), gx)
     dx = rstd[:, None] * (big_g - xhat * coef[:, None])
     dg = round_to(np.sum(dyw * xhat).reshape(1), g.dtype) if g is not None else None

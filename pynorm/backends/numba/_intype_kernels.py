@@ -76,10 +76,7 @@ def lm(a, j):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-_EXACT = {"fastmath": False, "error_model": "numpy"}
-
-
-@overload(rt, inline="always", jit_options=_EXACT)
+@overload(rt, inline="always")
 def _rt_ol(a, v):  # type: ignore[no-untyped-def]
     if a.dtype == types.float64:
         return lambda a, v: np.float64(v)
@@ -92,14 +89,14 @@ def _rt_ol(a, v):  # type: ignore[no-untyped-def]
     return None
 
 
-@overload(rw, inline="always", jit_options=_EXACT)
+@overload(rw, inline="always")
 def _rw_ol(a, v):  # type: ignore[no-untyped-def]
     if a.dtype == types.int16:
         return lambda a, v: _half_to_f32(_f32_to_half(_f64_to_f32_odd(v)))
     return lambda a, v: rt(a, v)
 
 
-@overload(lm, inline="always", jit_options=_EXACT)
+@overload(lm, inline="always")
 def _lm_ol(a, j):  # type: ignore[no-untyped-def]
     if a.dtype == types.int16:
         return lambda a, j: ld(a[j])

@@ -53,11 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         fwd = getattr(pynorm, f"{op}_forward")
         bwd = getattr(pynorm, f"{op}_backward")
         times: dict[str, dict[str, list[float]]] = {p: {"fwd": [], "bwd": []} for p in POLICIES}
+        copies: list[float] = []
+        dst = np.empty_like(x)
         for p in POLICIES:  # warm-up: compile every kernel first
             kw = {"weight_offset": 1.0} if p == "gemma" else {}
             _, ctx = fwd(x, *params, casting=p, backend=args.backend, **kw)
             bwd(dy, ctx)
         for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            np.copyto(dst, x)
+            copies.append(time.perf_counter() - t0)
             for p in POLICIES:
                 kw = {"weight_offset": 1.0} if p == "gemma" else {}
                 t0 = time.perf_counter()
@@ -69,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                 times[p]["bwd"].append(t2 - t1)
         med = {p: {k: statistics.median(v) for k, v in d.items()} for p, d in times.items()}
         base = med["fp32"]
-        print(f"\n{op}: policy    fwd ms   bwd ms   fwd / fp32   bwd / fp32   fwd GB/s")
+        copy = statistics.median(copies)
+        gb = 2 * x.nbytes / copy / 1e9
+        print(f"\n{op} (the same-size copy, timed in the same rounds: {1e3 * copy:.2f} ms, {gb:.1f} GB/s)")
+        print(f"{'':{len(op) + 2}}policy    fwd ms   bwd ms   fwd / fp32   bwd / fp32   fwd GB/s")
         for p in POLICIES:
             m = med[p]
             gbs = 2 * x.nbytes / m["fwd"] / 1e9

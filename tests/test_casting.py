@@ -337,6 +337,38 @@ def test_none_overflows_like_a_float16_model(op: str, backend: Any) -> None:
     assert np.all(np.abs(f(x, backend="numpy")[0]) > 0.5)
 
 
+@pytest.mark.parametrize("wdt", [None, "float32"])
+@pytest.mark.parametrize("dt", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("policy", ["llama", "apex"])
+def test_numba_rounded_affine_in_one_pass_is_the_two_kernels_bitwise(policy: str, dt: str, wdt: Any) -> None:
+    """ "llama"/"apex" on numba run q = rnd(xhat) and y = w q + b in the norm's own pass (no q in memory): bitwise
+    the backend's own two kernels -- the norm without affine, then PowerNorm with p = 1 on the stored q -- on
+    ordinary and hard rows, with and without a weight offset, with and without ``out=``."""
+    pytest.importorskip("numba")
+    data = _data(dt, rows=40, h=300, seed=7, wdt=wdt)
+    x = data["x"].copy()
+    x[1] = 1e4 if dt != "float16" else 300.0  # a constant row
+    x[2] *= 1e-30 if dt != "float16" else 1e-3
+    x[3, 5] = np.nan
+    x[4] += 2e4 if dt == "float32" else 100.0
+    for off in (0.0, 1.0):
+        for op, params in (("layer_norm", (data["w"], data["b"])), ("rms_norm", (data["w"],)), ("layer_norm", ())):
+            f = getattr(pynorm, op)
+            with np.errstate(all="ignore"):
+                got = f(x, *params, casting=policy, weight_offset=off if params else 0.0, backend="numba")
+                q = f(x, backend="numba")
+                w_e = None
+                if params:
+                    w_e = (params[0].astype(np.float64) + off).astype(params[0].dtype)
+                want = pynorm.power_norm(q, w_e, *params[1:], p=1.0, backend="numba")
+                out = np.empty_like(x)
+                again = f(x, *params, casting=policy, weight_offset=off if params else 0.0, backend="numba", out=out)
+            assert again is out
+            for a in (got, out):
+                assert a.dtype == x.dtype
+                assert np.array_equal(a.view(np.uint8), want.view(np.uint8)), (op, off, len(params))
+
+
 def _ordered_sum(t: np.ndarray) -> float:
     s = 0.0
     for v in t.tolist():

@@ -215,6 +215,36 @@ def test_mixed_parameter_dtypes(wdt: Any) -> None:
     assert rel(g.dweight, gr.dweight) <= tol and rel(g.dbias, gr.dbias) <= TOL_PARAM["float32"]
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "quant_layer_norm"])
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_16bit_parameters_read_in_storage_form_are_their_float32_copies(op: str, dt: str) -> None:
+    """The forward of a 16-bit x reads a 16-bit weight/bias in its storage form (half the bytes in cache): bitwise
+    the forward given the same values as float32 arrays, which takes the math-type path; on ordinary rows and
+    rows of the slow path (tiny rows with eps = 0: r beyond float32's normal range)."""
+    import pynorm
+
+    d = np.dtype(dt) if dt == "float16" else np.dtype(__import__("ml_dtypes").bfloat16)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((70, 96)).astype(d)
+    x[3] = (rng.standard_normal(96) * 2.0**-125).astype(d) if dt == "bfloat16" else x[3]
+    w = (1 + 0.3 * rng.standard_normal(96)).astype(d)
+    b = (0.2 * rng.standard_normal(96)).astype(d)
+    f = getattr(pynorm, op)
+    lead = (x, np.ones_like(x)) if op == "add_layer_norm" else (x,)
+    extra: dict[str, Any] = {}
+    if op == "quant_layer_norm":
+        extra["quantize"] = "row"
+    params = (w, b) if op != "rms_norm" else (w,)
+    for eps in (1e-5, 0.0):
+        narrow = f(*lead, *params, eps=eps, backend="numba", **extra)
+        wide = f(*lead, *(p.astype(np.float32) for p in params), eps=eps, backend="numba", **extra)
+        pairs = zip(narrow, wide, strict=True) if isinstance(narrow, tuple) else [(narrow, wide)]
+        for a, c in pairs:
+            a, c = np.asarray(a), np.asarray(c)
+            assert a.dtype == c.dtype
+            assert np.array_equal(a.view(np.uint8), c.view(np.uint8)), (op, eps)
+
+
 def test_non_contiguous_inputs() -> None:
     x, dy, w, b = data((40, 24), np.float32)
     xf, dyf = np.asfortranarray(x), np.asfortranarray(dy)

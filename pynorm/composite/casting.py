@@ -18,13 +18,18 @@ package's ``COMPOSED["casting"]``: ``cast``, ``copy_into`` and ``InType``):
   kernel (bitwise the forward's), so ``ctx`` is the op's usual one; ``"apex"`` differentiates as
   ``"fp32"`` (its backward recomputes ``xhat`` unrounded). For ``"t5"`` with a weight dtype other than
   ``x``'s, ``q``, ``y`` and ``dy`` are converted on the device in between (``cast``).
+  Where the backend offers it (the identity's ``sink`` and the norm's ``takes_sink``: the numba backend, for rows
+  its kernels do not split), the forward with ``q`` in ``x``'s dtype is one pass: the norm writes each row's
+  ``q`` into a scratch row and runs the identity's forward of that row into ``y`` (:mod:`pynorm.backends.numba._io`'s
+  element-wise sink), bitwise the two kernels, with no ``q`` in memory.
 
 * ``"none"``: the backend's in-dtype kernels (``InType`` of its pieces module: every operation rounded to ``x``'s
   dtype; the numba backend's ``_intype_kernels``, the cupy backend's ``intype.cu``).
 
-The cost: one more pass over the activations each way (``q`` is written and read back) than the
-fused ``"fp32"`` kernel for ``"llama"``/``"t5"``; ``"none"`` is a row-by-row kernel whose cost is its arithmetic
-(every operation rounded), not its memory traffic.
+The cost, for ``"llama"``/``"t5"``, beside the ``"fp32"`` kernels: one more pass over the activations in the
+backward (``q`` is recomputed, ``g`` written and read back), and in the forward where it is not fused;
+``"none"`` is a row-by-row kernel whose cost is its arithmetic (every operation rounded), not its memory
+traffic.
 """
 
 from __future__ import annotations
@@ -83,6 +88,11 @@ class Casting:
             return weight
         return self.cast(self.cast(weight, np.float64) + offset, weight.dtype)
 
+    def _fused(self, x: Any) -> bool:
+        """Whether the backend runs ``q = rnd(xhat)`` and the identity's affine in one pass (its norm takes the
+        identity's ``sink``: the numba backend's statistics kernels, for rows they do not split)."""
+        return hasattr(self.identity, "sink") and hasattr(self.norm, "takes_sink") and self.norm.takes_sink(x)
+
     def _gemma_weight(self, weight: Any, offset: float) -> Any:
         """``rnd_f32(rnd_f32(w) + rnd_f32(o))`` as float64 values (exact), for kernels computing in float64."""
         return (self.cast(weight, np.float32) + np.float32(offset)).astype(np.float64)
@@ -116,8 +126,12 @@ class Casting:
         if qd is None:  # "t5" without a 16-bit weight: HF's T5 does not round
             y, ctx = self.norm.forward(x, *(params.get(n) for n in names), out=out, **o)
             return y, replace(ctx, **final)
-        q, ctx = self.norm.forward(x, *(None for _ in names), **o)
         same = qd == np.dtype(x.dtype)
+        if same and self._fused(x):  # q is never stored: each row's q becomes y in the norm's own pass
+            sink, y = self.identity.sink(x.shape, x.dtype, self._w_e(weight, offset), bias, out=out, p=1.0)
+            _, ctx = self.norm.forward(x, *(None for _ in names), sink=sink, **o)
+            return y, replace(ctx, **final)
+        q, ctx = self.norm.forward(x, *(None for _ in names), **o)
         if not same:
             q = self.cast(q, qd)
         y, _ = self.identity.forward(q, self._w_e(weight, offset), bias, out=out if same else None, p=1.0)

@@ -48,7 +48,7 @@ from ._cache import FM_SUM, jit
 from ._layout import EW_TILE, ROW_BLOCK
 from ._storage import JIT_ONLY, ld, seg, seg2, st, tile
 
-__all__ = ["PIECES", "ew_bwd", "ew_fwd", "f_fix", "f_grad", "f_value", "fcast"]
+__all__ = ["PIECES", "ew_bwd", "ew_fwd", "ew_row", "f_fix", "f_grad", "f_value", "fcast"]
 
 _PIECE: Any = {"fastmath": False, "error_model": "numpy"}
 
@@ -286,6 +286,20 @@ for _stub in (f_value, f_grad, f_fix):
 
 
 @jit(FM_SUM)
+def ew_row(fn, xr, av, wr, br, yr):  # type: ignore[no-untyped-def]
+    """``yr[j] = f(xr[j]; av) [* wr[j]] [+ br[j]]`` over one row (or a row's column tile): the forward's loop
+    (``av`` in the function math type, ``wr``/``br`` as :func:`ew_fwd`'s). Also the statistics kernels' epilogue
+    for the casting policies that round ``xhat`` before the affine (:mod:`._io`'s element-wise sink)."""
+    for j in range(xr.shape[0]):  # from 0: no negative-index select, so that the loop vectorizes without gathers
+        v = f_value(fn, fcast(xr, ld(xr[j])), av)
+        if wr is not None:
+            v = v * ld(wr[j])
+        if br is not None:
+            v = v + ld(br[j])
+        st(yr, j, v)
+
+
+@jit(FM_SUM)
 def _ew_fwd_span(fn, x, a, w, b, y, t0, t1):  # type: ignore[no-untyped-def]
     """Tasks ``t0 <= t < t1`` (task ``t``: row ``t // tiles``, one column tile) of :func:`ew_fwd` (its body: see
     :func:`._stats_kernels._fwd_span`)."""
@@ -293,23 +307,14 @@ def _ew_fwd_span(fn, x, a, w, b, y, t0, t1):  # type: ignore[no-untyped-def]
     av = fcast(x, a)
     for t in range(t0, t1):
         i, j0, j1 = tile(t, h, EW_TILE)
-        xr = x[i, j0:j1]
-        yr = y[i, j0:j1]
-        wr = seg(w, j0, j1)
-        br = seg(b, j0, j1)
-        for j in range(j1 - j0):  # from 0: no negative-index select, so that the loop vectorizes without gathers
-            v = f_value(fn, fcast(x, ld(xr[j])), av)
-            if w is not None:
-                v = v * wr[j]
-            if b is not None:
-                v = v + br[j]
-            st(yr, j, v)
+        ew_row(fn, x[i, j0:j1], av, seg(w, j0, j1), seg(b, j0, j1), y[i, j0:j1])
 
 
 @jit(FM_SUM)
 def ew_fwd(fn, x, a, w, b, y, lo, hi):  # type: ignore[no-untyped-def]
-    """``y = f(x; a) [* w] [+ b]`` (storage arrays; ``w``/``b`` ``(H,)`` in the function math type, or None) for
-    tasks ``lo <= t < hi``: task ``t`` is row ``t // tiles``, one column tile of :data:`._layout.EW_TILE`."""
+    """``y = f(x; a) [* w] [+ b]`` (storage arrays; ``w``/``b`` ``(H,)`` in float32 or wider, a 16-bit one in its
+    storage form, or None) for tasks ``lo <= t < hi``: task ``t`` is row ``t // tiles``, one column tile of
+    :data:`._layout.EW_TILE`."""
     _ew_fwd_span(*borrow((fn, x, a, w, b, y)), lo, hi)
 
 

@@ -32,7 +32,11 @@ from that argument's numba type at compile time, so a plain variant compiles non
   when :func:`ydone` quantizes it by the epilogue ``mode`` of :func:`._quant_kernels.quant_rows` (``AMAX``:
   the row's ``max |y|`` only; ``ROW``: int8 ``q`` with the row's scale ``srow[i]``; ``GIVEN``: with
   ``s_given``, and ``keep`` where it has rows) -- the same values as that kernel on the stored ``y``, with no
-  ``y`` in memory;
+  ``y`` in memory; or the element-wise sink ``(fn, a, w, b, y)`` (the casting policies ``"llama"``, ``"apex"``:
+  ``q = rnd(xhat)`` then ``y = w q + b`` rounded once): the norm without its affine writes row ``i`` into a
+  scratch row of ``y``'s dtype (that is ``q``) and :func:`ydone` runs the element-wise family's forward of that
+  row into ``y[i]`` (:func:`._ew_kernels.ew_row` with function tag ``fn``, its scalar ``a``, ``w``/``b``), the
+  same values as the element-wise op on a stored ``q``, with no ``q`` in memory;
 * epilogue ``ep`` -- ``None`` (``dx`` is stored) or ``(dh, alpha, dresidual)``: the gradient at
   ``h`` is ``v + dh`` (``dh`` may be None), stored as ``dx`` and as ``dresidual = alpha * (v + dh)``,
   each rounded once (:func:`ep_row`, :func:`put`, :func:`put_exact`).
@@ -45,6 +49,7 @@ from numba import types
 from numba.extending import overload
 
 from ._cache import jit
+from ._ew_kernels import ew_row
 from ._quant_kernels import quantize_row
 from ._storage import JIT_ONLY, fma, ld, st, st_exact
 
@@ -248,7 +253,7 @@ def _aff_make(op):  # type: ignore[no-untyped-def]
             return lambda v, w, j: v
         if channel_row(w):
             return lambda v, w, j: op(v, np.float64(w[0][j // w[1]]))
-        return lambda v, w, j: op(v, np.float64(w[j]))
+        return lambda v, w, j: op(v, np.float64(ld(w[j])))
 
     return ol
 
@@ -321,6 +326,11 @@ overload(put, jit_options={"fastmath": False, "error_model": "numpy"})(_put_make
 overload(put_exact, jit_options={"fastmath": False, "error_model": "numpy"})(_put_make(st_exact))
 
 
+def _ew_sink(y):  # type: ignore[no-untyped-def]
+    """Whether the numba type of a forward's sink is the element-wise sink ``(fn, a, w, b, y)``."""
+    return isinstance(y, types.BaseTuple) and len(y) == 5
+
+
 def yscratch(y, h):  # type: ignore[no-untyped-def]
     """The scratch row of a quantize sink ``y`` (``h`` elements of ``y``'s dtype), None for an array ``y``."""
     raise RuntimeError(JIT_ONLY)
@@ -330,6 +340,8 @@ def yscratch(y, h):  # type: ignore[no-untyped-def]
 def _yscratch_ol(y, h):  # type: ignore[no-untyped-def]
     if isinstance(y, types.Array):
         return lambda y, h: None
+    if _ew_sink(y):
+        return lambda y, h: np.empty(h, y[4].dtype)
     return lambda y, h: np.empty(h, y[6].dtype)
 
 
@@ -354,5 +366,6 @@ def ydone(y, i, buf):  # type: ignore[no-untyped-def]
 def _ydone_ol(y, i, buf):  # type: ignore[no-untyped-def]
     if isinstance(y, types.Array):
         return lambda y, i, buf: None
-
+    if _ew_sink(y):
+        return lambda y, i, buf: ew_row(y[0], buf, y[1], y[2], y[3], y[4][i])
     return lambda y, i, buf: quantize_row(buf, i, y[0], y[1], y[2], y[3], y[4], y[5])

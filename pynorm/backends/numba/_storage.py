@@ -315,8 +315,9 @@ def _at_ol(a, i):  # type: ignore[no-untyped-def]
 
 
 def opt_mul(v, a, j):  # type: ignore[no-untyped-def]
-    """``v * a[j]``, or ``v`` when ``a`` is None (chosen by type: inlined callers cannot prune a local None); ``v * a``
-    for a scalar ``a`` (the channel affine source's per-channel value, :mod:`._io`)."""
+    """``v * a[j]`` (``a`` a float array, or a 16-bit parameter in storage form, read by :func:`ld`), or ``v`` when
+    ``a`` is None (chosen by type: inlined callers cannot prune a local None); ``v * a`` for a scalar ``a`` (the
+    channel affine source's per-channel value, :mod:`._io`)."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -331,7 +332,7 @@ def _opt_mul_ol(v, a, j):  # type: ignore[no-untyped-def]
         return lambda v, a, j: v
     if isinstance(a, types.Float):
         return lambda v, a, j: v * a
-    return lambda v, a, j: v * a[j]
+    return lambda v, a, j: v * ld(a[j])
 
 
 @overload(opt_add, inline="always")
@@ -340,7 +341,7 @@ def _opt_add_ol(v, a, j):  # type: ignore[no-untyped-def]
         return lambda v, a, j: v
     if isinstance(a, types.Float):
         return lambda v, a, j: v + a
-    return lambda v, a, j: v + a[j]
+    return lambda v, a, j: v + ld(a[j])
 
 
 def wat(a, j):  # type: ignore[no-untyped-def]

@@ -40,6 +40,14 @@ def _fast(dtype: Any) -> bool:
     return np.dtype(dtype).itemsize <= 4
 
 
+def _row_param(p: Any, pdt: np.dtype[Any]) -> Any:
+    """A parameter as :func:`._ew_kernels.ew_row` reads it: a 16-bit one in its storage form (read exactly; half the
+    bytes in cache beside the rows of a fused kernel), else in ``pdt``."""
+    if p is not None and np.dtype(p.dtype).itemsize == 2:
+        return common.storage(p)
+    return common.param(p, pdt)
+
+
 def _fmath(dtype: Any) -> np.dtype[Any]:
     """The function math type for inputs of ``dtype`` (see :mod:`._ew_kernels`)."""
     return np.dtype(np.float32) if np.dtype(dtype).itemsize == 2 else np.dtype(np.float64)
@@ -90,7 +98,7 @@ class ElementwiseOp:
         y = common.output(out, x.shape, x.dtype)
         if rows:
             pdt = np.dtype(np.float32) if _fast(x.dtype) else fdt  # the affine of float32 math in float32
-            w, b = common.param(named.get("weight"), pdt), common.param(named.get("bias"), pdt)
+            w, b = _row_param(named.get("weight"), pdt), _row_param(named.get("bias"), pdt)
             a = self._scalar(named, o)
             launch(
                 kernels.ew_fwd,
@@ -107,6 +115,21 @@ class ElementwiseOp:
         if self.function.option:
             values[self.function.option] = float(kernel_args(self.spec, o).constant)
         return y, self.spec.ctx(**{f: values[f] for f in self._fields})
+
+    def sink(
+        self, shape: tuple[int, int], dtype: Any, weight: Any, bias: Any, *, out: np.ndarray | None = None,
+        **options: Any,
+    ) -> tuple[tuple[Any, ...], np.ndarray]:  # fmt: skip
+        """``(sink, y)``: this op's forward as the statistics kernels' epilogue (:mod:`._io`'s element-wise sink) --
+        each normalized row ``q`` (of ``dtype``) becomes ``y = w f(q) + b``, written into ``y`` (``out`` if given),
+        with the forward's arithmetic (:func:`._ew_kernels.ew_row`). For a function whose constant is an option
+        (its scalar parameters are not taken here); the casting policies' identity is ``p = 1``."""
+        o = {**self._options, **options}
+        a = float(kernel_args(self.spec, o).constant)
+        pdt = np.dtype(np.float32) if _fast(dtype) else _fmath(dtype)
+        y = common.output(out, shape, dtype)
+        w, b = _row_param(weight, pdt), _row_param(bias, pdt)
+        return (self._tag(a, dtype), a, w, b, common.storage(y)), y
 
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None) -> Any:
         """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""

@@ -65,8 +65,20 @@ class _Vector:
     An affine source's backward: :meth:`layout` gives the kernels' table and the partials' layout (here the
     rows: one partials row per row block), :meth:`partials` the scratch, :meth:`reduce` the gradient."""
 
-    def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
-        return common.effective_weight(w, offset, mdt), common.param(b, mdt), None
+    def prepare(
+        self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int, narrow: bool = False
+    ) -> tuple[Any, Any, Any]:  # fmt: skip
+        """``(w, b, tab)`` as the kernels take them: ``w + offset`` and ``b`` in the math type ``mdt``. ``narrow``
+        (the forward of a 16-bit ``x``): a 16-bit parameter (without an offset, for ``w``) is passed in its storage
+        form, read exactly (``ld``) -- half the bytes in cache beside the rows, and the rows' loop then reads
+        ``w`` and ``b`` at the rows' own width."""
+        wk: Any
+        if narrow and w is not None and offset == 0.0 and w.dtype.itemsize == 2:
+            wk = common.storage(w)
+        else:
+            wk = common.effective_weight(w, offset, mdt)
+        bk = common.storage(b) if narrow and b is not None and b.dtype.itemsize == 2 else common.param(b, mdt)
+        return wk, bk, None
 
     def layout(self, tab: Any, rows: int) -> tuple[Any, Any]:
         return tab, rows
@@ -82,7 +94,9 @@ class _Scalar(_Vector):
     """Affine source ``"scalar"``: a ``(1,)`` scale broadcast to every feature (the kernels see the vector);
     its gradient is the float64 sum of the vector's column gradients, rounded once."""
 
-    def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
+    def prepare(
+        self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int, narrow: bool = False
+    ) -> tuple[Any, Any, Any]:  # fmt: skip
         vec = None if w is None else np.full(h, np.asarray(w).reshape(-1)[0], dtype=mdt)
         return vec, None if b is None else np.full(h, np.asarray(b).reshape(-1)[0], dtype=mdt), None
 
@@ -96,7 +110,9 @@ class _Table(_Vector):
     row ``i``; gradients are ``(M, H)`` tables. The partials have one row per (row block, id the block holds)
     (:func:`._reduce.table_slots`, :mod:`._io`): at most ``R`` rows, whatever ``M`` is."""
 
-    def prepare(self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int) -> tuple[Any, Any, Any]:
+    def prepare(
+        self, w: Any, b: Any, ids: Any, offset: float, mdt: Any, h: int, narrow: bool = False
+    ) -> tuple[Any, Any, Any]:  # fmt: skip
         m = (w if w is not None else b).shape[0]
         tab = (np.ascontiguousarray(ids, dtype=np.int64), int(m))
         return common.effective_weight(w, offset, mdt), common.param(b, mdt), tab
@@ -271,7 +287,9 @@ class StatsOp(_Op):
         aux = np.empty(rows) if self.statistic.aux else None
         rstd = np.empty(rows)
         if rows:
-            w, b, tab = self.affine.prepare(weight, bias, ids, kargs.weight_offset, mdt, hidden)
+            w, b, tab = self.affine.prepare(
+                weight, bias, ids, kargs.weight_offset, mdt, hidden, narrow=x.dtype.itemsize == 2
+            )
             src = common.storage(x)
             pro = None
             if h is not None and residual is not None:
@@ -291,6 +309,11 @@ class StatsOp(_Op):
         values.update(self.statistic.ctx_values(rstd, mean=aux, floor=(aux != 0.0) if self.statistic.floor else None))
         ctx = filled(self.ctx_type, values)
         return ((y, h), ctx) if self.residual else (y, ctx)
+
+    def takes_sink(self, x: np.ndarray) -> bool:
+        """Whether a forward of ``x`` with a ``sink`` runs as fast as without one: a sink takes whole rows, so not
+        when the rows would be split across threads (few wide rows: :func:`split_rows`)."""
+        return not split_rows(x.shape[0], common.storage(x))
 
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None, dh: np.ndarray | None = None) -> Any:
         """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``) and, with the residual

@@ -196,6 +196,7 @@ def _spread(t):  # type: ignore[no-untyped-def]
 
 @jit(fastmath={"reassoc"})
 def _sum_vec(t):  # type: ignore[no-untyped-def]
+    """``sum(t)`` in any order (vectorized): :func:`_sum_ord`'s loop with ``reassoc``, for exact sums only."""
     s = 0.0
     for j in range(t.shape[0]):
         s += t[j]
@@ -204,6 +205,7 @@ def _sum_vec(t):  # type: ignore[no-untyped-def]
 
 @jit()
 def _sum_ord(t):  # type: ignore[no-untyped-def]
+    """``sum(t)`` in row order (the flags are the only difference from :func:`_sum_vec`)."""
     s = 0.0
     for j in range(t.shape[0]):
         s += t[j]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -168,7 +168,12 @@ def forward(
     if spec.layout == "channels":
         return _forward_channels(spec, x, params, backend, out, options, inputs)
     key = _plan_key(spec, x, inputs, params, axis, backend, out, options)
-    plan = _PLANS.get(key) if key is not None else None
+    plan = None
+    if key is not None:
+        try:  # (the lookup is the key's hash test: a tuple's hash is not kept, and a small call's key costs 0.2 us)
+            plan = _PLANS.get(key)
+        except TypeError:  # an unhashable option value: no plan
+            key = None
     if plan is not None:  # the same call shape as before: only what depends on the values is checked again
         if plan.value_checks:
             by_name = dict(zip(spec.input_names, inputs, strict=True))
@@ -250,6 +255,11 @@ class _Plan:
     value_checks: tuple[tuple[int, Any], ...]
     #: ``("numpy", "ndarray")`` when the plan is kept (every array of its key an exact numpy.ndarray), else None
     family: tuple[str, str] | None
+    #: per op module the plan ran on, the forward that runs its options there (:func:`_target`)
+    targets: dict[Any, Any] = field(default_factory=dict)
+    #: the :class:`Context` fields its key fixes (every field but the backend's name, its ctx and the later
+    #: outputs' dtypes), filled by the plan's first call
+    ctx_base: dict[str, Any] = field(default_factory=dict)
 
 
 def _flat_shape(kind: str, a: Array | None, lead: tuple[int, ...], norm_shape: tuple[int, ...]) -> Any:
@@ -292,17 +302,15 @@ def _plan_key(
     options: Mapping[str, Any],
 ) -> tuple[Any, ...] | None:  # fmt: skip
     """The key of a call's plan: the op, every array's :func:`_array_key`, ``axis``, ``backend`` and the options
-    (None -- no plan -- for arguments a plan cannot stand for: a non-array, an unhashable option)."""
+    (None -- no plan -- for a non-array argument; an unhashable option value makes a key whose lookup raises
+    TypeError)."""
     arrays = tuple(map(_array_key, (x, *inputs, *params, out)))
     if ... in arrays or type(axis) is not int:
         return None
     values = tuple(options.values())
-    try:  # (the types too: True == 1 and hash(True) == hash(1), but True is no eps)
-        key = (spec.name, arrays, axis, backend, tuple(options), values, tuple(map(type, values)))
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    # (the types too: True == 1 and hash(True) == hash(1), but True is no eps; an unhashable value makes a key
+    # whose lookup raises TypeError: the caller then takes the full path)
+    return (spec.name, arrays, axis, backend, tuple(options), values, tuple(map(type, values)))
 
 
 def _run(
@@ -314,6 +322,9 @@ def _run(
     else:
         present = tuple(a for a in (x, *ins, *ps) if a is not None)
         name, mod = _registry.resolve(spec.name, present, plan.present_names, backend)
+    run = plan.targets.get(mod)
+    if run is None:  # what runs these options on mod (:func:`_target`), kept for the plan's next call
+        run = plan.targets[mod] = _target(mod, plan.to_backend)
     rows, h = plan.rows, plan.h
     # (lists, and no reshape of an array already in its flat shape: a repeated small call's microseconds)
     flat_in = [
@@ -326,7 +337,7 @@ def _run(
         else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, plan.norm_shape))
         for sp, p, f in zip(spec.params, ps, plan.param_flat, strict=True)
     ]
-    res, inner = mod.forward(
+    res, inner = run(
         x if x.shape == (rows, h) else x.reshape(rows, h), *flat_in, *flat_p,
         out=None if out is None else out.reshape(rows, plan.y_h), **plan.to_backend,
     )  # fmt: skip
@@ -338,17 +349,32 @@ def _run(
         )
         first, more = shaped[0], tuple(o.dtype for o in shaped[1:])
     else:
-        first, more = (out if out is not None else res.reshape(plan.y_shape)), ()
+        first = out if out is not None else (res if res.shape == plan.y_shape else res.reshape(plan.y_shape))
+        more = ()
         shaped = (first,)
-    ctx = filled(Context, {
-        "op": spec.name, "backend": name, "x_shape": x_shape, "x_dtype": x.dtype, "axis": plan.axis,
-        "param_shapes": plan.param_shapes, "inner": inner, "input_dtypes": plan.input_dtypes, "output_dtypes": more,
-        "array_family": plan.family or _registry.array_family(x),
-        "y_shape": None if plan.y_shape == x_shape else plan.y_shape, "input_shapes": plan.input_shapes,
-    })  # fmt: skip
+    base = plan.ctx_base
+    if not base:  # (the fields the plan's key fixes, made once)
+        base.update({
+            "op": spec.name, "x_shape": x_shape, "x_dtype": x.dtype, "axis": plan.axis,
+            "param_shapes": plan.param_shapes, "input_dtypes": plan.input_dtypes,
+            "array_family": plan.family or _registry.array_family(x),
+            "y_shape": None if plan.y_shape == x_shape else plan.y_shape, "input_shapes": plan.input_shapes,
+        })  # fmt: skip
+    values = base.copy()
+    values["backend"], values["inner"], values["output_dtypes"] = name, inner, more
+    ctx = filled(Context, values)
     if spec.result is not None:
         return spec.result(shaped, ctx, plan.options), ctx
     return (shaped if len(spec.outputs) > 1 else first), ctx
+
+
+def _target(mod: Any, options: Mapping[str, Any]) -> Any:
+    """The forward that runs ``options`` on the op module ``mod``: ``mod.forward_for(options)`` where the module
+    has one (an implementation with policies composed around it names the one its options take,
+    :class:`pynorm.composite.casting.Composed`), else ``mod.forward``. It may depend on the options only: a plan
+    keeps it for its module."""
+    pick = getattr(mod, "forward_for", None)
+    return mod.forward if pick is None else pick(options)
 
 
 def _to_channels(a: Array, axis: int) -> Array:

@@ -144,3 +144,54 @@ def test_a_planned_call_gives_the_context_of_the_full_path(op: str, backend: Any
     assert inner1.keys() == inner2.keys()
     for k in inner1:
         assert _same(inner1[k], inner2[k]), (k, inner1[k], inner2[k])
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "modality_rms_norm", "scale_norm"])
+def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a plan runs numba's statistics forward through its memo (StatsOp.forward_for): the setup and the row kernel's
+    # compiled entry point found by its first call. Calls the key does not tell apart in type -- an unaligned
+    # array, another dtype, a read-only x -- must still give the full path's bits, never a kernel typed for
+    # other arrays
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _threads
+    from pynorm.backends.numba._threads import EntryMemo
+
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 1 << 17)  # (the suite's default puts every call on the pool)
+
+    fn = getattr(pynorm, f"{op}_forward")
+    rng = np.random.default_rng(6)
+    h = 8
+
+    def args(dtype: Any, x: np.ndarray) -> tuple[Any, ...]:
+        if op == "modality_rms_norm":
+            return (x, np.arange(4) % 2, rng.standard_normal((2, h)).astype(dtype))
+        if op == "scale_norm":
+            return (x, np.array([1.5], dtype))
+        return (x, rng.standard_normal(h).astype(dtype))
+
+    for dtype in (np.float32, np.float64, np.float16):
+        x = rng.standard_normal((4, h)).astype(dtype)
+        a = args(dtype, x)
+        _dispatch._PLANS.clear()
+        first = fn(*a, backend="numba")[0]
+        memos = [
+            t.keywords["memo"] for p in _dispatch._PLANS.values() for t in p.targets.values() if hasattr(t, "keywords")
+        ]
+        assert len(memos) == 1 and isinstance(memos[0].entry, EntryMemo)
+        assert memos[0].entry.entry is not None  # (found by the first call)
+        again = fn(*a, backend="numba")[0]
+        assert np.array_equal(first, again, equal_nan=True) and first.dtype == again.dtype
+        # the same values in an unaligned buffer (numba types it apart; the plan's key does not)
+        raw = bytearray(x.nbytes + 1)
+        xu = np.ndarray(x.shape, x.dtype, buffer=raw, offset=1)
+        xu[...] = x
+        if xu.flags.aligned:  # (a 1-byte offset always misaligns a 2-byte or wider dtype)
+            pytest.fail("expected an unaligned array")
+        assert np.array_equal(fn(xu, *a[1:], backend="numba")[0], first, equal_nan=True)
+        ro = x.copy()
+        ro.flags.writeable = False
+        assert np.array_equal(fn(ro, *a[1:], backend="numba")[0], first, equal_nan=True)
+        assert np.array_equal(fn(ro, *a[1:], backend="numba")[0], first, equal_nan=True)
+        # and the full path gives the same bits
+        _dispatch._PLANS.clear()
+        assert np.array_equal(fn(*a, backend="numba")[0], first, equal_nan=True)

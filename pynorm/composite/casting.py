@@ -205,6 +205,14 @@ class Composed:
         params = dict(zip(self.spec.param_names, args[self._n_inputs :], strict=True))
         return self.policies.forward(x, params, out, {**self.spec.defaults(), **options})
 
+    def forward_for(self, options: Any) -> Any:
+        """The forward that runs ``options``: the implementation's own for the default ``casting`` (a repeated
+        call's dispatcher then calls it directly, :func:`pynorm._dispatch._target`), else :meth:`forward`."""
+        if options.get(CASTING, DEFAULT) != DEFAULT:
+            return self.forward
+        pick = getattr(self.impl, "forward_for", None)
+        return self.impl.forward if pick is None else pick(options)
+
     def backward(self, dy: Any, ctx: Any, dx_out: Any = None, **upstream: Any) -> Any:
         if getattr(ctx, CASTING, DEFAULT) == DEFAULT:
             return self.impl.backward(dy, ctx, dx_out=dx_out, **upstream)

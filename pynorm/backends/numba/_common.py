@@ -41,10 +41,16 @@ def math_dtype(dtype: Any) -> np.dtype[Any]:
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
 def storage(a: np.ndarray) -> np.ndarray:
     """``a`` as the kernels read or write it: C-contiguous, half types as their bits (a view when possible)."""
     a = np.ascontiguousarray(a)
-    if a.dtype == np.float16:
+    t = a.dtype
+    if t is _F32 or t is _F64:  # (the common case first: a dtype comparison costs more than identity)
+        return a
+    if t == np.float16:
         return a.view(np.int16)
     if dtype_name(a.dtype) == "bfloat16":
         return a.view(np.uint16)
@@ -89,8 +95,11 @@ class _BufferPool:
         return sys.getrefcount(self._bufs[i]) <= 2
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        n = math.prod(shape)
+        if 8 * n < self.min_bytes:  # (no dtype here is wider than 8 bytes: a small array, without np.dtype's cost)
+            return np.empty(shape, dtype)
         dtype = np.dtype(dtype)
-        nbytes = dtype.itemsize * math.prod(shape)
+        nbytes = dtype.itemsize * n
         if nbytes < self.min_bytes or self.max_bytes <= 0:
             return np.empty(shape, dtype)
         with self._lock:

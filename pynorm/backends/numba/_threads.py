@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SERIAL_THRESHOLD", "get_num_threads", "launch", "set_num_threads", "spans", "threads_for"]
+__all__ = ["SERIAL_THRESHOLD", "EntryMemo", "get_num_threads", "launch", "set_num_threads", "spans", "threads_for"]
 
 #: calls on fewer elements (rows * hidden) than this run on one thread: handing a span to a pool thread costs
 #: about 10-20 us on a virtual machine (waking it, and its wait for the GIL), which pays from about 128K
@@ -200,17 +200,49 @@ def spans(tasks: int, n: int) -> list[tuple[int, int]]:
     return [(tasks * i // n, tasks * (i + 1) // n) for i in range(n)]
 
 
-def launch(kernel: Callable[..., Any], work: int, tasks: int, *args: Any) -> Any:
+class EntryMemo:
+    """The compiled entry point for the argument types of one call site's first serial call, called directly
+    afterwards: numba's dispatcher types every argument of every call, about 0.9 us of a small call's 11 us.
+
+    Only for a site whose arguments' numba types its owner's key fixes: a plan's
+    (:meth:`pynorm.backends.numba.stats.StatsOp.forward_for`: the dtypes, shapes, strides and writability of
+    the arrays; the caller checks the one thing the key does not hold, that every array is aligned). A first call
+    whose exact types have no compiled overload of their own (numba converted an argument) keeps nothing."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self) -> None:
+        self.entry: Callable[..., Any] | None = None
+
+    def call(self, kernel: Any, args: tuple[Any, ...]) -> Any:
+        entry = self.entry
+        if entry is not None:
+            return entry(*args)
+        result = kernel(*args)
+        overloads = getattr(kernel, "overloads", None)
+        if overloads is not None:
+            from numba.core.typing.typeof import Purpose, typeof
+
+            compiled = overloads.get(tuple(typeof(a, Purpose.argument) for a in args))
+            if compiled is not None:
+                self.entry = compiled.entry_point
+        return result
+
+
+def launch(kernel: Callable[..., Any], work: int, tasks: int, *args: Any, memo: EntryMemo | None = None) -> Any:
     """``kernel(*args, lo, hi)`` over ``tasks`` tasks, in one span per thread (see the module doc).
 
     ``work``: elements the call touches (for :data:`SERIAL_THRESHOLD`). Returns the sum of the spans' results
     (the kernels that count rows left for a slow path), or None for kernels that return nothing. An exception
     in any span is raised once every span has finished. When other Python threads' calls hold the pool's
-    workers, the call runs on fewer threads (results do not depend on it).
+    workers, the call runs on fewer threads (results do not depend on it). ``memo``: a serial call runs
+    through it (:class:`EntryMemo`).
     """
     n = min(threads_for(work), tasks)
     workers = _take(n - 1) if n > 1 else []
     if not workers:
+        if memo is not None:
+            return memo.call(kernel, (*args, 0, tasks))
         return kernel(*args, 0, tasks)
     parts = spans(tasks, len(workers) + 1)
     try:

@@ -36,6 +36,7 @@ the split kernels (:mod:`._split_kernels`), rows cut into segments across thread
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import fields
@@ -53,7 +54,7 @@ from . import _stats_kernels as kernels
 from ._args import Affine, Conventions, Grad, Partials, RowStats, plain
 from ._layout import CHUNK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
 from ._reduce import sum_slots, table_slots
-from ._threads import launch, threads_for
+from ._threads import EntryMemo, launch, threads_for
 from ._variant import Tag, record_of, statistic
 
 __all__ = ["AFFINE_SOURCES", "OP_IMPLS", "ChannelOp", "StatsOp", "backward_rows", "forward_rows", "split_rows"]
@@ -154,6 +155,24 @@ class _Setup(NamedTuple):
     ctx_args: tuple[tuple[str, int], ...]  # the ctx fields that are inputs or parameters: (name, argument index)
 
 
+class _PlanMemo:
+    """What a plan's calls of :meth:`StatsOp.forward` find once: the setup, and the row kernel's entry point."""
+
+    __slots__ = ("entry", "setup")
+
+    def __init__(self) -> None:
+        self.setup: _Setup | None = None
+        self.entry = EntryMemo()
+
+
+def _aligned(x: np.ndarray, args: tuple[Any, ...], out: Any) -> bool:
+    """Whether ``x``, ``out`` and every array among ``args`` are aligned (numba types an unaligned array apart; a
+    plan's key does not hold it)."""
+    if not x.flags.aligned or (out is not None and not out.flags.aligned):
+        return False
+    return all(a.flags.aligned for a in args if isinstance(a, np.ndarray))
+
+
 class _Op:
     """What :class:`StatsOp` and :class:`ChannelOp` share: the spec's records, names and contract, and the
     checking of a forward's arguments."""
@@ -232,7 +251,7 @@ class StatsOp(_Op):
     def _setup(self, options: dict[str, Any], x_dtype: Any, residual_dtype: Any) -> _Setup:
         """What a forward reads of its options and dtypes alone (kept for the next call with the same ones)."""
         try:
-            key = (tuple(options.items()), x_dtype, residual_dtype)
+            key = (tuple(options), tuple(options.values()), x_dtype, residual_dtype)
             hit = self._setups.get(key)
         except TypeError:  # an unhashable option value: read it every time
             key, hit = None, None
@@ -267,19 +286,32 @@ class StatsOp(_Op):
             self._setups[key] = setup
         return setup
 
+    def forward_for(self, options: Any) -> Any:
+        """The forward a plan runs its calls through (:func:`pynorm._dispatch._target`): :meth:`forward` with a
+        :class:`_PlanMemo` of its own. A plan's key fixes the options, dtypes, shapes, strides and writability of
+        every call it serves, so its setup and the row kernel's entry point (for calls whose arrays are all
+        aligned) are found once."""
+        return functools.partial(self.forward, memo=_PlanMemo())
+
     def forward(
         self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, sink: tuple[Any, ...] | None = None,
-        **options: Any,
+        memo: _PlanMemo | None = None, **options: Any,
     ) -> tuple[Any, Any]:  # fmt: skip
         """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
         (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given).
 
         ``sink``: the quantize epilogue (:mod:`._io`; ``quant_layer_norm`` of a float input), which takes each
-        row in place of ``y``: no ``y`` is written (``y`` is None) and the rows are whole-row tasks."""
+        row in place of ``y``: no ``y`` is written (``y`` is None) and the rows are whole-row tasks. ``memo``: a
+        plan's (:meth:`forward_for`; every call through it has the same options, dtypes, shapes and strides)."""
         if len(args) != len(self._index):
             self._arguments(args)  # (raises the TypeError)
         weight, bias, ids, residual = self._pick((*args, None))
-        st = self._setup(options, x.dtype, None if residual is None else residual.dtype)
+        if memo is None:
+            st = self._setup(options, x.dtype, None if residual is None else residual.dtype)
+        elif memo.setup is not None:
+            st = memo.setup
+        else:
+            st = memo.setup = self._setup(options, x.dtype, None if residual is None else residual.dtype)
         kargs, hd, mdt = st.kargs, st.h_dtype, st.math_dtype
         rows, hidden = x.shape
         y = common.output(out, x.shape, x.dtype) if sink is None else None
@@ -298,9 +330,12 @@ class StatsOp(_Op):
                     launch(kernels.prologue_rows, rows * hidden, rows, pro, src)
                     src, pro = h.astype(np.float64), None
             ys = common.storage(y) if y is not None else None
+            entry = None
+            if memo is not None and pro is None and sink is None and _aligned(x, args, out):
+                entry = memo.entry
             forward_rows(
                 self.stat, (src, pro), (w, b, tab), st.conventions, sink if ys is None else ys, (aux, rstd),
-                ys is not None and use_stream(ys),
+                ys is not None and use_stream(ys), entry,
             )  # fmt: skip
         values = st.ctx_static.copy()
         for f, i in st.ctx_args:
@@ -395,13 +430,14 @@ def _segments(rows: int, hidden: int) -> int:
 
 def forward_rows(
     stat: Tag, rows: tuple[Any, ...], aff: tuple[Any, ...], cv: tuple[Any, ...], y: Any, rs: tuple[Any, ...],
-    stream: bool,
+    stream: bool, memo: EntryMemo | None = None,
 ) -> None:  # fmt: skip
     """The forward's kernels on storage arrays: :func:`._stats_kernels.fwd` (or the split kernels), then the slow
     path for the rows it left. ``rows``, ``aff``, ``cv``, ``rs``: the :mod:`._args` bundles ``Rows``, ``Affine``,
     ``Conventions``, ``RowStats`` as plain tuples (:func:`._args.plain`: what the kernels take; a small call
-    builds no named tuple); ``stream``: streaming stores for ``y``. ``y`` a quantize sink (:mod:`._io`): whole
-    rows, never split."""
+    builds no named tuple); ``stream``: streaming stores for ``y``; ``memo``: the row kernel's
+    :class:`._threads.EntryMemo` (a plan's, for arguments whose types it fixes). ``y`` a quantize sink
+    (:mod:`._io`): whole rows, never split."""
     rows_ = rows
     x, pro = rows
     n, h = x.shape
@@ -421,7 +457,7 @@ def forward_rows(
         launch(split.fwd_write, n * h, tasks, stat, x, aff, shifts, c, rs[1], y, True if stream else None)
         rows_ = (x, None)
     else:
-        pending = launch(kernels.fwd, n * h, n, stat, rows_, aff, cv, y, rs, True if stream else None)
+        pending = launch(kernels.fwd, n * h, n, stat, rows_, aff, cv, y, rs, True if stream else None, memo=memo)
     if pending:
         kernels.fwd_slow(stat, rows_, aff, cv, y, rs)
 

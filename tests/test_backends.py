@@ -45,7 +45,10 @@ def _compare(backend, op, x, args, conv, axis, dy_seed=0):
     sc = term_scales(op, x.reshape(rows, h), arrays, dy.reshape(rows, yh), conv)
     rtol = BACKEND_RTOL[dt.name]
     y_h = backend.to_numpy(y).reshape(rows, yh)
-    assert_close_scaled(y_h, y_ref.reshape(rows, yh), sc["y"], rtol, f"{op} y")
+    # a fused norm + Linear rounds twice: the norm's output n (at a rounding midpoint, one ulp apart between
+    # backends), then n W^T: two units at the terms' scale (float16, H = 1, n at 2.1005859375: hypothesis found it)
+    ry = 2 * rtol if "n" in spec.spec.outputs else rtol
+    assert_close_scaled(y_h, y_ref.reshape(rows, yh), sc["y"], ry, f"{op} y")
     dx_h = backend.to_numpy(g[0]).reshape(rows, h)
     assert_close_scaled(dx_h, g_ref[0].reshape(rows, h), sc["dx"], rtol, "dx")
     originals = dict(zip(spec.arg_names, args, strict=True))

@@ -44,17 +44,25 @@ def _precision():
     mpmath.mp.dps = old
 
 
+def _tanh(z, zlo=None):
+    return vm.tanh_sech2_array(z, np.zeros_like(z) if zlo is None else zlo)[0]
+
+
+def _sech2(z, zlo=None):
+    return vm.tanh_sech2_array(z, np.zeros_like(z) if zlo is None else zlo)[1]
+
+
 def test_tanh_within_2_ulps_everywhere():
     x = _every_exponent(24)
     x = np.concatenate([x, -x, np.float32([0.625, np.nextafter(np.float32(0.625), np.float32(0)), 9.01, 9.02])])
-    got = vm.tanh_f32_array(x)
+    got = _tanh(x)
     err = mpmath_ulps(got, [mpmath.tanh(mpmath.mpf(float(v))) for v in x])
     assert err.max() <= 2.0, (err.max(), x[err.argmax()])
 
 
 def test_tanh_special_values():
     x = np.float32([0.0, -0.0, TINY, -TINY, 2.0**-126, np.inf, -np.inf, np.nan, 1e30, -1e30])
-    got = vm.tanh_f32_array(x)
+    got = _tanh(x)
     want = np.float32([0.0, -0.0, TINY, -TINY, 2.0**-126, 1.0, -1.0, np.nan, 1.0, -1.0])
     np.testing.assert_array_equal(got, want)
     assert np.signbit(got[1]) and not np.signbit(got[0])
@@ -100,16 +108,31 @@ def test_signed_power_special_values(p):
     assert np.signbit(got[1])
 
 
-def test_sech2_parts_keep_relative_accuracy_below_float32_range():
+def test_sech2_keeps_relative_accuracy_below_float32_range():
     """sech^2 z = v 2^k: within 8 ulps (relative) of mpmath up to |z| = 128, where sech^2 is 2^-369."""
     rng = np.random.default_rng(1)
     z = np.concatenate([rng.uniform(0, 2, 3000), rng.uniform(2, 128, 3000), [0.0, 43.0, 44.0, 87.0, 127.9]])
     z = np.concatenate([z, -z]).astype(np.float32)
-    got = vm.sech2_f32_array(z)
+    got = _sech2(z)
     rel = [abs(mpmath.mpf(g) / mpmath.sech(mpmath.mpf(float(v))) ** 2 - 1) for g, v in zip(got.tolist(), z)]
     assert float(max(rel)) <= 8 * 2.0**-24
-    assert vm.sech2_f32_array(np.float32([np.inf, -np.inf, 400.0])).tolist() == [0.0, 0.0, 0.0]
-    assert np.isnan(vm.sech2_f32_array(np.float32([np.nan]))).all()
+    assert _sech2(np.float32([np.inf, -np.inf, 400.0])).tolist() == [0.0, 0.0, 0.0]
+    assert np.isnan(_sech2(np.float32([np.nan]))).all()
+    assert np.isnan(_tanh(np.float32([np.nan]))).all()
+
+
+def test_tanh_and_sech2_of_a_float32_pair():
+    """z + zlo (zlo up to half an ulp of z, as alpha x's rounding error): tanh within 2 ulps and sech^2 within
+    8 ulps (relative) of the pair's exact value, on both sides of the polynomial's 0.625 and into saturation."""
+    rng = np.random.default_rng(6)
+    z = np.concatenate([rng.uniform(0, 0.7, 3000), rng.uniform(0.55, 12, 3000), rng.uniform(12, 120, 1000)])
+    z = np.concatenate([z, -z]).astype(np.float32)
+    zlo = (rng.uniform(-0.5, 0.5, z.size) * np.spacing(z).astype(np.float64)).astype(np.float32)
+    exact = [mpmath.mpf(float(a)) + mpmath.mpf(float(b)) for a, b in zip(z, zlo)]
+    err = mpmath_ulps(_tanh(z, zlo), [mpmath.tanh(e) for e in exact])
+    assert err.max() <= 2.0, (err.max(), z[err.argmax()])
+    rel = [abs(mpmath.mpf(g) / mpmath.sech(e) ** 2 - 1) for g, e in zip(_sech2(z, zlo).tolist(), exact)]
+    assert float(max(rel)) <= 8 * 2.0**-24
 
 
 # the kernels on float32 storage: the pieces as the ops see them

@@ -24,14 +24,16 @@ Functions:
   saturates, as the reference).
 
 Values are computed in the *function math type*: float32 for float16/bfloat16 storage, float64 for
-float32/float64 (:func:`fcast`; the transcendental functions cost the same either way, and float64
-keeps float32's gradients in range); the forward value of the fast tags' tanh and signed power ``p = 1/2, 1`` is
-a float32 value, and the affine after it one float32 fma (correctly rounded, and without the float64
-conversions that cost the loop half its speed). Tags with the ``fast`` flag (float32 and half storage) evaluate the functions with
-:mod:`._vmath` instead of libm (float32 arithmetic for tanh / sech^2, float64 arithmetic without libm for the
-power), so that every loop vectorizes; their backward is one fused loop (no fix-up pass).
-Parameter-gradient partials are per block of
-:data:`._layout.ROW_BLOCK` rows and column tile, rows added in order, then summed over blocks in
+float32/float64 (:func:`fcast`; the transcendental functions cost the same either way, and float64 keeps
+float32's gradients in range); the forward value of the fast tags' tanh and signed power ``p = 1/2, 1`` is a
+float32 value, and the affine after it one float32 fma (correctly rounded, and without the float64
+conversions that cost the loop half its speed). Tags with the ``fast`` flag (float32 and half storage)
+evaluate the functions with :mod:`._vmath` instead of libm (float32 arithmetic for tanh / sech^2, float64
+arithmetic without libm for the power), so that every loop vectorizes; their backward needs no fix-up pass:
+one loop computes every output, or, for a function whose :data:`PIECES` entry says ``"split"`` (tanh), one loop
+``dx`` (and the values the partials take, into scratch rows of their own type, :func:`_scratch`) and a second
+the float64 partials (in one loop, the partials held the float32 math to 8 lanes). Parameter-gradient partials
+are per block of :data:`._layout.ROW_BLOCK` rows and column tile, rows added in order, then summed over blocks in
 float64 in block order (:func:`._reduce.sum_blocks`): results do not depend on the thread count.
 """
 
@@ -238,8 +240,7 @@ def _tanh_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
 
     def impl(fn, v, a):  # type: ignore[no-untyped-def]
         z, zlo = _alpha_z(v, a)
-        t = vm.tanh_f32(z)
-        return vm._fma(zlo, np.float32(1.0) - t * t, t)  # tanh(z + zlo) to first order
+        return vm.tanh_sech2(z, zlo)[0]  # the sech^2 parts are dead code here
 
     return impl
 
@@ -258,7 +259,7 @@ def _tanh_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
 
     def impl(fn, v, g, a, big):  # type: ignore[no-untyped-def]
         z, zlo = _alpha_z(v, a)
-        s2, k = vm.sech2_parts(z, zlo)
+        t, s2, k = vm.tanh_sech2(z, zlo)  # one exponential and one division for tanh and sech^2
         # g sech^2(alpha v) = (g v2) 2^k, the scale in exact factors: full relative accuracy where sech^2 itself
         # is below float32's range (v2 <= 2^-1.5 keeps g v2 finite)
         gs = vm.scale_f32(np.float32(g) * s2, k)
@@ -267,13 +268,13 @@ def _tanh_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
         d = ahi * gs
         # alpha's tail only for a finite gs: alo gs + ahi gs is NaN for gs = inf (the reference's alpha gs is inf)
         d = vm._fma(alo, gs, d) if abs(gs) < np.float32(np.inf) else d
-        return d, _tanh_value(fn, v, a), gs * np.float32(v)
+        return d, t, gs * np.float32(v)
 
     return impl
 
 
 #: each function's implementation of each piece (a new function is one more entry)
-PIECES = {
+PIECES: dict[str, dict[Any, Any]] = {
     "signed_power": {
         f_value: lambda fn, v, a: _spow_value(fn, v, a),
         f_grad: _spow_grad,
@@ -283,6 +284,7 @@ PIECES = {
         f_value: lambda fn, v, a: _tanh_value(fn, v, a),
         f_grad: lambda fn, v, g, a, big: _tanh_grad(fn, v, g, a, big),
         f_fix: lambda fn, v, g, a, big, dx: dx,
+        "split": True,
     },
 }
 
@@ -346,6 +348,38 @@ def _fused_ol(fn):  # type: ignore[no-untyped-def]
     return lambda fn: False
 
 
+def _split(fn):  # type: ignore[no-untyped-def]
+    """Whether the fused backward takes two loops (its function's ``"split"`` entry in :data:`PIECES`, fast tags
+    only): a function whose float32 math costs more than one more pass over the row in L1 (tanh: 1.95 against
+    2.55 ns per element in one loop, in cache, one thread; the signed power's float64 loop runs at 8 lanes
+    either way, and loses a third to the second pass)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_split, jit_options=_PIECE, inline="always")
+def _split_ol(fn):  # type: ignore[no-untyped-def]
+    if _fast(fn) and PIECES[fn.choice].get("split", False):
+        return lambda fn: True
+    return lambda fn: False
+
+
+def _scratch(fn, x, n):  # type: ignore[no-untyped-def]
+    """A scratch row of ``n`` elements in the type of the fused backward's per-element values ``f`` and the
+    scalar's term (:func:`f_grad`'s ``r[1]``, ``r[2]``): float32 where the function computes them in float32
+    (half storage; the fast tanh and signed power ``p = 1/2, 1``), else float64."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_scratch, jit_options=_PIECE, inline="always")
+def _scratch_ol(fn, x, n):  # type: ignore[no-untyped-def]
+    f32 = x.dtype in (types.int16, types.uint16) or (
+        _fast(fn) and (fn.choice == "tanh" or _exponent(fn) in ("half", "one"))
+    )
+    if f32:
+        return lambda fn, x, n: np.empty(n, np.float32)
+    return lambda fn, x, n: np.empty(n, np.float64)
+
+
 def _unfused_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     """:func:`f_grad` in the per-output loops: a placeholder for the fast tags, which never run them (their fused
     loop does), so that those loops add nothing to the fast kernels' compile time."""
@@ -377,6 +411,8 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
     see :func:`._stats_kernels._fwd_span`)."""
     rows, h = x.shape
     av = fcast(x, a)
+    fs = _scratch(fn, x, EW_TILE if _split(fn) and pw is not None else 0)
+    ts = _scratch(fn, x, EW_TILE if _split(fn) and pa is not None else 0)
     for t in range(t0, t1):
         blk, j0, j1 = tile(t, h, EW_TILE)
         n = j1 - j0
@@ -394,7 +430,7 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
             xr = x[i, j0:j1]
             dyr = dy[i, j0:j1]
             dxr = dx[i, j0:j1]
-            if _fused(fn):  # the fast pieces need no fix-up: every output in one vectorized pass
+            if _fused(fn) and not _split(fn):  # the fast pieces need no fix-up: every output in one pass
                 for j in range(n):
                     d = fcast(x, ld(dyr[j]))
                     g = d * wr[j] if w is not None else d
@@ -406,6 +442,26 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
                         pbr[j] += d
                     if pa is not None:
                         par[j] += r[2]
+                continue
+            if _fused(fn):  # ... or dx (and f, the scalar's term, into scratch rows) in one pass ...
+                for j in range(n):
+                    d = fcast(x, ld(dyr[j]))
+                    g = d * wr[j] if w is not None else d
+                    r = f_grad(fn, fcast(x, ld(xr[j])), g, av, big)
+                    st(dxr, j, r[0])
+                    if pw is not None:
+                        fs[j] = r[1]
+                    if pa is not None:
+                        ts[j] = r[2]
+                # ... and the float64 partials in another (in one loop they held float32 math to 8 lanes)
+                for j in range(n):
+                    d = fcast(x, ld(dyr[j]))
+                    if pw is not None:
+                        pwr[j] += d * fs[j]
+                    if pb is not None:
+                        pbr[j] += d
+                    if pa is not None:
+                        par[j] += ts[j]
                 continue
             for j in range(n):
                 d = fcast(x, ld(dyr[j]))

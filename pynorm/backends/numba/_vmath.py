@@ -15,9 +15,6 @@ Error bounds (ulps of the float32 result against the exact value; the measured m
   degree-7 Taylor polynomial, the scale ``2^n`` built from exponent bits in two exact factors so that
   subnormal results are rounded once): <= 1 ulp, subnormal results included; ``2^t`` overflows to inf for
   ``t >= 128``, is 0 below ``-150``; NaN gives NaN, ``exp2(-inf) = 0``.
-* :func:`tanh_f32` -- :math:`\tanh z` on float32 arithmetic: ``|z| < 0.625``: ``z + z^3 P(z^2)`` (a degree-4
-  weighted least-squares fit, relative error 4.4e-9); else ``1 - 2 / (1 + 2^(2|z| log2 e))``: <= 2 ulps
-  (measured 1.6); odd, ``tanh(+-0) = +-0``, subnormals exact, ``+-1`` from ``|z| >= 9.01``, NaN gives NaN.
 * :func:`log2_d` / :func:`exp2_d` -- float64 arithmetic, relative error <= 2^-40 (log2, from
   ``2 atanh((m-1)/(m+1))``, 7 terms) and <= 2^-31 (exp2, degree-8 Taylor polynomial): used for float32
   results, whose one final rounding dominates (:func:`log2_f32`, :func:`spow_f32`: <= 1 ulp).
@@ -25,11 +22,21 @@ Error bounds (ulps of the float32 result against the exact value; the measured m
   float64 arithmetic rounded once to float32: <= 1 ulp for every float32 ``x`` (subnormal ``x`` and
   results included) and every ``p > 0`` with ``|p log2|x|| <= 1000``; ``+-0 -> +-0``, ``+-inf -> +-inf``,
   NaN gives NaN (the reference's ``sign(x) |x|^p``).
-* :func:`sech2_parts` -- :math:`\operatorname{sech}^2 z = 4s/(1+s)^2`, ``s = e^{-2|z|}`` (the reference's form)
-  as ``v 2^k`` with ``v`` a normal float32 and ``k`` an integer, so that a product with a large gradient keeps
-  full relative accuracy where ``sech^2 z`` itself is below float32's range: relative error <= 2^-22 (measured
-  < 2 ulps) for ``|z| <= 128``; the argument is a float32 ``z`` plus a correction ``zlo`` (``z + zlo`` to
-  float64 accuracy), so that the rounding of ``alpha x`` to float32 is not amplified by ``2|z|``.
+* :func:`tanh_sech2` -- :math:`\tanh` and :math:`\operatorname{sech}^2` of ``z + zlo`` (a float32 ``z`` plus a
+  correction ``zlo``, ``z + zlo`` to float64 accuracy, so that the rounding of ``alpha x`` to float32 is not
+  amplified by ``2|z|``) from one exponential ``s = e^{-2|z + zlo|} = m 2^n`` (float32 arithmetic, ``f = -2|z|
+  log2 e - n`` with the product's rounding and ``log2 e``'s tail added back, degree-7 polynomial) and one
+  division ``1 / (1 + s)``:
+
+  - ``tanh``: ``|z| < 0.625``: ``z + z^3 P(z^2)`` (a degree-4 weighted least-squares fit, relative error
+    4.4e-9), ``zlo`` added to first order; else ``(1 - s) / (1 + s)``: <= 2 ulps; odd, ``tanh(+-0) = +-0``,
+    subnormals exact, ``+-1`` from ``|z| >= 9.01``, NaN gives NaN;
+  - ``sech^2 = 4s/(1+s)^2`` (the reference's form) as ``v 2^k`` with ``v`` a normal float32 and ``k`` an int32,
+    so that a product with a large gradient keeps full relative accuracy where ``sech^2`` itself is below
+    float32's range: relative error <= 2^-21 (8 ulps) for ``|z| <= 128``, 0 beyond (below ``2^-370``).
+
+  The backward of DyT needs both (``dweight``'s ``dy tanh``, ``dx``'s ``alpha G sech^2``); the forward takes ``t``
+  alone (the rest is dead code to LLVM), so forward and backward see the same ``tanh``.
 """
 
 from __future__ import annotations
@@ -58,12 +65,10 @@ __all__ = [
     "pow_d",
     "scale_d",
     "scale_f32",
-    "sech2_f32_array",
-    "sech2_parts",
     "spow_f32",
     "spow_f32_array",
-    "tanh_f32",
-    "tanh_f32_array",
+    "tanh_sech2",
+    "tanh_sech2_array",
 ]
 
 _F32 = np.float32
@@ -157,52 +162,48 @@ _TANH_SMALL = _F32(0.625)
 
 
 @jit(inline="always")
-def tanh_f32(z):  # type: ignore[no-untyped-def]
-    """:math:`\\tanh z` for a float32 ``z`` (see the module doc: <= 2 ulps)."""
+def tanh_sech2(z, zlo):  # type: ignore[no-untyped-def]
+    """``(t, v, k)``: :math:`\\tanh(z + z_{lo})` (float32 ``t``) and
+    :math:`\\operatorname{sech}^2(z + z_{lo}) = v\\,2^k` (float32 ``v``, int32 ``k``) from one exponential and one
+    division (see the module doc). ``v`` is 0 where the exact value is below ``2^-370`` (a float32 product with it
+    is 0)."""
     az = abs(z)
-    u = az * az
-    q = _fma(u, _T4, _T3)
-    q = _fma(u, q, _T2)
-    q = _fma(u, q, _T1)
-    q = _fma(u, q, _T0)
-    small = _fma(az * u, q, az)
     a2 = az + az
-    e2 = a2 * _LOG2E
-    e2 = e2 if e2 < _F32(126.0) else _F32(126.0)
-    m, n = _exp2_red(e2)
-    e = m * _pow2i(n)
-    big = _F32(1.0) - _F32(2.0) / (_F32(1.0) + e)
-    t = small if az < _TANH_SMALL else big
-    t = math.copysign(t, z)
-    return t if z == z else z
-
-
-@jit(inline="always")
-def sech2_parts(z, zlo):  # type: ignore[no-untyped-def]
-    """``(v, k)``: :math:`\\operatorname{sech}^2(z + z_{lo}) = v\\,2^k` (float32 ``v``, int32 ``k``; see the module
-    doc). ``v`` is 0 where the exact value is below ``2^-370`` (a float32 product with it is 0)."""
-    a2 = abs(z) + abs(z)
     u = -(a2 * _LOG2E)
-    m, n = _exp2_red(u)
+    _, n = _exp2_red(u)
     # f = -(2|z| + 2 sign(z) zlo) log2 e - n, with the product's rounding and log2 e's tail added back
     lo = a2 * _LOG2E_LO + math.copysign(_F32(2.0), z) * zlo * _LOG2E
     f = _fma(-a2, _LOG2E, -_F32(n)) - lo
     m = _exp2_poly(f)
-    s = m * _pow2i(n if n > np.int32(-126) else np.int32(-126))  # only 1 + s matters below 2^-126
-    d = _F32(1.0) + s
-    v = (_F32(0.5) * m) / (d * d)  # 4 s / (1 + s)^2 = (m / 2 / (1 + s)^2) 2^(n + 3)
-    v = _F32(0.0) if u < _F32(-370.0) else v
-    return v, n + np.int32(3)
+    far = u < _F32(-370.0)  # s below 2^-370 (|z| > 128, infinities): s = 0, tanh = +-1, sech^2 = 0
+    s = m * _pow2i(n if n > np.int32(-126) else np.int32(-126))  # only 1 + s and 1 - s matter below 2^-126
+    s = _F32(0.0) if far else s
+    r = _F32(1.0) / (_F32(1.0) + s)
+    v = (_F32(0.5) * m) * (r * r)  # 4 s / (1 + s)^2 = (m / 2 / (1 + s)^2) 2^(n + 3)
+    v = _F32(0.0) if far else v
+    # tanh |z|: z + z^3 P(z^2) below 0.625, then zlo to first order (not for zlo = 0: tanh(-0) is -0);
+    # (1 - s) / (1 + s) above, zlo already in s
+    w2 = az * az
+    q = _fma(w2, _T4, _T3)
+    q = _fma(w2, q, _T2)
+    q = _fma(w2, q, _T1)
+    q = _fma(w2, q, _T0)
+    small = az < _TANH_SMALL
+    t = _fma(az * w2, q, az) if small else (_F32(1.0) - s) * r
+    t = math.copysign(t, z)
+    t = _fma(zlo, _F32(1.0) - t * t, t) if small and zlo != _F32(0.0) else t
+    return (t if z == z else z), v, n + np.int32(3)
 
 
 @jit(inline="always")
 def scale_f32(v, k):  # type: ignore[no-untyped-def]
-    """``v 2^k`` in float32 for a float32 ``v`` and an integer ``-378 <= k <= 127``: three exact power-of-two
+    """``v 2^k`` in float32 for a float32 ``v`` and an int32 ``-378 <= k <= 127`` (int32 arithmetic: the loop keeps
+    float32's 16 lanes): three exact power-of-two
     factors, the largest first (one rounding where the result is normal; in the subnormal range the
     intermediate roundings add at most one subnormal spacing)."""
-    c1 = k if k > -126 else np.int64(-126)
+    c1 = k if k > np.int32(-126) else np.int32(-126)
     r = k - c1
-    c2 = r if r > -126 else np.int64(-126)
+    c2 = r if r > np.int32(-126) else np.int32(-126)
     c3 = r - c2
     return v * _pow2i(c1) * _pow2i(c2) * _pow2i(c3)
 
@@ -337,7 +338,6 @@ def _array_form(f):  # type: ignore[no-untyped-def]
 
 
 exp2_f32_array = _array_form(exp2_f32)
-tanh_f32_array = _array_form(tanh_f32)
 log2_f32_array = _array_form(log2_f32)
 
 
@@ -351,11 +351,13 @@ def spow_f32_array(x, p):  # type: ignore[no-untyped-def]
 
 
 @jit()
-def sech2_f32_array(z):  # type: ignore[no-untyped-def]
-    """``sech^2`` of every element of a 1-d float32 array through :func:`sech2_parts` (``zlo = 0``), as float64
-    ``v 2^k`` (exact products: the float64 value carries the parts' error only)."""
+def tanh_sech2_array(z, zlo):  # type: ignore[no-untyped-def]
+    """:func:`tanh_sech2` of every element of two 1-d float32 arrays (``z``, ``zlo``): ``(tanh, sech^2)``, the
+    second as float64 ``v 2^k`` (an exact product: the float64 value carries the parts' error only)."""
+    t = np.empty(z.size, np.float32)
     y = np.empty(z.size, np.float64)
     for i in range(z.size):
-        v, k = sech2_parts(z[i], _F32(0.0))
+        ti, v, k = tanh_sech2(z[i], zlo[i])
+        t[i] = ti
         y[i] = scale_d(np.float64(v), k)
-    return y
+    return t, y

@@ -394,6 +394,34 @@ def test_a_non_finite_row_is_nan_throughout(backend: Any, stat: str, v: float) -
     assert np.isnan(dx[3]).all() and np.isfinite(np.delete(dx, 3, axis=0)).all()
 
 
+@pytest.mark.parametrize("op", ["dyt", "scale_norm"])
+@pytest.mark.parametrize("terms", ["+inf -inf", "+inf", "overflow"])
+def test_a_scalar_parameters_gradient_of_non_finite_terms_is_the_references(backend: Any, op: str, terms: str) -> None:
+    """A scalar parameter's gradient (DyT's ``alpha``, ScaleNorm's ``g``) is a sum over every element: where its
+    terms are +inf and -inf it is NaN, where they are +inf it is inf, where finite terms overflow float64 it is inf
+    -- as the reference's sum, never an exception (numba's correctly rounded sum raised ValueError there)."""
+    x = np.linspace(-1.0, 1.0, R * H).reshape(R, H)
+    dy = np.ones((R, H))
+    if terms == "+inf -inf":
+        dy[0, 0], dy[-1, -1] = np.inf, np.inf  # x = -1 and 1 there: terms -inf and +inf
+    elif terms == "+inf":
+        dy[-1, -1] = np.inf
+    else:
+        x, dy = np.abs(x) + 0.5, np.full((R, H), 1e308)  # positive terms near float64's max
+    args = (np.array([0.5]),)
+    grads = {}
+    for be in ("numpy", backend.name):
+        f, b = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+        with np.errstate(all="ignore"):
+            _, ctx = f(backend.asarray(x) if be != "numpy" else x, *[backend.asarray(a) if be != "numpy" else a
+                                                                       for a in args], backend=be)  # fmt: skip
+            g = b(backend.asarray(dy) if be != "numpy" else dy, ctx)
+        grads[be] = float((backend.to_numpy(g[1]) if be != "numpy" else g[1])[0])
+    want, got = grads["numpy"], grads[backend.name]
+    assert np.isnan(want) if terms == "+inf -inf" else np.isinf(want), (terms, want)
+    assert np.array_equal(np.float64(got), np.float64(want), equal_nan=True), (got, want)
+
+
 @pytest.mark.parametrize("x_scale", [1e154, 1e200, 1e300, 1e-200, 0.05])
 def test_int8_input_with_extreme_scales(backend: Any, x_scale: float) -> None:
     """The real input ``q * x_scale`` normalizes as the same values given in float64 do (the variance no longer

@@ -26,6 +26,7 @@ from ._threads import launch
 __all__ = [
     "POOL",
     "block_partials",
+    "column_total",
     "effective_weight",
     "math_dtype",
     "output",
@@ -161,3 +162,17 @@ def reduce_blocks(partials: np.ndarray, dtype: Any) -> np.ndarray:
         return result
     launch(sum_blocks, nb * h // 4, tiles(h), partials, storage(result))  # one add per element: work / 4
     return result
+
+
+def column_total(cols: np.ndarray) -> float:
+    """The sum of the float64 column sums ``cols`` (a scalar parameter's gradient), correctly rounded
+    (:func:`math.fsum`) where that sum is finite; where a term is infinite or NaN, or the exact sum overflows,
+    fsum raises: the IEEE sum in column order then gives the reference's inf or NaN."""
+    terms = cols.tolist()
+    try:
+        return math.fsum(terms)
+    except (ValueError, OverflowError):
+        total = 0.0
+        for t in terms:
+            total += t
+        return total

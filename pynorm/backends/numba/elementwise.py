@@ -10,12 +10,11 @@ affine after it. Nothing here is specific to one op.
 Forward: ``y = w * f(x) + b`` in one parallel pass (:func:`._ew_kernels.ew_fwd`). Backward: ``dx`` and
 per-block partial sums of ``dy f(x)``, ``dy`` and the scalar's terms in one pass
 (:func:`._ew_kernels.ew_bwd`), summed over blocks in float64 in a fixed order (the scalar's over
-every column too, with :func:`math.fsum`), each gradient rounded once.
+every column too, correctly rounded: :func:`._common.column_total`), each gradient rounded once.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import fields
 from typing import Any
 
@@ -155,7 +154,7 @@ class ElementwiseOp:
             if p is None or part is None:
                 grads.append(None)
             elif n == "alpha":
-                total = math.fsum(common.reduce_blocks(part, np.float64).tolist())
+                total = common.column_total(common.reduce_blocks(part, np.float64))
                 grads.append(round_to(np.asarray([total]), p.dtype).reshape(p.shape))
             else:
                 grads.append(common.reduce_blocks(part, p.dtype))

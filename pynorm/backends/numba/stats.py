@@ -37,7 +37,6 @@ the split kernels (:mod:`._split_kernels`), rows cut into segments across thread
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from dataclasses import fields
 from typing import Any, NamedTuple
@@ -103,7 +102,7 @@ class _Scalar(_Vector):
 
     def reduce(self, part: np.ndarray, param: Any, layout: Any) -> np.ndarray:
         cols = common.reduce_blocks(part, np.float64)
-        return round_to(np.asarray([math.fsum(cols.tolist())]), param.dtype)
+        return round_to(np.asarray([common.column_total(cols)]), param.dtype)
 
 
 class _Table(_Vector):

@@ -163,7 +163,7 @@ if not CACHING:
     )
 
 
-def jit(fastmath: Any = False, inline: Any = "never") -> Any:
+def jit(fastmath: Any = False, inline: Any = "never", forceinline: bool = False) -> Any:
     """``njit`` with disk caching (see the module doc), no GIL, IEEE division (``error_model="numpy"``:
     1/0 is inf, not an exception) and an *explicit* fastmath setting.
 
@@ -177,8 +177,10 @@ def jit(fastmath: Any = False, inline: Any = "never") -> Any:
     """
 
     def decorate(fn: Any) -> Any:
-        helper = inline == "always" or fn.__name__.startswith("_")
+        helper = inline == "always" or forceinline or fn.__name__.startswith("_")
         options: dict[str, Any] = {"no_cfunc_wrapper": True, "no_cpython_wrapper": helper}
+        if forceinline:
+            options["forceinline"] = True
         disp = njit(
             cache=False, nogil=True, fastmath=fastmath, inline=inline, error_model="numpy",
             **options,

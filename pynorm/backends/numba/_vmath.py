@@ -48,7 +48,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from ._cache import jit
+from ._cache import FM_SUM, jit
 from ._storage import bitcast
 from ._storage import fma as _fma
 
@@ -97,7 +97,7 @@ _l2d = bitcast(types.int64, types.float64, "_l2d")
 _d2l = bitcast(types.float64, types.int64, "_d2l")
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def _pow2i(k):  # type: ignore[no-untyped-def]
     """``2^k`` as a float32 for an int32 ``-126 <= k <= 127``."""
     return _i2f((k + np.int32(127)) << np.int32(23))
@@ -116,7 +116,7 @@ _E6 = _F32(0.00015403530393381606)
 _E7 = _F32(1.525273380405984e-05)
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def _exp2_poly(f):  # type: ignore[no-untyped-def]
     """``2^f`` for a float32 ``|f| <= 1/2``: the degree-7 Taylor polynomial, by Horner's rule in fma."""
     p = _fma(f, _E7, _E6)
@@ -128,7 +128,7 @@ def _exp2_poly(f):  # type: ignore[no-untyped-def]
     return _fma(f, p, _F32(1.0))
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def _exp2_red(t):  # type: ignore[no-untyped-def]
     """``(m, n)``: ``2^t = m 2^n`` with ``n`` an int32 in ``[-370, 254]`` (``t`` clamped there; NaN -> -370)
     and ``m = 2^(t - n)`` (``|t - n| <= 1/2`` inside the range)."""
@@ -140,7 +140,7 @@ def _exp2_red(t):  # type: ignore[no-untyped-def]
     return m, np.int32(nf)
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def exp2_f32(t):  # type: ignore[no-untyped-def]
     """:math:`2^t` for a float32 ``t`` (see the module doc: <= 1 ulp)."""
     m, n = _exp2_red(t)
@@ -161,7 +161,7 @@ _T4 = _F32(-0.005704992500996458)
 _TANH_SMALL = _F32(0.625)
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def tanh_sech2(z, zlo):  # type: ignore[no-untyped-def]
     """``(t, v, k)``: :math:`\\tanh(z + z_{lo})` (float32 ``t``) and
     :math:`\\operatorname{sech}^2(z + z_{lo}) = v\\,2^k` (float32 ``v``, int32 ``k``) from one exponential and one
@@ -195,7 +195,7 @@ def tanh_sech2(z, zlo):  # type: ignore[no-untyped-def]
     return (t if z == z else z), v, n + np.int32(3)
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def scale_f32(v, k):  # type: ignore[no-untyped-def]
     """``v 2^k`` in float32 for a float32 ``v`` and an int32 ``-378 <= k <= 127`` (int32 arithmetic: the loop keeps
     float32's 16 lanes): three exact power-of-two
@@ -208,7 +208,7 @@ def scale_f32(v, k):  # type: ignore[no-untyped-def]
     return v * _pow2i(c1) * _pow2i(c2) * _pow2i(c3)
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def scale_d(v, k):  # type: ignore[no-untyped-def]
     """``v 2^k`` in float64 for a float64 ``v`` and an int32 ``-1000 <= k <= 1000`` (exact but for over/underflow
     of the float64 product, far outside float32's range)."""
@@ -238,7 +238,7 @@ _D7 = 1.525273380405984e-05
 _D8 = 1.3215486790144307e-06
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def log2_d(t):  # type: ignore[no-untyped-def]
     """:math:`\\log_2 t` for a positive, finite, normal float64 ``t`` (relative error <= 2^-40; other values:
     garbage, the callers select)."""
@@ -260,7 +260,7 @@ def log2_d(t):  # type: ignore[no-untyped-def]
     return np.float64(e) + ln * _INV_LN2
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def exp2_d(y):  # type: ignore[no-untyped-def]
     """:math:`2^y` for a float64 ``y`` (relative error <= 2^-31 on ``[-1000, 1000]``; 0 below, inf above: far outside
     float32's range, so that ``p t^(p-1)`` for a huge ``p`` is 0 or inf as in the reference, not ``p 2^-1000``;
@@ -283,7 +283,7 @@ def exp2_d(y):  # type: ignore[no-untyped-def]
     return np.inf if y > 1000.0 else r
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def log2_f32(x):  # type: ignore[no-untyped-def]
     """:math:`\\log_2 x` for a float32 ``x``, rounded once to float32 (<= 1 ulp): ``log2(0) = -inf``, negative
     and NaN give NaN, ``log2(inf) = inf``."""
@@ -293,7 +293,7 @@ def log2_f32(x):  # type: ignore[no-untyped-def]
     return r if t < np.inf else _F32(t)
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def abs_pow_d(t, p):  # type: ignore[no-untyped-def]
     """``t^p`` in float64 for a float64 ``t >= 0`` (a float32 value, or NaN) and ``p > 0`` (relative error
     <= 2^-30 for ``|p log2 t| <= 1000``): ``0^p = 0``, ``inf^p = inf``, NaN gives NaN."""
@@ -302,7 +302,7 @@ def abs_pow_d(t, p):  # type: ignore[no-untyped-def]
     return r if t < np.inf else t
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def pow_d(t, q):  # type: ignore[no-untyped-def]
     """``t^q`` in float64 for a float64 ``t > 0`` (a float32 value, inf or NaN) and any finite ``q`` (as
     :func:`abs_pow_d`): ``inf^q`` is inf for ``q > 0``, 0 for ``q < 0``, 1 for ``q = 0``; NaN gives NaN."""
@@ -311,7 +311,7 @@ def pow_d(t, q):  # type: ignore[no-untyped-def]
     return r if t == t else t
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def spow_f32(x, p):  # type: ignore[no-untyped-def]
     """``sign(x) |x|^p`` for a float32 ``x`` and a float64 ``p > 0``, rounded once to float32 (<= 1 ulp)."""
     return _F32(math.copysign(abs_pow_d(abs(np.float64(x)), p), np.float64(x)))

@@ -48,21 +48,13 @@ from numba.extending import overload
 
 from . import _vmath as vm
 from ._borrow import borrow
-from ._cache import FM_SUM, jit
+from ._cache import FM_SUM, INLINED, jit
 from ._layout import EW_TILE, ROW_BLOCK
 from ._storage import JIT_ONLY, ld, seg, seg2, st, tile
 
 __all__ = ["PIECES", "ew_bwd", "ew_fwd", "ew_row", "f_fix", "f_grad", "f_value", "fcast"]
 
 _PIECE: Any = {"fastmath": False, "error_model": "numpy"}
-#: the pieces a kernel's loop calls: each compiled once per signature and inlined by LLVM (``forceinline``), so
-#: that the loop is one body to vectorize, with the kernels' own fastmath flags (those numba-IR inlining gave them,
-#: bitwise: 264 outputs of both functions compared). IR inlining (``inline="always"``) typed every piece again at
-#: every call site: 15 s to compile DyT's float32 forward and backward, 37 s for PowerNorm's ``p = 0.7``.
-_INLINED: Any = {
-    "fastmath": FM_SUM, "error_model": "numpy", "forceinline": True, "no_cpython_wrapper": True,
-    "no_cfunc_wrapper": True,
-}  # fmt: skip
 
 
 def fcast(a, v):  # type: ignore[no-untyped-def]
@@ -118,7 +110,7 @@ def _power_at_zero_ol(fn, p):  # type: ignore[no-untyped-def]
     return lambda fn, p: p - p
 
 
-@overload(_abs_power, jit_options=_INLINED)
+@overload(_abs_power, jit_options=INLINED)
 def _abs_power_ol(fn, t, p):  # type: ignore[no-untyped-def]
     if _fast(fn):
         return {
@@ -133,7 +125,7 @@ def _abs_power_ol(fn, t, p):  # type: ignore[no-untyped-def]
     }.get(_exponent(fn), lambda fn, t, p: t**p)
 
 
-@overload(_power_deriv, jit_options=_INLINED)
+@overload(_power_deriv, jit_options=INLINED)
 def _power_deriv_ol(fn, t, p):  # type: ignore[no-untyped-def]
     if _fast(fn):
         return {
@@ -181,7 +173,7 @@ def _spow_value(fn, v, p):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_spow_value, jit_options=_INLINED)
+@overload(_spow_value, jit_options=INLINED)
 def _spow_value_ol(fn, v, p):  # type: ignore[no-untyped-def]
     if _fast(fn) and _exponent(fn) in ("half", "one"):
 
@@ -219,7 +211,7 @@ def _alpha_z(v, a):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_alpha_z, jit_options=_INLINED)
+@overload(_alpha_z, jit_options=INLINED)
 def _alpha_z_ol(v, a):  # type: ignore[no-untyped-def]
     def impl(v, a):  # type: ignore[no-untyped-def]
         x = np.float32(v)
@@ -241,7 +233,7 @@ def _tanh_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_tanh_value, jit_options=_INLINED)
+@overload(_tanh_value, jit_options=INLINED)
 def _tanh_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
     if not _fast(fn):
         return lambda fn, v, a: math.tanh(a * v)
@@ -253,7 +245,7 @@ def _tanh_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
     return impl
 
 
-@overload(_tanh_grad, jit_options=_INLINED)
+@overload(_tanh_grad, jit_options=INLINED)
 def _tanh_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     if not _fast(fn):
 
@@ -304,7 +296,7 @@ def _register(stub):  # type: ignore[no-untyped-def]
         return PIECES[fn.choice][stub]
 
     # inlined by LLVM: the loops' bodies are then one function to vectorize
-    overload(stub, jit_options=_INLINED, strict=False)(typer)
+    overload(stub, jit_options=INLINED, strict=False)(typer)
 
 
 for _stub in (f_value, f_grad, f_fix):
@@ -349,7 +341,7 @@ def _fused(fn):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_fused, jit_options=_INLINED)
+@overload(_fused, jit_options=INLINED)
 def _fused_ol(fn):  # type: ignore[no-untyped-def]
     if _fast(fn):
         return lambda fn: True
@@ -364,7 +356,7 @@ def _split(fn):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_split, jit_options=_INLINED)
+@overload(_split, jit_options=INLINED)
 def _split_ol(fn):  # type: ignore[no-untyped-def]
     if _fast(fn) and PIECES[fn.choice].get("split", False):
         return lambda fn: True
@@ -378,7 +370,7 @@ def _scratch(fn, x, n):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_scratch, jit_options=_INLINED)
+@overload(_scratch, jit_options=INLINED)
 def _scratch_ol(fn, x, n):  # type: ignore[no-untyped-def]
     f32 = x.dtype in (types.int16, types.uint16) or (
         _fast(fn) and (fn.choice == "tanh" or _exponent(fn) in ("half", "one"))
@@ -399,14 +391,14 @@ def _unfused_value(fn, v, a):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_unfused_grad, jit_options=_INLINED)
+@overload(_unfused_grad, jit_options=INLINED)
 def _unfused_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     if _fast(fn):
         return lambda fn, v, g, a, big: (g, v, g)
     return lambda fn, v, g, a, big: f_grad(fn, v, g, a, big)
 
 
-@overload(_unfused_value, jit_options=_INLINED)
+@overload(_unfused_value, jit_options=INLINED)
 def _unfused_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
     if _fast(fn):
         return lambda fn, v, a: v

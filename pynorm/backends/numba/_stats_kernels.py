@@ -50,7 +50,7 @@ from numba import types
 from numba.extending import overload
 
 from ._borrow import borrow
-from ._cache import FM_SUM, jit
+from ._cache import FM_SUM, INLINED, jit
 from ._io import (
     aff_add,
     aff_mul,
@@ -119,7 +119,7 @@ PENDING = FAST + 1
 _FWD_PENDING = -1.0
 
 
-@jit(inline="always")
+@jit(FM_SUM, forceinline=True)
 def mark_pending(scale, i, ok):  # type: ignore[no-untyped-def]
     """``scale[i]``: :data:`FAST` where row ``i``'s fast path succeeded (``ok``), else :data:`PENDING`; returns 1 for
     a pending row (the backward kernels count them), else 0."""
@@ -132,13 +132,13 @@ def mark_pending(scale, i, ok):  # type: ignore[no-untyped-def]
 # the 64-byte aligned part of float32 rows; the arithmetic is the plain loops')
 
 
-@jit(FM_SUM, inline="always")
+@jit(FM_SUM, forceinline=True)
 def _y_range(stat, xr, w, b, k, c, r, yr, lo, hi):  # type: ignore[no-untyped-def]
     for j in range(lo, hi):
         st(yr, j, opt_add(opt_mul(centre(stat, ld(xr[j]), k, c) * r, w, j), b, j))
 
 
-@jit(FM_SUM, inline="always")
+@jit(FM_SUM, forceinline=True)
 def write_y(stat, xr, w, b, k, c, r, yr, stream, lo, hi):  # type: ignore[no-untyped-def]
     """``yr[lo:hi] = centre(x) * r [* w] [+ b]``, rounded once to the storage dtype (a row is written whole, or
     by segments with the same stores, :func:`._stream.stream_lines`)."""
@@ -150,6 +150,11 @@ def write_y(stat, xr, w, b, k, c, r, yr, stream, lo, hi):  # type: ignore[no-unt
         _y_range(stat, xr, w, b, k, c, r, yr, j1, hi)
     else:
         _y_range(stat, xr, w, b, k, c, r, yr, lo, hi)
+
+
+# (write_dx, _dx_range, write_dx_out and padd keep numba-IR inlining: compiled apart and inlined by LLVM
+# (``forceinline``, :data:`._cache.INLINED`, as the other pieces here), the dx arithmetic contracts differently
+# -- RMSNorm's dx, 226 of 40706 outputs of ``bench/bitwise_check.py --quick`` -- and padd's partials with it.)
 
 
 @jit(FM_SUM, inline="always")
@@ -196,7 +201,7 @@ def chunk_put(chunks, q, ag, agx, ad2):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(chunk_put, inline="always")
+@overload(chunk_put, jit_options=INLINED)
 def _chunk_put_ol(chunks, q, ag, agx, ad2):  # type: ignore[no-untyped-def]
     if isinstance(chunks, types.NoneType):
         return lambda chunks, q, ag, agx, ad2: None
@@ -214,7 +219,7 @@ def gmul(stat, dy, w, j):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(gmul, inline="always")
+@overload(gmul, jit_options=INLINED)
 def _gmul_ol(stat, dy, w, j):  # type: ignore[no-untyped-def]
     if isinstance(w, types.NoneType):
         return lambda stat, dy, w, j: dy
@@ -231,7 +236,7 @@ def write_out(stat, xr, w, b, k, c, r, yr, stream):  # type: ignore[no-untyped-d
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(write_out, inline="always")
+@overload(write_out, jit_options=INLINED)
 def _write_out_ol(stat, xr, w, b, k, c, r, yr, stream):  # type: ignore[no-untyped-def]
     if not channel_row(w):
         return lambda stat, xr, w, b, k, c, r, yr, stream: write_y(stat, xr, w, b, k, c, r, yr, stream, 0,
@@ -251,7 +256,7 @@ def row_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[n
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(row_sums, inline="always")
+@overload(row_sums, jit_options=INLINED)
 def _row_sums_ol(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk):  # type: ignore[no-untyped-def]
     if not channel_row(w):
         return lambda stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk: _bwd_sums(
@@ -299,7 +304,7 @@ def _write_dx_out_ol(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream):  #
 # forward
 
 
-@jit(FM_SUM, inline="always")
+@jit(FM_SUM, forceinline=True)
 def _fwd_row(stat, xr, w, b, eps, corr, mode, yr, stream):  # type: ignore[no-untyped-def]
     """Normalize one row into ``yr``: ``(ok, aux, r)`` in float64 (``aux``: :func:`._rowstats.row_aux`; ``ok``
     False: nothing written, slow path)."""
@@ -423,7 +428,7 @@ def fwd_given(stat, x, affine, row_stats, y, stream, lo, hi):  # type: ignore[no
 # backward: a row's dx (and its share of the block partials)
 
 
-@jit(FM_SUM, inline="always")
+@jit(FM_SUM, forceinline=True)
 def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks):  # type: ignore[no-untyped-def]
     """``(sum g, sum g*xhat, sum d^2)`` over columns ``j0:j1`` (``j0`` a multiple of :data:`._layout.CHUNK`) in
     float64 with ``g = dy * w``, ``d = centre(x)``, ``xhat = d * r`` (``sum d^2`` only with eps outside the
@@ -477,7 +482,7 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks): 
     return sg, sgx, sd2
 
 
-@jit(FM_SUM, inline="always")
+@jit(FM_SUM, forceinline=True)
 def _bwd_row(stat, xr, dyr, w, mean, r, corr, mode, dxr, er, pw, pb, blk, stream):  # type: ignore[no-untyped-def]
     """dx of one row on the fast path, and its share of ``pw[blk]``/``pb[blk]``: ``(ok, c)``.
 
@@ -532,7 +537,7 @@ def _bwd_row_slow(stat, xr, dyr, w, mean, r, corr, mode, dxr, er):  # type: igno
 # backward: row contributions to the block partials
 
 
-@jit(FM_SUM, inline="always")
+@jit(FM_SUM, forceinline=True)
 def _acc(stat, xr, dyr, k, c, r, pw, pb, blk, j0):  # type: ignore[no-untyped-def]
     """Add one fast-path row segment's ``dy * xhat`` to ``pw[blk, j0:]`` and ``dy`` to ``pb[blk, j0:]``."""
     n = xr.shape[0]
@@ -546,7 +551,7 @@ def _acc(stat, xr, dyr, k, c, r, pw, pb, blk, j0):  # type: ignore[no-untyped-de
             pbr[j] += ld(dyr[j])
 
 
-@jit(FM_SUM, inline="always")
+@jit(FM_SUM, forceinline=True)
 def _acc4(stat, x0, x1, x2, x3, d0, d1, d2, d3, kq, cq, rq, pw, pb, blk, j0):  # type: ignore[no-untyped-def]
     """:func:`_acc` of four fast-path rows at once: ``pw += (row0 + row1) + (row2 + row3)``.
 

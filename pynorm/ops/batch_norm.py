@@ -69,8 +69,9 @@ def _arrays(x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any], opti
 def term_scales(x3: np.ndarray, arrays: Mapping[str, Any], dy3: np.ndarray, options: Mapping[str, Any]) -> dict:
     """LayerNorm's term scales on each channel's ``N S`` values (the batch's or the running statistics)."""
     n, c, s = x3.shape
-    cols = np.asarray(x3, np.float64).transpose(1, 0, 2).reshape(c, -1)
-    dyc = np.abs(np.asarray(dy3, np.float64)).transpose(1, 0, 2).reshape(c, -1)
+    wide = np.longdouble  # (as LayerNorm's: float64 squares of huge float64 inputs overflow)
+    cols = np.asarray(x3).astype(wide).transpose(1, 0, 2).reshape(c, -1)
+    dyc = np.abs(np.asarray(dy3).astype(wide)).transpose(1, 0, 2).reshape(c, -1)
     if options["training"]:
         mean, var = cols.mean(axis=1, keepdims=True), cols.var(axis=1, keepdims=True)
     else:
@@ -90,12 +91,13 @@ def term_scales(x3: np.ndarray, arrays: Mapping[str, Any], dy3: np.ndarray, opti
     def back(a: np.ndarray) -> np.ndarray:
         return a.reshape(c, n, s).transpose(1, 0, 2)
 
-    return {
+    out = {
         "y": back((xhat + sr) * w + b),
         "dx": back(dx),
         "dweight": (dyc * (xhat + sr)).sum(axis=1),
         "dbias": dyc.sum(axis=1),
     }
+    return {k: v.astype(np.float64) for k, v in out.items()}
 
 
 _BATCH_NORM_DOC = r"""BatchNorm (Ioffe & Szegedy 2015, "Batch Normalization"); returns ``(y, ctx)`` for

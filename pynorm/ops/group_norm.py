@@ -107,12 +107,16 @@ def channel_term_scales(groups: Any) -> Any:
     def scales(x3: np.ndarray, arrays: Mapping[str, Any], dy3: np.ndarray, options: Mapping[str, Any]) -> dict:
         n, c, s = x3.shape
         g = groups(options, c)
-        rows = np.asarray(x3, np.float64).reshape(n * g, -1)
-        dyr = np.abs(np.asarray(dy3, np.float64)).reshape(n * g, -1)
+        # (in extended precision, as LayerNorm's: float64 squares of huge float64 inputs overflow, and an inf
+        # times the r = 0 it gives made the scale NaN: any difference from the reference then read as inf ulps)
+        rows = np.asarray(x3).astype(np.longdouble).reshape(n * g, -1)
+        dyr = np.abs(np.asarray(dy3).astype(np.longdouble)).reshape(n * g, -1)
         d = rows - rows.mean(axis=1, keepdims=True)
         sd = np.sqrt((d * d).mean(axis=1, keepdims=True))
         r = 1 / np.sqrt(sd * sd + options.get("eps", 1e-5))
-        xhat = np.abs(d * r)
+        # (a row without spread at eps = 0: r = inf, and its terms' magnitude is 0, not 0 * inf = NaN)
+        xhat = np.where(d == 0, 0, np.abs(d * r))
+        sr = np.where(sd == 0, 0, sd * r)
 
         def per_row(p: Any) -> Any:
             if p is None:
@@ -127,14 +131,14 @@ def channel_term_scales(groups: Any) -> Any:
         b = per_row(arrays.get("bias"))
         gg = dyr * w
         out = {
-            "y": ((xhat + sd * r) * w + (0 if b is None else b)).reshape(n, c, s),
+            "y": ((xhat + sr) * w + (0 if b is None else b)).reshape(n, c, s),
             "dx": (r * (gg + gg.mean(axis=1, keepdims=True) + xhat * (gg * xhat).mean(axis=1, keepdims=True))).reshape(
                 n, c, s
             ),
-            "dweight": (dyr * (xhat + sd * r)).reshape(n, c, -1).sum(axis=(0, 2)),
+            "dweight": (dyr * (xhat + sr)).reshape(n, c, -1).sum(axis=(0, 2)),
             "dbias": dyr.reshape(n, c, -1).sum(axis=(0, 2)),
         }
-        return out
+        return {k: v.astype(np.float64) for k, v in out.items()}
 
     return scales
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of pynorm's CuPy backend (about 5 minutes on an H200).
+# The one prepared GPU check of pynorm's CuPy backend (at most 9.5 minutes: each stage under its own limit).
 #
 #   bash bench/gpu_check.sh            # from anywhere; writes logs + JSON to $OUT (or /tmp/pynorm_gpu_check)
 #
@@ -9,7 +9,8 @@
 #      path against the reference; compiles every kernel module first, in parallel), then
 #      the cross-backend suite tests/test_backends.py on the cupy backend;
 #   3. bench/bench_gpu.py: forward, backward, forward+backward vs the device-to-device copy
-#      bandwidth and vs torch (and Liger if importable); its table is printed last.
+#      bandwidth and vs torch (and Liger if importable);
+#   4. compute-sanitizer memcheck over every op's forward + backward (bench/gpu_sanitize.py --quick).
 #
 # It installs nothing from the network. The lent H200 image already has cupy-cuda13x,
 # torch, triton, ml_dtypes, pytest and hypothesis. On a machine without them, carry wheels:
@@ -55,9 +56,9 @@ timeout 200 $PY -m pytest tests/test_cupy_backend.py -q -rfE --tb=short --maxfai
 rc_tests=$?
 grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUTDIR/tests_cupy_backend.log" | tail -45
 
-echo "== cross-backend suite on cupy (tests/test_backends.py)"
-PYNORM_TEST_BACKENDS=cupy timeout 60 $PY -m pytest tests/test_backends.py -q -rfE --tb=short --maxfail=20 \
-  -p no:cacheprovider >"$OUTDIR/tests_backends_cupy.log" 2>&1
+echo "== cross-backend suites on cupy (tests/test_backends.py, tests/test_channel_norms.py)"
+PYNORM_TEST_BACKENDS=cupy timeout 100 $PY -m pytest -n 4 tests/test_backends.py tests/test_channel_norms.py -q -rfE \
+  --tb=short --maxfail=30 -p no:cacheprovider >"$OUTDIR/tests_backends_cupy.log" 2>&1
 rc_cross=$?
 grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUTDIR/tests_backends_cupy.log" | tail -15
 
@@ -66,5 +67,16 @@ timeout 150 $PY bench/bench_gpu.py --json "$OUTDIR/bench_gpu.json" >"$OUTDIR/ben
 rc_bench=$?
 grep -v '^{' "$OUTDIR/bench.log" | tail -60
 
-echo "== exit codes: gpu tests $rc_tests, cross-backend $rc_cross, bench $rc_bench (logs in $OUTDIR)"
-[ "$rc_tests" -eq 0 ] && [ "$rc_cross" -eq 0 ] && [ "$rc_bench" -eq 0 ]
+echo "== compute-sanitizer memcheck: every op's forward + backward (bench/gpu_sanitize.py --quick)"
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+if [ -n "$SAN" ]; then
+  timeout 110 "$SAN" --tool memcheck --error-exitcode 9 --print-limit 20 $PY bench/gpu_sanitize.py --quick \
+    >"$OUTDIR/sanitize.log" 2>&1
+  rc_san=$?
+  grep -E "=====|FAILED|failed calls|Error" "$OUTDIR/sanitize.log" | head -40
+else
+  echo "compute-sanitizer not found"; rc_san=0
+fi
+
+echo "== exit codes: gpu tests $rc_tests, cross-backend $rc_cross, bench $rc_bench, sanitizer $rc_san (logs in $OUTDIR)"
+[ "$rc_tests" -eq 0 ] && [ "$rc_cross" -eq 0 ] && [ "$rc_bench" -eq 0 ] && [ "$rc_san" -eq 0 ]

@@ -191,7 +191,7 @@ def test_column_walk_offsets_are_exact_beyond_2_to_the_31(e0: int, c: int, C: in
     from pynorm.backends.cupy import _loader
 
     code = _loader.assemble("column.cu") + _PROBE
-    mod = cupy.RawModule(code=code, options=_loader.compile_options(), name_expressions=["pynorm::walk_probe"])
+    mod = _loader.Module(code, ["pynorm::walk_probe"])
     steps, threads = 5, 256
     out = cupy.zeros(steps * threads, dtype=cupy.int64)
     chan = cupy.zeros(threads, dtype=cupy.int32)

@@ -362,6 +362,7 @@ def test_forward_with_exactly_48_KiB_of_dynamic_shared_memory(op, dt, pdt, h, pa
         assert cfg.over_smem == 48 * 1024, cfg
         with _loader._lock:
             _loader._modules.clear()
+            _loader._kernels.clear()
     path("OVERFLOW", "smem")
     check_against_reference(op, x, dy, params, conv, run_backend(op, x, dy, params, conv), what="48 KiB")
 

@@ -339,6 +339,79 @@ def test_package_import_does_not_import_cupy():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@needs_nvrtc
+def test_compile_options_keep_float32_subnormals():
+    """The kernels' options compile float32 arithmetic and conversions without flush-to-zero (a row of magnitude
+    ~1e38 has a subnormal float32 rstd: flushed, y, dx and the weight's gradient were wrong on a GPU)."""
+    from cuda.bindings import nvrtc
+
+    src = b'extern "C" __global__ void k(float* a, const double* b) { a[0] = (float)b[0] * a[1] + a[2] / a[3]; }'
+    (prog,) = cc._check(nvrtc.nvrtcCreateProgram(src, b"k.cu", 0, [], []), "create")
+    opts = [*_loader.compile_options(), "--gpu-architecture=compute_90"]
+    (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+    assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    (size,) = cc._check(nvrtc.nvrtcGetPTXSize(prog), "size")
+    buf = b" " * size
+    cc._check(nvrtc.nvrtcGetPTX(prog, buf), "ptx")
+    ptx = buf.decode(errors="replace")
+    assert "cvt.rn.f32.f64" in ptx and "fma.rn.f32" in ptx, ptx
+    assert ".ftz" not in ptx and ".approx" not in ptx, ptx
+
+
+class _StandInCupy:
+    """The few names of CuPy that :func:`pynorm.backends.cupy._loader._load` uses, recording what it asks for."""
+
+    _harness = None
+
+    def __init__(self) -> None:
+        import types
+
+        self.compiles: list[tuple] = []
+        self.loaded: list[str] = []
+        outer = self
+
+        def compile_using_nvrtc(source, options, arch, filename, names, log, in_memory):
+            outer.compiles.append(tuple(options))
+            return b"CUBIN", {n: f"_Z{i}" for i, n in enumerate(names)}
+
+        class RawModule:
+            def __init__(self, *, path=None, code=None, **kw):
+                assert code is None, "the runtime must not compile through RawModule(code=...): CuPy adds -ftz=true"
+                outer.loaded.append(Path(path).read_bytes().decode())
+
+            def get_function(self, name):
+                return name
+
+        self.RawModule = RawModule
+        self.__version__ = "stand-in"
+        self.cuda = types.SimpleNamespace(
+            compiler=types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc),
+            nvrtc=types.SimpleNamespace(getVersion=lambda: (13, 0)),
+            Device=lambda: types.SimpleNamespace(compute_capability="90"),
+        )
+
+
+def test_runtime_compiles_with_the_kernels_options_and_caches_the_binary(tmp_path, monkeypatch):
+    """Not through CuPy's compile cache (which appends -ftz=true); the binary and lowered names reused from disk."""
+    fake = _StandInCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.compiler", fake.cuda.compiler)
+    monkeypatch.setenv("PYNORM_CUDA_CACHE_DIR", str(tmp_path))
+    names = ("pynorm::k<float>", "pynorm::k<double>")
+    mod = _loader.Module("template <typename T> __global__ void k() {}", names)
+    assert mod.get_function(names[1]) == "_Z1"
+    assert fake.compiles == [_loader.compile_options()]
+    ftz = [o for o in fake.compiles[0] if "ftz" in o]
+    assert ftz == ["--ftz=false"]
+    again = _loader.Module("template <typename T> __global__ void k() {}", names)
+    assert again.get_function(names[0]) == "_Z0"
+    assert len(fake.compiles) == 1 and fake.loaded == ["CUBIN", "CUBIN"]  # the second from the cache
+    other = _loader.Module("template <typename T> __global__ void k() { }", names)
+    other.compile()
+    assert len(fake.compiles) == 2  # another source: compiled
+
+
 # ---------------------------------------------------------------------------
 # occupancy model (cuda_occupancy.h)
 

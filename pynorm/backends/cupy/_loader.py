@@ -8,7 +8,7 @@ file and line. Templates are instantiated through NVRTC *name expressions*
 string substitution.
 
 Importing this module is cheap and does not import CuPy; :func:`get_kernel` does, and
-compiles (through :class:`cupy.RawModule`, with CuPy's on-disk cache) one module per
+compiles (through NVRTC with :func:`compile_options`, cached on disk: :class:`Module`) one module per
 source file and type combination on first use, cached per device.
 """
 
@@ -25,10 +25,13 @@ from typing import Any
 
 __all__ = [
     "CUDA_TYPES",
+    "FP_OPTIONS",
     "KERNELS",
+    "Module",
     "TYPE_NAMES",
     "assemble",
     "assemble_text",
+    "cache_dir",
     "compile_options",
     "cuda_include_dir",
     "defines",
@@ -308,9 +311,16 @@ def cuda_include_dir() -> str | None:
     return None
 
 
+#: the floating-point model of every kernel, spelled out (NVRTC's defaults, but explicit: the numerical contract
+#: depends on them): subnormal float32 values kept (a float32 rstd of a row of magnitude ~1e38 is subnormal; flushed
+#: to zero it made y, dx and the weight's gradient wrong), IEEE-rounded division and square root, fma contraction
+FP_OPTIONS = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=true")
+
+
 def compile_options(include_dirs: Iterable[str] = ()) -> tuple[str, ...]:
-    """NVRTC options shared by the runtime and the compile check (IEEE division and sqrt, no fast math)."""
-    opts = ["--std=c++17"]
+    """NVRTC options shared by the runtime and the compile check (:data:`FP_OPTIONS`: no flush to zero, IEEE
+    division and sqrt, no fast math)."""
+    opts = ["--std=c++17", *FP_OPTIONS]
     inc = cuda_include_dir()
     for d in (*include_dirs, *([inc] if inc else [])):
         opts.append(f"-I{d}")
@@ -321,18 +331,106 @@ def compile_options(include_dirs: Iterable[str] = ()) -> tuple[str, ...]:
 # runtime (CuPy)
 
 _lock = threading.Lock()
-_modules: dict[tuple[int, str, tuple[str, ...]], Any] = {}
+_modules: dict[tuple[int, str, tuple[str, ...]], Module] = {}
+#: (device, file, kernel, types) -> its kernel object, loaded
+_kernels: dict[tuple[int, str, str, tuple[str, ...]], Any] = {}
 
 
-def _module(file: str, types: tuple[str, ...]) -> Any:
-    """The (uncompiled until first use) :class:`cupy.RawModule` of ``file`` for ``types`` on the current device."""
+class Module:
+    """Kernels compiled from CUDA C source by NVRTC with :func:`compile_options`, loaded on the current device.
+
+    Not :class:`cupy.RawModule(code=...) <cupy.RawModule>`: CuPy appends ``-ftz=true`` to every NVRTC compile it
+    caches (``cupy/cuda/compiler.py``, ``_compile_with_cache_cuda``), and NVRTC takes the last of two ``-ftz``
+    options, so float32 subnormals would be flushed to zero whatever :data:`FP_OPTIONS` say. This compiles with
+    :func:`cupy.cuda.compiler.compile_using_nvrtc` (which adds only the architecture), caches the binary and the
+    name expressions' lowered names in :func:`cache_dir`, and loads the binary with ``cupy.RawModule(path=...)``.
+    Compiles on first use (:meth:`compile` or :meth:`get_function`); thread-safe.
+    On the CPU execution harness (``cupy._harness``) the harness's own ``RawModule(code=...)`` is used.
+    """
+
+    def __init__(self, code: str, name_expressions: Iterable[str]) -> None:
+        self.code = code
+        self.names = tuple(name_expressions)
+        self._raw: Any = None
+        self._lowered: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def compile(self) -> None:
+        with self._lock:
+            if self._raw is None:
+                self._raw, self._lowered = _load(self.code, self.names)
+
+    def get_function(self, name_expression: str) -> Any:
+        """The :class:`cupy.RawKernel` of one of the module's name expressions."""
+        self.compile()
+        return self._raw.get_function(self._lowered.get(name_expression, name_expression))
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$PYNORM_CUDA_CACHE_DIR``, else ``$XDG_CACHE_HOME/pynorm/cuda``
+    (``~/.cache/pynorm/cuda``)."""
+    env = os.environ.get("PYNORM_CUDA_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pynorm" / "cuda"
+
+
+def _load(code: str, names: tuple[str, ...]) -> tuple[Any, dict[str, str]]:
+    """Compile (or find in the cache) and load ``code`` instantiating ``names``: (the module, lowered names)."""
+    import hashlib
+    import json
+
+    import cupy
+
+    if getattr(cupy, "_harness", None) is not None:
+        return cupy.RawModule(code=code, options=compile_options(), name_expressions=names), {}
+    from cupy.cuda import compiler
+
+    options = compile_options()
+    arch = cupy.cuda.Device().compute_capability
+    key = "\0".join(
+        (code, *options, arch, repr(cupy.cuda.nvrtc.getVersion()), cupy.__version__, *sorted(names))
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:40]
+    directory = cache_dir()
+    binary, table = directory / f"{digest}.bin", directory / f"{digest}.json"
+    try:
+        lowered = json.loads(table.read_text())
+        if binary.is_file() and set(lowered) == set(names):
+            return cupy.RawModule(path=str(binary)), lowered
+    except (OSError, ValueError):
+        pass
+    obj, mapping = compiler.compile_using_nvrtc(code, options, None, "pynorm.cu", list(names), None, True)
+    lowered = {n: mapping[n] for n in names}
+    data = obj if isinstance(obj, bytes) else obj.encode()
+    try:  # write then rename: a concurrent reader sees a whole file or none
+        directory.mkdir(parents=True, exist_ok=True)
+        for path, content in ((binary, data), (table, json.dumps(lowered).encode())):
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_bytes(content)
+            os.replace(tmp, path)
+        return cupy.RawModule(path=str(binary)), lowered
+    except OSError:  # no writable cache: load from a private temporary file, before it goes
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / f"{digest}.bin"
+            path.write_bytes(data)
+            mod = cupy.RawModule(path=str(path))
+            for n in lowered.values():
+                mod.get_function(n)  # loaded (and the kernel handles kept) while the file exists
+            return mod, lowered
+
+
+def _module(file: str, types: tuple[str, ...]) -> Module:
+    """The (uncompiled until first use) :class:`Module` of ``file`` for ``types`` on the current device."""
     import cupy
 
     key = (cupy.cuda.runtime.getDevice(), file, module_names(file, types))
     with _lock:
         mod = _modules.get(key)
         if mod is None:
-            mod = cupy.RawModule(code=assemble(file), options=compile_options(), name_expressions=key[2])
+            mod = Module(assemble(file), key[2])
             _modules[key] = mod
     return mod
 
@@ -341,9 +439,15 @@ def get_kernel(file: str, kernel: str, types: tuple[str, ...]) -> Any:
     """The :class:`cupy.RawKernel` ``pynorm::kernel<types>`` of ``file`` on the current device.
 
     The first request for a (device, file, types) compiles that file's kernels for those types
-    in one :class:`cupy.RawModule` (CuPy caches the binary on disk); later requests reuse it.
+    in one :class:`Module` (its binary cached on disk); later requests reuse it.
     """
-    return _module(file, types).get_function(name_expression(kernel, *types))
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), file, kernel, types)
+    k = _kernels.get(key)
+    if k is None:  # (a RawKernel per request would cost ~10 us a launch)
+        k = _kernels[key] = _module(file, types).get_function(name_expression(kernel, *types))
+    return k
 
 
 def warm_up(requests: Iterable[tuple[str, tuple[str, ...]]] | None = None, jobs: int | None = None) -> int:

@@ -55,6 +55,10 @@ def _dtype(a: Any) -> Any:
     return None if a is None else a.dtype
 
 
+#: (op, dtypes) -> the call's _Types
+_TYPES: dict[tuple[Any, ...], _Types] = {}
+
+
 def _name(dt: Any) -> str:
     return str(np.dtype(dt).name) if not isinstance(dt, str) else dt
 
@@ -64,12 +68,21 @@ def _exact(src: str, dst: str) -> bool:
     return src == dst or dst == "double" or (dst == "float" and src in ("__half", "__nv_bfloat16"))
 
 
+def _types(op: StatsOp, x_dtype: Any, weight: Any, bias: Any, h_dtype: Any, res_dtype: Any) -> _Types:
+    """The :class:`_Types` of a call (cached per op and dtypes: a call's fixed cost)."""
+    key = (op, x_dtype, _dtype(weight), _dtype(bias), h_dtype, res_dtype)
+    ty = _TYPES.get(key)
+    if ty is None:
+        ty = _TYPES[key] = _Types(op, x_dtype, key[2], key[3], h_dtype, res_dtype)
+    return ty
+
+
 class _Types:
     """Template arguments of one call: the type plan and, with a residual prologue, ``Hd``/``Rs``."""
 
-    def __init__(self, op: StatsOp, x_dtype: Any, weight: Any, bias: Any, h_dtype: Any, res_dtype: Any) -> None:
+    def __init__(self, op: StatsOp, x_dtype: Any, w_dtype: Any, b_dtype: Any, h_dtype: Any, res_dtype: Any) -> None:
         extra = () if h_dtype is None else (h_dtype, res_dtype)
-        self.plan = plan = _launch.type_plan(x_dtype, _dtype(weight), _dtype(bias), extra=extra)
+        self.plan = plan = _launch.type_plan(x_dtype, w_dtype, b_dtype, extra=extra)
         self.h = self.r = None
         if h_dtype is not None:
             hd = _launch.cuda_type(h_dtype)
@@ -130,7 +143,7 @@ class StatsOp:
         kargs = kernel_args(self.spec, options)  # the conventions: eps, correction, r rule, offset, alpha
         residual = inputs.get(self.residual_name)
         h_dtype = self.prologue.h_dtype(x.dtype, options)
-        ty = _Types(self, x.dtype, weight, bias, h_dtype, _dtype(residual))
+        ty = _types(self, x.dtype, weight, bias, h_dtype, _dtype(residual))
         plan = ty.plan
         x = _host.contiguous(x)
         w = _host.prepare_param(weight, plan.acc if plan.casts[0] else None)
@@ -189,7 +202,7 @@ class StatsOp:
         bias = getattr(ctx, self.bias_name) if self.bias_name else None
         mean = ctx.mean if self.statistic.mean else None
         res_dtype = ctx.residual_in_dtype if self.residual else None
-        ty = _Types(self, ctx.x_dtype if self.residual else x.dtype, weight, bias, x.dtype if self.residual else None,
+        ty = _types(self, ctx.x_dtype if self.residual else x.dtype, weight, bias, x.dtype if self.residual else None,
                     res_dtype)  # fmt: skip
         plan = ty.plan
         if ctx.rstd.dtype != np.dtype(plan.acc_dtype):

@@ -102,9 +102,16 @@ def _groups(options: Mapping[str, Any], channels: int) -> None:
 def channel_term_scales(groups: Any) -> Any:
     """LayerNorm's term scales on the ``(N G, C/G S)`` rows (``groups(options, C)`` of them), each row with its
     channels' weights: ``y`` ``(|x̂| + s r)|w| + |b|``, ``dx`` ``r (|g| + mean|g| + |x̂| mean|g x̂|)``, the
-    parameter gradients their column sums per channel."""
+    parameter gradients their column sums per channel. Normalized with running statistics (InstanceNorm's
+    ``use_input_stats=False``): BatchNorm's evaluation terms, per channel."""
 
     def scales(x3: np.ndarray, arrays: Mapping[str, Any], dy3: np.ndarray, options: Mapping[str, Any]) -> dict:
+        if not options.get("use_input_stats", True) and arrays.get("running_mean") is not None:
+            # normalized with the running statistics (InstanceNorm's use_input_stats=False): BatchNorm's evaluation
+            # terms, per channel (the input's own statistics, at eps = 0 on a constant input, gave dx a scale of 0)
+            from .batch_norm import term_scales as running_scales
+
+            return running_scales(x3, arrays, dy3, {"training": False, "eps": options.get("eps", 1e-5)})
         n, c, s = x3.shape
         g = groups(options, c)
         # (in extended precision, as LayerNorm's: float64 squares of huge float64 inputs overflow, and an inf

@@ -445,6 +445,15 @@ def where(condition: Any, x: Any, y: Any) -> ndarray:
     return ndarray(_to_device(np.where(_unwrap(condition), _unwrap(x), _unwrap(y))))
 
 
+def stack(arrays: Any, axis: int = 0) -> ndarray:
+    """``cupy.stack`` (the BatchNorm host code's test of its statistics)."""
+    return ndarray(_to_device(np.stack([_unwrap(a) for a in arrays], axis=axis)))
+
+
+def flatnonzero(a: Any) -> ndarray:
+    return ndarray(_to_device(np.flatnonzero(_unwrap(a))))
+
+
 def tril(a: Any, k: int = 0) -> ndarray:
     """``cupy.tril`` (pynorm.blocks' causal mask)."""
     return ndarray(_to_device(np.tril(_unwrap(a), k)))
@@ -961,7 +970,7 @@ def module() -> types.ModuleType:
     names = [
         "ndarray", "empty", "full", "zeros", "ones", "empty_like", "zeros_like", "ones_like", "full_like",
         "array", "asarray", "ascontiguousarray", "asnumpy", "arange", "isfinite", "broadcast_to", "may_share_memory",
-        "shares_memory", "where", "tril", "moveaxis",
+        "shares_memory", "where", "tril", "moveaxis", "stack", "flatnonzero",
         "is_available", "get_default_memory_pool", "get_default_pinned_memory_pool", "RawModule", "RawKernel",
         "HarnessError",
     ]  # fmt: skip
@@ -970,7 +979,7 @@ def module() -> types.ModuleType:
     for n in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
               "uint64", "bool_", "dtype", "nan", "inf"):  # fmt: skip
         setattr(m, n, getattr(np, n))
-    for n in ("exp", "log", "sqrt", "tanh"):  # NumPy's ufuncs act on the stand-in through __array_ufunc__
+    for n in ("exp", "log", "sqrt", "tanh", "abs", "frexp", "ldexp"):  # NumPy's ufuncs act on the stand-in through __array_ufunc__
         setattr(m, n, getattr(np, n))
     m.cuda = cuda  # type: ignore[attr-defined]
     m.__version__ = "14.0.0+cuda-cpu-harness"  # type: ignore[attr-defined]

@@ -169,7 +169,9 @@ def _col_stats_span(x, nb, g, part, t0, t1):  # type: ignore[no-untyped-def]
                 m = _row_sum(xr) / sf
                 s1, s2 = _row_dev(xr, m)
                 cr = s1 / sf
-                m2 = max(s2 - s1 * cr, 0.0)
+                m2 = s2 - s1 * cr
+                if m2 < 0.0:  # (not max(): an overflowed NaN must stay NaN, for the host to see it)
+                    m2 = 0.0
                 if i == n0:
                     part[c, j, 0] = m
                     part[c, j, 1] = cr
@@ -243,7 +245,8 @@ def _col_stats_short_span(x, nb, g, part, t0, t1):  # type: ignore[no-untyped-de
             corr = a1[q] / cnt
             part[c, j, 0] = m[q]
             part[c, j, 1] = corr
-            part[c, j, 2] = max(a2[q] - a1[q] * corr, 0.0)
+            m2 = a2[q] - a1[q] * corr
+            part[c, j, 2] = 0.0 if m2 < 0.0 else m2  # (a NaN stays NaN: see _col_stats_span)
 
 
 @jit(_FM_EXACT)

@@ -46,6 +46,76 @@ def _split(mean: np.ndarray, corr: np.ndarray, mdt: np.dtype[Any]) -> tuple[np.n
     return np.ascontiguousarray(k), np.ascontiguousarray(((mean - k.astype(np.float64)) + corr).astype(mdt))
 
 
+def _statistics(xs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per channel of the ``(N, C, S)`` storage array ``xs``: the float64 mean pair ``(mean, corr)`` and the biased
+    variance (block statistics merged in block order)."""
+    n, c, s = xs.shape
+    nb, g, tasks = kernels.layout(n, c, s)
+    nbk = -(-n // nb)
+    part = np.empty((c, nbk, 3))
+    launch(kernels.col_stats_short if s < kernels.SHORT_ROW else kernels.col_stats, n * c * s, tasks, xs, nb, g, part)
+    mean, corr, var = np.empty(c), np.empty(c), np.empty(c)
+    launch(kernels.col_merge, c * nbk * 64, c, part, nb, n, s, mean, corr, var)
+    return mean, corr, var
+
+
+def _apply(xs: np.ndarray, mean: Any, corr: Any, scale: Any, b: np.ndarray | None, ys: np.ndarray, mdt: Any) -> None:
+    """``y = ((x - k) - cc) scale [+ b]`` per channel (``k + cc``: the mean pair in the math type ``mdt``)."""
+    n, c, s = xs.shape
+    if not ys.size:
+        return
+    k, cc = _split(mean, corr, mdt)
+    sc = np.ascontiguousarray(scale, dtype=mdt)
+    if s < kernels.SHORT_ROW:
+        launch(kernels.col_apply_short, n * c * s, n, xs, k, cc, sc, b, ys)
+    else:
+        launch(kernels.col_apply, n * c * s, n * c, xs, k, cc, sc, b, ys)
+
+
+def _sums(xs: np.ndarray, dys: np.ndarray, mean: np.ndarray) -> np.ndarray:
+    """``(C, 3)`` float64: per channel ``sum(dy)``, ``sum(dy xc)``, ``sum(xc)`` with ``xc = x - mean`` (block sums
+    added in block order)."""
+    n, c, s = xs.shape
+    sums = np.zeros((c, 3))
+    if xs.size:
+        nb, g, tasks = kernels.layout(n, c, s)
+        nbk = -(-n // nb)
+        part = np.empty((c, nbk, 3))
+        reduce = kernels.col_bwd_sums_short if s < kernels.SHORT_ROW else kernels.col_bwd_sums
+        launch(reduce, 2 * n * c * s, tasks, xs, dys, np.ascontiguousarray(mean), np.zeros(c), nb, g, part)
+        launch(kernels.col_sum_blocks, c * nbk * 64, c, part, sums)
+    return sums
+
+
+def _dx(xs: Any, dys: Any, mean: Any, corr: Any, a: Any, m1: Any, q: Any, dxs: np.ndarray, mdt: Any) -> None:
+    """Training backward: ``dx = a ((dy - m1) - ((x - k) - cc) q)`` per channel, in the math type ``mdt``."""
+    n, c, s = xs.shape
+    k, cc = _split(mean, corr, mdt)
+    short = s < kernels.SHORT_ROW
+    launch(kernels.col_dx_short if short else kernels.col_dx, 3 * n * c * s, n if short else n * c, xs, dys, k, cc,
+           a.astype(mdt), m1.astype(mdt), q.astype(mdt), dxs)  # fmt: skip
+
+
+def _overflowed(x: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The channels of a float64 ``x`` whose float64 ``values`` (``(C, k)``: the statistics, or the sums with the
+    centred values) are not all finite though every value of the channel is: the sums overflowed (``|x|`` near
+    1e154 and beyond; the kernels keep a NaN or inf of an overflowed sum, never clamp it). Empty for other dtypes
+    (their squares cannot overflow float64) and in the common case, at the cost of one test of ``values``."""
+    if x.dtype != np.float64 or np.isfinite(values).all():
+        return np.zeros(0, np.intp)
+    bad = np.flatnonzero(~np.isfinite(values).all(axis=1))
+    return bad[np.isfinite(x[:, bad, :]).all(axis=(0, 2))]
+
+
+def _scaled(x: np.ndarray, chans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The channels ``chans`` of a float64 ``x`` divided by ``2^e`` (per channel, ``e`` the exponent of its largest
+    magnitude: scaled values below 1 in magnitude, their squares' sums finite), and ``e``. Exact but for values
+    more than ~2^-1022 below the channel's largest, which only lose bits far below the channel's spread."""
+    sub = x[:, chans, :]
+    _, e = np.frexp(np.abs(sub).max(axis=(0, 2)))
+    return np.ascontiguousarray(np.ldexp(sub, -e[None, :, None])), e
+
+
 class ColumnOp:
     """One op of the column-statistics family on this backend (see the module doc)."""
 
@@ -75,30 +145,28 @@ class ColumnOp:
         mdt = common.math_dtype(x.dtype)
         xs = common.storage(x)
         y = common.output(out, x.shape, x.dtype)
+        w = None if weight is None else np.asarray(weight, np.float64)
+        b = None if bias is None else np.ascontiguousarray(bias, dtype=mdt)
         if training:
-            nb, g, tasks = kernels.layout(n, c, s)
-            nbk = -(-n // nb)
-            part = np.empty((c, nbk, 3))
-            stats = kernels.col_stats_short if s < kernels.SHORT_ROW else kernels.col_stats
-            launch(stats, n * c * s, tasks, xs, nb, g, part)
-            mean, corr, var = np.empty(c), np.empty(c), np.empty(c)
-            launch(kernels.col_merge, c * nbk * 64, c, part, nb, n, s, mean, corr, var)
+            mean, corr, var = _statistics(xs)
         else:
             mean, corr = np.asarray(rm, np.float64), np.zeros(c)
             var = np.asarray(rv, np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             rstd = 1.0 / np.sqrt(var + eps)
-        w = None if weight is None else np.asarray(weight, np.float64)
-        scale = rstd if w is None else rstd * w
-        k, cc = _split(mean, corr, mdt)
-        b = None if bias is None else np.ascontiguousarray(bias, dtype=mdt)
-        if y.size:
-            if s < kernels.SHORT_ROW:
-                launch(kernels.col_apply_short, n * c * s, n, xs, k, cc, np.ascontiguousarray(scale, dtype=mdt), b,
-                       common.storage(y))  # fmt: skip
-            else:
-                launch(kernels.col_apply, n * c * s, n * c, xs, k, cc, np.ascontiguousarray(scale, dtype=mdt), b,
-                       common.storage(y))  # fmt: skip
+        _apply(xs, mean, corr, rstd if w is None else rstd * w, b, common.storage(y), mdt)
+        if training:
+            redo = _overflowed(x, np.stack((mean, corr, var), axis=1))
+            if redo.size:  # float64 channels whose float64 sums of squares overflowed: again, scaled (see _scaled)
+                xr, e = _scaled(x, redo)
+                m_s, c_s, v_s = _statistics(xr)
+                r_s = 1.0 / np.sqrt(v_s + np.ldexp(eps, -2 * e))
+                yr = np.empty_like(xr)
+                _apply(xr, m_s, c_s, r_s if w is None else r_s * w[redo], None if b is None else b[redo], yr, mdt)
+                y[:, redo, :] = yr
+                mean[redo], corr[redo] = np.ldexp(m_s, e), np.ldexp(c_s, e)
+                with np.errstate(over="ignore"):  # the variance itself may be beyond float64 (as the reference's)
+                    var[redo], rstd[redo] = np.ldexp(v_s, 2 * e), np.ldexp(r_s, -e)
         full = mean + corr if training else mean.copy()
         values = {**o, "x": x, **dict(zip(self.spec.param_names, (weight, bias), strict=True))}
         values.update(zip(self.statistic.fills, (full, rstd), strict=True))
@@ -125,28 +193,30 @@ class ColumnOp:
         training = bool(column_args(self.spec, ctx).training)
         count = n * s
         want = training or weight is not None or bias is not None
-        sums = np.zeros((c, 3))
-        if want and x.size:
-            nb, g, tasks = kernels.layout(n, c, s)
-            nbk = -(-n // nb)
-            part = np.empty((c, nbk, 3))
-            reduce = kernels.col_bwd_sums_short if s < kernels.SHORT_ROW else kernels.col_bwd_sums
-            launch(reduce, 2 * n * c * s, tasks, xs, dys, mean, np.zeros(c), nb, g, part)
-            launch(kernels.col_sum_blocks, c * nbk * 64, c, part, sums)
+        sums = _sums(xs, dys, mean) if want and x.size else np.zeros((c, 3))
         sdy, sdyxc, sxc = sums[:, 0], sums[:, 1], sums[:, 2]
-        corr = sxc / count if training else np.zeros(c)
-        sdyxhat = (sdyxc - corr * sdy) * rstd
         a = rstd * w
         dxs = common.storage(dx)
-        if x.size:
+        with np.errstate(over="ignore", invalid="ignore"):  # (overflowed sums: those channels are redone below)
+            corr = sxc / count if training else np.zeros(c)
+            sdyxhat = (sdyxc - corr * sdy) * rstd
+            if x.size:
+                if training:
+                    _dx(xs, dys, mean, corr, a, sdy / count, rstd * sdyxhat / count, dxs, mdt)
+                else:
+                    launch(kernels.col_scale, 2 * n * c * s, n * c, dys, a.astype(mdt), dxs)
+        redo = _overflowed(x, sums[:, 1:]) if want else np.zeros(0, np.intp)
+        if redo.size:  # float64 channels whose float64 sum(dy xc) overflowed: again, scaled (see _scaled)
+            xr, e = _scaled(x, redo)
+            dyr = np.ascontiguousarray(dys[:, redo, :])
+            m_s, r_s = np.ldexp(mean[redo], -e), np.ldexp(rstd[redo], e)
+            sr = _sums(xr, dyr, m_s)
+            c_s = sr[:, 2] / count if training else np.zeros(redo.size)
+            sdyxhat[redo] = (sr[:, 1] - c_s * sr[:, 0]) * r_s
             if training:
-                k, cc = _split(mean, corr, mdt)
-                short = s < kernels.SHORT_ROW
-                launch(kernels.col_dx_short if short else kernels.col_dx, 3 * n * c * s, n if short else n * c, xs,
-                       dys, k, cc, a.astype(mdt), (sdy / count).astype(mdt), (rstd * sdyxhat / count).astype(mdt),
-                       dxs)  # fmt: skip
-            else:
-                launch(kernels.col_scale, 2 * n * c * s, n * c, dys, a.astype(mdt), dxs)
+                dxr = np.empty_like(xr)
+                _dx(xr, dyr, m_s, c_s, a[redo], sr[:, 0] / count, r_s * sdyxhat[redo] / count, dxr, mdt)
+                dx[:, redo, :] = dxr
         dweight = None if weight is None else round_to(sdyxhat, weight.dtype)
         dbias = None if bias is None else round_to(sdy, bias.dtype)
         return self.spec.grads(dx, dweight, dbias)

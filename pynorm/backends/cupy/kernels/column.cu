@@ -101,7 +101,7 @@ col_stats(const T* __restrict__ x, long long C, long long S, long long values, i
     const double m2 = v2[1] - v2[0] * corr;
     p[0] = m;
     p[1] = corr;
-    p[2] = m2 > 0.0 ? m2 : 0.0;
+    p[2] = m2 < 0.0 ? 0.0 : m2;  // (an overflowed NaN stays NaN, for the host to see it)
   }
 }
 

@@ -10,7 +10,8 @@ contract, the same ctx dataclasses and gradient tuples, holding CuPy arrays):
 * :mod:`.quantize` -- host launchers of the quantize family (the quantization-friendly LayerNorm), ``OP_IMPLS``;
 * :mod:`._loader` -- reads the ``.cu`` files (``#line`` directives keep compiler messages
   pointing at them) and instantiates templates through NVRTC name expressions, one
-  :class:`cupy.RawModule` per file, dtypes and variant, cached per device;
+  :class:`._loader.Module` per file, dtypes and variant (compiled without flush-to-zero, the binary cached on
+  disk), loaded per device;
 * :mod:`._launch` -- launch configuration and occupancy model (pure Python);
 * :mod:`.compile_check` -- ``python -m pynorm.backends.cupy.compile_check`` compiles every
   instantiation the specs declare for sm_80 and sm_90 with NVRTC from pip and fails on errors or spills.

@@ -13,6 +13,8 @@ disagree.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -93,6 +95,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+@functools.lru_cache(maxsize=4096)  # (pure: a call's fixed cost)
 def occupancy(regs: int, static_smem: int, block: int, limits: Limits, dynamic_smem: int = 0) -> Occupancy:
     """Occupancy of a kernel using ``regs`` registers per thread (``cudaOccMaxActiveBlocksPerMultiprocessor``).
 
@@ -258,6 +261,7 @@ def _check_hidden(hidden: int) -> None:
         raise ValueError(f"hidden size {hidden} is outside the supported range 1..{MAX_HIDDEN}")
 
 
+@functools.lru_cache(maxsize=4096)  # (pure: a call's fixed cost)
 def forward_config(
     rows: int,
     hidden: int,
@@ -341,6 +345,7 @@ def backward_kind(
     return "fused" if fits else "split"
 
 
+@functools.lru_cache(maxsize=4096)  # (pure: a call's fixed cost)
 def backward_config(
     rows: int,
     hidden: int,

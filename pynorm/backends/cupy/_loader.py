@@ -27,6 +27,7 @@ __all__ = [
     "CUDA_TYPES",
     "FP_OPTIONS",
     "KERNELS",
+    "Kernel",
     "Module",
     "TYPE_NAMES",
     "assemble",
@@ -446,8 +447,38 @@ def get_kernel(file: str, kernel: str, types: tuple[str, ...]) -> Any:
     key = (cupy.cuda.runtime.getDevice(), file, kernel, types)
     k = _kernels.get(key)
     if k is None:  # (a RawKernel per request would cost ~10 us a launch)
-        k = _kernels[key] = _module(file, types).get_function(name_expression(kernel, *types))
+        k = _kernels[key] = Kernel(_module(file, types).get_function(name_expression(kernel, *types)))
     return k
+
+
+class Kernel:
+    """A loaded kernel, its attributes read once: a launch needs no driver query and no lookup of the function.
+
+    ``num_regs``, ``shared_size_bytes`` and ``max_dynamic_shared_size_bytes`` (settable: the driver's attribute is
+    set, then read back) as :class:`cupy.RawKernel`'s; calling it launches ``fn`` (CuPy's driver function: a
+    :class:`cupy.RawKernel` looks it up, through a memoized function of all its arguments, at every access)."""
+
+    __slots__ = ("_max_dynamic", "fn", "name", "num_regs", "raw", "shared_size_bytes")
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.fn = getattr(raw, "kernel", raw)
+        self.name = str(getattr(raw, "name", "?"))
+        self.num_regs = int(raw.num_regs)
+        self.shared_size_bytes = int(raw.shared_size_bytes)
+        self._max_dynamic = int(raw.max_dynamic_shared_size_bytes)
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._max_dynamic
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        self.raw.max_dynamic_shared_size_bytes = value
+        self._max_dynamic = int(self.raw.max_dynamic_shared_size_bytes)
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], shared_mem: int = 0) -> None:
+        self.fn(grid, block, args, shared_mem=shared_mem)
 
 
 def warm_up(requests: Iterable[tuple[str, tuple[str, ...]]] | None = None, jobs: int | None = None) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of pynorm's CuPy backend (at most 9.5 minutes: each stage under its own limit).
+# The one prepared GPU check of pynorm's CuPy backend (about 3 minutes on an H200; at most 12: each stage under its own limit).
 #
 #   bash bench/gpu_check.sh            # from anywhere; writes logs + JSON to $OUT (or /tmp/pynorm_gpu_check)
 #
@@ -10,7 +10,8 @@
 #      the cross-backend suite tests/test_backends.py on the cupy backend;
 #   3. bench/bench_gpu.py: forward, backward, forward+backward vs the device-to-device copy
 #      bandwidth and vs torch (and Liger if importable);
-#   4. compute-sanitizer memcheck over every op's forward + backward (bench/gpu_sanitize.py --quick).
+#   4. compute-sanitizer memcheck over every op's forward + backward (bench/gpu_sanitize.py --quick);
+#   5. pynorm check of the cupy backend: every op over the oracle's full grid (bench/gpu_oracle.py).
 #
 # It installs nothing from the network. The lent H200 image already has cupy-cuda13x,
 # torch, triton, ml_dtypes, pytest and hypothesis. On a machine without them, carry wheels:
@@ -78,5 +79,11 @@ else
   echo "compute-sanitizer not found"; rc_san=0
 fi
 
-echo "== exit codes: gpu tests $rc_tests, cross-backend $rc_cross, bench $rc_bench, sanitizer $rc_san (logs in $OUTDIR)"
-[ "$rc_tests" -eq 0 ] && [ "$rc_cross" -eq 0 ] && [ "$rc_bench" -eq 0 ] && [ "$rc_san" -eq 0 ]
+echo "== pynorm check of the cupy backend: every op over the oracle's full grid (bench/gpu_oracle.py)"
+timeout 150 $PY bench/gpu_oracle.py >"$OUTDIR/oracle.log" 2>&1
+rc_oracle=$?
+grep -E "passed:|FAILED|ERROR|done:" "$OUTDIR/oracle.log" | head -40
+
+echo "== exit codes: gpu tests $rc_tests, cross-backend $rc_cross, bench $rc_bench, sanitizer $rc_san," \
+  "oracle $rc_oracle (logs in $OUTDIR)"
+[ "$rc_tests" -eq 0 ] && [ "$rc_cross" -eq 0 ] && [ "$rc_bench" -eq 0 ] && [ "$rc_san" -eq 0 ] && [ "$rc_oracle" -eq 0 ]

@@ -360,9 +360,7 @@ def test_forward_with_exactly_48_KiB_of_dynamic_shared_memory(op, dt, pdt, h, pa
         acc = 8 if "float64" in (dt, pdt) else 4
         cfg = _launch.forward_config(3, h, x.itemsize, acc, True, _host.device_limits(), 64, 256)
         assert cfg.over_smem == 48 * 1024, cfg
-        with _loader._lock:
-            _loader._modules.clear()
-            _loader._kernels.clear()
+        _loader.forget()
     path("OVERFLOW", "smem")
     check_against_reference(op, x, dy, params, conv, run_backend(op, x, dy, params, conv), what="48 KiB")
 

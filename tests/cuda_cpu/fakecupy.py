@@ -153,6 +153,23 @@ def _on_device(a: np.ndarray) -> bool:
     return isinstance(base, _Buffer)
 
 
+_F32_TINY = np.finfo(np.float32).tiny
+
+
+def _ftz(a: Any) -> Any:
+    """``a`` with its float32 subnormals flushed to (signed) zero, as CuPy's own kernels do (CuPy compiles them with
+    ``-ftz=true``: its ufuncs, ``astype`` and reductions; pynorm's kernels are compiled without it). Other dtypes, and
+    non-arrays, unchanged. A new array when something is flushed."""
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+        return a
+    sub = (a != 0) & (np.abs(a) < _F32_TINY)
+    if not sub.any():
+        return a
+    out = a.copy()
+    out[sub] = np.copysign(np.float32(0), a[sub])
+    return out
+
+
 def _to_device(a: np.ndarray) -> np.ndarray:
     """``a`` itself when it is device memory, else a C-contiguous device copy."""
     if _on_device(a):
@@ -286,7 +303,11 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):
         if not copy and dtype == self._a.dtype:
             return self
         out = _device_empty(self._a.shape, dtype)
-        np.copyto(out, self._a, casting="unsafe")
+        # (float32 <-> float64 and float32 -> float32 conversions flush; to and from 16-bit types they do not)
+        wide = {self._a.dtype, dtype} <= {np.dtype(np.float32), np.dtype(np.float64)}
+        np.copyto(out, _ftz(self._a) if wide else self._a, casting="unsafe")
+        if wide and out.dtype == np.float32:
+            np.copyto(out, _ftz(out))
         return ndarray(out)
 
     def fill(self, value: Any) -> None:
@@ -307,7 +328,7 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):
     # -- reductions
     def _reduce(self, name: str, *args: Any, **kwargs: Any) -> Any:
         kwargs = {k: _unwrap(v) for k, v in kwargs.items()}
-        return _wrap(np.asarray(getattr(self._a, name)(*args, **kwargs)))
+        return _wrap(_ftz(np.asarray(getattr(_ftz(self._a), name)(*args, **kwargs))))
 
     def sum(self, *a: Any, **k: Any) -> Any:
         return self._reduce("sum", *a, **k)
@@ -332,10 +353,16 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = tuple(_unwrap(o) for o in out)
-        res = getattr(ufunc, method)(*(_unwrap(x) for x in inputs), **kwargs)
+        if ufunc is np.matmul:  # CuPy's matmul is cuBLAS's, which keeps subnormals (the H200 runs: the fused
+            res = getattr(ufunc, method)(*(_unwrap(x) for x in inputs), **kwargs)  # norm + Linear passed there)
+            return out[0] if out is not None and len(out) == 1 else out if out is not None else _wrap(res)
+        res = getattr(ufunc, method)(*(_ftz(_unwrap(x)) for x in inputs), **kwargs)
         if out is not None:
+            for o in out:
+                if isinstance(o, ndarray) and o._a.dtype == np.float32:
+                    np.copyto(o._a, _ftz(o._a))
             return out[0] if len(out) == 1 else out
-        return _wrap(res)
+        return _wrap(tuple(_ftz(r) for r in res) if isinstance(res, tuple) else _ftz(res))
 
 
 ndarray.__module__ = "cupy"

@@ -438,3 +438,22 @@ def test_array_operations_stay_in_device_memory():
     c = cupy.zeros((3, 4), dtype=np.float32)
     c += a
     np.testing.assert_array_equal(cupy.asnumpy(c), cupy.asnumpy(a))
+
+
+def test_cupys_own_float32_operations_flush_subnormals_as_on_a_gpu():
+    """CuPy compiles its own kernels with -ftz=true: float32 subnormals produced or read by its ufuncs, reductions and
+    float32/float64 conversions are flushed to zero on a GPU; the stand-in does the same (a BatchNorm scale of ~1e-38
+    converted by ``astype`` was 0 on an H200 and not on the harness). 16-bit conversions and matmul keep them."""
+    import cupy
+
+    tiny = np.array([1e-39, -2e-40, 1e-30], dtype=np.float64)
+    got = cupy.asnumpy(cupy.asarray(tiny).astype(np.float32))
+    assert got[0] == 0 and got[1] == 0 and np.signbit(got[1]) and got[2] == np.float32(1e-30)
+    sub32 = cupy.asarray(np.array([1e-39, 3e-39], dtype=np.float32))
+    assert cupy.asnumpy(sub32.astype(np.float64)).tolist() == [0.0, 0.0]
+    assert cupy.asnumpy(sub32 * np.float32(1)).tolist() == [0.0, 0.0]
+    assert float(cupy.asnumpy(sub32.sum())) == 0.0
+    kept = cupy.asnumpy(sub32.astype(np.float16))  # (16-bit: no flush; these underflow to 0 anyway)
+    assert kept.dtype == np.float16
+    m = cupy.asnumpy(cupy.asarray(np.array([[1e-39]], np.float32)) @ cupy.asarray(np.array([[1.0]], np.float32)))
+    assert m[0, 0] == np.float32(1e-39)

@@ -95,12 +95,10 @@ def planted(tmp_path, monkeypatch):
         (d / file).write_text(src.replace(old, new))
         monkeypatch.setattr(_loader, "kernel_dir", lambda: d)
         monkeypatch.setattr(fakecupy, "_nvrtc_stats", clean_stats)
-        with _loader._lock:
-            _loader._modules.clear()
+        _loader.forget()
 
     yield plant
-    with _loader._lock:
-        _loader._modules.clear()
+    _loader.forget()
 
 
 def _dtype(name: str):

@@ -436,6 +436,14 @@ def _module(file: str, types: tuple[str, ...]) -> Module:
     return mod
 
 
+def forget() -> None:
+    """Drop every module and kernel loaded so far (tests that swap the kernel sources; the disk cache, keyed by the
+    source text, stays valid)."""
+    with _lock:
+        _modules.clear()
+        _kernels.clear()
+
+
 def get_kernel(file: str, kernel: str, types: tuple[str, ...]) -> Any:
     """The :class:`cupy.RawKernel` ``pynorm::kernel<types>`` of ``file`` on the current device.
 

@@ -84,10 +84,9 @@ class ColumnOp:
         n, c, s = (int(d) for d in x.shape)
         total = n * c * s
         if total:
-            k = mean.astype(adt)
-            cc = ((mean - k.astype(cupy.float64)) + corr).astype(adt)
+            k, cc = _centring(mean, corr, adt)
             _host.launch(self._kernel("col_apply", t, a), _apply_grid(total), _THREADS,
-                         (x, y, k, cc, scale.astype(adt), _host.ptr_or_null(b), np.int64(total), np.int64(c),
+                         (x, y, k, cc, _host.cast(scale, adt), _host.ptr_or_null(b), np.int64(total), np.int64(c),
                           np.int64(s)))  # fmt: skip
 
     def _sums(self, x: Any, dy: Any, mean: Any, t: str, a: str) -> Any:
@@ -110,11 +109,10 @@ class ColumnOp:
         n, c, s = (int(d) for d in x.shape)
         total = n * c * s
         if total:
-            k = mean.astype(adt)
-            cc = ((mean - k.astype(cupy.float64)) + corr).astype(adt)
+            k, cc = _centring(mean, corr, adt)
             shape = (np.int64(total), np.int64(c), np.int64(s))
             _host.launch(self._kernel("col_dx", t, a), _apply_grid(total), _THREADS,
-                         (x, dy, dx, k, cc, coef.astype(adt), m1.astype(adt), q.astype(adt), *shape))  # fmt: skip
+                         (x, dy, dx, k, cc, *(_host.cast(v, adt) for v in (coef, m1, q)), *shape))  # fmt: skip
 
     def forward(self, x: cupy.ndarray, *args: Any, out: cupy.ndarray | None = None, **options: Any) -> Any:
         """Forward of the ``(N, C, S)`` array ``x`` (then the running mean and variance, the weight and the bias,
@@ -182,7 +180,7 @@ class ColumnOp:
             self._dx(x, dy, dx, mean, corr, coef, sdy / values, rstd * sdyxhat / values, t, a, adt)
         elif total:
             _host.launch(self._kernel("col_scale", t, a), _apply_grid(total), _THREADS,
-                         (dy, dx, coef.astype(adt), np.int64(total), np.int64(c), np.int64(s)))  # fmt: skip
+                         (dy, dx, _host.cast(coef, adt), np.int64(total), np.int64(c), np.int64(s)))  # fmt: skip
         redo = _overflowed(x, sums[:, 1:]) if want else None
         if redo is not None:  # float64 channels whose float64 sum(dy xc) overflowed: again, scaled
             xr, e = _scaled(x, redo)
@@ -199,6 +197,14 @@ class ColumnOp:
         dweight = None if weight is None else _host.cast(sdyxhat, weight.dtype)
         dbias = None if bias is None else _host.cast(sdy, bias.dtype)
         return self.spec.grads(dx, dweight, dbias)
+
+
+def _centring(mean: Any, corr: Any, adt: Any) -> tuple[Any, Any]:
+    """The float64 mean pair ``mean + corr`` as ``(k, cc)`` in the math type: ``k`` rounded, ``cc`` what it misses.
+    Converted by pynorm's cast kernel, not ``astype``: CuPy compiles its own kernels with ``-ftz=true``, which
+    flushes float32 subnormals (a float32 scale of ~1e-38 became 0 and y = b: the first H200 run's oracle)."""
+    k = _host.cast(mean, adt)
+    return k, _host.cast((mean - _host.cast(k, "float64")) + corr, adt)
 
 
 def _overflowed(x: cupy.ndarray, values: cupy.ndarray) -> Any:

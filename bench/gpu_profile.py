@@ -103,6 +103,34 @@ def short(name):
     return name if len(name) < 110 else name[:107] + "..."
 
 
+def profile_case(mod, op, dt, rows, h):
+    """Host time, launches and device times of one op's forward and backward at ``rows x h``."""
+    x, dy = random((rows, h), dt), random((rows, h), dt)
+    params = [random((h,), dt) for _ in mod.spec.params]
+    _, ctx = mod.forward(x, *params)
+
+    def fwd():
+        mod.forward(x, *params)
+
+    def bwd():
+        mod.backward(dy, ctx)
+
+    nbytes = x.nbytes
+    src, dst = cupy.empty(2 * nbytes, cupy.uint8), cupy.empty(2 * nbytes, cupy.uint8)
+
+    def copy2():  # the bytes a forward moves: read x, write y
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3, 0)
+
+    print(f"\n=== {op} {dt} {rows}x{h}")
+    for what, f in (("fwd", fwd), ("bwd", bwd)):
+        hu, tu = host_time(f)
+        print(f"{what}: host {hu:8.1f} us/call, with sync {tu:8.1f} us/call")
+        for k in launches(f):
+            print(f"   launch {short(k[0])} grid={k[1]} block={k[2]} smem={k[3]}")
+    for name, (cnt, us) in sorted(device_times([fwd, bwd, copy2]).items(), key=lambda kv: -kv[1][1]):
+        print(f"   device {us:9.1f} us x{cnt:3d}  {short(name)}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="layer_norm,rms_norm")
@@ -111,35 +139,10 @@ def main():
     a = ap.parse_args()
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; cupy {cupy.__version__}")
     for op in a.ops.split(","):
-        mod = stats.OP_IMPLS[op]
         for dt in a.dtypes.split(","):
             for s in a.shapes.split(","):
                 rows, h = (int(v) for v in s.split("x"))
-                x, dy = random((rows, h), dt), random((rows, h), dt)
-                params = [random((h,), dt) for _ in mod.spec.params]
-                y, ctx = mod.forward(x, *params)
-
-                def fwd():
-                    mod.forward(x, *params)
-
-                def bwd():
-                    mod.backward(dy, ctx)
-
-                nbytes = x.nbytes
-                src, dst = cupy.empty(2 * nbytes, cupy.uint8), cupy.empty(2 * nbytes, cupy.uint8)
-
-                def copy2():  # the bytes a forward moves: read x, write y
-                    cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3, 0)
-
-                print(f"\n=== {op} {dt} {rows}x{h}")
-                for what, f in (("fwd", fwd), ("bwd", bwd)):
-                    hu, tu = host_time(f)
-                    print(f"{what}: host {hu:8.1f} us/call, with sync {tu:8.1f} us/call")
-                    for k in launches(f):
-                        print(f"   launch {short(k[0])} grid={k[1]} block={k[2]} smem={k[3]}")
-                for name, (cnt, us) in sorted(device_times([fwd, bwd, copy2]).items(), key=lambda kv: -kv[1][1]):
-                    print(f"   device {us:9.1f} us x{cnt:3d}  {short(name)}")
-                del src, dst
+                profile_case(stats.OP_IMPLS[op], op, dt, rows, h)
     # host profile of small and large calls
     mod = stats.OP_IMPLS["layer_norm"]
     for rows, h, n in ((4, 8, 200), (4096, 4096, 50)):

@@ -16,6 +16,7 @@ from .group_norm import (
     RUNNING,
     channel_spec,
     check_momentum,
+    column_term_scales,
     running_pair,
     running_result,
 )
@@ -64,40 +65,6 @@ def _arrays(x_shape: tuple[int, ...], axis: int, arrays: Mapping[str, Any], opti
     values = int(np.prod(x_shape)) // x_shape[1] if len(x_shape) > 1 else 0
     if values < 2:
         raise ShapeError(f"training BatchNorm needs more than 1 value per channel, got x of shape {x_shape}")
-
-
-def term_scales(x3: np.ndarray, arrays: Mapping[str, Any], dy3: np.ndarray, options: Mapping[str, Any]) -> dict:
-    """LayerNorm's term scales on each channel's ``N S`` values (the batch's or the running statistics)."""
-    n, c, s = x3.shape
-    wide = np.longdouble  # (as LayerNorm's: float64 squares of huge float64 inputs overflow)
-    cols = np.asarray(x3).astype(wide).transpose(1, 0, 2).reshape(c, -1)
-    dyc = np.abs(np.asarray(dy3).astype(wide)).transpose(1, 0, 2).reshape(c, -1)
-    if options["training"]:
-        mean, var = cols.mean(axis=1, keepdims=True), cols.var(axis=1, keepdims=True)
-    else:
-        mean = np.asarray(arrays["running_mean"], np.float64)[:, None]
-        var = np.asarray(arrays["running_var"], np.float64)[:, None]
-    r = 1 / np.sqrt(var + options["eps"])
-    xhat = np.abs((cols - mean) * r)
-    sr = np.sqrt(var) * r + np.abs(mean) * r * (0 if options["training"] else 1)
-    w = np.ones((c, 1)) if arrays.get("weight") is None else np.abs(np.asarray(arrays["weight"], np.float64))[:, None]
-    b = 0 if arrays.get("bias") is None else np.abs(np.asarray(arrays["bias"], np.float64))[:, None]
-    g = dyc * w
-    if options["training"]:
-        dx = r * (g + g.mean(axis=1, keepdims=True) + xhat * (g * xhat).mean(axis=1, keepdims=True))
-    else:
-        dx = r * g
-
-    def back(a: np.ndarray) -> np.ndarray:
-        return a.reshape(c, n, s).transpose(1, 0, 2)
-
-    out = {
-        "y": back((xhat + sr) * w + b),
-        "dx": back(dx),
-        "dweight": (dyc * (xhat + sr)).sum(axis=1),
-        "dbias": dyc.sum(axis=1),
-    }
-    return {k: v.astype(np.float64) for k, v in out.items()}
 
 
 _BATCH_NORM_DOC = r"""BatchNorm (Ioffe & Szegedy 2015, "Batch Normalization"); returns ``(y, ctx)`` for
@@ -152,7 +119,7 @@ SPEC = channel_spec(
     grads=BatchNormGrads,
     ctx=BatchNormCtx,
     variant=ColumnVariant("centered"),
-    term_scales=term_scales,
+    term_scales=column_term_scales,
     check_arrays=_arrays,
     cases=({"training": True}, {"training": False}, {"training": True, "momentum": None, "num_batches_tracked": 3}),
     summary="y = (x - mean_c) / sqrt(var_c + eps) * w_c + b_c, statistics over (N, *spatial)",

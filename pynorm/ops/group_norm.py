@@ -99,6 +99,41 @@ def _groups(options: Mapping[str, Any], channels: int) -> None:
         raise ShapeError(f"num_groups={g} must divide the {channels} channels of x")
 
 
+def column_term_scales(x3: np.ndarray, arrays: Mapping[str, Any], dy3: np.ndarray, options: Mapping[str, Any]) -> dict:
+    """LayerNorm's term scales on each channel's ``N S`` values, with the batch's statistics (``options["training"]``)
+    or the running ones (BatchNorm's; InstanceNorm's with ``use_input_stats=False``)."""
+    n, c, s = x3.shape
+    wide = np.longdouble  # (as LayerNorm's: float64 squares of huge float64 inputs overflow)
+    cols = np.asarray(x3).astype(wide).transpose(1, 0, 2).reshape(c, -1)
+    dyc = np.abs(np.asarray(dy3).astype(wide)).transpose(1, 0, 2).reshape(c, -1)
+    if options["training"]:
+        mean, var = cols.mean(axis=1, keepdims=True), cols.var(axis=1, keepdims=True)
+    else:
+        mean = np.asarray(arrays["running_mean"], np.float64)[:, None]
+        var = np.asarray(arrays["running_var"], np.float64)[:, None]
+    r = 1 / np.sqrt(var + options["eps"])
+    xhat = np.abs((cols - mean) * r)
+    sr = np.sqrt(var) * r + np.abs(mean) * r * (0 if options["training"] else 1)
+    w = np.ones((c, 1)) if arrays.get("weight") is None else np.abs(np.asarray(arrays["weight"], np.float64))[:, None]
+    b = 0 if arrays.get("bias") is None else np.abs(np.asarray(arrays["bias"], np.float64))[:, None]
+    g = dyc * w
+    if options["training"]:
+        dx = r * (g + g.mean(axis=1, keepdims=True) + xhat * (g * xhat).mean(axis=1, keepdims=True))
+    else:
+        dx = r * g
+
+    def back(a: np.ndarray) -> np.ndarray:
+        return a.reshape(c, n, s).transpose(1, 0, 2)
+
+    out = {
+        "y": back((xhat + sr) * w + b),
+        "dx": back(dx),
+        "dweight": (dyc * (xhat + sr)).sum(axis=1),
+        "dbias": dyc.sum(axis=1),
+    }
+    return {k: v.astype(np.float64) for k, v in out.items()}
+
+
 def channel_term_scales(groups: Any) -> Any:
     """LayerNorm's term scales on the ``(N G, C/G S)`` rows (``groups(options, C)`` of them), each row with its
     channels' weights: ``y`` ``(|x̂| + s r)|w| + |b|``, ``dx`` ``r (|g| + mean|g| + |x̂| mean|g x̂|)``, the
@@ -109,9 +144,7 @@ def channel_term_scales(groups: Any) -> Any:
         if not options.get("use_input_stats", True) and arrays.get("running_mean") is not None:
             # normalized with the running statistics (InstanceNorm's use_input_stats=False): BatchNorm's evaluation
             # terms, per channel (the input's own statistics, at eps = 0 on a constant input, gave dx a scale of 0)
-            from .batch_norm import term_scales as running_scales
-
-            return running_scales(x3, arrays, dy3, {"training": False, "eps": options.get("eps", 1e-5)})
+            return column_term_scales(x3, arrays, dy3, {"training": False, "eps": options.get("eps", 1e-5)})
         n, c, s = x3.shape
         g = groups(options, c)
         # (in extended precision, as LayerNorm's: float64 squares of huge float64 inputs overflow, and an inf

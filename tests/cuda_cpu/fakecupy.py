@@ -1006,7 +1006,8 @@ def module() -> types.ModuleType:
     for n in ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
               "uint64", "bool_", "dtype", "nan", "inf"):  # fmt: skip
         setattr(m, n, getattr(np, n))
-    for n in ("exp", "log", "sqrt", "tanh", "abs", "frexp", "ldexp"):  # NumPy's ufuncs act on the stand-in through __array_ufunc__
+    # NumPy's ufuncs act on the stand-in through __array_ufunc__
+    for n in ("exp", "log", "sqrt", "tanh", "abs", "frexp", "ldexp"):
         setattr(m, n, getattr(np, n))
     m.cuda = cuda  # type: ignore[attr-defined]
     m.__version__ = "14.0.0+cuda-cpu-harness"  # type: ignore[attr-defined]

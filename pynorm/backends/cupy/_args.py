@@ -72,7 +72,8 @@ class _Args:
     scalars converted to the exact width of their C type."""
 
     def pack(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, n) if conv is None else conv(getattr(self, n)) for n, conv in _packers(type(self)))
+        packers = _packers(type(self))  # type: ignore[arg-type]  # (a class is hashable)
+        return tuple(getattr(self, n) if conv is None else conv(getattr(self, n)) for n, conv in packers)
 
 
 @functools.cache

@@ -14,7 +14,6 @@ disagree.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from typing import Any, Literal
 

@@ -27,9 +27,9 @@ __all__ = [
     "CUDA_TYPES",
     "FP_OPTIONS",
     "KERNELS",
+    "TYPE_NAMES",
     "Kernel",
     "Module",
-    "TYPE_NAMES",
     "assemble",
     "assemble_text",
     "cache_dir",
@@ -389,9 +389,7 @@ def _load(code: str, names: tuple[str, ...]) -> tuple[Any, dict[str, str]]:
 
     options = compile_options()
     arch = cupy.cuda.Device().compute_capability
-    key = "\0".join(
-        (code, *options, arch, repr(cupy.cuda.nvrtc.getVersion()), cupy.__version__, *sorted(names))
-    )
+    key = "\0".join((code, *options, arch, repr(cupy.cuda.nvrtc.getVersion()), cupy.__version__, *sorted(names)))
     digest = hashlib.sha256(key.encode()).hexdigest()[:40]
     directory = cache_dir()
     binary, table = directory / f"{digest}.bin", directory / f"{digest}.json"
@@ -485,7 +483,9 @@ class Kernel:
         self.raw.max_dynamic_shared_size_bytes = value
         self._max_dynamic = int(self.raw.max_dynamic_shared_size_bytes)
 
-    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], shared_mem: int = 0) -> None:
+    def __call__(
+        self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], shared_mem: int = 0
+    ) -> None:
         self.fn(grid, block, args, shared_mem=shared_mem)
 
 

@@ -153,19 +153,17 @@ def _on_device(a: np.ndarray) -> bool:
     return isinstance(base, _Buffer)
 
 
-_F32_TINY = np.finfo(np.float32).tiny
-
-
 def _ftz(a: Any) -> Any:
     """``a`` with its float32 subnormals flushed to (signed) zero, as CuPy's own kernels do (CuPy compiles them with
     ``-ftz=true``: its ufuncs, ``astype`` and reductions; pynorm's kernels are compiled without it). Other dtypes, and
     non-arrays, unchanged. A new array when something is flushed."""
-    if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or not a.size:
         return a
-    sub = (a != 0) & (np.abs(a) < _F32_TINY)
+    mag = np.ascontiguousarray(a).view(np.uint32) & np.uint32(0x7FFFFFFF)
+    sub = (mag - np.uint32(1)) < np.uint32(0x007FFFFF)  # 0 < |a| < 2^-126: a subnormal (0 wraps around)
     if not sub.any():
         return a
-    out = a.copy()
+    out = np.array(a, copy=True)
     out[sub] = np.copysign(np.float32(0), a[sub])
     return out
 

@@ -22,20 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy
 import ml_dtypes
 import numpy as np
+from gpu_oracle import to_dev  # (bench/, beside this script)
 
 import pynorm
 from pynorm import ops
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def to_dev(a):
-    if a is None or not isinstance(a, np.ndarray):
-        return a
-    a = np.ascontiguousarray(a)
-    if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
-        return cupy.asarray(a.view(_UINT[a.itemsize])).view(a.dtype)
-    return cupy.asarray(a)
 
 
 def main() -> int:

@@ -351,16 +351,15 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = tuple(_unwrap(o) for o in out)
-        if ufunc is np.matmul:  # CuPy's matmul is cuBLAS's, which keeps subnormals (the H200 runs: the fused
-            res = getattr(ufunc, method)(*(_unwrap(x) for x in inputs), **kwargs)  # norm + Linear passed there)
-            return out[0] if out is not None and len(out) == 1 else out if out is not None else _wrap(res)
-        res = getattr(ufunc, method)(*(_ftz(_unwrap(x)) for x in inputs), **kwargs)
+        # CuPy's matmul is cuBLAS's, which keeps subnormals (the H200 runs: the fused norm + Linear passed there)
+        flush = _ftz if ufunc is not np.matmul else (lambda v: v)
+        res = getattr(ufunc, method)(*(flush(_unwrap(x)) for x in inputs), **kwargs)
         if out is not None:
             for o in out:
                 if isinstance(o, ndarray) and o._a.dtype == np.float32:
-                    np.copyto(o._a, _ftz(o._a))
+                    np.copyto(o._a, flush(o._a))
             return out[0] if len(out) == 1 else out
-        return _wrap(tuple(_ftz(r) for r in res) if isinstance(res, tuple) else _ftz(res))
+        return _wrap(tuple(flush(r) for r in res) if isinstance(res, tuple) else flush(res))
 
 
 ndarray.__module__ = "cupy"

@@ -369,6 +369,57 @@ def test_numba_rounded_affine_in_one_pass_is_the_two_kernels_bitwise(policy: str
                 assert np.array_equal(a.view(np.uint8), want.view(np.uint8)), (op, off, len(params))
 
 
+def _rounds_to_x(policy: str, dt: str, wdt: str | None) -> bool:
+    from pynorm.reference.casting import quantized_dtype
+
+    return quantized_dtype(policy, dtype(dt), dtype(wdt or dt)) == np.dtype(dtype(dt))
+
+
+@pytest.mark.parametrize(
+    ("policy", "dt", "wdt"),
+    [
+        (p, d, w)
+        for p in ("llama", "t5")
+        for d in ("float16", "bfloat16", "float32")
+        for w in (None, "float32")
+        if _rounds_to_x(p, d, w)  # (t5 rounds only to a 16-bit weight's dtype)
+    ],
+)
+def test_numba_rounded_affine_backward_in_one_pass_is_the_three_kernels_bitwise(policy: str, dt: str, wdt: Any) -> None:
+    """ "llama"/"t5" backward on numba runs in one pass over the rows (q recomputed, g = rnd(dy w) and dx of the
+    norm without affine, no q or g in memory): bitwise the backend's own three kernels -- the norm's forward
+    without affine (q), PowerNorm's backward with p = 1 at q (g, dweight, dbias), the norm's backward without
+    affine with upstream g -- on ordinary and hard rows (slow-path rows of both passes among them), on both
+    sides of the fused backward's row-block boundary, with and without a weight offset."""
+    pytest.importorskip("numba")
+    for rows in (40, 200):
+        data = _data(dt, rows=rows, h=300, seed=11, wdt=wdt)
+        x, dy = data["x"].copy(), data["dy"]
+        big = {"float16": 6e4, "bfloat16": 3e38, "float32": 3e38}[dt]
+        x[1] = 1e4 if dt != "float16" else 300.0  # a constant row
+        x[2] *= 1e-30 if dt != "float16" else 1e-3
+        x[3, 5] = np.nan
+        x[4] += 2e4 if dt == "float32" else 100.0
+        x[5, ::2], x[5, 1::2] = big, -big  # its sums overflow: the slow path of both passes
+        x[6] *= 1e-38 if dt != "float16" else 1e-7  # subnormal
+        for off in (0.0, 1.0):
+            for op, params in (("layer_norm", (data["w"], data["b"])), ("rms_norm", (data["w"],))):
+                fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+                with np.errstate(all="ignore"):
+                    got = bwd(dy, fwd(x, *params, casting=policy, weight_offset=off, backend="numba")[1])
+                    q, ctx = fwd(x, backend="numba")
+                    w_e = (params[0].astype(np.float64) + off).astype(params[0].dtype)
+                    ident = pynorm.power_norm_backward(
+                        dy, pynorm.power_norm_forward(q, w_e, *params[1:], p=1.0, backend="numba")[1]
+                    )
+                    dx = bwd(ident.dx, ctx).dx
+                want = [dx, ident.dweight, *([ident.dbias] if len(params) == 2 else [])]
+                assert len(got) == len(want)
+                for name, a, b in zip(got._fields, got, want, strict=True):
+                    assert a.dtype == b.dtype, name
+                    assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (rows, op, off, name)
+
+
 def _ordered_sum(t: np.ndarray) -> float:
     s = 0.0
     for v in t.tolist():

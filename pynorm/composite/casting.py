@@ -21,13 +21,18 @@ package's ``COMPOSED["casting"]``: ``cast``, ``copy_into`` and ``InType``):
   Where the backend offers it (the identity's ``sink`` and the norm's ``takes_sink``: the numba backend, for rows
   its kernels do not split), the forward with ``q`` in ``x``'s dtype is one pass: the norm writes each row's
   ``q`` into a scratch row and runs the identity's forward of that row into ``y`` (:mod:`pynorm.backends.numba._io`'s
-  element-wise sink), bitwise the two kernels, with no ``q`` in memory.
+  element-wise sink), bitwise the two kernels, with no ``q`` in memory. The backward likewise (the identity's
+  ``source`` and the norm's ``backward_cast``: the numba backend's fused backward, row blocks not split): each
+  row's ``q`` by the forward's row kernel, the identity's backward of it into a scratch ``g`` (and its partials),
+  the norm's backward of ``g`` into ``dx`` (:func:`pynorm.backends.numba._stats_kernels.bwd_cast`), bitwise the
+  three kernels, with no ``q`` or ``g`` in memory.
 
 * ``"none"``: the backend's in-dtype kernels (``InType`` of its pieces module: every operation rounded to ``x``'s
   dtype; the numba backend's ``_intype_kernels``, the cupy backend's ``intype.cu``).
 
-The cost, for ``"llama"``/``"t5"``, beside the ``"fp32"`` kernels: one more pass over the activations in the
-backward (``q`` is recomputed, ``g`` written and read back), and in the forward where it is not fused;
+The cost, for ``"llama"``/``"t5"``, beside the ``"fp32"`` kernels: where not fused, more passes over the
+activations (the forward writes and reads ``q``; the backward recomputes ``q``, writes and reads ``q`` and ``g``);
+fused, the arithmetic of the identity and, in the backward, of the row's statistics again;
 ``"none"`` is a row-by-row kernel whose cost is its arithmetic (every operation rounded), not its memory
 traffic.
 """
@@ -92,6 +97,12 @@ class Casting:
         """Whether the backend runs ``q = rnd(xhat)`` and the identity's affine in one pass (its norm takes the
         identity's ``sink``: the numba backend's statistics kernels, for rows they do not split)."""
         return hasattr(self.identity, "sink") and hasattr(self.norm, "takes_sink") and self.norm.takes_sink(x)
+
+    def _fused_backward(self, x: Any) -> bool:
+        """Whether the backend runs the backward of ``q = rnd(xhat)`` and the identity's affine in one pass (the
+        identity offers its backward as a ``source`` and the norm's :meth:`backward_cast` takes it: the numba
+        backend, for the row blocks of its fused backward)."""
+        return hasattr(self.identity, "source") and hasattr(self.norm, "takes_source") and self.norm.takes_source(x)
 
     def _gemma_weight(self, weight: Any, offset: float) -> Any:
         """``rnd_f32(rnd_f32(w) + rnd_f32(o))`` as float64 values (exact), for kernels computing in float64."""
@@ -167,8 +178,13 @@ class Casting:
         if casting == "apex":
             return norm.backward(dy, replace(plain, weight=w_e, weight_offset=0.0), dx_out=dx_out)
         bare = replace(plain, **{n: None for n in names})
-        q, _ = norm.forward(ctx.x, *(None for _ in names), **self._options(ctx))
         same = qd == np.dtype(ctx.x.dtype)
+        if same and self._fused_backward(ctx.x):  # q and g never stored: one pass per row (see the module doc)
+            src, parts, grads = self.identity.source(ctx.x.dtype, ctx.x.shape, w_e, bias, p=1.0)
+            dx = norm.backward_cast(dy, bare, src, parts, dx_out=dx_out)
+            rest = dict(zip(("weight", "bias"), grads(), strict=True))
+            return norm.spec.grads(dx, *(rest[n] for n in names))
+        q, _ = norm.forward(ctx.x, *(None for _ in names), **self._options(ctx))
         if not same:
             q, dy = self.cast(q, qd), self.cast(dy, qd)
         ident = self.identity.backward(dy, self.identity.spec.ctx(x=q, weight=w_e, bias=bias, p=1.0))

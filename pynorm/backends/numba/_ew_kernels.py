@@ -52,7 +52,7 @@ from ._cache import FM_SUM, INLINED, jit
 from ._layout import EW_TILE, ROW_BLOCK
 from ._storage import JIT_ONLY, ld, seg, seg2, st, tile
 
-__all__ = ["PIECES", "ew_bwd", "ew_fwd", "ew_row", "f_fix", "f_grad", "f_value", "fcast"]
+__all__ = ["PIECES", "bwd_scratch", "ew_bwd", "ew_bwd_row", "ew_fwd", "ew_row", "f_fix", "f_grad", "f_value", "fcast"]
 
 _PIECE: Any = {"fastmath": False, "error_model": "numpy"}
 
@@ -405,21 +405,88 @@ def _unfused_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
     return lambda fn, v, a: f_value(fn, v, a)
 
 
+@jit(FM_SUM, forceinline=True)
+def bwd_scratch(fn, x, n, pw, pa):  # type: ignore[no-untyped-def]
+    """The scratch rows ``(fs, ts)`` :func:`ew_bwd_row` takes for rows of up to ``n`` elements of storage array
+    ``x`` with partials ``pw``, ``pa`` (None where not wanted): empty but for a split function's."""
+    return _scratch(fn, x, n if _split(fn) and pw is not None else 0), _scratch(
+        fn, x, n if _split(fn) and pa is not None else 0
+    )
+
+
+@jit(FM_SUM, forceinline=True)
+def ew_bwd_row(fn, xr, dyr, av, wr, big, dxr, pwr, pbr, par, fs, ts):  # type: ignore[no-untyped-def]
+    """One row (or a row's column tile) of the backward: ``dxr``, and its terms added to the block's partial rows
+    ``pwr`` (``dy f(x)``), ``pbr`` (``dy``), ``par`` (the scalar's terms), each None where not wanted; ``fs``/``ts``:
+    the scratch rows of :func:`bwd_scratch`. The loop of :func:`ew_bwd`; also the identity's
+    backward inside the statistics family's fused casting backward (:func:`._stats_kernels.bwd_cast`)."""
+    n = xr.shape[0]
+    if _fused(fn) and not _split(fn):  # the fast pieces need no fix-up: every output in one pass
+        for j in range(n):
+            d = fcast(xr, ld(dyr[j]))
+            g = d * wr[j] if wr is not None else d
+            r = f_grad(fn, fcast(xr, ld(xr[j])), g, av, big)
+            st(dxr, j, r[0])
+            if pwr is not None:
+                pwr[j] += d * r[1]
+            if pbr is not None:
+                pbr[j] += d
+            if par is not None:
+                par[j] += r[2]
+        return
+    if _fused(fn):  # ... or dx (and f, the scalar's term, into scratch rows) in one pass ...
+        for j in range(n):
+            d = fcast(xr, ld(dyr[j]))
+            g = d * wr[j] if wr is not None else d
+            r = f_grad(fn, fcast(xr, ld(xr[j])), g, av, big)
+            st(dxr, j, r[0])
+            if pwr is not None:
+                fs[j] = r[1]
+            if par is not None:
+                ts[j] = r[2]
+        # ... and the float64 partials in another (in one loop they held float32 math to 8 lanes)
+        for j in range(n):
+            d = fcast(xr, ld(dyr[j]))
+            if pwr is not None:
+                pwr[j] += d * fs[j]
+            if pbr is not None:
+                pbr[j] += d
+            if par is not None:
+                par[j] += ts[j]
+        return
+    for j in range(n):
+        d = fcast(xr, ld(dyr[j]))
+        g = d * wr[j] if wr is not None else d
+        xv = fcast(xr, ld(xr[j]))
+        dxv = _unfused_grad(fn, xv, g, av, big)[0]
+        if not abs(dxv) <= big:
+            dxv = f_fix(fn, xv, g, av, big, dxv)
+        st(dxr, j, dxv)
+    if pwr is not None:
+        for j in range(n):
+            pwr[j] += fcast(xr, ld(dyr[j])) * _unfused_value(fn, fcast(xr, ld(xr[j])), av)
+    if pbr is not None:
+        for j in range(n):
+            pbr[j] += fcast(xr, ld(dyr[j]))
+    if par is not None:
+        for j in range(n):
+            d = fcast(xr, ld(dyr[j]))
+            g = d * wr[j] if wr is not None else d
+            par[j] += _unfused_grad(fn, fcast(xr, ld(xr[j])), g, av, big)[2]
+
+
 @jit(FM_SUM)
 def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[no-untyped-def]
     """Tasks ``t0 <= t < t1`` (task ``t``: row block ``t // tiles``, one column tile) of :func:`ew_bwd` (its body:
     see :func:`._stats_kernels._fwd_span`)."""
     rows, h = x.shape
     av = fcast(x, a)
-    fs = _scratch(fn, x, EW_TILE if _split(fn) and pw is not None else 0)
-    ts = _scratch(fn, x, EW_TILE if _split(fn) and pa is not None else 0)
+    fs, ts = bwd_scratch(fn, x, EW_TILE, pw, pa)
     for t in range(t0, t1):
         blk, j0, j1 = tile(t, h, EW_TILE)
-        n = j1 - j0
         pwr = seg2(pw, blk, j0, j1)
         pbr = seg2(pb, blk, j0, j1)
         par = seg2(pa, blk, j0, j1)
-        wr = seg(w, j0, j1)
         if pw is not None:
             pwr[:] = 0
         if pb is not None:
@@ -427,61 +494,7 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
         if pa is not None:
             par[:] = 0
         for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
-            xr = x[i, j0:j1]
-            dyr = dy[i, j0:j1]
-            dxr = dx[i, j0:j1]
-            if _fused(fn) and not _split(fn):  # the fast pieces need no fix-up: every output in one pass
-                for j in range(n):
-                    d = fcast(x, ld(dyr[j]))
-                    g = d * wr[j] if w is not None else d
-                    r = f_grad(fn, fcast(x, ld(xr[j])), g, av, big)
-                    st(dxr, j, r[0])
-                    if pw is not None:
-                        pwr[j] += d * r[1]
-                    if pb is not None:
-                        pbr[j] += d
-                    if pa is not None:
-                        par[j] += r[2]
-                continue
-            if _fused(fn):  # ... or dx (and f, the scalar's term, into scratch rows) in one pass ...
-                for j in range(n):
-                    d = fcast(x, ld(dyr[j]))
-                    g = d * wr[j] if w is not None else d
-                    r = f_grad(fn, fcast(x, ld(xr[j])), g, av, big)
-                    st(dxr, j, r[0])
-                    if pw is not None:
-                        fs[j] = r[1]
-                    if pa is not None:
-                        ts[j] = r[2]
-                # ... and the float64 partials in another (in one loop they held float32 math to 8 lanes)
-                for j in range(n):
-                    d = fcast(x, ld(dyr[j]))
-                    if pw is not None:
-                        pwr[j] += d * fs[j]
-                    if pb is not None:
-                        pbr[j] += d
-                    if pa is not None:
-                        par[j] += ts[j]
-                continue
-            for j in range(n):
-                d = fcast(x, ld(dyr[j]))
-                g = d * wr[j] if w is not None else d
-                xv = fcast(x, ld(xr[j]))
-                dxv = _unfused_grad(fn, xv, g, av, big)[0]
-                if not abs(dxv) <= big:
-                    dxv = f_fix(fn, xv, g, av, big, dxv)
-                st(dxr, j, dxv)
-            if pw is not None:
-                for j in range(n):
-                    pwr[j] += fcast(x, ld(dyr[j])) * _unfused_value(fn, fcast(x, ld(xr[j])), av)
-            if pb is not None:
-                for j in range(n):
-                    pbr[j] += fcast(x, ld(dyr[j]))
-            if pa is not None:
-                for j in range(n):
-                    d = fcast(x, ld(dyr[j]))
-                    g = d * wr[j] if w is not None else d
-                    par[j] += _unfused_grad(fn, fcast(x, ld(xr[j])), g, av, big)[2]
+            ew_bwd_row(fn, x[i, j0:j1], dy[i, j0:j1], av, seg(w, j0, j1), big, dx[i, j0:j1], pwr, pbr, par, fs, ts)
 
 
 @jit(FM_SUM)

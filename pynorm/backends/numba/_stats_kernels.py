@@ -51,6 +51,7 @@ from numba.extending import overload
 
 from ._borrow import borrow
 from ._cache import FM_SUM, INLINED, jit
+from ._ew_kernels import bwd_scratch, ew_bwd_row, fcast
 from ._io import (
     aff_add,
     aff_mul,
@@ -97,6 +98,7 @@ from ._stream import dx_vec, dx_vec1, out_vec, sfence, stream_lines, streams
 __all__ = [
     "FAST",
     "PENDING",
+    "bwd_cast",
     "bwd_fused",
     "bwd_given",
     "bwd_rows",
@@ -831,3 +833,58 @@ def params_by_cols(stat, x, dy, table, row_stats, scale, cs, partials, lo, hi): 
     mean, rstd = row_stats
     pw, pb = partials
     _params_tiles(*borrow((stat, x, dy, table, mean, rstd, scale, cs, pw, pb)), lo, hi)
+
+
+# ---------------------------------------------------------------------------
+# the casting policies' backward in one pass (the element-wise identity between the norm and its affine)
+
+
+@jit(FM_SUM)
+def _cast_blocks(stat, fn, x, dy, a, w, big, mean, rstd, eps, corr, mode, dx, pw, pb, stream, b0, b1):  # type: ignore[no-untyped-def]
+    """Row blocks ``b0 <= blk < b1`` of :func:`bwd_cast` (its body: see :func:`_fwd_span`)."""
+    h = x.shape[1]
+    av = fcast(x, a)
+    qb = np.empty(h, x.dtype)
+    gb = np.empty(h, x.dtype)
+    fs, ts = bwd_scratch(fn, x, h, pw, None)
+    for blk in range(b0, b1):
+        pwr = seg2(pw, blk, 0, h)
+        pbr = seg2(pb, blk, 0, h)
+        if pw is not None:
+            pwr[:] = 0
+        if pb is not None:
+            pbr[:] = 0
+        for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, x.shape[0])):
+            xr = x[i]
+            # q: the row as the forward's sink received it (its fast path, else its slow path)
+            if not _fwd_row(stat, xr, None, None, eps, corr, mode, qb, None)[0]:
+                _fwd_row_slow(stat, xr, None, None, eps, corr, mode, qb)
+            # the identity's backward of the row: g = rnd(dy w) into gb, its partials into the block's rows
+            ew_bwd_row(fn, qb, dy[i], av, w, big, gb, pwr, pbr, None, fs, ts)
+            # the norm's backward without affine, g its upstream gradient
+            if not _bwd_row(stat, xr, gb, None, at(mean, i), rstd[i], corr, mode, dx[i], None, None, None, 0,
+                            stream)[0]:  # fmt: skip
+                _bwd_row_slow(stat, xr, gb, None, at(mean, i), rstd[i], corr, mode, dx[i], None)
+    sfence(stream)
+
+
+@jit(FM_SUM)
+def bwd_cast(stat, x, dy, source, row_stats, conv, dx, partials, stream, lo, hi):  # type: ignore[no-untyped-def]
+    """The backward of a casting policy that rounds ``xhat`` to ``x``'s dtype before the affine
+    (:mod:`pynorm.composite.casting`: ``q = rnd(xhat)``, ``y = w q + b`` by the element-wise identity), for row
+    blocks ``lo <= blk < hi``, each row in one pass while it is in cache: ``q`` by the forward's row kernel (as the
+    forward's sink received it), the identity's backward of ``q`` (:func:`._ew_kernels.ew_bwd_row`: ``g = rnd(dy
+    w)`` into a scratch row, its ``dweight``/``dbias`` partials per row block, the element-wise family's layout),
+    then the norm's backward without affine with upstream gradient ``g`` into ``dx`` (rows its fast path cannot
+    take: the slow path, at once). Bitwise the three kernels the composite runs otherwise (the same row functions
+    on the same values), without ``q`` and ``g`` in memory.
+
+    ``source``: ``(fn, a, w, big)``, the identity's function tag, scalar, weight and ``x``'s largest finite value
+    (:meth:`pynorm.backends.numba.elementwise.ElementwiseOp.source`); ``partials``: the identity's ``(pw, pb)``
+    (``(blocks, H)`` or None); ``row_stats``, ``conv``: the forward's (:class:`._args.RowStats`,
+    :class:`._args.Conventions`)."""
+    fn, a, w, big = source
+    mean, rstd = row_stats
+    eps, corr, mode = conv
+    pw, pb = partials
+    _cast_blocks(*borrow((stat, fn, x, dy, a, w, big, mean, rstd, eps, corr, mode, dx, pw, pb, stream)), lo, hi)

@@ -15,6 +15,7 @@ every column too, correctly rounded: :func:`._common.column_total`), each gradie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -129,6 +130,32 @@ class ElementwiseOp:
         y = common.output(out, shape, dtype)
         w, b = _row_param(weight, pdt), _row_param(bias, pdt)
         return (self._tag(a, dtype), a, w, b, common.storage(y)), y
+
+    def source(
+        self, x_dtype: Any, shape: tuple[int, int], weight: Any, bias: Any, **options: Any
+    ) -> tuple[tuple[Any, ...], tuple[Any, Any], Callable[[], tuple[Any, Any]]]:
+        """``(source, partials, grads)``: this op's backward as the upstream of a statistics kernel's backward
+        (:func:`._stats_kernels.bwd_cast`) -- of each row ``q`` (of ``x_dtype``, the norm's forward row) it writes
+        ``g = w f'(q) dy`` and adds ``dy f(q)``, ``dy`` to the block partials ``partials`` (:meth:`backward`'s
+        arithmetic and layout: :func:`._ew_kernels.ew_bwd_row`); ``grads()`` then gives ``(dweight, dbias)`` (None
+        where the parameter is None). For a function whose constant is an option (the casting policies' identity
+        is ``p = 1``)."""
+        o = {**self._options, **options}
+        a = float(kernel_args(self.spec, o).constant)
+        fdt = _fmath(x_dtype)
+        pdt = np.dtype(np.float32) if _fast(x_dtype) else fdt  # G = w dy of float32 math in float32
+        nb, h = blocks(shape[0]), shape[1]
+        pw = np.empty((nb, h), fdt) if weight is not None else None
+        pb = np.empty((nb, h), fdt) if bias is not None else None
+        src = (self._tag(a, x_dtype), a, common.param(weight, pdt), float(finfo(x_dtype).max))
+
+        def grads() -> tuple[Any, Any]:
+            return tuple(  # type: ignore[return-value]
+                None if p is None or part is None else common.reduce_blocks(part, p.dtype)
+                for p, part in ((weight, pw), (bias, pb))
+            )
+
+        return src, (pw, pb), grads
 
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None) -> Any:
         """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``)."""

@@ -349,6 +349,36 @@ class StatsOp(_Op):
         when the rows would be split across threads (few wide rows: :func:`split_rows`)."""
         return not split_rows(x.shape[0], common.storage(x))
 
+    def takes_source(self, x: np.ndarray) -> bool:
+        """Whether :meth:`backward_cast` serves ``x``: the fused backward's row blocks (:func:`._layout.use_fused`),
+        never split across threads (:func:`split_rows`), and no prologue."""
+        rows, hidden = x.shape
+        return not self.residual and use_fused(rows, hidden) and not split_rows(blocks(rows), common.storage(x))
+
+    def backward_cast(
+        self, dy: np.ndarray, ctx: Any, source: tuple[Any, ...], partials: tuple[Any, Any],
+        dx_out: np.ndarray | None = None,
+    ) -> np.ndarray:  # fmt: skip
+        """``dx`` of this norm *without* its affine (``ctx``'s weight and bias unused) under a casting policy that
+        rounds ``xhat`` to ``x``'s dtype before an element-wise affine: the identity's backward ``source``
+        (:meth:`.elementwise.ElementwiseOp.source`, filling ``partials``) of each row's ``q`` and ``dy`` is the
+        norm's upstream gradient, all in one pass (:func:`._stats_kernels.bwd_cast`). For the ``x`` that
+        :meth:`takes_source`; ``dy`` of ``x``'s dtype."""
+        kargs = kernel_args(self.spec, ctx)
+        x = ctx.x
+        rows, hidden = x.shape
+        dx = common.output(dx_out, x.shape, x.dtype)
+        if rows:
+            field = self.statistic.aux_field
+            aux = common.stats(getattr(ctx, field)) if field else None
+            dxs = common.storage(dx)
+            launch(
+                kernels.bwd_cast, rows * hidden, blocks(rows), self.stat, common.storage(x), common.storage(dy),
+                source, (aux, common.stats(ctx.rstd)), plain(Conventions.of(kargs)), dxs, partials,
+                True if use_stream(dxs) else None,
+            )  # fmt: skip
+        return dx
+
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None, dh: np.ndarray | None = None) -> Any:
         """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``) and, with the residual
         prologue, ``dh = dL/dh`` from later layers (None: none)."""

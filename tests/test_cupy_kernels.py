@@ -146,6 +146,42 @@ def test_clean_kernel_passes_and_reports_registers():
 
 
 @needs_nvrtc
+def test_nvrtc_cache_serves_the_same_compilation_only(tmp_path, monkeypatch):
+    """With ``PYNORM_NVRTC_CACHE_DIR`` set, a compilation asked for again (same file name, source, names, arch,
+    options) is read from the cache -- the same report, NVRTC not called -- and any difference is compiled;
+    a failed compilation is not kept."""
+    from cuda.bindings import nvrtc
+
+    src = "template <typename T> __global__ void ok(T* y) { y[threadIdx.x] = T(2) * y[threadIdx.x]; }"
+    monkeypatch.setenv(cc.CACHE_ENV, str(tmp_path))
+    first = cc.compile_source(src, ["ok<float>"], "sm_90", filename="probe.cu")
+    assert first.ok and len(list(tmp_path.glob("nvrtc-*.json"))) == 1
+    real = nvrtc.nvrtcCompileProgram
+    calls = []
+
+    def counted(*a):  # type: ignore[no-untyped-def]
+        calls.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(nvrtc, "nvrtcCompileProgram", counted)
+    again = cc.compile_source(src, ["ok<float>"], "sm_90", filename="probe.cu")
+    assert not calls
+    assert again.log == first.log and [(k.name, k.lowered, k.registers) for k in again.kernels] == [
+        (k.name, k.lowered, k.registers) for k in first.kernels
+    ]
+    for other in (
+        (src, ["ok<double>"], "sm_90", "probe.cu"),
+        (src, ["ok<float>"], "sm_80", "probe.cu"),
+        (src, ["ok<float>"], "sm_90", "other.cu"),
+        (src + "\n", ["ok<float>"], "sm_90", "probe.cu"),
+    ):
+        assert cc.compile_source(other[0], other[1], other[2], filename=other[3]).ok
+    assert len(calls) == 4 and len(list(tmp_path.glob("nvrtc-*.json"))) == 5
+    bad = cc.compile_source(src + "\n#error broken\n", ["ok<float>"], "sm_90", filename="probe.cu")
+    assert not bad.ok and len(list(tmp_path.glob("nvrtc-*.json"))) == 5
+
+
+@needs_nvrtc
 def test_python_mirrors_of_cuda_constants_agree():
     """FwdItems/BwdItems/acc_t in common.cuh vs their Python mirrors, checked by static_assert."""
     lines = ['#include "common.cuh"', "namespace pynorm {"]

@@ -56,6 +56,7 @@ def install() -> None:
     from . import fakecupy
 
     fakecupy.ALL_GROUPS_HOOK = _pynorm_kernel_groups
+    fakecupy.FILE_HOOK = _pynorm_kernel_file
     sys.modules["cupy"] = fakecupy.module()
     sys.modules["cupy.cuda"] = fakecupy.cuda
     sys.modules["cupy.cuda.runtime"] = fakecupy.runtime_mod
@@ -64,6 +65,7 @@ def install() -> None:
 
 
 _groups_by_source: dict[str, list[list[str]]] = {}
+_file_by_source: dict[str, str] = {}
 
 
 def _pynorm_kernel_groups(code: str) -> list[list[str]] | None:
@@ -74,5 +76,13 @@ def _pynorm_kernel_groups(code: str) -> list[list[str]] | None:
         from pynorm.backends.cupy import _loader
 
         for f in _loader.KERNELS:
-            _groups_by_source[_loader.assemble(f)] = _loader.instantiation_groups(f)
+            src = _loader.assemble(f)
+            _groups_by_source[src] = _loader.instantiation_groups(f)
+            _file_by_source[src] = f
     return _groups_by_source.get(code)
+
+
+def _pynorm_kernel_file(code: str) -> str | None:
+    """The name of the pynorm kernel file whose assembled source is ``code`` (else None)."""
+    _pynorm_kernel_groups(code)
+    return _file_by_source.get(code)

@@ -586,10 +586,16 @@ def _write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+#: the kernel file of a source (set with :data:`ALL_GROUPS_HOOK`: a pynorm kernel file's NVRTC compilation then
+#: has the compile check's name and key, so its cached outcome serves both, ``compile_check.CACHE_ENV``)
+FILE_HOOK: Any = None
+
+
 def _compile_stats(code: str, names: list[str], extra: tuple[str, ...]) -> dict[str, dict[str, int]]:
     from pynorm.backends.cupy import compile_check as cc
 
-    res = cc.compile_source(code, names, ARCH, filename="module.cu", options=extra)
+    name = (FILE_HOOK(code) if FILE_HOOK is not None else None) or "module.cu"
+    res = cc.compile_source(code, names, ARCH, filename=name, options=extra)
     if any("compilation failed" in e for e in res.errors) or not res.kernels:
         raise CompileException("\n".join(res.errors))
     return {k.name: {"regs": k.registers, "smem": k.smem, "local": k.stack} for k in res.kernels}

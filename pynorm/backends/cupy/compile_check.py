@@ -22,9 +22,12 @@ The same entry points serve the tests: :func:`check_file`, :func:`compile_source
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -138,6 +141,67 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
+#: a directory where :func:`compile_source` keeps each successful compilation's outcome (NVRTC's log and lowered
+#: names), keyed by everything the compilation reads -- NVRTC's version, the file name, the source, the name
+#: expressions, the architecture and the options -- so that a second process asking for the same compilation
+#: reads it instead (the CI's kernels env compiles every instantiation for sm_80 and sm_90; the CPU harness's
+#: env then needs the sm_90 ones' register counts again). Unset: no cache.
+CACHE_ENV = "PYNORM_NVRTC_CACHE_DIR"
+
+
+def _nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    return ".".join(str(v) for v in _check(nvrtc.nvrtcVersion(), "nvrtcVersion"))
+
+
+def _cache_path(filename: str, source: str, names: Sequence[str], opts: Sequence[str]) -> str | None:
+    d = os.environ.get(CACHE_ENV)
+    if not d:
+        return None
+    parts = [_nvrtc_version(), filename, source, *names, "\1", *opts]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+    return os.path.join(d, f"nvrtc-{key}.json")
+
+
+def _nvrtc_compile(
+    source: str, names: Sequence[str], opts: Sequence[str], filename: str
+) -> tuple[bool, str, str, list[str]]:
+    """``(ok, status name, log, lowered names)`` of one NVRTC compilation (from :data:`CACHE_ENV`'s directory when
+    it holds it; only successful ones are kept)."""
+    path = _cache_path(filename, source, names, opts)
+    if path is not None and os.path.exists(path):
+        with open(path) as f:
+            c = json.load(f)
+        return c["ok"], c["status"], c["log"], c["lowered"]
+    from cuda.bindings import nvrtc
+
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        for n in names:
+            _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        buf = b" " * size
+        _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+        log = buf.rstrip(b"\x00 ").decode(errors="replace")
+        ok = status == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        lowered = []
+        if ok:
+            for n in names:
+                (low,) = _check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"nvrtcGetLoweredName({n})")
+                lowered.append(low.decode())
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    if path is not None and ok:  # written whole, then renamed: a reader never sees half a file
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"ok": ok, "status": status.name, "log": log, "lowered": lowered}, f)
+        os.replace(tmp, path)
+    return ok, status.name, log, lowered
+
+
 def compile_source(
     source: str,
     name_expressions: Sequence[str],
@@ -146,30 +210,19 @@ def compile_source(
     options: Iterable[str] = (),
 ) -> CompileResult:
     """Compile ``source`` to a cubin for ``arch`` instantiating ``name_expressions``; collect ptxas' report."""
-    from cuda.bindings import nvrtc
-
     result = CompileResult(filename, arch)
     t0 = time.perf_counter()
-    (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
-        for n in name_expressions:
-            _check(nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
         opts = [*_loader.compile_options(), *options, f"--gpu-architecture={arch}", *PTXAS_FLAGS]
-        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        buf = b" " * size
-        _check(nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-        result.log = buf.rstrip(b"\x00 ").decode(errors="replace")
-        if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            result.errors.append(f"{filename} [{arch}]: compilation failed ({status.name}):\n{result.log}")
+        ok, status, result.log, lowered_names = _nvrtc_compile(source, name_expressions, opts, filename)
+        if not ok:
+            result.errors.append(f"{filename} [{arch}]: compilation failed ({status}):\n{result.log}")
             return result
         for line in result.log.splitlines():
             if "warning" in line.lower():
                 result.errors.append(f"{filename} [{arch}]: {line.strip()}")
         stats = parse_ptxas(result.log)
-        for n in name_expressions:
-            (lowered,) = _check(nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"nvrtcGetLoweredName({n})")
-            lowered = lowered.decode()
+        for n, lowered in zip(name_expressions, lowered_names, strict=True):
             rep = KernelReport(n, arch, lowered)
             for field_name, value in stats.get(lowered, {}).items():
                 setattr(rep, field_name, value)
@@ -189,7 +242,6 @@ def compile_source(
                 )
             result.kernels.append(rep)
     finally:
-        nvrtc.nvrtcDestroyProgram(prog)
         result.seconds = time.perf_counter() - t0
     return result
 

@@ -764,6 +764,48 @@ def test_output_pool_reuses_only_dropped_buffers() -> None:
     assert not np.shares_memory(y1, y2) and np.array_equal(y1, y2)
 
 
+def test_backward_scratch_is_pooled_and_its_old_contents_never_leak() -> None:
+    # the block partials of the backward come from the pool (no fresh pages per call); a reused buffer holds the
+    # previous call's values (here: NaN), which the kernels must overwrite, never add to
+    import pynorm
+    from pynorm.backends.numba import _common
+
+    rows, h = 4 * _layout.FUSED_MIN_ROWS, 4096  # the fused backward: (rows / ROW_BLOCK, h) partials
+    shape = (_layout.blocks(rows), h)
+    assert 4 * math.prod(shape) >= _common.POOL.scratch_bytes
+    a = _common.scratch(shape, np.float32)
+    pa = a.__array_interface__["data"][0]
+    b = _common.scratch(shape, np.float32)
+    assert b.__array_interface__["data"][0] != pa  # a live scratch is never handed out twice
+    del b
+    a.fill(np.nan)
+    del a
+    c = _common.scratch(shape, np.float32)
+    assert c.__array_interface__["data"][0] == pa and np.isnan(c).all()  # dropped: reused as it was left
+    del c
+    x, dy, w, bias = data((rows, h), np.float32, seed=3)
+    ops = (
+        (pynorm.layer_norm_forward, pynorm.layer_norm_backward, (w, bias)),
+        (pynorm.power_norm_forward, pynorm.power_norm_backward, (w, bias)),
+    )
+    for fwd, bwd, params in ops:
+        _, ctx = fwd(x, *params, backend="numba")
+        _common.POOL.scratch_bytes = 1 << 62
+        try:
+            fresh = bwd(dy, ctx)  # partials from numpy.empty
+        finally:
+            _common.POOL.scratch_bytes = 1 << 18
+        for _ in range(2):
+            for _ in range(4):  # poison every idle pooled buffer of the partials' sizes (float32 or float64)
+                junk = [_common.scratch(shape, t) for _ in range(4) for t in (np.float32, np.float64)]
+                for j in junk:
+                    j.fill(np.nan)
+                del junk
+            pooled = bwd(dy, ctx)
+            for got, want in zip(pooled, fresh, strict=True):
+                assert np.array_equal(got, want) and np.isfinite(got).all()
+
+
 def test_no_fallback_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     # every path of the numba backend (fast rows, slow scaled rows, serial and parallel) must run
     # without the reference: make the reference unusable and run all of them

@@ -145,8 +145,8 @@ class ElementwiseOp:
         fdt = _fmath(x_dtype)
         pdt = np.dtype(np.float32) if _fast(x_dtype) else fdt  # G = w dy of float32 math in float32
         nb, h = blocks(shape[0]), shape[1]
-        pw = np.empty((nb, h), fdt) if weight is not None else None
-        pb = np.empty((nb, h), fdt) if bias is not None else None
+        pw = common.scratch((nb, h), fdt) if weight is not None else None
+        pb = common.scratch((nb, h), fdt) if bias is not None else None
         src = (self._tag(a, x_dtype), a, common.param(weight, pdt), float(finfo(x_dtype).max))
 
         def grads() -> tuple[Any, Any]:
@@ -164,7 +164,7 @@ class ElementwiseOp:
         rows, h = x.shape
         fdt = _fmath(x.dtype)
         nb = blocks(rows)
-        parts = {n: (np.empty((nb, h), fdt) if named.get(n) is not None else None) for n in _SLOTS}
+        parts = {n: (common.scratch((nb, h), fdt) if named.get(n) is not None else None) for n in _SLOTS}
         dx = common.output(dx_out, x.shape, x.dtype)
         if rows:
             a = self._scalar(named, ctx)

@@ -125,7 +125,7 @@ class _Table(_Vector):
         return (ids, m, slot, starts), (n, order, ptr)
 
     def partials(self, layout: Any, h: int, pdt: Any, param: Any) -> np.ndarray | None:
-        return None if param is None else np.empty((layout[0], h), pdt)
+        return None if param is None else common.scratch((layout[0], h), pdt)
 
     def reduce(self, part: np.ndarray, param: Any, layout: Any) -> np.ndarray:
         n, order, ptr = layout

@@ -806,6 +806,36 @@ def test_backward_scratch_is_pooled_and_its_old_contents_never_leak() -> None:
                 assert np.array_equal(got, want) and np.isfinite(got).all()
 
 
+def test_one_block_gradients_are_its_partials_and_never_negative_zero() -> None:
+    # with one row block the partials are returned as the gradients (no float64 pass that maps -0.0 to +0.0):
+    # correct only because every kernel's partials are sums started from +0.0; a column whose every term is
+    # -0.0 (dy = -0.0) must still give +0.0, as the multi-block reduction does
+    import pynorm
+
+    for rows, h in ((1, 64), (3, 40), (_layout.ROW_BLOCK, 16), (1, 3 * _layout.SPLIT_SEG)):
+        x, dy, w, b = data((rows, h), np.float32, seed=rows)
+        dy[:, 1] = -0.0
+        dy[:, 2] = -dy[:, 2] * 0.0  # +-0.0 by row
+        calls = (
+            (pynorm.layer_norm_forward, pynorm.layer_norm_backward, (w, b), ()),
+            (pynorm.rms_norm_forward, pynorm.rms_norm_backward, (w,), ()),
+            (pynorm.power_norm_forward, pynorm.power_norm_backward, (w, b), ()),
+            (pynorm.dyt_forward, pynorm.dyt_backward, (w, b), (np.array([0.5], np.float32),)),
+        )
+        for fwd, bwd, params, inputs in calls:
+            _, ctx = fwd(x, *inputs, *params, backend="numba")
+            grads = bwd(dy, ctx)
+            _, ctx_r = fwd(x.astype(np.float64), *inputs, *(p.astype(np.float64) for p in params), backend="numpy")
+            grads_r = bwd(dy.astype(np.float64), ctx_r)
+            for name in ("dweight", "dbias"):
+                g = getattr(grads, name, None)
+                if g is None:
+                    continue
+                assert g.shape == (h,) and g.dtype == np.float32
+                assert (g[1:3] == 0).all() and not np.signbit(g[1:3]).any(), (fwd.__name__, rows, h, name)
+                np.testing.assert_allclose(g, getattr(grads_r, name), rtol=1e-4, atol=1e-5)
+
+
 def test_no_fallback_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     # every path of the numba backend (fast rows, slow scaled rows, serial and parallel) must run
     # without the reference: make the reference unusable and run all of them

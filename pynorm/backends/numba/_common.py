@@ -166,14 +166,18 @@ def block_partials(rows: int, h: int, mdt: np.dtype[Any], needed: bool) -> np.nd
 
 
 def reduce_blocks(partials: np.ndarray, dtype: Any) -> np.ndarray:
-    """Sum the block partials (float64, fixed order) into a new ``(H,)`` array of ``dtype``."""
+    """Sum the block partials (float64, fixed order) into a new ``(H,)`` array of ``dtype`` (with one block of
+    ``dtype``: that block's row, a view of ``partials``)."""
     nb, h = partials.shape
-    result = np.empty(h, dtype)
+    if nb == 1 and partials.dtype == dtype:
+        # one block (a few rows): its partials are the sums. sum_blocks would add them to 0.0 in float64 and round
+        # back (exact; -0.0 would become +0.0), but no partial is ever -0.0: every kernel zeroes its partials and
+        # adds to them, and a sum started from +0.0 is never -0.0. So the block's row is the result, not a copy
+        # (a single 16M-element row: 2 x 11 ms of its 53 ms LayerNorm backward were these copies).
+        return partials[0]
+    result = output(None, (h,), dtype)
     if nb == 0:
         result[...] = 0
-        return result
-    if nb == 1 and partials.dtype == result.dtype:  # one block (a small call): its partials are the sums, as
-        np.add(partials[0], 0.0, out=result)  # sum_blocks' 0.0 + p (-0.0 becomes +0.0) in p's own dtype: exact
         return result
     launch(sum_blocks, nb * h // 4, tiles(h), partials, storage(result))  # one add per element: work / 4
     return result

@@ -303,18 +303,26 @@ for _stub in (f_value, f_grad, f_fix):
     _register(_stub)
 
 
+@jit(FM_SUM, forceinline=True)
+def ew_elem(fn, v, av, wr, br, j):  # type: ignore[no-untyped-def]
+    """``f(v; av) [* wr[j]] [+ br[j]]`` of one element ``v`` (in the function math type): the forward's arithmetic,
+    before its one rounding to the output's dtype."""
+    v = f_value(fn, v, av)
+    if wr is not None:
+        v = v * ld(wr[j])
+    if br is not None:
+        v = v + ld(br[j])
+    return v
+
+
 @jit(FM_SUM)
 def ew_row(fn, xr, av, wr, br, yr):  # type: ignore[no-untyped-def]
     """``yr[j] = f(xr[j]; av) [* wr[j]] [+ br[j]]`` over one row (or a row's column tile): the forward's loop
     (``av`` in the function math type, ``wr``/``br`` as :func:`ew_fwd`'s). Also the statistics kernels' epilogue
-    for the casting policies that round ``xhat`` before the affine (:mod:`._io`'s element-wise sink)."""
+    for the casting policies that round ``xhat`` before the affine (:mod:`._io`'s element-wise sink; its fast rows
+    of a 16-bit ``q`` take :func:`ew_elem` element by element instead)."""
     for j in range(xr.shape[0]):  # from 0: no negative-index select, so that the loop vectorizes without gathers
-        v = f_value(fn, fcast(xr, ld(xr[j])), av)
-        if wr is not None:
-            v = v * ld(wr[j])
-        if br is not None:
-            v = v + ld(br[j])
-        st(yr, j, v)
+        st(yr, j, ew_elem(fn, fcast(xr, ld(xr[j])), av, wr, br, j))
 
 
 @jit(FM_SUM)

@@ -36,7 +36,11 @@ from that argument's numba type at compile time, so a plain variant compiles non
   ``q = rnd(xhat)`` then ``y = w q + b`` rounded once): the norm without its affine writes row ``i`` into a
   scratch row of ``y``'s dtype (that is ``q``) and :func:`ydone` runs the element-wise family's forward of that
   row into ``y[i]`` (:func:`._ew_kernels.ew_row` with function tag ``fn``, its scalar ``a``, ``w``/``b``), the
-  same values as the element-wise op on a stored ``q``, with no ``q`` in memory;
+  same values as the element-wise op on a stored ``q``, with no ``q`` in memory. With a 16-bit ``y`` the fast path
+  writes no scratch row either: :func:`yfast` gives its output loop the sink row ``(fn, a, w, b, y[i], scratch)``
+  and :func:`put_y` takes each element's ``q`` (rounded to ``y``'s dtype) through the element function
+  (:func:`._ew_kernels.ew_elem`) into ``y[i, j]`` (float32/float64 ``y``: the element-wise math is float64 there,
+  and the compiler could re-associate ``xhat``'s product with the weight's, so they keep the scratch row);
 * epilogue ``ep`` -- ``None`` (``dx`` is stored) or ``(dh, alpha, dresidual)``: the gradient at
   ``h`` is ``v + dh`` (``dh`` may be None), stored as ``dx`` and as ``dresidual = alpha * (v + dh)``,
   each rounded once (:func:`ep_row`, :func:`put`, :func:`put_exact`).
@@ -48,10 +52,10 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._cache import jit
-from ._ew_kernels import ew_row
+from ._cache import INLINED, jit
+from ._ew_kernels import ew_elem, ew_row, fcast
 from ._quant_kernels import quantize_row
-from ._storage import JIT_ONLY, fma, ld, st, st_exact
+from ._storage import JIT_ONLY, fma, ld, st, st_exact, stv
 
 __all__ = [
     "aff_add",
@@ -66,10 +70,13 @@ __all__ = [
     "pslot",
     "put",
     "put_exact",
+    "put_y",
     "pzero",
     "src_done",
     "src_row",
     "ydone",
+    "yfast",
+    "yfast_done",
     "yrow",
     "yscratch",
 ]
@@ -329,6 +336,58 @@ overload(put_exact, jit_options={"fastmath": False, "error_model": "numpy"})(_pu
 def _ew_sink(y):  # type: ignore[no-untyped-def]
     """Whether the numba type of a forward's sink is the element-wise sink ``(fn, a, w, b, y)``."""
     return isinstance(y, types.BaseTuple) and len(y) == 5
+
+
+def _ew_sink16(y):  # type: ignore[no-untyped-def]
+    """Whether ``y`` is an element-wise sink with a 16-bit ``y`` (:func:`yfast` then fuses it into the row)."""
+    return _ew_sink(y) and y[4].dtype in (types.int16, types.uint16)
+
+
+def yfast(y, i, buf):  # type: ignore[no-untyped-def]
+    """Where the forward's fast path writes row ``i`` (with :func:`put_y`): :func:`yrow`'s, but for an element-wise
+    sink of 16-bit ``y`` the *sink row* ``(fn, a, w, b, y[i], buf)``: each element's ``q`` is rounded to ``buf``'s
+    dtype and becomes ``y[i, j]`` at once (:func:`put_y`), not stored."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(yfast, inline="always")
+def _yfast_ol(y, i, buf):  # type: ignore[no-untyped-def]
+    if isinstance(y, types.Array):
+        return lambda y, i, buf: y[i]
+    if _ew_sink16(y):
+        return lambda y, i, buf: (y[0], y[1], y[2], y[3], y[4][i], buf)
+    return lambda y, i, buf: buf
+
+
+def yfast_done(y, i, buf):  # type: ignore[no-untyped-def]
+    """Row ``i`` written by the fast path (into :func:`yfast`): :func:`ydone`, nothing for a sink row."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(yfast_done, jit_options={"fastmath": False, "error_model": "numpy"})
+def _yfast_done_ol(y, i, buf):  # type: ignore[no-untyped-def]
+    if isinstance(y, types.Array) or _ew_sink16(y):
+        return lambda y, i, buf: None
+    return lambda y, i, buf: ydone(y, i, buf)
+
+
+def put_y(yr, j, v):  # type: ignore[no-untyped-def]
+    """``yr[j] = v`` rounded once (:func:`st`); for a sink row (:func:`yfast`), ``q = v`` rounded to the scratch
+    dtype, then the element-wise forward of ``q`` stored into the row of ``y`` -- bitwise :func:`ydone`'s
+    :func:`._ew_kernels.ew_row` of the stored ``q``."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(put_y, jit_options=INLINED)
+def _put_y_ol(yr, j, v):  # type: ignore[no-untyped-def]
+    if isinstance(yr, types.Array):
+        return lambda yr, j, v: st(yr, j, v)
+
+    def fused(yr, j, v):  # type: ignore[no-untyped-def]
+        q = ld(stv(yr[5], v))
+        st(yr[4], j, ew_elem(yr[0], fcast(yr[5], q), yr[1], yr[2], yr[3], j))
+
+    return fused
 
 
 def yscratch(y, h):  # type: ignore[no-untyped-def]

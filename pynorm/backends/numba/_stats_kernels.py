@@ -64,10 +64,13 @@ from ._io import (
     pslot,
     put,
     put_exact,
+    put_y,
     pzero,
     src_done,
     src_row,
     ydone,
+    yfast,
+    yfast_done,
     yrow,
     yscratch,
 )
@@ -92,7 +95,7 @@ from ._rowstats import (
     slow_residual,
     slow_shift,
 )
-from ._storage import JIT_ONLY, at, ld, opt_add, opt_mul, r_ok, seg, seg2, st, st_exact, tcast, wat
+from ._storage import JIT_ONLY, at, ld, opt_add, opt_mul, r_ok, seg, seg2, st_exact, tcast, wat
 from ._stream import dx_vec, dx_vec1, out_vec, sfence, stream_lines, streams
 
 __all__ = [
@@ -137,7 +140,7 @@ def mark_pending(scale, i, ok):  # type: ignore[no-untyped-def]
 @jit(FM_SUM, forceinline=True)
 def _y_range(stat, xr, w, b, k, c, r, yr, lo, hi):  # type: ignore[no-untyped-def]
     for j in range(lo, hi):
-        st(yr, j, opt_add(opt_mul(centre(stat, ld(xr[j]), k, c) * r, w, j), b, j))
+        put_y(yr, j, opt_add(opt_mul(centre(stat, ld(xr[j]), k, c) * r, w, j), b, j))
 
 
 @jit(FM_SUM, forceinline=True)
@@ -329,9 +332,9 @@ def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, i0
     buf = yscratch(y, x.shape[1])
     for i in range(i0, i1):
         xr = src_row(pro, x, i)
-        ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, yrow(y, i, buf), stream)
+        ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, yfast(y, i, buf), stream)
         if ok:
-            ydone(y, i, buf)
+            yfast_done(y, i, buf)
             if aux is not None:
                 aux[i] = m
             rstd[i] = r

@@ -41,6 +41,7 @@ __all__ = [
     "seg2",
     "st",
     "st_exact",
+    "stv",
     "tcast",
     "tile",
     "tiny_sum",
@@ -242,6 +243,20 @@ def _store(dt, half):  # type: ignore[no-untyped-def]
     else:
         return None
     return impl
+
+
+def stv(a, v):  # type: ignore[no-untyped-def]
+    """The value :func:`st` would store for ``v`` into storage array ``a`` (16-bit types: their bits), not stored."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(stv)
+def _stv_ol(a, v):  # type: ignore[no-untyped-def]
+    if a.dtype == types.uint16:
+        return lambda a, v: _f32_to_bf16(_to_f32(v))
+    if a.dtype == types.int16:
+        return lambda a, v: _f32_to_half(_to_f32(v))
+    return None
 
 
 @overload(st)

@@ -15,8 +15,11 @@ import argparse
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pynorm, not an installed one
 
 from pynorm.blocks import Stack
 

@@ -19,11 +19,15 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pynorm, not an installed one
 
 import pynorm
 from pynorm.composite import norm_linear as composite

@@ -19,9 +19,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pynorm, not an installed one
 
 
 def _median_rounds(calls: dict[str, Any], repeat: int) -> dict[str, float]:

@@ -836,6 +836,36 @@ def test_one_block_gradients_are_its_partials_and_never_negative_zero() -> None:
                 np.testing.assert_allclose(g, getattr(grads_r, name), rtol=1e-4, atol=1e-5)
 
 
+def test_column_total_is_fsum_bitwise() -> None:
+    # the scalar parameters' gradient (DyT's alpha, ScaleNorm's g): math.fsum of the column sums, by a jitted copy of
+    # CPython's algorithm; special values and intermediate overflow keep fsum's / the IEEE sum's answers
+    from pynorm.backends.numba._common import column_total
+    from pynorm.backends.numba._reduce import exact_sum
+
+    rng = np.random.default_rng(11)
+    cases = [np.zeros(0), np.array([-0.0]), np.array([-0.0, -0.0]), np.array([1e308, 1e308, -1e308])]
+    for n in (1, 2, 3, 17, 1000, 65537):
+        v = rng.standard_normal(n) * np.exp2(rng.integers(-1074, 1000, n).astype(np.float64))
+        cases.append(v)
+        cases.append(np.concatenate([v, -v[::-1], [1e-300]]))  # cancels but for 1e-300; ~90 partials
+        w = rng.standard_normal(n)
+        cases.append(np.concatenate([[1.0, 2.0**-53, 2.0**-106], w * 2.0**-60]))  # half-even ties across partials
+        cases.append(np.concatenate([[2.0**53, 1.0, -(2.0**-52)], w * 0.0]))
+    ties = [np.array([1.0, 2.0**-53]), np.array([1.0, 2.0**-53, 2.0**-106]), np.array([1.0, -(2.0**-54), -(2.0**-107)])]
+    cases += [*ties, np.array([1e300, 1e300, 1e300, 1e300, -1e300]) * 1e8]
+    for c in cases:
+        want = math.fsum(c.tolist()) if np.isfinite(c).all() and np.abs(c).max(initial=0.0) < 1e308 else None
+        got = column_total(c)
+        if want is not None:
+            assert np.float64(got).tobytes() == np.float64(want).tobytes(), (c[:4], got, want)
+    ok, _ = exact_sum(np.array([1e308, 1e308, -1e308]))
+    assert not ok  # fsum raises OverflowError here: column_total then gives the IEEE sum in column order
+    assert column_total(np.array([1e308, 1e308, -1e308])) == np.inf
+    assert column_total(np.array([1.0, np.inf, 2.0])) == np.inf
+    assert np.isnan(column_total(np.array([1.0, np.nan])))
+    assert np.isnan(column_total(np.array([np.inf, -np.inf])))
+
+
 def test_no_fallback_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     # every path of the numba backend (fast rows, slow scaled rows, serial and parallel) must run
     # without the reference: make the reference unusable and run all of them

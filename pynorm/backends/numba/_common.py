@@ -20,7 +20,7 @@ import numpy as np
 
 from ..._dtypes import dtype_name
 from ._layout import blocks, tiles
-from ._reduce import sum_blocks
+from ._reduce import exact_sum, sum_blocks
 from ._threads import launch
 
 __all__ = [
@@ -187,6 +187,11 @@ def column_total(cols: np.ndarray) -> float:
     """The sum of the float64 column sums ``cols`` (a scalar parameter's gradient), correctly rounded
     (:func:`math.fsum`) where that sum is finite; where a term is infinite or NaN, or the exact sum overflows,
     fsum raises: the IEEE sum in column order then gives the reference's inf or NaN."""
+    cols = np.ascontiguousarray(cols, dtype=np.float64)
+    if np.isfinite(cols).all():
+        ok, total = exact_sum(cols)  # fsum's algorithm, jitted: fsum over a 16M-column list took about 1 s
+        if ok:
+            return float(total)
     terms = cols.tolist()
     try:
         return math.fsum(terms)

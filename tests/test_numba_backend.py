@@ -788,13 +788,14 @@ def test_backward_scratch_is_pooled_and_its_old_contents_never_leak() -> None:
         (pynorm.layer_norm_forward, pynorm.layer_norm_backward, (w, bias)),
         (pynorm.power_norm_forward, pynorm.power_norm_backward, (w, bias)),
     )
+    least = _common.POOL.scratch_bytes
     for fwd, bwd, params in ops:
         _, ctx = fwd(x, *params, backend="numba")
         _common.POOL.scratch_bytes = 1 << 62
         try:
             fresh = bwd(dy, ctx)  # partials from numpy.empty
         finally:
-            _common.POOL.scratch_bytes = 1 << 18
+            _common.POOL.scratch_bytes = least
         for _ in range(2):
             for _ in range(4):  # poison every idle pooled buffer of the partials' sizes (float32 or float64)
                 junk = [_common.scratch(shape, t) for _ in range(4) for t in (np.float32, np.float64)]

@@ -17,6 +17,7 @@ Gradients come back in each parameter's own shape and dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -185,6 +186,7 @@ def forward(
         if out is not None:
             check_out(out, "out", x, tuple(a for a in (x, *inputs, *params) if a is not None), plan.y_shape, out.dtype)
         return _run(spec, plan, x, tuple(inputs), tuple(params), out, backend)
+    given = (x, *inputs, *params)
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 1:
@@ -207,12 +209,18 @@ def forward(
     present = tuple(a for a in (x, *ins, *ps) if a is not None)
     out = check_out(out, "out", x, present, y_shape, spec.dtypes_of_outputs(x.dtype, opts)[0])
     to_backend = opts if len(spec.backend_options) == len(opts) else {k: opts[k] for k in spec.backend_options}
+    lead = x.shape[:ax]
+    input_flat = tuple(_flat_shape(si.kind, a, lead, norm_shape) for si, a in zip(spec.inputs, ins, strict=True))
+    param_flat = tuple(_flat_shape(sp.kind, p, lead, norm_shape) for sp, p in zip(spec.params, ps, strict=True))
     plan = _Plan(
         ax, math.prod(x.shape[:ax]), h, norm_shape, y_shape, math.prod(y_shape[ax:]), opts, to_backend,
         tuple(n for n, a in zip(("x", *names), (x, *ins, *ps), strict=True) if a is not None),
-        tuple(_flat_shape(si.kind, a, x.shape[:ax], norm_shape) for si, a in zip(spec.inputs, ins, strict=True)),
-        tuple(_flat_shape(sp.kind, p, x.shape[:ax], norm_shape) for sp, p in zip(spec.params, ps, strict=True)),
+        input_flat, param_flat,
         tuple(None if p is None else tuple(p.shape) for p in ps),
+        all(
+            a is raw and (a is None or (f is not None and tuple(a.shape) == f))
+            for a, raw, f in zip((*ins, *ps), (*inputs, *params), (*input_flat, *param_flat), strict=True)
+        ),
         tuple(a.dtype for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
         tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
         (
@@ -221,7 +229,7 @@ def forward(
         ),
         None if key is None else ("numpy", "ndarray"),
     )  # fmt: skip
-    if key is not None:
+    if key is not None and all(a is None or a.dtype.isnative for a in given):  # (see _plan_key)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan
@@ -248,6 +256,8 @@ class _Plan:
     input_flat: tuple[tuple[int, ...] | None, ...]
     param_flat: tuple[tuple[int, ...] | None, ...]
     param_shapes: tuple[tuple[int, ...] | None, ...]
+    #: whether every input and parameter present is already in its flat shape (then passed as it is)
+    flat: bool
     input_dtypes: tuple[Any, ...]  # of the differentiable inputs
     input_shapes: tuple[tuple[int, ...], ...]  # of the differentiable inputs
     #: the checks that depend on the values, run on every call: ``(i, spec_param)`` for parameter ``i``,
@@ -286,31 +296,34 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 _MAX_PLANS = 512
 
 
-def _array_key(a: Any) -> Any:
-    """What a plan depends on of an argument: None, or an exact ``numpy.ndarray``'s dtype (its byte order
-    included), shape, strides and writability; anything else (a list, a DLPack exporter, a Python number, a CuPy
-    array) takes the full path every time (``Ellipsis``)."""
-    if a is None:
-        return None
-    if type(a) is not np.ndarray or not a.dtype.isnative:  # (a non-native array is read as a native copy)
-        return ...
-    return (a.dtype, a.shape, a.strides, a.flags.writeable)
-
-
 def _plan_key(
     spec: OpSpec, x: Any, inputs: tuple[Any, ...], params: tuple[Any, ...], axis: Any, backend: str | None, out: Any,
     options: Mapping[str, Any],
 ) -> tuple[Any, ...] | None:  # fmt: skip
-    """The key of a call's plan: the op, every array's :func:`_array_key`, ``axis``, ``backend`` and the options
-    (None -- no plan -- for a non-array argument; an unhashable option value makes a key whose lookup raises
-    TypeError)."""
-    arrays = tuple(map(_array_key, (x, *inputs, *params, out)))
-    if ... in arrays or type(axis) is not int:
+    """The key of a call's plan, one flat tuple: the op, ``axis``, ``backend``, the options (names with values,
+    and the values' types), then for each array argument in order None (absent) or an exact ``numpy.ndarray``'s
+    dtype, shape, strides and flags (:attr:`numpy.ndarray.flags` ``.num``: writability and alignment among them).
+    None -- no plan -- for anything else (a list, a DLPack exporter, a Python number, a CuPy array: the full path
+    every time); an unhashable option value makes a key whose lookup raises TypeError (the caller then takes the
+    full path).
+
+    The option values' types are part of it (``True == 1`` and ``hash(True) == hash(1)``, but True is no eps);
+    writability and alignment are, because numba types a read-only or an unaligned array apart (a plan's runner
+    calls the compiled kernel its first call found, :class:`pynorm.backends.numba.stats.PlanForward`). The dtype
+    holds the byte order (a plan is never made for a non-native one: validation reads it as a native copy). A
+    present array adds four items that begin with a dtype, an absent one a single None, so the positions never
+    run into each other."""
+    if type(axis) is not int:
         return None
-    values = tuple(options.values())
-    # (the types too: True == 1 and hash(True) == hash(1), but True is no eps; an unhashable value makes a key
-    # whose lookup raises TypeError: the caller then takes the full path)
-    return (spec.name, arrays, axis, backend, tuple(options), values, tuple(map(type, values)))
+    key: list[Any] = [spec.name, axis, backend, len(options), *options.items(), *map(type, options.values())]
+    for a in (x, *inputs, *params, out):
+        if a is None:
+            key.append(None)
+        elif type(a) is np.ndarray:
+            key += (a.dtype, a.shape, a.strides, a.flags.num)
+        else:
+            return None
+    return tuple(key)
 
 
 def _run(
@@ -323,23 +336,24 @@ def _run(
         present = tuple(a for a in (x, *ins, *ps) if a is not None)
         name, mod = _registry.resolve(spec.name, present, plan.present_names, backend)
     run = plan.targets.get(mod)
-    if run is None:  # what runs these options on mod (:func:`_target`), kept for the plan's next call
+    if run is None:  # what runs the plan's options on mod (:func:`_target`), kept for the plan's next call
         run = plan.targets[mod] = _target(mod, plan.to_backend)
     rows, h = plan.rows, plan.h
-    # (lists, and no reshape of an array already in its flat shape: a repeated small call's microseconds)
-    flat_in = [
-        a if a is None or a.shape == f else (a.reshape(f) if f is not None else _flat_input(si.kind, a, rows, h))
-        for si, a, f in zip(spec.inputs, ins, plan.input_flat, strict=True)
-    ]
-    flat_p = [
-        p
-        if p is None or p.shape == f
-        else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, plan.norm_shape))
-        for sp, p, f in zip(spec.params, ps, plan.param_flat, strict=True)
-    ]
+    if plan.flat:  # (every input and parameter present reaches the backend as it is: a small call's microseconds)
+        flat: Any = (*ins, *ps)
+    else:
+        flat = [
+            a if a is None or a.shape == f else (a.reshape(f) if f is not None else _flat_input(si.kind, a, rows, h))
+            for si, a, f in zip(spec.inputs, ins, plan.input_flat, strict=True)
+        ] + [
+            p
+            if p is None or p.shape == f
+            else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, plan.norm_shape))
+            for sp, p, f in zip(spec.params, ps, plan.param_flat, strict=True)
+        ]
     res, inner = run(
-        x if x.shape == (rows, h) else x.reshape(rows, h), *flat_in, *flat_p,
-        out=None if out is None else out.reshape(rows, plan.y_h), **plan.to_backend,
+        x if x.shape == (rows, h) else x.reshape(rows, h), *flat,
+        out=None if out is None else out.reshape(rows, plan.y_h),
     )  # fmt: skip
     x_shape = tuple(x.shape)
     if len(spec.outputs) > 1:
@@ -369,12 +383,15 @@ def _run(
 
 
 def _target(mod: Any, options: Mapping[str, Any]) -> Any:
-    """The forward that runs ``options`` on the op module ``mod``: ``mod.forward_for(options)`` where the module
-    has one (an implementation with policies composed around it names the one its options take,
-    :class:`pynorm.composite.casting.Composed`), else ``mod.forward``. It may depend on the options only: a plan
-    keeps it for its module."""
+    """What runs ``options`` on the op module ``mod``, a callable ``run(x, *inputs_and_params, out=None)`` with
+    the options bound: ``mod.forward_for(options)`` where the module has one (an implementation with policies
+    composed around it names the one its options take, :class:`pynorm.composite.casting.Composed`; numba's
+    statistics ops a runner that keeps what the plan's first call found, :class:`pynorm.backends.numba.stats.
+    PlanForward`), else ``mod.forward`` with the options bound. It may depend on the options only: a plan keeps
+    it for its module, and its key fixes everything else a runner may keep (dtypes, shapes, strides,
+    writability, alignment)."""
     pick = getattr(mod, "forward_for", None)
-    return mod.forward if pick is None else pick(options)
+    return functools.partial(mod.forward, **options) if pick is None else pick(options)
 
 
 def _to_channels(a: Array, axis: int) -> Array:

@@ -81,6 +81,16 @@ def test_a_call_that_cannot_have_a_plan_takes_the_full_path() -> None:
     assert not _dispatch._PLANS
     assert np.array_equal(pynorm.layer_norm(big, backend="numpy"), y1)
     assert np.array_equal(y1, pynorm.layer_norm(big.astype("<f4"), backend="numpy"))
+    # a parameter of a non-native byte order beside a native x: no plan either (the key holds the dtype, the
+    # byte order with it, but the plan would run on the array the checks read as a native copy)
+    _dispatch._PLANS.clear()
+    native, wbig = big.astype("<f4"), np.arange(4, dtype=">f4")
+    for b in ("numpy", "numba"):
+        y2 = pynorm.layer_norm(native, wbig, backend=b)
+        assert not _dispatch._PLANS
+        assert np.array_equal(pynorm.layer_norm(native, wbig, backend=b), y2)
+        assert np.array_equal(pynorm.layer_norm(native, wbig.astype("<f4"), backend=b), y2)
+        _dispatch._PLANS.clear()
     with pytest.raises(ShapeError):
         pynorm.layer_norm(np.ones((2, 0)), backend="numpy")
 
@@ -148,13 +158,14 @@ def test_a_planned_call_gives_the_context_of_the_full_path(op: str, backend: Any
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "modality_rms_norm", "scale_norm"])
 def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # a plan runs numba's statistics forward through its memo (StatsOp.forward_for): the setup and the row kernel's
-    # compiled entry point found by its first call. Calls the key does not tell apart in type -- an unaligned
-    # array, another dtype, a read-only x -- must still give the full path's bits, never a kernel typed for
-    # other arrays
+    # a plan runs numba's statistics forward through its runner (StatsOp.forward_for, a PlanForward): the setup and
+    # the row kernel's compiled entry point found by its first call. Calls whose arrays numba types apart -- an
+    # unaligned array, another dtype, a read-only x -- have keys (and runners) of their own and must give the full
+    # path's bits, never run a kernel typed for other arrays
     pytest.importorskip("numba")
     from pynorm.backends.numba import _threads
     from pynorm.backends.numba._threads import EntryMemo
+    from pynorm.backends.numba.stats import PlanForward
 
     monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 1 << 17)  # (the suite's default puts every call on the pool)
 
@@ -174,24 +185,25 @@ def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeyp
         a = args(dtype, x)
         _dispatch._PLANS.clear()
         first = fn(*a, backend="numba")[0]
-        memos = [
-            t.keywords["memo"] for p in _dispatch._PLANS.values() for t in p.targets.values() if hasattr(t, "keywords")
-        ]
-        assert len(memos) == 1 and isinstance(memos[0].entry, EntryMemo)
-        assert memos[0].entry.entry is not None  # (found by the first call)
+        runners = [t for p in _dispatch._PLANS.values() for t in p.targets.values() if isinstance(t, PlanForward)]
+        assert len(runners) == 1 and isinstance(runners[0].entry, EntryMemo)
+        assert runners[0].entry.entry is not None  # (found by the first call)
         again = fn(*a, backend="numba")[0]
         assert np.array_equal(first, again, equal_nan=True) and first.dtype == again.dtype
-        # the same values in an unaligned buffer (numba types it apart; the plan's key does not)
+        # the same values in an unaligned buffer (numba types it apart, and so does the plan's key), twice (the
+        # second call through its own plan's runner)
         raw = bytearray(x.nbytes + 1)
         xu = np.ndarray(x.shape, x.dtype, buffer=raw, offset=1)
         xu[...] = x
         if xu.flags.aligned:  # (a 1-byte offset always misaligns a 2-byte or wider dtype)
             pytest.fail("expected an unaligned array")
-        assert np.array_equal(fn(xu, *a[1:], backend="numba")[0], first, equal_nan=True)
+        for _ in range(2):
+            assert np.array_equal(fn(xu, *a[1:], backend="numba")[0], first, equal_nan=True)
         ro = x.copy()
         ro.flags.writeable = False
         assert np.array_equal(fn(ro, *a[1:], backend="numba")[0], first, equal_nan=True)
         assert np.array_equal(fn(ro, *a[1:], backend="numba")[0], first, equal_nan=True)
+        assert len(_dispatch._PLANS) == 3  # (aligned, unaligned, read-only)
         # and the full path gives the same bits
         _dispatch._PLANS.clear()
         assert np.array_equal(fn(*a, backend="numba")[0], first, equal_nan=True)

@@ -39,6 +39,7 @@ traffic.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -222,12 +223,13 @@ class Composed:
         return self.policies.forward(x, params, out, {**self.spec.defaults(), **options})
 
     def forward_for(self, options: Any) -> Any:
-        """The forward that runs ``options``: the implementation's own for the default ``casting`` (a repeated
-        call's dispatcher then calls it directly, :func:`pynorm._dispatch._target`), else :meth:`forward`."""
+        """What runs ``options`` (:func:`pynorm._dispatch._target`: ``run(x, *arrays, out=None)``, the options
+        bound): the implementation's own for the default ``casting`` (a repeated call's dispatcher then calls it
+        directly), else :meth:`forward`."""
         if options.get(CASTING, DEFAULT) != DEFAULT:
-            return self.forward
+            return functools.partial(self.forward, **options)
         pick = getattr(self.impl, "forward_for", None)
-        return self.impl.forward if pick is None else pick(options)
+        return functools.partial(self.impl.forward, **options) if pick is None else pick(options)
 
     def backward(self, dy: Any, ctx: Any, dx_out: Any = None, **upstream: Any) -> Any:
         if getattr(ctx, CASTING, DEFAULT) == DEFAULT:

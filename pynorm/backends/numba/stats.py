@@ -36,7 +36,6 @@ the split kernels (:mod:`._split_kernels`), rows cut into segments across thread
 
 from __future__ import annotations
 
-import functools
 import operator
 from dataclasses import fields
 from typing import Any, NamedTuple
@@ -50,6 +49,7 @@ from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statis
 from .._spec import param_names, prologue_input_names
 from . import _common as common
 from . import _stats_kernels as kernels
+from . import _threads
 from ._args import Affine, Conventions, Grad, Partials, RowStats, plain
 from ._layout import CHUNK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
 from ._reduce import sum_slots, table_slots
@@ -154,22 +154,23 @@ class _Setup(NamedTuple):
     ctx_args: tuple[tuple[str, int], ...]  # the ctx fields that are inputs or parameters: (name, argument index)
 
 
-class _PlanMemo:
-    """What a plan's calls of :meth:`StatsOp.forward` find once: the setup, and the row kernel's entry point."""
+class PlanForward:
+    """The forward of one plan of the dispatcher (:meth:`StatsOp.forward_for`, :func:`pynorm._dispatch._target`):
+    ``run(x, *args, out=None)`` is ``op.forward(x, *args, out=out, **options)`` for the plan's options, with what
+    its first call finds kept for the next: the setup, and the row kernel's compiled entry point
+    (:class:`._threads.EntryMemo`). The plan's key fixes the options and every array's dtype, shape, strides,
+    writability and alignment (:func:`pynorm._dispatch._plan_key`), so they hold for every call it serves."""
 
-    __slots__ = ("entry", "setup")
+    __slots__ = ("entry", "op", "options", "setup")
 
-    def __init__(self) -> None:
+    def __init__(self, op: StatsOp, options: dict[str, Any]) -> None:
+        self.op = op
+        self.options = options
         self.setup: _Setup | None = None
         self.entry = EntryMemo()
 
-
-def _aligned(x: np.ndarray, args: tuple[Any, ...], out: Any) -> bool:
-    """Whether ``x``, ``out`` and every array among ``args`` are aligned (numba types an unaligned array apart; a
-    plan's key does not hold it)."""
-    if not x.flags.aligned or (out is not None and not out.flags.aligned):
-        return False
-    return all(a.flags.aligned for a in args if isinstance(a, np.ndarray))
+    def __call__(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> tuple[Any, Any]:
+        return self.op.forward_setup(x, args, out, None, self)
 
 
 class _Op:
@@ -285,32 +286,39 @@ class StatsOp(_Op):
             self._setups[key] = setup
         return setup
 
-    def forward_for(self, options: Any) -> Any:
-        """The forward a plan runs its calls through (:func:`pynorm._dispatch._target`): :meth:`forward` with a
-        :class:`_PlanMemo` of its own. A plan's key fixes the options, dtypes, shapes, strides and writability of
-        every call it serves, so its setup and the row kernel's entry point (for calls whose arrays are all
-        aligned) are found once."""
-        return functools.partial(self.forward, memo=_PlanMemo())
+    def forward_for(self, options: Any) -> PlanForward:
+        """The forward a plan runs its calls through (:func:`pynorm._dispatch._target`): a :class:`PlanForward`
+        of its own."""
+        return PlanForward(self, options)
 
     def forward(
         self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, sink: tuple[Any, ...] | None = None,
-        memo: _PlanMemo | None = None, **options: Any,
+        **options: Any,
     ) -> tuple[Any, Any]:  # fmt: skip
         """Forward of the ``(R, H)`` array ``x`` (then the op's inputs and parameters); returns ``(y, ctx)``
         (``((y, h), ctx)`` with the residual prologue; ``y`` is ``out`` if given).
 
         ``sink``: the quantize epilogue (:mod:`._io`; ``quant_layer_norm`` of a float input), which takes each
-        row in place of ``y``: no ``y`` is written (``y`` is None) and the rows are whole-row tasks. ``memo``: a
-        plan's (:meth:`forward_for`; every call through it has the same options, dtypes, shapes and strides)."""
+        row in place of ``y``: no ``y`` is written (``y`` is None) and the rows are whole-row tasks."""
+        return self.forward_setup(x, args, out, sink, options)
+
+    def forward_setup(
+        self, x: np.ndarray, args: tuple[Any, ...], out: np.ndarray | None, sink: tuple[Any, ...] | None,
+        options: dict[str, Any] | PlanForward,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """:meth:`forward` for ``options``, or a plan's calls (``options`` its :class:`PlanForward`: the setup and
+        the row kernel's entry point found once)."""
         if len(args) != len(self._index):
             self._arguments(args)  # (raises the TypeError)
         weight, bias, ids, residual = self._pick((*args, None))
-        if memo is None:
+        plan = None
+        if not isinstance(options, PlanForward):
             st = self._setup(options, x.dtype, None if residual is None else residual.dtype)
-        elif memo.setup is not None:
-            st = memo.setup
+        elif options.setup is not None:
+            plan, st = options, options.setup
         else:
-            st = memo.setup = self._setup(options, x.dtype, None if residual is None else residual.dtype)
+            plan = options
+            st = plan.setup = self._setup(plan.options, x.dtype, None if residual is None else residual.dtype)
         kargs, hd, mdt = st.kargs, st.h_dtype, st.math_dtype
         rows, hidden = x.shape
         y = common.output(out, x.shape, x.dtype) if sink is None else None
@@ -329,9 +337,7 @@ class StatsOp(_Op):
                     launch(kernels.prologue_rows, rows * hidden, rows, pro, src)
                     src, pro = h.astype(np.float64), None
             ys = common.storage(y) if y is not None else None
-            entry = None
-            if memo is not None and pro is None and sink is None and _aligned(x, args, out):
-                entry = memo.entry
+            entry = plan.entry if plan is not None and pro is None and sink is None else None
             forward_rows(
                 self.stat, (src, pro), (w, b, tab), st.conventions, sink if ys is None else ys, (aux, rstd),
                 ys is not None and use_stream(ys), entry,
@@ -470,7 +476,10 @@ def forward_rows(
     rows_ = rows
     x, pro = rows
     n, h = x.shape
-    if (
+    if memo is not None and memo.entry is not None and n * h < _threads.SERIAL_THRESHOLD and not FORCE_SPLIT:
+        # a plan's serial call (what launch() would do, without its bookkeeping: a small call's microsecond)
+        pending = memo.entry(stat, rows_, aff, cv, y, rs, True if stream else None, 0, n)
+    elif (
         not _channel(aff[2]) and not isinstance(y, tuple) and split_rows(n, x if pro is None else pro[2])
     ):  # (the rows normalized are h's with a prologue)
         from . import _split_kernels as split

@@ -207,3 +207,47 @@ def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeyp
         # and the full path gives the same bits
         _dispatch._PLANS.clear()
         assert np.array_equal(fn(*a, backend="numba")[0], first, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    ("op", "variants"),
+    [
+        ("layer_norm", [{}, {"eps": 0.5}, {"eps_mode": "std"}, {"correction": 1}, {"weight_offset": 1.0}]),
+        ("rms_norm", [{}, {"eps": 0.25}, {"weight_offset": 1.0}]),
+        ("add_layer_norm", [{}, {"alpha": 2.0}, {"eps": 0.5}]),
+    ],
+)
+def test_numba_backward_setup_is_kept_per_ctx_options_and_dtypes(op: str, variants: list[dict[str, Any]]) -> None:
+    # StatsOp._backward_setup keeps what a backward reads of the ctx's options and dtypes: a ctx whose options or
+    # dtypes differ must never run with another's (each backward equals the one with an empty memo)
+    pytest.importorskip("numba")
+    from pynorm import _registry
+
+    impl = _registry.op_module("numba", op)
+    impl = getattr(impl, "impl", impl)
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    rng = np.random.default_rng(11)
+    for dtype in (np.float32, np.float64, np.float16):
+        x = rng.standard_normal((5, 8)).astype(dtype)
+        w = rng.standard_normal(8).astype(dtype)
+        dy = rng.standard_normal((5, 8)).astype(dtype)
+        extra = (x[::-1].copy(),) if op == "add_layer_norm" else ()
+        ctxs = [fwd(x, *extra, w, backend="numba", **v)[1] for v in variants]
+        fresh = []
+        for c in ctxs:
+            impl._backward_setups.clear()
+            fresh.append(bwd(dy, c))
+        for _ in range(2):  # (every ctx after the others, with the memo they filled)
+            for c, want in zip(ctxs, fresh, strict=True):
+                got = bwd(dy, c)
+                for g, e in zip(got, want, strict=True):
+                    assert (g is None) == (e is None)
+                    if g is not None:
+                        assert g.dtype == e.dtype and np.array_equal(g, e, equal_nan=True)
+        assert 0 < len(impl._backward_setups) <= len(variants) * 3
+        # and the options did change the gradients (the check above could not pass by all being equal; in float16
+        # eps_mode="std" with eps=1e-5 rounds to the same bits)
+        for other in fresh[1:] if dtype != np.float16 else ():
+            assert any(
+                g is not None and not np.array_equal(g, e, equal_nan=True) for g, e in zip(other, fresh[0], strict=True)
+            )

@@ -231,6 +231,10 @@ class StatsOp(_Op):
         self.affine = AFFINE_SOURCES[affine_of(spec).name]
         self.residual_name, self.ids_name = prologue_input_names(spec, self.prologue)
         self._setups: dict[Any, _Setup] = {}  # by options and dtypes (:meth:`_setup`)
+        self._backward_setups: dict[Any, tuple[Any, ...]] = {}  # by the ctx's options and dtypes
+        #: the ctx's option fields, as one tuple (:meth:`_backward_setup`'s key)
+        ctx_options = [o.name for o in spec.options if o.name in self._fields]
+        self._ctx_options = operator.attrgetter(*ctx_options, "__class__")  # (a tuple, or the class alone)
         #: the position of each input and parameter among a forward's arguments after ``x``
         self._index = {n: i for i, n in enumerate((*spec.input_names, *spec.param_names))}
         #: ``(weight, bias, ids, residual)`` of a forward's arguments after ``x`` with a None appended (None: absent)
@@ -284,6 +288,26 @@ class StatsOp(_Op):
             if len(self._setups) >= 64:
                 self._setups.clear()
             self._setups[key] = setup
+        return setup
+
+    def _backward_setup(self, ctx: Any, x_dtype: Any, row_dtype: Any) -> tuple[Any, ...]:
+        """What a backward reads of the ctx's options and the dtypes alone: ``(kernel_args, the conventions bundle
+        (plain), math dtype, widen, partials dtype)``, kept for the next ctx with the same ones (a small call's
+        microseconds: :func:`kernel_args` of a ctx costs about 2 us)."""
+        try:
+            key = (self._ctx_options(ctx), x_dtype, row_dtype)
+            hit = self._backward_setups.get(key)
+        except TypeError:  # an unhashable option value: read it every time
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        kargs = kernel_args(self.spec, ctx)
+        mdt, widen = self._math(x_dtype, row_dtype if self.residual else None)
+        setup = (kargs, plain(Conventions.of(kargs)), mdt, widen, self._partials_dtype(mdt))
+        if key is not None:
+            if len(self._backward_setups) >= 64:
+                self._backward_setups.clear()
+            self._backward_setups[key] = setup
         return setup
 
     def forward_for(self, options: Any) -> PlanForward:
@@ -388,16 +412,14 @@ class StatsOp(_Op):
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None, dh: np.ndarray | None = None) -> Any:
         """Backward: gradients of a scalar loss given ``dy = dL/dy`` (shape ``(R, H)``) and, with the residual
         prologue, ``dh = dL/dh`` from later layers (None: none)."""
-        kargs = kernel_args(self.spec, ctx)
         x = getattr(ctx, self.prologue.row)
         weight = getattr(ctx, self.weight_name, None)
         bias = getattr(ctx, self.bias_name, None) if self.bias_name else None
         rows, hidden = x.shape
         x_dtype = ctx.x_dtype if self.residual else x.dtype
-        mdt, widen = self._math(x_dtype, x.dtype if self.residual else None)
+        kargs, conventions, mdt, widen, pdt = self._backward_setup(ctx, x_dtype, x.dtype)
         dx = common.output(dx_out, x.shape, x_dtype)
         dres = common.output(None, x.shape, ctx.residual_in_dtype) if self.residual else None
-        pdt = self._partials_dtype(mdt)
         w, _, tab = self.affine.prepare(
             weight, None, getattr(ctx, self.ids_name, None) if self.ids_name else None, kargs.weight_offset, mdt,
             hidden,
@@ -415,7 +437,7 @@ class StatsOp(_Op):
             dxs = common.storage(dx)
             backward_rows(
                 self.stat, "fused" if use_fused(rows, hidden) else "rows", src, common.storage(dy),
-                (w, None, tab), (aux, common.stats(ctx.rstd)), plain(Conventions.of(kargs)), (dxs, ep), (pw, pb),
+                (w, None, tab), (aux, common.stats(ctx.rstd)), conventions, (dxs, ep), (pw, pb),
                 ep is None and use_stream(dxs),
             )  # fmt: skip
         grads = []

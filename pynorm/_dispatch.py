@@ -292,7 +292,7 @@ def _flat_shape(kind: str, a: Array | None, lead: tuple[int, ...], norm_shape: t
 
 
 #: the plans of recent call shapes (at most :data:`_MAX_PLANS`, the oldest dropped first)
-_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_PLANS: dict[tuple[Any, ...], Any] = {}  # (a _Plan, or a _ChannelPlan for an op of the "channels" layout)
 _MAX_PLANS = 512
 
 
@@ -415,7 +415,25 @@ def _forward_channels(
     inputs: tuple[Any, ...],
 ) -> tuple[Any, Context]:  # fmt: skip
     """:func:`forward` for an op of the ``"channels"`` layout: ``x`` of ``(N, C, *spatial)`` (or channels last),
-    the backends see ``(N, C, S)``."""
+    the backends see ``(N, C, S)``. A repeated call shape reuses its plan (:class:`_ChannelPlan`), as
+    :func:`forward` does."""
+    key = _plan_key(spec, x, inputs, params, 0, backend, out, options)  # (the channel axis is an option)
+    plan = None
+    if key is not None:
+        try:
+            plan = _PLANS.get(key)
+        except TypeError:  # an unhashable option value: no plan
+            key = None
+    if plan is not None:
+        for i, sp in plan.value_checks:
+            if i < 0:
+                check_input_values(spec.inputs[~i], inputs[~i])
+            elif params[i] is not None:
+                check_param_values(sp, params[i], {})
+        if out is not None:
+            check_out(out, "out", x, tuple(a for a in (x, *inputs, *params) if a is not None), plan.x_shape, x.dtype)
+        return _run_channels(spec, plan, x, tuple(inputs), tuple(params), out, backend)
+    given = (x, *inputs, *params)
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 2:
@@ -434,26 +452,69 @@ def _forward_channels(
     if spec.check_arrays is not None:
         spec.check_arrays(first, 1, {"x": x, **arrays}, opts)
     present = tuple(a for a in (x, *ins, *ps) if a is not None)
-    present_names = tuple(n for n, a in zip(("x", *arrays), (x, *ins, *ps), strict=True) if a is not None)
-    name, mod = _registry.resolve(spec.name, present, present_names, backend)
     out = check_out(out, "out", x, present, tuple(x.shape), x.dtype)
-    direct = out is not None and ax == 1
-    res, inner = mod.forward(
-        _to_channels(x, ax), *ins, *ps, out=out.reshape(first[0], c, -1) if direct else None,
-        **{k: opts[k] for k in spec.backend_options},
+    plan = _ChannelPlan(
+        tuple(x.shape), ax, c, opts, {k: opts[k] for k in spec.backend_options},
+        tuple(n for n, a in zip(("x", *arrays), (x, *ins, *ps), strict=True) if a is not None),
+        tuple(None if p is None else tuple(p.shape) for p in ps),
+        (
+            *((~i, si) for i, si in enumerate(spec.inputs) if si.kind in ("row_scale", "running")),
+            *((i, sp) for i, sp in enumerate(spec.params) if sp.kind == "table" or sp.finite),
+        ),
+        None if key is None else ("numpy", "ndarray"),
     )  # fmt: skip
+    if key is not None and all(a is None or a.dtype.isnative for a in given):  # (see _plan_key)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return _run_channels(spec, plan, x, ins, ps, out, backend)
+
+
+@dataclass(frozen=True)
+class _ChannelPlan:
+    """:class:`_Plan` for an op of the ``"channels"`` layout: what the checks of one call shape established."""
+
+    x_shape: tuple[int, ...]
+    axis: int  # the channel axis (non-negative)
+    channels: int
+    options: dict[str, Any]
+    to_backend: dict[str, Any]
+    present_names: tuple[str, ...]
+    param_shapes: tuple[tuple[int, ...] | None, ...]
+    value_checks: tuple[tuple[int, Any], ...]  # as :attr:`_Plan.value_checks`
+    family: tuple[str, str] | None  # as :attr:`_Plan.family`
+    targets: dict[Any, Any] = field(default_factory=dict)  # as :attr:`_Plan.targets`
+
+
+def _run_channels(
+    spec: OpSpec, plan: _ChannelPlan, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...], out: Any,
+    backend: str | None,
+) -> tuple[Any, Context]:  # fmt: skip
+    """:func:`_run` for an op of the ``"channels"`` layout."""
+    if plan.family is not None:
+        name, mod = _registry.resolve_family(spec.name, plan.family, plan.present_names, backend)
+    else:
+        present = tuple(a for a in (x, *ins, *ps) if a is not None)
+        name, mod = _registry.resolve(spec.name, present, plan.present_names, backend)
+    run = plan.targets.get(mod)
+    if run is None:
+        run = plan.targets[mod] = _target(mod, plan.to_backend)
+    ax, x_shape = plan.axis, plan.x_shape
+    direct = out is not None and ax == 1
+    res, inner = run(_to_channels(x, ax), *ins, *ps, out=out.reshape(x_shape[0], plan.channels, -1) if direct else None)
     outs = res if isinstance(res, tuple) else (res,)
-    y = out if direct else _from_channels(outs[0], tuple(x.shape), ax)
+    y = out if direct else _from_channels(outs[0], x_shape, ax)
     if out is not None and not direct:
         out[...] = y
         y = out
-    ctx = Context(
-        spec.name, name, tuple(x.shape), x.dtype, ax, tuple(None if p is None else tuple(p.shape) for p in ps), inner,
-        (), (), _registry.array_family(x),
-    )  # fmt: skip
+    ctx = filled(Context, {
+        "op": spec.name, "backend": name, "x_shape": x_shape, "x_dtype": x.dtype, "axis": ax,
+        "param_shapes": plan.param_shapes, "inner": inner, "input_dtypes": (), "output_dtypes": (),
+        "array_family": plan.family or _registry.array_family(x), "y_shape": None, "input_shapes": (),
+    })  # fmt: skip
     shaped = (y, *outs[1:])
     if spec.result is not None:
-        return spec.result(shaped, ctx, opts), ctx
+        return spec.result(shaped, ctx, plan.options), ctx
     return shaped[0], ctx
 
 

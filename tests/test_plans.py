@@ -251,3 +251,60 @@ def test_numba_backward_setup_is_kept_per_ctx_options_and_dtypes(op: str, varian
             assert any(
                 g is not None and not np.array_equal(g, e, equal_nan=True) for g, e in zip(other, fresh[0], strict=True)
             )
+
+
+@pytest.mark.parametrize(
+    ("op", "opts"),
+    [
+        ("group_norm", {"num_groups": 2}),
+        ("group_norm", {"num_groups": 4, "channel_axis": -1}),
+        ("instance_norm", {}),
+        ("batch_norm", {"training": True}),
+        ("batch_norm", {"training": False, "channel_axis": -1}),
+    ],
+)
+def test_a_channels_op_reuses_its_plan_with_the_full_paths_results(op: str, opts: dict[str, Any], backend: Any) -> None:
+    # the "channels" layout keeps plans too (_ChannelPlan): the planned call's outputs, running statistics and
+    # Context are the full path's; the running statistics' finiteness and out='s overlap are checked every call
+    from pynorm import _registry
+
+    served = _registry.get_backend(backend.name)
+    if (served.array_module, served.array_type) != ("numpy", "ndarray"):
+        pytest.skip(f"plans are kept for numpy.ndarray calls only; {backend.name}'s arrays take the full path")
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, 4, 5, 4)).astype(np.float32)
+    c = x.shape[opts.get("channel_axis", 1)]
+    w, b = rng.standard_normal(c).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    run = {}
+    if op == "batch_norm" or op == "instance_norm":
+        run = {"running_mean": rng.standard_normal(c).astype(np.float32), "running_var": np.ones(c, np.float32)}
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    _dispatch._PLANS.clear()
+    full = fwd(x, w, b, backend=backend.name, **run, **opts)
+    assert len(_dispatch._PLANS) == 1
+    for _ in range(2):
+        planned = fwd(x, w, b, backend=backend.name, **run, **opts)
+        assert len(_dispatch._PLANS) == 1
+        (y1, c1), (y2, c2) = planned, full
+        for a, e in zip(y1 if isinstance(y1, tuple) else (y1,), y2 if isinstance(y2, tuple) else (y2,), strict=True):
+            assert a.dtype == e.dtype and np.array_equal(a, e)
+        outer1, outer2 = _fields(c1), _fields(c2)
+        inner1, inner2 = _fields(outer1.pop("inner")), _fields(outer2.pop("inner"))
+        for k in outer1:
+            assert _same(outer1[k], outer2[k]), k
+        for k in inner1:
+            assert _same(inner1[k], inner2[k]), (k, inner1[k], inner2[k])
+        dy = rng.standard_normal(x.shape).astype(np.float32)
+        for g1, g2 in zip(bwd(dy, c1), bwd(dy, c2), strict=True):
+            assert np.array_equal(g1, g2)
+    if run:  # a NaN running statistic in the planned call's arrays is still rejected
+        bad = dict(run, running_mean=np.where(np.arange(c) == 1, np.nan, run["running_mean"]).astype(np.float32))
+        with pytest.raises(ArgumentError, match="running_mean"):
+            fwd(x, w, b, backend=backend.name, **bad, **opts)
+    out = np.empty_like(x)  # out= through the plan of its own call shape, then an out= overlapping x
+    y3 = fwd(x, w, b, backend=backend.name, out=out, **run, **opts)[0]
+    y3 = y3[0] if isinstance(y3, tuple) else y3
+    assert y3 is out and np.array_equal(out, full[0][0] if isinstance(full[0], tuple) else full[0])
+    fwd(x, w, b, backend=backend.name, out=out, **run, **opts)
+    with pytest.raises(ArgumentError, match="out"):
+        fwd(x, w, b, backend=backend.name, out=x, **run, **opts)

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..._dtypes import round_to
 from ...ops import OpSpec, Served
+from ...ops._spec import filled
 from ...ops.families import column_args, column_statistic_of
 from . import _column_kernels as kernels
 from . import _common as common
@@ -96,12 +97,17 @@ def _dx(xs: Any, dys: Any, mean: Any, corr: Any, a: Any, m1: Any, q: Any, dxs: n
            a.astype(mdt), m1.astype(mdt), q.astype(mdt), dxs)  # fmt: skip
 
 
-def _overflowed(x: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """The channels of a float64 ``x`` whose float64 ``values`` (``(C, k)``: the statistics, or the sums with the
-    centred values) are not all finite though every value of the channel is: the sums overflowed (``|x|`` near
-    1e154 and beyond; the kernels keep a NaN or inf of an overflowed sum, never clamp it). Empty for other dtypes
-    (their squares cannot overflow float64) and in the common case, at the cost of one test of ``values``."""
-    if x.dtype != np.float64 or np.isfinite(values).all():
+def _overflowed(x: np.ndarray, values: np.ndarray | tuple[np.ndarray, ...]) -> np.ndarray:
+    """The channels of a float64 ``x`` whose float64 ``values`` (``(C, k)``, or a tuple of ``(C,)`` columns: the
+    statistics, or the sums with the centred values) are not all finite though every value of the channel is: the
+    sums overflowed (``|x|`` near 1e154 and beyond; the kernels keep a NaN or inf of an overflowed sum, never clamp
+    it). Empty for other dtypes (their squares cannot overflow float64) and in the common case, at the cost of one
+    test of ``values``."""
+    if x.dtype != np.float64:
+        return np.zeros(0, np.intp)
+    if isinstance(values, tuple):  # (stacked only for a float64 x: a small call's microseconds)
+        values = np.stack(values, axis=1)
+    if np.isfinite(values).all():
         return np.zeros(0, np.intp)
     bad = np.flatnonzero(~np.isfinite(values).all(axis=1))
     return bad[np.isfinite(x[:, bad, :]).all(axis=(0, 2))]
@@ -156,7 +162,7 @@ class ColumnOp:
             rstd = 1.0 / np.sqrt(var + eps)
         _apply(xs, mean, corr, rstd if w is None else rstd * w, b, common.storage(y), mdt)
         if training:
-            redo = _overflowed(x, np.stack((mean, corr, var), axis=1))
+            redo = _overflowed(x, (mean, corr, var))
             if redo.size:  # float64 channels whose float64 sums of squares overflowed: again, scaled (see _scaled)
                 xr, e = _scaled(x, redo)
                 m_s, c_s, v_s = _statistics(xr)
@@ -170,7 +176,7 @@ class ColumnOp:
         full = mean + corr if training else mean.copy()
         values = {**o, "x": x, **dict(zip(self.spec.param_names, (weight, bias), strict=True))}
         values.update(zip(self.statistic.fills, (full, rstd), strict=True))
-        ctx = self.spec.ctx(**{f: values[f] for f in self._fields})
+        ctx = filled(self.spec.ctx, {f: values[f] for f in self._fields})
         if not training or rm is None:
             return y, ctx
         m = _momentum(ka.momentum, int(ka.num_batches_tracked))

@@ -648,7 +648,7 @@ class ChannelOp(_Op):
             else:
                 forward_rows(self.stat, (xs, None), plain(aff), plain(Conventions.of(kargs)), ys, (mean, rstd), stream)
         values = {**o, **p, self.row: x, **self.statistic.ctx_values(rstd, mean=mean)}
-        ctx = self.ctx_type(**{f: values[f] for f in self._fields})
+        ctx = filled(self.ctx_type, {f: values[f] for f in self._fields})
         if not run or run[0] is None or given:
             return y, ctx
         return (y, *self._running(run, mean, rstd, n, c, s, kargs.eps, float(o[_MOMENTUM]))), ctx

@@ -309,7 +309,7 @@ def _plan_key(
 
     The option values' types are part of it (``True == 1`` and ``hash(True) == hash(1)``, but True is no eps);
     writability and alignment are, because numba types a read-only or an unaligned array apart (a plan's runner
-    calls the compiled kernel its first call found, :class:`pynorm.backends.numba.stats.PlanForward`). The dtype
+    calls the compiled kernel its first call found, :class:`pynorm.backends.numba._common.PlanForward`). The dtype
     holds the byte order (a plan is never made for a non-native one: validation reads it as a native copy). A
     present array adds four items that begin with a dtype, an absent one a single None, so the positions never
     run into each other."""
@@ -386,10 +386,10 @@ def _target(mod: Any, options: Mapping[str, Any]) -> Any:
     """What runs ``options`` on the op module ``mod``, a callable ``run(x, *inputs_and_params, out=None)`` with
     the options bound: ``mod.forward_for(options)`` where the module has one (an implementation with policies
     composed around it names the one its options take, :class:`pynorm.composite.casting.Composed`; numba's
-    statistics ops a runner that keeps what the plan's first call found, :class:`pynorm.backends.numba.stats.
-    PlanForward`), else ``mod.forward`` with the options bound. It may depend on the options only: a plan keeps
-    it for its module, and its key fixes everything else a runner may keep (dtypes, shapes, strides,
-    writability, alignment)."""
+    statistics and element-wise ops a runner that keeps what the plan's first call found,
+    :class:`pynorm.backends.numba._common.PlanForward`), else ``mod.forward`` with the options bound. It may
+    depend on the options only: a plan keeps it for its module, and its key fixes everything else a runner may
+    keep (dtypes, shapes, strides, writability, alignment)."""
     pick = getattr(mod, "forward_for", None)
     return functools.partial(mod.forward, **options) if pick is None else pick(options)
 

@@ -156,16 +156,16 @@ def test_a_planned_call_gives_the_context_of_the_full_path(op: str, backend: Any
         assert _same(inner1[k], inner2[k]), (k, inner1[k], inner2[k])
 
 
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "modality_rms_norm", "scale_norm"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "modality_rms_norm", "scale_norm", "dyt", "power_norm"])
 def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # a plan runs numba's statistics forward through its runner (StatsOp.forward_for, a PlanForward): the setup and
-    # the row kernel's compiled entry point found by its first call. Calls whose arrays numba types apart -- an
-    # unaligned array, another dtype, a read-only x -- have keys (and runners) of their own and must give the full
-    # path's bits, never run a kernel typed for other arrays
+    # a plan runs numba's statistics and element-wise forwards through a runner (forward_for, a PlanForward): the
+    # setup and the row kernel's compiled entry point found by its first call. Calls whose arrays numba types
+    # apart -- an unaligned array, another dtype, a read-only x -- have keys (and runners) of their own and must
+    # give the full path's bits, never run a kernel typed for other arrays
     pytest.importorskip("numba")
     from pynorm.backends.numba import _threads
+    from pynorm.backends.numba._common import PlanForward
     from pynorm.backends.numba._threads import EntryMemo
-    from pynorm.backends.numba.stats import PlanForward
 
     monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 1 << 17)  # (the suite's default puts every call on the pool)
 
@@ -178,6 +178,9 @@ def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeyp
             return (x, np.arange(4) % 2, rng.standard_normal((2, h)).astype(dtype))
         if op == "scale_norm":
             return (x, np.array([1.5], dtype))
+        if op == "dyt":
+            wb = rng.standard_normal((2, h)).astype(dtype)
+            return (x, np.array([0.7], dtype), wb[0], wb[1])
         return (x, rng.standard_normal(h).astype(dtype))
 
     for dtype in (np.float32, np.float64, np.float16):

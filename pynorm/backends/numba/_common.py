@@ -21,7 +21,7 @@ import numpy as np
 from ..._dtypes import dtype_name
 from ._layout import blocks, tiles
 from ._reduce import exact_sum, sum_blocks
-from ._threads import launch
+from ._threads import EntryMemo, launch
 
 __all__ = [
     "POOL",
@@ -71,6 +71,26 @@ def effective_weight(weight: np.ndarray | None, offset: float, mdt: np.dtype[Any
 def param(p: np.ndarray | None, mdt: np.dtype[Any]) -> np.ndarray | None:
     """A ``(H,)`` parameter in the math type (None stays None)."""
     return None if p is None else np.ascontiguousarray(p, dtype=mdt)
+
+
+class PlanForward:
+    """The forward of one plan of the dispatcher (an op's ``forward_for(options)``, :func:`pynorm._dispatch._target`):
+    ``run(x, *args, out=None)`` is ``op.forward(x, *args, out=out, **options)`` for the plan's options, through
+    ``op.forward_setup(x, args, out, None, run)``, which keeps what the plan's first call finds for the next:
+    :attr:`setup` (what the op reads of the options and dtypes) and :attr:`entry`, the row kernel's compiled entry
+    point (:class:`._threads.EntryMemo`). The plan's key fixes the options and every array's dtype, shape, strides,
+    writability and alignment (:func:`pynorm._dispatch._plan_key`), so both hold for every call it serves."""
+
+    __slots__ = ("entry", "op", "options", "setup")
+
+    def __init__(self, op: Any, options: dict[str, Any]) -> None:
+        self.op = op
+        self.options = options
+        self.setup: Any = None
+        self.entry = EntryMemo()
+
+    def __call__(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> tuple[Any, Any]:
+        return self.op.forward_setup(x, args, out, None, self)  # type: ignore[no-any-return]
 
 
 class _BufferPool:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..._dtypes import finfo, round_to
 from ...ops import OpSpec, Served
+from ...ops._spec import filled
 from ...ops.families import function_of, kernel_args
 from .._spec import EW_SLOTS as _SLOTS
 from .._spec import check_ew_slots
@@ -51,6 +52,16 @@ def _row_param(p: Any, pdt: np.dtype[Any]) -> Any:
 def _fmath(dtype: Any) -> np.dtype[Any]:
     """The function math type for inputs of ``dtype`` (see :mod:`._ew_kernels`)."""
     return np.dtype(np.float32) if np.dtype(dtype).itemsize == 2 else np.dtype(np.float64)
+
+
+class _Setup(NamedTuple):
+    """What one forward of an :class:`ElementwiseOp` reads of its options and ``x``'s dtype alone."""
+
+    fmath: np.dtype[Any]  # the function's math type (:func:`_fmath`)
+    param_dtype: np.dtype[Any]  # the affine's parameters' type
+    tag: Any  # the function's tag (:meth:`ElementwiseOp._tag`)
+    constant: float | None  # the function's constant where it is an option (None: a scalar parameter's value)
+    ctx_static: dict[str, Any]  # the ctx fields of the options
 
 
 class ElementwiseOp:
@@ -84,37 +95,60 @@ class ElementwiseOp:
             return float(np.asarray(named[self.function.scalar], dtype=np.float64).reshape(-1)[0])
         return float(kernel_args(self.spec, source).constant)
 
+    def _setup(self, o: dict[str, Any], dtype: Any) -> _Setup:
+        """What a forward reads of its options (all of them, the defaults filled in) and ``x``'s dtype alone."""
+        fast = _fast(dtype)
+        fdt = _fmath(dtype)
+        static = {f: o[f] for f in self._fields if f in o}
+        a = None
+        if self.function.option:
+            a = float(kernel_args(self.spec, o).constant)
+            static[self.function.option] = a
+        return _Setup(fdt, np.dtype(np.float32) if fast else fdt, self._tag(0.0 if a is None else a, dtype), a, static)
+
+    def forward_for(self, options: Any) -> common.PlanForward:
+        """The forward a plan runs its calls through (:func:`pynorm._dispatch._target`): a
+        :class:`._common.PlanForward` of its own (the setup, and the kernel's entry point)."""
+        return common.PlanForward(self, options)
+
     def forward(self, x: np.ndarray, *params: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
         """Forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)`` (``y`` is ``out`` if given)."""
-        if len(params) != len(self.spec.params):
-            raise TypeError(f"{self.name} forward() takes x and {len(self.spec.params)} parameter(s)")
-        unknown = set(options) - set(self._options)
-        if unknown:
-            raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
-        o = {**self._options, **options}
+        return self.forward_setup(x, params, out, None, options)
+
+    def forward_setup(
+        self, x: np.ndarray, params: tuple[Any, ...], out: np.ndarray | None, sink: None,
+        options: dict[str, Any] | common.PlanForward,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """:meth:`forward` for ``options``, or a plan's calls (``options`` its :class:`._common.PlanForward`, which
+        keeps the setup and the kernel's entry point)."""
+        if isinstance(options, common.PlanForward):
+            plan, given, st = options, options.options, options.setup
+        else:
+            plan, given, st = None, options, None
+        if st is None:
+            if len(params) != len(self.spec.params):
+                raise TypeError(f"{self.name} forward() takes x and {len(self.spec.params)} parameter(s)")
+            unknown = set(given) - set(self._options)
+            if unknown:
+                raise TypeError(f"{self.name} forward() got unexpected keyword argument(s) {sorted(unknown)}")
+            st = self._setup({**self._options, **given}, x.dtype)
+            if plan is not None:
+                plan.setup = st
         named = dict(zip(self.spec.param_names, params, strict=True))
         rows, h = x.shape
-        fdt = _fmath(x.dtype)
         y = common.output(out, x.shape, x.dtype)
         if rows:
-            pdt = np.dtype(np.float32) if _fast(x.dtype) else fdt  # the affine of float32 math in float32
+            pdt = st.param_dtype
             w, b = _row_param(named.get("weight"), pdt), _row_param(named.get("bias"), pdt)
-            a = self._scalar(named, o)
+            a = st.constant if st.constant is not None else self._scalar(named, None)
             launch(
-                kernels.ew_fwd,
-                rows * h,
-                rows * tiles(h, EW_TILE),
-                self._tag(a, x.dtype),
-                common.storage(x),
-                a,
-                w,
-                b,
-                common.storage(y),
-            )
-        values = {**o, **named, "x": x}
-        if self.function.option:
-            values[self.function.option] = float(kernel_args(self.spec, o).constant)
-        return y, self.spec.ctx(**{f: values[f] for f in self._fields})
+                kernels.ew_fwd, rows * h, rows * tiles(h, EW_TILE), st.tag, common.storage(x), a, w, b,
+                common.storage(y), memo=None if plan is None else plan.entry,
+            )  # fmt: skip
+        values = st.ctx_static.copy()
+        values.update(named)
+        values["x"] = x
+        return y, filled(self.spec.ctx, {f: values[f] for f in self._fields})
 
     def sink(
         self, shape: tuple[int, int], dtype: Any, weight: Any, bias: Any, *, out: np.ndarray | None = None,

@@ -154,25 +154,6 @@ class _Setup(NamedTuple):
     ctx_args: tuple[tuple[str, int], ...]  # the ctx fields that are inputs or parameters: (name, argument index)
 
 
-class PlanForward:
-    """The forward of one plan of the dispatcher (:meth:`StatsOp.forward_for`, :func:`pynorm._dispatch._target`):
-    ``run(x, *args, out=None)`` is ``op.forward(x, *args, out=out, **options)`` for the plan's options, with what
-    its first call finds kept for the next: the setup, and the row kernel's compiled entry point
-    (:class:`._threads.EntryMemo`). The plan's key fixes the options and every array's dtype, shape, strides,
-    writability and alignment (:func:`pynorm._dispatch._plan_key`), so they hold for every call it serves."""
-
-    __slots__ = ("entry", "op", "options", "setup")
-
-    def __init__(self, op: StatsOp, options: dict[str, Any]) -> None:
-        self.op = op
-        self.options = options
-        self.setup: _Setup | None = None
-        self.entry = EntryMemo()
-
-    def __call__(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> tuple[Any, Any]:
-        return self.op.forward_setup(x, args, out, None, self)
-
-
 class _Op:
     """What :class:`StatsOp` and :class:`ChannelOp` share: the spec's records, names and contract, and the
     checking of a forward's arguments."""
@@ -310,10 +291,10 @@ class StatsOp(_Op):
             self._backward_setups[key] = setup
         return setup
 
-    def forward_for(self, options: Any) -> PlanForward:
-        """The forward a plan runs its calls through (:func:`pynorm._dispatch._target`): a :class:`PlanForward`
-        of its own."""
-        return PlanForward(self, options)
+    def forward_for(self, options: Any) -> common.PlanForward:
+        """The forward a plan runs its calls through (:func:`pynorm._dispatch._target`): a
+        :class:`._common.PlanForward` of its own."""
+        return common.PlanForward(self, options)
 
     def forward(
         self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, sink: tuple[Any, ...] | None = None,
@@ -328,15 +309,15 @@ class StatsOp(_Op):
 
     def forward_setup(
         self, x: np.ndarray, args: tuple[Any, ...], out: np.ndarray | None, sink: tuple[Any, ...] | None,
-        options: dict[str, Any] | PlanForward,
+        options: dict[str, Any] | common.PlanForward,
     ) -> tuple[Any, Any]:  # fmt: skip
-        """:meth:`forward` for ``options``, or a plan's calls (``options`` its :class:`PlanForward`: the setup and
-        the row kernel's entry point found once)."""
+        """:meth:`forward` for ``options``, or a plan's calls (``options`` its :class:`._common.PlanForward`: the
+        setup and the row kernel's entry point found once)."""
         if len(args) != len(self._index):
             self._arguments(args)  # (raises the TypeError)
         weight, bias, ids, residual = self._pick((*args, None))
         plan = None
-        if not isinstance(options, PlanForward):
+        if not isinstance(options, common.PlanForward):
             st = self._setup(options, x.dtype, None if residual is None else residual.dtype)
         elif options.setup is not None:
             plan, st = options, options.setup

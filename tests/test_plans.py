@@ -218,11 +218,13 @@ def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeyp
         ("layer_norm", [{}, {"eps": 0.5}, {"eps_mode": "std"}, {"correction": 1}, {"weight_offset": 1.0}]),
         ("rms_norm", [{}, {"eps": 0.25}, {"weight_offset": 1.0}]),
         ("add_layer_norm", [{}, {"alpha": 2.0}, {"eps": 0.5}]),
+        ("power_norm", [{}, {"p": 1.0}, {"p": 2.0}, {"p": 0.3}]),
     ],
 )
 def test_numba_backward_setup_is_kept_per_ctx_options_and_dtypes(op: str, variants: list[dict[str, Any]]) -> None:
-    # StatsOp._backward_setup keeps what a backward reads of the ctx's options and dtypes: a ctx whose options or
-    # dtypes differ must never run with another's (each backward equals the one with an empty memo)
+    # StatsOp._backward_setup (and ElementwiseOp's) keeps what a backward reads of the ctx's options and dtypes: a
+    # ctx whose options or dtypes differ must never run with another's (each backward equals the one with an empty
+    # memo)
     pytest.importorskip("numba")
     from pynorm import _registry
 

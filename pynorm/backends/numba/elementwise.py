@@ -15,6 +15,7 @@ every column too, correctly rounded: :func:`._common.column_total`), each gradie
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, NamedTuple
@@ -76,6 +77,9 @@ class ElementwiseOp:
         self.fn = function(self.kind)
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
+        self._backward_setups: dict[Any, tuple[_Setup, float]] = {}  # by the ctx's options and x's dtype
+        #: the ctx's option fields, as one tuple (:meth:`_backward_setup`'s key)
+        self._ctx_options = operator.attrgetter(*(n for n in self._options if n in self._fields), "__class__")
 
     def __repr__(self) -> str:
         return f"<numba element-wise op {self.name!r} (function {self.fn.choice!r})>"
@@ -105,6 +109,24 @@ class ElementwiseOp:
             a = float(kernel_args(self.spec, o).constant)
             static[self.function.option] = a
         return _Setup(fdt, np.dtype(np.float32) if fast else fdt, self._tag(0.0 if a is None else a, dtype), a, static)
+
+    def _backward_setup(self, ctx: Any, dtype: Any) -> tuple[_Setup, float]:
+        """The :meth:`_setup` of a ctx's options and ``x``'s dtype, and the dtype's largest finite value, kept for
+        the next ctx with the same ones (``numpy.finfo`` and the options' reading cost microseconds a call)."""
+        try:
+            key = (self._ctx_options(ctx), dtype)
+            hit = self._backward_setups.get(key)
+        except TypeError:  # an unhashable option value: read it every time
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        o = {**self._options, **{k: getattr(ctx, k) for k in self._options if hasattr(ctx, k)}}
+        setup = (self._setup(o, dtype), float(finfo(dtype).max))
+        if key is not None:
+            if len(self._backward_setups) >= 64:
+                self._backward_setups.clear()
+            self._backward_setups[key] = setup
+        return setup
 
     def forward_for(self, options: Any) -> common.PlanForward:
         """The forward a plan runs its calls through (:func:`pynorm._dispatch._target`): a
@@ -196,17 +218,17 @@ class ElementwiseOp:
         x = ctx.x
         named = {n: getattr(ctx, n) for n in self.spec.param_names}
         rows, h = x.shape
-        fdt = _fmath(x.dtype)
+        st, fmax = self._backward_setup(ctx, x.dtype)
+        fdt = st.fmath
         nb = blocks(rows)
         parts = {n: (common.scratch((nb, h), fdt) if named.get(n) is not None else None) for n in _SLOTS}
         dx = common.output(dx_out, x.shape, x.dtype)
         if rows:
-            a = self._scalar(named, ctx)
-            pdt = np.dtype(np.float32) if _fast(x.dtype) else fdt  # G = w dy of float32 math in float32
+            a = st.constant if st.constant is not None else self._scalar(named, None)
+            pdt = st.param_dtype  # G = w dy of float32 math in float32
             launch(
-                kernels.ew_bwd, rows * h, nb * tiles(h, EW_TILE), self._tag(a, x.dtype), common.storage(x),
-                common.storage(dy), a, common.param(named.get("weight"), pdt), float(finfo(x.dtype).max),
-                common.storage(dx),
+                kernels.ew_bwd, rows * h, nb * tiles(h, EW_TILE), st.tag, common.storage(x),
+                common.storage(dy), a, common.param(named.get("weight"), pdt), fmax, common.storage(dx),
                 parts["weight"], parts["bias"], parts["alpha"],
             )  # fmt: skip
         grads: list[Any] = []

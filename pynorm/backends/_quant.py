@@ -7,10 +7,13 @@ from dataclasses import fields
 from typing import Any, ClassVar
 
 from ..ops import SPECS
+from ..ops._spec import filled
 from ..ops.families import base_norm
 from ..ops.quant_norm import QuantLayerNormCtx
 
 __all__ = ["QuantOpBase"]
+
+_FIELDS = tuple(f.name for f in fields(QuantLayerNormCtx))
 
 
 class QuantOpBase:
@@ -26,6 +29,7 @@ class QuantOpBase:
         self.spec = SPECS[name]
         self.norm_name = base_norm(self.spec, SPECS)
         self._norm: Any = None
+        self._defaults = self.spec.defaults()
 
     @property
     def norm(self) -> Any:
@@ -37,5 +41,5 @@ class QuantOpBase:
     def _ctx(self, conventions: Any, kargs: Any, arrays: dict[str, Any], **epilogue: Any) -> QuantLayerNormCtx:
         """The op's ctx: the conventions as given (those :func:`kernel_args` read, as it read them), the
         epilogue's options and the arrays, by field name."""
-        values = {**self.spec.defaults(), **conventions, **dict(zip(kargs._fields, kargs)), **arrays, **epilogue}
-        return QuantLayerNormCtx(**{f.name: values[f.name] for f in fields(QuantLayerNormCtx)})
+        values = {**self._defaults, **conventions, **dict(zip(kargs._fields, kargs)), **arrays, **epilogue}
+        return filled(QuantLayerNormCtx, {f: values[f] for f in _FIELDS})

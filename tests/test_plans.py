@@ -85,7 +85,7 @@ def test_a_call_that_cannot_have_a_plan_takes_the_full_path() -> None:
     # byte order with it, but the plan would run on the array the checks read as a native copy)
     _dispatch._PLANS.clear()
     native, wbig = big.astype("<f4"), np.arange(4, dtype=">f4")
-    for b in ("numpy", "numba"):
+    for b in [i.name for i in pynorm.list_backends() if i.available and i.name in ("numpy", "numba")]:
         y2 = pynorm.layer_norm(native, wbig, backend=b)
         assert not _dispatch._PLANS
         assert np.array_equal(pynorm.layer_norm(native, wbig, backend=b), y2)

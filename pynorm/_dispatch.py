@@ -223,17 +223,28 @@ def forward(
         ),
         tuple(a.dtype for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
         tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
-        (
-            *((~i, si) for i, si in enumerate(spec.inputs) if si.kind in ("row_scale", "running")),
-            *((i, sp) for i, sp in enumerate(spec.params) if sp.kind == "table" or sp.finite),
-        ),
-        None if key is None else ("numpy", "ndarray"),
+        _value_checks(spec), None if key is None else ("numpy", "ndarray"),
     )  # fmt: skip
-    if key is not None and all(a is None or a.dtype.isnative for a in given):  # (see _plan_key)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+    _keep(key, plan, given)
     return _run(spec, plan, x, ins, ps, out, backend)
+
+
+def _value_checks(spec: OpSpec) -> tuple[tuple[int, Any], ...]:
+    """The checks of ``spec``'s arguments that depend on their values (:attr:`_Plan.value_checks`)."""
+    return (
+        *((~i, si) for i, si in enumerate(spec.inputs) if si.kind in ("row_scale", "running")),
+        *((i, sp) for i, sp in enumerate(spec.params) if sp.kind == "table" or sp.finite),
+    )
+
+
+def _keep(key: tuple[Any, ...] | None, plan: Any, given: tuple[Any, ...]) -> None:
+    """Keep ``plan`` under ``key`` (the oldest plan dropped beyond :data:`_MAX_PLANS`): not without a key, nor for
+    an array ``given`` of a non-native byte order (the checks read it as a native copy: see :func:`_plan_key`)."""
+    if key is None or not all(a is None or a.dtype.isnative for a in given):
+        return
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = plan
 
 
 @dataclass(frozen=True)
@@ -457,16 +468,9 @@ def _forward_channels(
         tuple(x.shape), ax, c, opts, {k: opts[k] for k in spec.backend_options},
         tuple(n for n, a in zip(("x", *arrays), (x, *ins, *ps), strict=True) if a is not None),
         tuple(None if p is None else tuple(p.shape) for p in ps),
-        (
-            *((~i, si) for i, si in enumerate(spec.inputs) if si.kind in ("row_scale", "running")),
-            *((i, sp) for i, sp in enumerate(spec.params) if sp.kind == "table" or sp.finite),
-        ),
-        None if key is None else ("numpy", "ndarray"),
+        _value_checks(spec), None if key is None else ("numpy", "ndarray"),
     )  # fmt: skip
-    if key is not None and all(a is None or a.dtype.isnative for a in given):  # (see _plan_key)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+    _keep(key, plan, given)
     return _run_channels(spec, plan, x, ins, ps, out, backend)
 
 

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,22 @@ def effective_weight(weight: np.ndarray | None, offset: float, mdt: np.dtype[Any
 def param(p: np.ndarray | None, mdt: np.dtype[Any]) -> np.ndarray | None:
     """A ``(H,)`` parameter in the math type (None stays None)."""
     return None if p is None else np.ascontiguousarray(p, dtype=mdt)
+
+
+def cached(cache: dict[Any, Any], key: Any, compute: Callable[[], Any], size: int = 64) -> Any:
+    """``cache[key]``, else ``compute()`` kept there (the cache emptied when it holds ``size``): what an op reads of
+    its options and dtypes alone, by those. A key holding an unhashable option value computes every time."""
+    try:
+        hit = cache.get(key)
+    except TypeError:
+        return compute()
+    if hit is not None:
+        return hit
+    value = compute()
+    if len(cache) >= size:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 class PlanForward:

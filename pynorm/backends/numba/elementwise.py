@@ -113,20 +113,12 @@ class ElementwiseOp:
     def _backward_setup(self, ctx: Any, dtype: Any) -> tuple[_Setup, float]:
         """The :meth:`_setup` of a ctx's options and ``x``'s dtype, and the dtype's largest finite value, kept for
         the next ctx with the same ones (``numpy.finfo`` and the options' reading cost microseconds a call)."""
-        try:
-            key = (self._ctx_options(ctx), dtype)
-            hit = self._backward_setups.get(key)
-        except TypeError:  # an unhashable option value: read it every time
-            key, hit = None, None
-        if hit is not None:
-            return hit
-        o = {**self._options, **{k: getattr(ctx, k) for k in self._options if hasattr(ctx, k)}}
-        setup = (self._setup(o, dtype), float(finfo(dtype).max))
-        if key is not None:
-            if len(self._backward_setups) >= 64:
-                self._backward_setups.clear()
-            self._backward_setups[key] = setup
-        return setup
+
+        def compute() -> tuple[_Setup, float]:
+            o = {**self._options, **{k: getattr(ctx, k) for k in self._options if hasattr(ctx, k)}}
+            return self._setup(o, dtype), float(finfo(dtype).max)
+
+        return common.cached(self._backward_setups, (self._ctx_options(ctx), dtype), compute)  # type: ignore[no-any-return]
 
     def forward_for(self, options: Any) -> common.PlanForward:
         """The forward a plan runs its calls through (:func:`pynorm._dispatch._target`): a

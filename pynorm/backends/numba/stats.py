@@ -235,13 +235,10 @@ class StatsOp(_Op):
 
     def _setup(self, options: dict[str, Any], x_dtype: Any, residual_dtype: Any) -> _Setup:
         """What a forward reads of its options and dtypes alone (kept for the next call with the same ones)."""
-        try:
-            key = (tuple(options), tuple(options.values()), x_dtype, residual_dtype)
-            hit = self._setups.get(key)
-        except TypeError:  # an unhashable option value: read it every time
-            key, hit = None, None
-        if hit is not None:
-            return hit
+        key = (tuple(options), tuple(options.values()), x_dtype, residual_dtype)
+        return common.cached(self._setups, key, lambda: self._make_setup(options, x_dtype, residual_dtype))  # type: ignore[no-any-return]
+
+    def _make_setup(self, options: dict[str, Any], x_dtype: Any, residual_dtype: Any) -> _Setup:
         o = self._options_of(options)
         kargs = kernel_args(self.spec, o)
         hd = self.prologue.h_dtype(x_dtype, o)
@@ -264,32 +261,19 @@ class StatsOp(_Op):
                 ctx_args.append((f, index[f]))
             else:
                 static[f] = o[f]
-        setup = _Setup(kargs, plain(Conventions.of(kargs)), hd, mdt, widen, static, tuple(ctx_args))
-        if key is not None:
-            if len(self._setups) >= 64:
-                self._setups.clear()
-            self._setups[key] = setup
-        return setup
+        return _Setup(kargs, plain(Conventions.of(kargs)), hd, mdt, widen, static, tuple(ctx_args))
 
     def _backward_setup(self, ctx: Any, x_dtype: Any, row_dtype: Any) -> tuple[Any, ...]:
         """What a backward reads of the ctx's options and the dtypes alone: ``(kernel_args, the conventions bundle
         (plain), math dtype, widen, partials dtype)``, kept for the next ctx with the same ones (a small call's
         microseconds: :func:`kernel_args` of a ctx costs about 2 us)."""
-        try:
-            key = (self._ctx_options(ctx), x_dtype, row_dtype)
-            hit = self._backward_setups.get(key)
-        except TypeError:  # an unhashable option value: read it every time
-            key, hit = None, None
-        if hit is not None:
-            return hit
-        kargs = kernel_args(self.spec, ctx)
-        mdt, widen = self._math(x_dtype, row_dtype if self.residual else None)
-        setup = (kargs, plain(Conventions.of(kargs)), mdt, widen, self._partials_dtype(mdt))
-        if key is not None:
-            if len(self._backward_setups) >= 64:
-                self._backward_setups.clear()
-            self._backward_setups[key] = setup
-        return setup
+
+        def compute() -> tuple[Any, ...]:
+            kargs = kernel_args(self.spec, ctx)
+            mdt, widen = self._math(x_dtype, row_dtype if self.residual else None)
+            return kargs, plain(Conventions.of(kargs)), mdt, widen, self._partials_dtype(mdt)
+
+        return common.cached(self._backward_setups, (self._ctx_options(ctx), x_dtype, row_dtype), compute)  # type: ignore[no-any-return]
 
     def forward_for(self, options: Any) -> common.PlanForward:
         """The forward a plan runs its calls through (:func:`pynorm._dispatch._target`): a

@@ -168,23 +168,9 @@ def forward(
     several outputs), in ``x``'s shape, or ``(spec.result(outputs, ctx, options), ctx)``."""
     if spec.layout == "channels":
         return _forward_channels(spec, x, params, backend, out, options, inputs)
-    key = _plan_key(spec, x, inputs, params, axis, backend, out, options)
-    plan = None
-    if key is not None:
-        try:  # (the lookup is the key's hash test: a tuple's hash is not kept, and a small call's key costs 0.2 us)
-            plan = _PLANS.get(key)
-        except TypeError:  # an unhashable option value: no plan
-            key = None
+    key, plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))
     if plan is not None:  # the same call shape as before: only what depends on the values is checked again
-        if plan.value_checks:
-            by_name = dict(zip(spec.input_names, inputs, strict=True))
-            for i, sp in plan.value_checks:
-                if i < 0:
-                    check_input_values(spec.inputs[~i], inputs[~i])
-                elif params[i] is not None:
-                    check_param_values(sp, params[i], by_name)
-        if out is not None:
-            check_out(out, "out", x, tuple(a for a in (x, *inputs, *params) if a is not None), plan.y_shape, out.dtype)
+        _recheck(spec, plan, x, inputs, params, out, plan.y_shape)
         return _run(spec, plan, x, tuple(inputs), tuple(params), out, backend)
     given = (x, *inputs, *params)
     x = as_array(x, "x")
@@ -227,6 +213,33 @@ def forward(
     )  # fmt: skip
     _keep(key, plan, given)
     return _run(spec, plan, x, ins, ps, out, backend)
+
+
+def _lookup(key: tuple[Any, ...] | None) -> tuple[tuple[Any, ...] | None, Any]:
+    """``(key, the plan kept under it or None)``; the key None when it holds an unhashable option value (no plan)."""
+    if key is None:
+        return None, None
+    try:  # (the lookup is the key's hash test: a tuple's hash is not kept, and a small call's key costs 0.2 us)
+        return key, _PLANS.get(key)
+    except TypeError:
+        return None, None
+
+
+def _recheck(
+    spec: OpSpec, plan: Any, x: Any, inputs: tuple[Any, ...], params: tuple[Any, ...], out: Any,
+    y_shape: tuple[int, ...],
+) -> None:  # fmt: skip
+    """The checks of a call served by ``plan`` that depend on the values (:attr:`_Plan.value_checks`), and ``out``'s
+    overlap with the arrays (its shape and dtype the plan's key fixed)."""
+    if plan.value_checks:
+        by_name = dict(zip(spec.input_names, inputs, strict=True))
+        for i, sp in plan.value_checks:
+            if i < 0:
+                check_input_values(spec.inputs[~i], inputs[~i])
+            elif params[i] is not None:
+                check_param_values(sp, params[i], by_name)
+    if out is not None:
+        check_out(out, "out", x, tuple(a for a in (x, *inputs, *params) if a is not None), y_shape, out.dtype)
 
 
 def _value_checks(spec: OpSpec) -> tuple[tuple[int, Any], ...]:
@@ -428,21 +441,10 @@ def _forward_channels(
     """:func:`forward` for an op of the ``"channels"`` layout: ``x`` of ``(N, C, *spatial)`` (or channels last),
     the backends see ``(N, C, S)``. A repeated call shape reuses its plan (:class:`_ChannelPlan`), as
     :func:`forward` does."""
-    key = _plan_key(spec, x, inputs, params, 0, backend, out, options)  # (the channel axis is an option)
-    plan = None
-    if key is not None:
-        try:
-            plan = _PLANS.get(key)
-        except TypeError:  # an unhashable option value: no plan
-            key = None
+    # (the channel axis is an option: the key's axis is a constant)
+    key, plan = _lookup(_plan_key(spec, x, inputs, params, 0, backend, out, options))
     if plan is not None:
-        for i, sp in plan.value_checks:
-            if i < 0:
-                check_input_values(spec.inputs[~i], inputs[~i])
-            elif params[i] is not None:
-                check_param_values(sp, params[i], {})
-        if out is not None:
-            check_out(out, "out", x, tuple(a for a in (x, *inputs, *params) if a is not None), plan.x_shape, x.dtype)
+        _recheck(spec, plan, x, inputs, params, out, plan.x_shape)
         return _run_channels(spec, plan, x, tuple(inputs), tuple(params), out, backend)
     given = (x, *inputs, *params)
     x = as_array(x, "x")

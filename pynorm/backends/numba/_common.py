@@ -11,10 +11,12 @@ vectors, negligible next to the ``(R, H)`` work.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -88,6 +90,13 @@ def cached(cache: dict[Any, Any], key: Any, compute: Callable[[], Any], size: in
         cache.clear()
     cache[key] = value
     return value
+
+
+def ctx_options(spec: Any) -> Callable[[Any], Any]:
+    """The values of ``spec``'s options a ctx holds, as one hashable value (the key of a backward's setup: the
+    ctx's class is part of it, so that it is a tuple, or the class alone for a spec without such options)."""
+    held = {f.name for f in fields(spec.ctx)}
+    return operator.attrgetter(*(o.name for o in spec.options if o.name in held), "__class__")
 
 
 class PlanForward:

@@ -15,7 +15,6 @@ every column too, correctly rounded: :func:`._common.column_total`), each gradie
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, NamedTuple
@@ -78,8 +77,7 @@ class ElementwiseOp:
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
         self._backward_setups: dict[Any, tuple[_Setup, float]] = {}  # by the ctx's options and x's dtype
-        #: the ctx's option fields, as one tuple (:meth:`_backward_setup`'s key)
-        self._ctx_options = operator.attrgetter(*(n for n in self._options if n in self._fields), "__class__")
+        self._ctx_options = common.ctx_options(spec)  # (:meth:`_backward_setup`'s key)
 
     def __repr__(self) -> str:
         return f"<numba element-wise op {self.name!r} (function {self.fn.choice!r})>"

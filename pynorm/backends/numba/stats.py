@@ -213,9 +213,7 @@ class StatsOp(_Op):
         self.residual_name, self.ids_name = prologue_input_names(spec, self.prologue)
         self._setups: dict[Any, _Setup] = {}  # by options and dtypes (:meth:`_setup`)
         self._backward_setups: dict[Any, tuple[Any, ...]] = {}  # by the ctx's options and dtypes
-        #: the ctx's option fields, as one tuple (:meth:`_backward_setup`'s key)
-        ctx_options = [o.name for o in spec.options if o.name in self._fields]
-        self._ctx_options = operator.attrgetter(*ctx_options, "__class__")  # (a tuple, or the class alone)
+        self._ctx_options = common.ctx_options(spec)  # (:meth:`_backward_setup`'s key)
         #: the position of each input and parameter among a forward's arguments after ``x``
         self._index = {n: i for i, n in enumerate((*spec.input_names, *spec.param_names))}
         #: ``(weight, bias, ids, residual)`` of a forward's arguments after ``x`` with a None appended (None: absent)

@@ -48,21 +48,32 @@ def _tanh(z, zlo=None):
     return vm.tanh_sech2_array(z, np.zeros_like(z) if zlo is None else zlo)[0]
 
 
+def _tanh_fwd(z, zlo=None):
+    return vm.tanh_f32_array(z, np.zeros_like(z) if zlo is None else zlo)
+
+
+#: the backward's tanh (beside sech^2) and the forward's (tanh alone)
+TANHS = pytest.mark.parametrize("tanh", [_tanh, _tanh_fwd], ids=["tanh_sech2", "tanh_f32"])
+
+
 def _sech2(z, zlo=None):
     return vm.tanh_sech2_array(z, np.zeros_like(z) if zlo is None else zlo)[1]
 
 
-def test_tanh_within_2_ulps_everywhere():
+@TANHS
+def test_tanh_within_2_ulps_everywhere(tanh):
     x = _every_exponent(24)
-    x = np.concatenate([x, -x, np.float32([0.625, np.nextafter(np.float32(0.625), np.float32(0)), 9.01, 9.02])])
-    got = _tanh(x)
+    edges = [0.625, np.nextafter(np.float32(0.625), np.float32(0)), 9.01, 9.02, 16.0, 16.5]
+    x = np.concatenate([x, -x, np.float32(edges), np.random.default_rng(3).uniform(-12, 12, 4000).astype(np.float32)])
+    got = tanh(x)
     err = mpmath_ulps(got, [mpmath.tanh(mpmath.mpf(float(v))) for v in x])
     assert err.max() <= 2.0, (err.max(), x[err.argmax()])
 
 
-def test_tanh_special_values():
+@TANHS
+def test_tanh_special_values(tanh):
     x = np.float32([0.0, -0.0, TINY, -TINY, 2.0**-126, np.inf, -np.inf, np.nan, 1e30, -1e30])
-    got = _tanh(x)
+    got = tanh(x)
     want = np.float32([0.0, -0.0, TINY, -TINY, 2.0**-126, 1.0, -1.0, np.nan, 1.0, -1.0])
     np.testing.assert_array_equal(got, want)
     assert np.signbit(got[1]) and not np.signbit(got[0])
@@ -119,6 +130,18 @@ def test_sech2_keeps_relative_accuracy_below_float32_range():
     assert _sech2(np.float32([np.inf, -np.inf, 400.0])).tolist() == [0.0, 0.0, 0.0]
     assert np.isnan(_sech2(np.float32([np.nan]))).all()
     assert np.isnan(_tanh(np.float32([np.nan]))).all()
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+def test_forward_tanh_of_a_float32_pair(seed):
+    """The forward's tanh of ``z + zlo`` within 2 ulps of the pair's exact value, as the backward's (below)."""
+    rng = np.random.default_rng(seed)
+    z = np.concatenate([rng.uniform(0, 0.7, 3000), rng.uniform(0.55, 12, 3000), rng.uniform(12, 120, 1000)])
+    z = np.concatenate([z, -z]).astype(np.float32)
+    zlo = (rng.uniform(-0.5, 0.5, z.size) * np.spacing(z).astype(np.float64)).astype(np.float32)
+    exact = [mpmath.tanh(mpmath.mpf(float(a)) + mpmath.mpf(float(b))) for a, b in zip(z, zlo)]
+    err = mpmath_ulps(_tanh_fwd(z, zlo), exact)
+    assert err.max() <= 2.0, (err.max(), z[err.argmax()])
 
 
 def test_tanh_and_sech2_of_a_float32_pair():

@@ -16,6 +16,7 @@ __all__ = [
     "FUSED_MAX_SMALL",
     "FUSED_MIN_ROWS",
     "LANES",
+    "PF_CHUNK",
     "ROW_BLOCK",
     "SPLIT_SEG",
     "STREAM_MIN_BYTES",
@@ -42,6 +43,10 @@ SPLIT_SEG = 4 * CHUNK
 
 #: columns per task of the element-wise family's kernels (tasks: row, or row block, times column tile).
 EW_TILE = 2048
+
+#: elements per piece of the element-wise family's tile computed while the same piece of its next task's input is asked
+#: of the cache (:func:`._storage.prefetch`)
+PF_CHUNK = 512
 
 #: outputs of at least this many bytes are written with streaming stores (much larger than the caches).
 STREAM_MIN_BYTES = 1 << 24

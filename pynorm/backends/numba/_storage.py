@@ -12,7 +12,8 @@ storage array is float32 for float16 / bfloat16 / float32 and float64 for float6
 * per math type: :func:`tiny_sum` (smallest sum of squares the fast path trusts), :func:`r_ok`
   (``r`` safely inside the normal range);
 * optional arrays: :func:`seg` / :func:`seg2` (a segment; None stays None), :func:`at` (an element;
-  0.0 when the array is None).
+  0.0 when the array is None);
+* :func:`prefetch` (ask the cache for a 1-d array's ``a[lo:hi]`` ahead of its loop: a hint, no value changes).
 
 All are ``@overload``-ed or intrinsics chosen by the storage dtype at compile time.
 """
@@ -36,6 +37,7 @@ __all__ = [
     "ld",
     "opt_add",
     "opt_mul",
+    "prefetch",
     "r_ok",
     "seg",
     "seg2",
@@ -369,3 +371,51 @@ def _wat_ol(a, j):  # type: ignore[no-untyped-def]
     if isinstance(a, types.Float):
         return lambda a, j: a
     return lambda a, j: a[j]
+
+
+# ---------------------------------------------------------------------------
+# prefetch
+
+
+@intrinsic
+def _prefetch_at(typingctx, a, j):  # type: ignore[no-untyped-def]
+    """A prefetch of the cache line of ``a[j]`` (a 1-d array; LLVM's ``llvm.prefetch``: read, every cache level,
+    data): a hint, which never faults; the caller keeps ``j`` within ``a``."""
+    if not isinstance(a, types.Array) or a.ndim != 1:
+        return None
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        from numba.core import cgutils
+
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], arr, [args[1]], wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.none(a, j), codegen
+
+
+def prefetch(a, lo, hi):  # type: ignore[no-untyped-def]
+    """Ask the cache for the lines of ``a[lo:hi]`` (``a`` a 1-d array, or None: nothing; the range clipped to ``a``),
+    one prefetch per 64-byte line: a loop whose arithmetic outweighs its memory traffic asks for its next piece
+    while it computes on the current one (the hardware prefetcher follows the loads, and leaves such a loop waiting
+    on memory at the start of each piece). A hint: values never change."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(prefetch, inline="always")
+def _prefetch_ol(a, lo, hi):  # type: ignore[no-untyped-def]
+    if isinstance(a, types.NoneType):
+        return lambda a, lo, hi: None
+    step = max(1, 512 // a.dtype.bitwidth)  # elements per 64-byte line
+
+    def impl(a, lo, hi):  # type: ignore[no-untyped-def]
+        for j in range(max(lo, 0), min(hi, a.shape[0]), step):
+            _prefetch_at(a, j)
+
+    return impl

@@ -31,7 +31,9 @@ finished by the slow-path kernels, compiled on first need. Outputs not passed as
 ``out=``/``dx_out=`` come from a recycling pool (:class:`._common._BufferPool`).
 
 Few wide rows (fewer row tasks than threads, :func:`split_rows`): the forward and the backward's ``dx`` run on
-the split kernels (:mod:`._split_kernels`), rows cut into segments across threads, with the same results.
+the split kernels (:mod:`._split_kernels`), rows cut into segments across threads, with the same results. Fewer
+than 4 such rows take the fused path's partials there (in the sums pass, not in a pass of their own: the column
+tiles add fewer than 4 rows row by row, in order, so the bits are the same), one read of ``x`` and ``dy`` less.
 """
 
 from __future__ import annotations
@@ -507,10 +509,14 @@ def backward_rows(
         raise ValueError(f"unknown backward path {path!r}")
     rows, h = x.shape
     fused = path == "fused"
+    params = parts[0] is not None or parts[1] is not None
+    if not fused and params and rows < 4 and not _channel(aff[2]) and split_rows(blocks(rows), x):
+        # a few wide rows on the split kernels: their partials in the sums pass (the fused path's), not in a pass of
+        # their own by column tiles -- bitwise the same, as fewer than 4 rows are added there row by row, in order
+        fused = True
     streaming = True if stream else None
     scale = np.empty(rows, np.int64)
     cs = np.empty(rows) if not fused and record_of(stat).mean else None
-    params = parts[0] is not None or parts[1] is not None
     if not _channel(aff[2]) and split_rows(blocks(rows) if fused else rows, x):
         slow = _backward_split(stat, x, dy, aff, rs, cv, gr, parts if fused else (None, None), scale, cs, streaming)
     elif fused:

@@ -27,29 +27,36 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ops._spec import filled
 from ..ops.rms_norm import RMSNormCtx, RMSNormGrads
 from . import casting as _cast
-from ._common import _ieee, finite_rows, round_to, working_dtype, write_result
+from ._common import _ieee, backward_dtype, finite_rows, rounded, working_dtype, write_result
 
 __all__ = ["RMSNormCtx", "RMSNormGrads", "backward", "forward"]
 
 
 def statistics(xw: np.ndarray, *, eps: float) -> np.ndarray:
     """``r`` of each row of the ``(R, H)`` working-precision array ``xw``."""
-    wp = xw.dtype
-    ms = np.add.reduce(xw * xw, axis=1) / wp.type(xw.shape[1])
-    return finite_rows(1 / np.sqrt(ms + wp.type(eps)), ms)
+    return _statistics(xw, eps).ravel()
+
+
+def _statistics(xw: np.ndarray, eps: float) -> np.ndarray:
+    # statistics as an (R, 1) column (keepdims: no indexing to broadcast it); the scalars as Python floats (faster
+    # than NumPy scalars on small arrays; the same values in the working precision)
+    ms = np.add.reduce(xw * xw, axis=1, keepdims=True) / float(xw.shape[1])
+    return finite_rows(1.0 / np.sqrt(ms + float(eps)), ms)
 
 
 def input_grad(
     dyw: np.ndarray, xw: np.ndarray, rstd: np.ndarray, w: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(dx, xhat)`` in working precision for the upstream gradient ``dyw`` of ``y = xhat * w``."""
-    xhat = xw * rstd[:, None]
+    r = rstd[:, None]  # (the per-row values as (R, 1) columns)
+    xhat = xw * r
     g = dyw * w if w is not None else dyw
-    c = np.add.reduce(g * xhat, axis=1) / xw.dtype.type(xw.shape[1])
+    c = np.add.reduce(g * xhat, axis=1, keepdims=True) / float(xw.shape[1])
     c = finite_rows(c, c)
-    return rstd[:, None] * (g - xhat * c[:, None]), xhat
+    return r * (g - xhat * c), xhat
 
 
 @_ieee
@@ -63,23 +70,27 @@ def forward(
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, RMSNormCtx]:
     """RMSNorm forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)`` (``casting``: :mod:`.casting`)."""
-    ctx_conv = (float(eps), float(weight_offset), casting)
     if casting == "none":
         y, rstd = _cast.rms_norm_forward_none(x, weight, eps=eps, weight_offset=weight_offset, out=out)
-        return y, RMSNormCtx(x, weight, rstd, *ctx_conv)
-    wp = working_dtype(x.dtype, getattr(weight, "dtype", None))
-    xw = x.astype(wp)
-    rstd = statistics(xw, eps=eps)
-    y = xw * rstd[:, None]
-    qd = _cast.quantized_dtype(casting, x.dtype, getattr(weight, "dtype", None))
-    if qd is not None:
-        y = round_to(y, qd).astype(wp)
-    w = _cast.effective_weight(weight, weight_offset, wp, casting)
-    if w is not None:
-        y = y * w
-    if casting == "t5" and qd is not None:
-        y = round_to(y, qd)
-    return write_result(y, x.dtype, out), RMSNormCtx(x, weight, rstd, *ctx_conv)
+    else:
+        wp = working_dtype(x.dtype, getattr(weight, "dtype", None))
+        xw = x.astype(wp)
+        rstd = _statistics(xw, eps)  # (an (R, 1) column)
+        y = xw * rstd
+        qd = _cast.quantized_dtype(casting, x.dtype, getattr(weight, "dtype", None))
+        if qd is not None:
+            y = rounded(y, qd).astype(wp)
+        w = _cast.effective_weight(weight, weight_offset, wp, casting)
+        if w is not None:
+            y = y * w
+        if casting == "t5" and qd is not None:
+            y = rounded(y, qd)
+        y, rstd = write_result(y, x.dtype, out), rstd.ravel()
+    # (RMSNormCtx(...) without the frozen dataclass's __init__, ops._spec.filled: half the cost of a small call's ctx)
+    return y, filled(RMSNormCtx, {
+        "x": x, "weight": weight, "rstd": rstd, "eps": float(eps), "weight_offset": float(weight_offset),
+        "casting": casting,
+    })  # fmt: skip
 
 
 @_ieee
@@ -89,10 +100,10 @@ def backward(dy: np.ndarray, ctx: RMSNormCtx, *, dx_out: np.ndarray | None = Non
     if ctx.casting == "none":
         dx, dweight = _cast.rms_norm_backward_none(dy, x, weight, eps=ctx.eps, weight_offset=ctx.weight_offset)
         return RMSNormGrads(write_result(dx, x.dtype, dx_out), dweight)
-    wp = np.result_type(ctx.rstd.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
+    wp = backward_dtype(ctx.rstd.dtype, x.dtype, getattr(weight, "dtype", None))
     dyw, g, w, qd = _cast.backward_terms(dy, ctx, wp)
-    dx, xhat = input_grad(g, x.astype(wp), ctx.rstd.astype(wp), w)
+    dx, xhat = input_grad(g, x.astype(wp), ctx.rstd.astype(wp, copy=False), w)
     if qd is not None:
-        xhat = round_to(xhat, qd).astype(wp)
-    dweight = round_to(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+        xhat = rounded(xhat, qd).astype(wp)
+    dweight = rounded(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     return RMSNormGrads(write_result(dx, x.dtype, dx_out), dweight)

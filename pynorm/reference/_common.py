@@ -8,7 +8,8 @@ inputs and rounds each result once to its output dtype (:mod:`pynorm._dtypes`:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -19,6 +20,7 @@ __all__ = [
     "EXTENDED_FLOAT64",
     "backward_dtype",
     "center",
+    "conventions",
     "finite_rows",
     "round_to",
     "rounded",
@@ -38,6 +40,8 @@ def _ieee(fn: F) -> F:
     under it rounds with :func:`rounded` (and :func:`write_result`), which set no
     error state of their own.
     """
+    if _ERRSTATE_DECORATES:
+        return np.errstate(divide="ignore", invalid="ignore", over="ignore")(fn)  # type: ignore[no-any-return]
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -45,6 +49,24 @@ def _ieee(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+#: whether ``np.errstate`` has a decorator of its own (NumPy >= 2), which sets the state of each call in that call
+#: (thread-safe) with no context manager to make and enter: half the cost of the ``with`` block, about 0.4 us a call.
+#: NumPy 1's is ``contextlib.ContextDecorator``'s, which keeps the state to restore on the shared instance.
+_ERRSTATE_DECORATES = "__call__" in vars(np.errstate)
+
+
+def conventions(forward: Callable[..., Any], options: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The values of ``forward``'s keyword-only parameters but ``out``, in their order: from ``options``, else
+    their defaults. An op's ``forward_for`` binds them once for the dispatcher's plan (:func:`pynorm._dispatch._target`)
+    and passes them by position on each call: binding keywords costs about a microsecond a small call."""
+    params = [p for p in inspect.signature(forward).parameters.values() if p.kind is p.KEYWORD_ONLY and p.name != "out"]
+    unknown = set(options) - {p.name for p in params}
+    missing = [p.name for p in params if p.name not in options and p.default is p.empty]
+    if unknown or missing:
+        raise TypeError(f"{forward.__qualname__}: unknown options {sorted(unknown)}, missing {missing}")
+    return tuple(options[p.name] if p.name in options else p.default for p in params)
 
 
 def row_mean(a: np.ndarray) -> np.ndarray:
@@ -73,7 +95,8 @@ def finite_rows(v: np.ndarray, *sums: np.ndarray) -> np.ndarray:
     holds an inf or a NaN) normalizes to NaN in every element, and a row whose backward reductions are not
     finite (an inf in ``dy`` or in the weight) has a NaN ``dx`` in every element -- never a mixture of
     ``inf - inf`` and ``finite * 0`` that depends on the order of the arithmetic. Element-wise parts (the
-    affine, the parameter gradients' column sums) follow IEEE arithmetic.
+    affine, the parameter gradients' column sums) follow IEEE arithmetic. Called under :func:`_ieee` (the sum
+    of the sums it checks first may overflow).
     """
     total = sums[0]
     for s in sums[1:]:  # (a sum of the sums is finite only where each is: one check for the common case)

@@ -38,6 +38,7 @@ precision, never the normalized activations.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -45,9 +46,19 @@ import numpy as np
 from ..ops._spec import filled
 from ..ops.layer_norm import LayerNormCtx, LayerNormGrads
 from . import casting as _cast
-from ._common import _ieee, _row_mean, backward_dtype, center, finite_rows, rounded, working_dtype, write_result
+from ._common import (
+    _ieee,
+    _row_mean,
+    backward_dtype,
+    center,
+    conventions,
+    finite_rows,
+    rounded,
+    working_dtype,
+    write_result,
+)
 
-__all__ = ["LayerNormCtx", "LayerNormGrads", "backward", "forward"]
+__all__ = ["LayerNormCtx", "LayerNormGrads", "backward", "forward", "forward_for"]
 
 
 def _effective_weight(weight: np.ndarray | None, offset: float, wp: np.dtype[Any]) -> np.ndarray | None:
@@ -112,7 +123,6 @@ def input_grad(
 # the op
 
 
-@_ieee
 def forward(
     x: np.ndarray,
     weight: np.ndarray | None,
@@ -131,6 +141,22 @@ def forward(
     written into ``out`` (a C-contiguous ``(R, H)`` array of that dtype) if given;
     ``casting`` is the rounding sequence (:mod:`.casting`).
     """
+    return _forward(x, weight, bias, out, eps, correction, eps_mode, weight_offset, casting)
+
+
+def forward_for(options: Mapping[str, Any]) -> Callable[..., tuple[np.ndarray, LayerNormCtx]]:
+    """:func:`forward` with ``options`` (its keyword arguments but ``out``) bound: ``run(x, weight, bias, out=None)``,
+    what the dispatcher's plan calls (:func:`pynorm._dispatch._target`)."""
+    conv = conventions(forward, options)
+    return lambda x, weight, bias, out=None: _forward(x, weight, bias, out, *conv)
+
+
+@_ieee
+def _forward(
+    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, out: np.ndarray | None, eps: float,
+    correction: int, eps_mode: str, weight_offset: float, casting: str,
+) -> tuple[np.ndarray, LayerNormCtx]:  # fmt: skip
+    # forward, its arguments by position (out, then the conventions in forward's order)
     if casting == "none":
         y, mean, rstd = _cast.layer_norm_forward_none(
             x, weight, bias, eps=eps, correction=correction, eps_mode=eps_mode, weight_offset=weight_offset, out=out

@@ -25,14 +25,17 @@ Numerics: working precision of :mod:`._common`, one rounding per output
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import numpy as np
 
 from ..ops._spec import filled
 from ..ops.rms_norm import RMSNormCtx, RMSNormGrads
 from . import casting as _cast
-from ._common import _ieee, backward_dtype, finite_rows, rounded, working_dtype, write_result
+from ._common import _ieee, backward_dtype, conventions, finite_rows, rounded, working_dtype, write_result
 
-__all__ = ["RMSNormCtx", "RMSNormGrads", "backward", "forward"]
+__all__ = ["RMSNormCtx", "RMSNormGrads", "backward", "forward", "forward_for"]
 
 
 def statistics(xw: np.ndarray, *, eps: float) -> np.ndarray:
@@ -59,7 +62,6 @@ def input_grad(
     return r * (g - xhat * c), xhat
 
 
-@_ieee
 def forward(
     x: np.ndarray,
     weight: np.ndarray | None,
@@ -70,6 +72,21 @@ def forward(
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, RMSNormCtx]:
     """RMSNorm forward of the ``(R, H)`` array ``x``; returns ``(y, ctx)`` (``casting``: :mod:`.casting`)."""
+    return _forward(x, weight, out, eps, weight_offset, casting)
+
+
+def forward_for(options: Mapping[str, Any]) -> Callable[..., tuple[np.ndarray, RMSNormCtx]]:
+    """:func:`forward` with ``options`` (its keyword arguments but ``out``) bound: ``run(x, weight, out=None)``, what
+    the dispatcher's plan calls (:func:`pynorm._dispatch._target`)."""
+    conv = conventions(forward, options)
+    return lambda x, weight, out=None: _forward(x, weight, out, *conv)
+
+
+@_ieee
+def _forward(
+    x: np.ndarray, weight: np.ndarray | None, out: np.ndarray | None, eps: float, weight_offset: float, casting: str
+) -> tuple[np.ndarray, RMSNormCtx]:
+    # forward, its arguments by position (out, then the conventions in forward's order)
     if casting == "none":
         y, rstd = _cast.rms_norm_forward_none(x, weight, eps=eps, weight_offset=weight_offset, out=out)
     else:

@@ -29,7 +29,7 @@ import numpy as np
 from ..ops.add_norm import AddLayerNormCtx, AddLayerNormGrads, AddRMSNormCtx, AddRMSNormGrads, h_dtype
 from . import layer_norm as _ln
 from . import rms_norm as _rms
-from ._common import _ieee, round_to, working_dtype, write_result
+from ._common import _ieee, backward_dtype, round_to, rounded, working_dtype, write_result
 
 __all__ = [
     "AddLayerNormCtx",
@@ -171,16 +171,16 @@ def layer_norm_backward(
 ) -> AddLayerNormGrads:
     """``(dx, dresidual, dweight, dbias)`` of the fused add + LayerNorm; ``dh`` arrives at ``h`` from later layers."""
     h, weight, bias = ctx.h, ctx.weight, ctx.bias
-    wp = np.result_type(ctx.mean.dtype, working_dtype(h.dtype, ctx.x_dtype, getattr(weight, "dtype", None)))
+    wp = backward_dtype(ctx.mean.dtype, h.dtype, ctx.x_dtype, getattr(weight, "dtype", None))
     dyw = dy.astype(wp)
     w = _ln._effective_weight(weight, ctx.weight_offset, wp)
     g, xhat = _ln.input_grad(
-        dyw, h.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), w, correction=ctx.correction,
-        eps_mode=ctx.eps_mode,
+        dyw, h.astype(wp), ctx.mean.astype(wp, copy=False), ctx.rstd.astype(wp, copy=False), w,
+        correction=ctx.correction, eps_mode=ctx.eps_mode,
     )  # fmt: skip
     dx, dres = _split(_upstream(g, dh, wp), ctx, dx_out)
-    dweight = round_to(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
-    dbias = round_to(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
+    dweight = rounded(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    dbias = rounded(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
     return AddLayerNormGrads(dx, dres, dweight, dbias)
 
 
@@ -214,13 +214,13 @@ def rms_norm_backward(
 ) -> AddRMSNormGrads:
     """``(dx, dresidual, dweight)`` of the fused add + RMSNorm; ``dh`` arrives at ``h`` from later layers."""
     h, weight = ctx.h, ctx.weight
-    wp = np.result_type(ctx.rstd.dtype, working_dtype(h.dtype, ctx.x_dtype, getattr(weight, "dtype", None)))
+    wp = backward_dtype(ctx.rstd.dtype, h.dtype, ctx.x_dtype, getattr(weight, "dtype", None))
     dyw = dy.astype(wp)
     g, xhat = _rms.input_grad(
-        dyw, h.astype(wp), ctx.rstd.astype(wp), _ln._effective_weight(weight, ctx.weight_offset, wp)
+        dyw, h.astype(wp), ctx.rstd.astype(wp, copy=False), _ln._effective_weight(weight, ctx.weight_offset, wp)
     )
     dx, dres = _split(_upstream(g, dh, wp), ctx, dx_out)
-    dweight = round_to(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    dweight = rounded(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
     return AddRMSNormGrads(dx, dres, dweight)
 
 

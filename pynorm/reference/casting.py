@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from ..ops.layer_norm import CASTINGS
-from ._common import round_to, working_dtype, write_result
+from ._common import rounded, working_dtype, write_result
 
 __all__ = [
     "CASTINGS",
@@ -89,9 +89,9 @@ def effective_weight(weight: np.ndarray | None, offset: float, wp: np.dtype[Any]
         f32 = np.float32
         return (weight.astype(f32) + f32(offset)).astype(wp)  # type: ignore[no-any-return]
     if quantized_dtype(casting, np.float32, weight.dtype) is None:  # "fp32", and "t5" without a 16-bit weight
-        return weight.astype(wp) + wp.type(offset)  # type: ignore[no-any-return]
+        return weight.astype(wp) + float(offset)  # type: ignore[no-any-return]  # (a Python float: the same value)
     # llama, t5 (16-bit weight), apex: (w + o) in the weight's dtype
-    return round_to(weight.astype(wp) + wp.type(offset), weight.dtype).astype(wp)  # type: ignore[no-any-return]
+    return rounded(weight.astype(wp) + wp.type(offset), weight.dtype).astype(wp)  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------------
@@ -110,8 +110,8 @@ def backward_terms(dy: np.ndarray, ctx: Any, wp: np.dtype[Any]) -> tuple[np.ndar
     if qd is None or ctx.casting == "apex":  # Apex's backward recomputes xhat in float32: no q on the way
         return dyw, dyw, w, None
     if ctx.casting == "t5":
-        dyw = round_to(dyw, qd).astype(wp)  # HF's T5 output (and so its dy) is in the weight's dtype
-    return dyw, (round_to(dyw * w, qd).astype(wp) if w is not None else dyw), None, qd
+        dyw = rounded(dyw, qd).astype(wp)  # HF's T5 output (and so its dy) is in the weight's dtype
+    return dyw, (rounded(dyw * w, qd).astype(wp) if w is not None else dyw), None, qd
 
 
 class _InDtype:
@@ -122,7 +122,7 @@ class _InDtype:
         self.wp = wp
 
     def __call__(self, a: Any) -> np.ndarray:
-        return round_to(np.asarray(a, dtype=self.wp), self.dtype).astype(self.wp)
+        return rounded(np.asarray(a, dtype=self.wp), self.dtype).astype(self.wp)
 
     def mean(self, a: np.ndarray, n: int) -> np.ndarray:
         """``rnd(sum(a) / n)`` per row, the sum in working precision."""
@@ -191,9 +191,9 @@ def layer_norm_backward_none(
         with np.errstate(divide="ignore", invalid="ignore"):
             coef = np.where(s > 0, rnd(coef / rnd(s * rstd)), rnd.wp.type(0))
     dx = rnd(rstd[:, None] * rnd(rnd(g - gbar[:, None]) - rnd(xhat * coef[:, None])))
-    dweight = round_to(np.add.reduce(rnd(dyw * xhat), axis=0), weight.dtype) if weight is not None else None
-    dbias = round_to(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
-    return round_to(dx, x.dtype), dweight, dbias
+    dweight = rounded(np.add.reduce(rnd(dyw * xhat), axis=0), weight.dtype) if weight is not None else None
+    dbias = rounded(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
+    return rounded(dx, x.dtype), dweight, dbias
 
 
 def _rms_none_rstd(rnd: _InDtype, xw: np.ndarray, eps: float) -> np.ndarray:
@@ -228,5 +228,5 @@ def rms_norm_backward_none(
     g = rnd(dyw * w) if w is not None else dyw
     c = rnd.mean(rnd(g * xhat), xw.shape[1])
     dx = rnd(rstd[:, None] * rnd(g - rnd(xhat * c[:, None])))
-    dweight = round_to(np.add.reduce(rnd(dyw * xhat), axis=0), weight.dtype) if weight is not None else None
-    return round_to(dx, x.dtype), dweight
+    dweight = rounded(np.add.reduce(rnd(dyw * xhat), axis=0), weight.dtype) if weight is not None else None
+    return rounded(dx, x.dtype), dweight

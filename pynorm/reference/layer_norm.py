@@ -38,21 +38,33 @@ precision, never the normalized activations.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from ..ops._spec import filled
 from ..ops.layer_norm import LayerNormCtx, LayerNormGrads
 from . import casting as _cast
-from ._common import _ieee, center, finite_rows, round_to, row_mean, working_dtype, write_result
+from ._common import (
+    _ieee,
+    _row_mean,
+    backward_dtype,
+    center,
+    conventions,
+    finite_rows,
+    rounded,
+    working_dtype,
+    write_result,
+)
 
-__all__ = ["LayerNormCtx", "LayerNormGrads", "backward", "forward"]
+__all__ = ["LayerNormCtx", "LayerNormGrads", "backward", "forward", "forward_for"]
 
 
 def _effective_weight(weight: np.ndarray | None, offset: float, wp: np.dtype[Any]) -> np.ndarray | None:
     if weight is None:
         return None
-    return weight.astype(wp) + wp.type(offset)
+    return weight.astype(wp) + float(offset)  # (a Python float: the same value in wp, added faster)
 
 
 # ---------------------------------------------------------------------------
@@ -63,12 +75,18 @@ def _effective_weight(weight: np.ndarray | None, offset: float, wp: np.dtype[Any
 def statistics(xw: np.ndarray, *, eps: float, correction: int, eps_mode: str) -> tuple[np.ndarray, ...]:
     """``(d, mean, rstd)`` of the ``(R, H)`` working-precision rows ``xw``: the centred values, the mean
     and ``r`` (see the module docstring)."""
-    wp = xw.dtype
-    mean = row_mean(xw)
+    d, mean, rstd = _statistics(xw, eps, correction, eps_mode)
+    return d, mean.ravel(), rstd.ravel()
+
+
+def _statistics(xw: np.ndarray, eps: float, correction: int, eps_mode: str) -> tuple[np.ndarray, ...]:
+    # statistics with mean and rstd as (R, 1) columns (see _common._row_mean); the scalars as Python floats (faster
+    # than NumPy scalars on small arrays; the same values in the working precision)
+    mean = _row_mean(xw)
     d = center(xw, mean)
-    var = np.add.reduce(d * d, axis=1) / wp.type(xw.shape[1] - correction)
-    e = wp.type(eps)
-    rstd = 1 / np.sqrt(var + e) if eps_mode == "var" else 1 / (np.sqrt(var) + e)
+    var = np.add.reduce(d * d, axis=1, keepdims=True) / float(xw.shape[1] - correction)
+    e = float(eps)
+    rstd = 1.0 / np.sqrt(var + e) if eps_mode == "var" else 1.0 / (np.sqrt(var) + e)
     return d, mean, rstd
 
 
@@ -83,29 +101,28 @@ def input_grad(
     correction: int, eps_mode: str,
 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """``(dx, xhat)`` in working precision for the upstream gradient ``dyw`` of ``y = xhat * w + b``."""
-    wp = xw.dtype
     h = xw.shape[1]
-    n = wp.type(h - correction)
+    n = float(h - correction)
+    r = rstd[:, None]  # (the per-row values as (R, 1) columns)
     d = center(xw, mean)
-    xhat = d * rstd[:, None]
+    xhat = d * r
     g = dyw * w if w is not None else dyw
-    gbar = np.add.reduce(g, axis=1) / wp.type(h)
-    gx = np.add.reduce(g * xhat, axis=1)
+    gbar = np.add.reduce(g, axis=1, keepdims=True) / float(h)
+    gx = np.add.reduce(g * xhat, axis=1, keepdims=True)
     if eps_mode == "var":
         coef = gx / n
     else:
-        s = np.sqrt(np.add.reduce(d * d, axis=1) / n)
+        s = np.sqrt(np.add.reduce(d * d, axis=1, keepdims=True) / n)
         with np.errstate(divide="ignore", invalid="ignore"):
-            coef = np.where(s > 0, gx / (n * s * rstd), wp.type(0))
+            coef = np.where(s > 0, gx / (n * s * r), xw.dtype.type(0))
     coef = finite_rows(coef, gbar, gx)
-    return rstd[:, None] * (g - gbar[:, None] - xhat * coef[:, None]), xhat
+    return r * (g - gbar - xhat * coef), xhat
 
 
 # ---------------------------------------------------------------------------
 # the op
 
 
-@_ieee
 def forward(
     x: np.ndarray,
     weight: np.ndarray | None,
@@ -124,23 +141,43 @@ def forward(
     written into ``out`` (a C-contiguous ``(R, H)`` array of that dtype) if given;
     ``casting`` is the rounding sequence (:mod:`.casting`).
     """
-    ctx_conv = (float(eps), int(correction), eps_mode, float(weight_offset), casting)
+    return _forward(x, weight, bias, out, eps, correction, eps_mode, weight_offset, casting)
+
+
+def forward_for(options: Mapping[str, Any]) -> Callable[..., tuple[np.ndarray, LayerNormCtx]]:
+    """:func:`forward` with ``options`` (its keyword arguments but ``out``) bound: ``run(x, weight, bias, out=None)``,
+    what the dispatcher's plan calls (:func:`pynorm._dispatch._target`)."""
+    conv = conventions(forward, options)
+    return lambda x, weight, bias, out=None: _forward(x, weight, bias, out, *conv)
+
+
+@_ieee
+def _forward(
+    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, out: np.ndarray | None, eps: float,
+    correction: int, eps_mode: str, weight_offset: float, casting: str,
+) -> tuple[np.ndarray, LayerNormCtx]:  # fmt: skip
+    # forward, its arguments by position (out, then the conventions in forward's order)
     if casting == "none":
         y, mean, rstd = _cast.layer_norm_forward_none(
             x, weight, bias, eps=eps, correction=correction, eps_mode=eps_mode, weight_offset=weight_offset, out=out
         )
-        return y, LayerNormCtx(x, weight, bias, mean, rstd, *ctx_conv)
-    wp = working_dtype(x.dtype, getattr(weight, "dtype", None), getattr(bias, "dtype", None))
-    d, mean, rstd = statistics(x.astype(wp), eps=eps, correction=correction, eps_mode=eps_mode)
-    w = _cast.effective_weight(weight, weight_offset, wp, casting)
-    xhat = d * rstd[:, None]
-    qd = _cast.quantized_dtype(casting, x.dtype, getattr(weight, "dtype", None))
-    if qd is not None:
-        xhat = round_to(xhat, qd).astype(wp)
-    y = affine(xhat, w, None if bias is None else bias.astype(wp))
-    if casting == "t5" and qd is not None:
-        y = round_to(y, qd)
-    return write_result(y, x.dtype, out), LayerNormCtx(x, weight, bias, mean, rstd, *ctx_conv)
+    else:
+        wp = working_dtype(x.dtype, getattr(weight, "dtype", None), getattr(bias, "dtype", None))
+        d, mean, rstd = _statistics(x.astype(wp), eps, correction, eps_mode)  # (mean and rstd as columns)
+        w = _cast.effective_weight(weight, weight_offset, wp, casting)
+        xhat = d * rstd
+        qd = _cast.quantized_dtype(casting, x.dtype, getattr(weight, "dtype", None))
+        if qd is not None:
+            xhat = rounded(xhat, qd).astype(wp)
+        y = affine(xhat, w, None if bias is None else bias.astype(wp))
+        if casting == "t5" and qd is not None:
+            y = rounded(y, qd)
+        y, mean, rstd = write_result(y, x.dtype, out), mean.ravel(), rstd.ravel()
+    # (LayerNormCtx(...) without the frozen dataclass's __init__, ops._spec.filled: half the cost of a small call's ctx)
+    return y, filled(LayerNormCtx, {
+        "x": x, "weight": weight, "bias": bias, "mean": mean, "rstd": rstd, "eps": float(eps),
+        "correction": int(correction), "eps_mode": eps_mode, "weight_offset": float(weight_offset), "casting": casting,
+    })  # fmt: skip
 
 
 @_ieee
@@ -153,14 +190,14 @@ def backward(dy: np.ndarray, ctx: LayerNormCtx, *, dx_out: np.ndarray | None = N
             weight_offset=ctx.weight_offset,
         )  # fmt: skip
         return LayerNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)
-    wp = np.result_type(ctx.mean.dtype, working_dtype(x.dtype, getattr(weight, "dtype", None)))
+    wp = backward_dtype(ctx.mean.dtype, x.dtype, getattr(weight, "dtype", None))
     dyw, g, w, qd = _cast.backward_terms(dy, ctx, wp)
     dx, xhat = input_grad(
-        g, x.astype(wp), ctx.mean.astype(wp), ctx.rstd.astype(wp), w, correction=ctx.correction,
-        eps_mode=ctx.eps_mode,
+        g, x.astype(wp), ctx.mean.astype(wp, copy=False), ctx.rstd.astype(wp, copy=False), w,
+        correction=ctx.correction, eps_mode=ctx.eps_mode,
     )  # fmt: skip
     if qd is not None:
-        xhat = round_to(xhat, qd).astype(wp)
-    dweight = round_to(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
-    dbias = round_to(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
+        xhat = rounded(xhat, qd).astype(wp)
+    dweight = rounded(np.add.reduce(dyw * xhat, axis=0), weight.dtype) if weight is not None else None
+    dbias = rounded(np.add.reduce(dyw, axis=0), bias.dtype) if bias is not None else None
     return LayerNormGrads(write_result(dx, x.dtype, dx_out), dweight, dbias)

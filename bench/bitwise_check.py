@@ -19,7 +19,11 @@ the ctx's per-row statistics (``mean``/``rstd``), ``dx`` and every parameter gra
 * the quantize family (``quant_layer_norm``): every output mode (float, per-tensor and per-row int8, a given
   ``out_scale``, clipping) in every convention, for float inputs of every dtype and int8 inputs (per-row and
   scalar ``x_scale``, scales far from 1), on the reduced shapes and the hard inputs (and, for int8, constant,
-  saturated and all-zero rows); its records also hold the output scale ``s`` and the clip mask.
+  saturated and all-zero rows); its records also hold the output scale ``s`` and the clip mask;
+* the casting policies of the ops that have them (``casting=``: ``gemma``, ``llama``, ``t5``, ``apex``, ``none``;
+  LayerNorm, RMSNorm): every convention on three shapes (the fused backward's row blocks, a few rows of 4096 and
+  of 9000) in every dtype, with the weight and bias in ``x``'s dtype and in the other width (a float32 ``x``
+  with float16 and bfloat16 parameters: ``t5``'s rounding to the weight's dtype), and the hard inputs.
 
 ``save`` writes every output to ``FILE`` (a ``.npz`` archive); ``compare`` recomputes them and
 reports, per output, whether it is bitwise identical and otherwise the largest difference in ulps
@@ -155,6 +159,13 @@ def _x_scale(rows: int, how: str, rng: Any) -> Any:
     return np.exp2(rng.integers(-80, 80, rows).astype(np.float64)) * rng.uniform(0.5, 1.0, rows)
 
 
+#: the casting policies recorded (beside the default, ``"fp32"``, which every other case takes) and their shapes
+CASTINGS = ("gemma", "llama", "t5", "apex", "none")
+CAST_SHAPES = [(300, 257), (40, 4096), (5, 9000)]
+#: a data kind's suffix giving the parameters' dtype (the casting cases' mixed widths)
+_WDT = "#w="
+
+
 def _param_subsets(names: tuple[str, ...]) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = [names]
     for n in names:
@@ -211,6 +222,24 @@ def _norm_cases(op: str, spec: Any, quick: bool) -> Iterator[Case]:
                 if conv.get("correction", 0) >= shape[1]:
                     continue
                 yield f"{op}/f64x/{kind}/{shape[0]}x{shape[1]}/c{ci}", op, shape, f64, kind, conv, full
+    if any(o.name == "casting" for o in spec.options):
+        yield from _casting_cases(op, spec)
+
+
+def _casting_cases(op: str, spec: Any) -> Iterator[Case]:
+    full = spec.param_names
+    for pol in CASTINGS:
+        for dt in DTYPES:
+            others = [np.dtype(np.float16), *([BF16] if BF16 is not None else [])] if dt.itemsize == 4 else []
+            for wdt in [dt, *others, *([np.dtype(np.float32)] if dt.itemsize == 2 else [])]:
+                for shape in CAST_SHAPES:
+                    for ci, conv in enumerate(spec.cases):
+                        key = f"{op}/cast/{pol}/{_name(dt)}/w{_name(wdt)}/{shape[0]}x{shape[1]}/c{ci}"
+                        yield key, op, shape, dt, f"bench{_WDT}{_name(wdt)}", {**conv, "casting": pol}, full
+            for kind in HARD_KINDS:
+                for shape in HARD_SHAPES[:4]:
+                    key = f"{op}/cast/{pol}/hard/{_name(dt)}/{kind}/{shape[0]}x{shape[1]}"
+                    yield key, op, shape, dt, kind, {"casting": pol}, full
 
 
 def _quant_cases(op: str, spec: Any) -> Iterator[Case]:
@@ -244,8 +273,11 @@ def run_case(
 ) -> dict[str, np.ndarray]:
     spec = SPECS[op]
     seed = sum(ord(c) * (i + 1) for i, c in enumerate(f"{op}{shape}{_name(dt)}{kind}")) % (1 << 31)
+    kind, _, wname = kind.partition(_WDT)
     kind, _, scale_kind = kind.partition("@")
     x, dy, w, b = _data(shape, dt, seed, kind)
+    if wname:  # the parameters in another dtype (their values rounded from x's dtype's)
+        w, b = (a.astype(BF16 if wname == "bfloat16" else np.dtype(wname)) for a in (w, b))
     rng = np.random.default_rng(seed + 1)
     pdt = np.dtype(np.float32) if dt == INT8 else dt
     inputs = spec.example_inputs(shape, 1, pdt, rng, options=conv)

@@ -168,6 +168,25 @@ _TANH_SMALL = _F32(0.625)
 
 
 @jit(FM_SUM, forceinline=True)
+def _tanh_poly(az):  # type: ignore[no-untyped-def]
+    """``tanh |z|`` for ``|z| < 0.625``: ``|z| + |z|^3 P(z^2)`` (the module doc)."""
+    w2 = az * az
+    q = _fma(w2, _T4, _T3)
+    q = _fma(w2, q, _T2)
+    q = _fma(w2, q, _T1)
+    q = _fma(w2, q, _T0)
+    return _fma(az * w2, q, az)
+
+
+@jit(FM_SUM, forceinline=True)
+def _tanh_finish(t, z, zlo, small):  # type: ignore[no-untyped-def]
+    """``tanh |z|`` given ``z``'s sign, and ``zlo`` added to first order where ``small`` (the polynomial's branch; not
+    for ``zlo = 0``: tanh(-0) is -0); above it ``zlo`` is already in ``s``."""
+    t = math.copysign(t, z)
+    return _fma(zlo, _F32(1.0) - t * t, t) if small and zlo != _F32(0.0) else t
+
+
+@jit(FM_SUM, forceinline=True)
 def tanh_sech2(z, zlo):  # type: ignore[no-untyped-def]
     """``(t, v, k)``: :math:`\\tanh(z + z_{lo})` (float32 ``t``) and
     :math:`\\operatorname{sech}^2(z + z_{lo}) = v\\,2^k` (float32 ``v``, int32 ``k``) from one exponential and one
@@ -187,17 +206,9 @@ def tanh_sech2(z, zlo):  # type: ignore[no-untyped-def]
     r = _F32(1.0) / (_F32(1.0) + s)
     v = (_F32(0.5) * m) * (r * r)  # 4 s / (1 + s)^2 = (m / 2 / (1 + s)^2) 2^(n + 3)
     v = _F32(0.0) if far else v
-    # tanh |z|: z + z^3 P(z^2) below 0.625, then zlo to first order (not for zlo = 0: tanh(-0) is -0);
-    # (1 - s) / (1 + s) above, zlo already in s
-    w2 = az * az
-    q = _fma(w2, _T4, _T3)
-    q = _fma(w2, q, _T2)
-    q = _fma(w2, q, _T1)
-    q = _fma(w2, q, _T0)
+    # tanh |z|: z + z^3 P(z^2) below 0.625 (then zlo to first order), 1 - 2 s r above (zlo already in s)
     small = az < _TANH_SMALL
-    t = _fma(az * w2, q, az) if small else _fma(-(s + s), r, _F32(1.0))
-    t = math.copysign(t, z)
-    t = _fma(zlo, _F32(1.0) - t * t, t) if small and zlo != _F32(0.0) else t
+    t = _tanh_finish(_tanh_poly(az) if small else _fma(-(s + s), r, _F32(1.0)), z, zlo, small)
     return (t if z == z else z), v, n + np.int32(3)
 
 
@@ -224,14 +235,7 @@ def tanh_f32(z, zlo):  # type: ignore[no-untyped-def]
     f = _fma(-a2, _LOG2E, -nf) - lo
     s = _exp2_poly(f) * _pow2i(np.int32(nf))
     tb = _F32(1.0) - (s + s) / (_F32(1.0) + s)
-    w2 = az * az
-    q = _fma(w2, _T4, _T3)
-    q = _fma(w2, q, _T2)
-    q = _fma(w2, q, _T1)
-    q = _fma(w2, q, _T0)
-    t = tb if big else _fma(az * w2, q, az)
-    t = math.copysign(t, z)
-    return _fma(zlo, _F32(1.0) - t * t, t) if not big and zlo != _F32(0.0) else t
+    return _tanh_finish(tb if big else _tanh_poly(az), z, zlo, not big)
 
 
 @jit(FM_SUM, forceinline=True)

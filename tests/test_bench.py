@@ -274,3 +274,58 @@ def test_a_baseline_that_dies_is_dropped_not_fatal() -> None:
         res = runner.interleave(w, (4, 8), ["rms_norm"], runner.LIB_PHASES, repeat=2, base_repeat=2, budget_s=10.0)
         assert list(w.procs) == ["pynorm"] and "died" in w.unavailable["numpy"]
     assert list(res["times"]) == ["pynorm"] and len(res["times"]["pynorm"]["rms_norm:fwd"]) == 2
+
+
+def _limits_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pynorm_bench_limits", ROOT / "bench" / "limits.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_numba
+def test_limits_rows_are_consistent(tmp_path: Path) -> None:
+    """``bench/limits.py`` on a tiny shape: one row per op, variant and phase, each with its counted bytes (the op
+    table's byte model) and fractions ordered as their definitions make them (``serial <= ceiling <= 1``)."""
+    limits = _limits_module()
+    out = tmp_path / "limits.json"
+    assert limits.main(["--shape", "256x64", "--cache-rows", "128", "--ops", "layer_norm,dyt", "--bare",
+                        "--repeat", "1", "--json", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [(r["op"], r["phase"]) for r in rows] == [
+        (op, ph)
+        for base in ("layer_norm", "dyt")
+        for op in (base, f"{base} (no optional params)")
+        for ph in ("fwd", "bwd")
+    ]
+    for r in rows:
+        case = cases.make_case(r["op"].split()[0], (256, 64))
+        if "optional" in r["op"]:
+            case = limits.bare_case(case)
+        assert r["bytes"] == cases.op_bytes(case)[r["phase"]]
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("t_s", "mem_s", "comp_s", "ns_per_elem_1thread"))
+        assert r["mem_s"] == pytest.approx(r["bytes"] / (r["copy_gbs"] * 1e9))
+        assert 0 < r["serial"] <= r["ceiling"] <= 1
+        assert r["measured"] == pytest.approx(r["mem_s"] / r["t_s"])
+
+
+@needs_numba
+def test_limits_bare_case_drops_only_optional_parameters() -> None:
+    limits = _limits_module()
+    dyt = cases.make_case("dyt", (8, 16))
+    bare = limits.bare_case(dyt)
+    assert bare is not None
+    named = dict(zip(SPECS["dyt"].param_names, bare.args, strict=True))
+    assert named["alpha"] is not None and named["weight"] is None and named["bias"] is None
+    assert limits.bare_case(bare) is None  # nothing left to drop
+
+
+@needs_numba
+def test_limits_refuses_ops_it_does_not_model() -> None:
+    limits = _limits_module()
+    with pytest.raises(SystemExit):
+        limits.main(["--ops", "group_norm", "--shape", "8x8"])
+    assert "group_norm" not in limits.MODELED and "layer_norm_linear" not in limits.MODELED

@@ -329,3 +329,67 @@ def test_limits_refuses_ops_it_does_not_model() -> None:
     with pytest.raises(SystemExit):
         limits.main(["--ops", "group_norm", "--shape", "8x8"])
     assert "group_norm" not in limits.MODELED and "layer_norm_linear" not in limits.MODELED
+
+
+def _bitwise_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pynorm_bench_bitwise", ROOT / "bench" / "bitwise_check.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _member(entries: dict[str, Any]) -> Any:
+    return lambda suffix: entries[suffix]  # a missing member raises KeyError, as numpy's archive does
+
+
+def test_bitwise_record_of_a_small_output_is_whole() -> None:
+    bw = _bitwise_module()
+    a = np.linspace(-3, 3, 1000, dtype=np.float32).reshape(10, 100)
+    rec = bw.record_entry(a)
+    assert int(rec["|step"]) == 1 and np.array_equal(rec[""], a)
+    assert bw.compare_entry(a.copy(), _member(rec)) is None
+    b = a.copy()
+    b[3, 7] = np.nextafter(b[3, 7], np.float32(np.inf))
+    assert bw.compare_entry(b, _member(rec)) == "1/1000 elements differ, max 1 ulp"
+    assert bw.compare_entry(a[:5], _member(rec)).startswith("shape/dtype")
+    assert bw.compare_entry(a.astype(np.float64), _member(rec)).startswith("shape/dtype")
+
+
+def test_bitwise_record_of_a_large_output_is_a_digest_and_a_sample() -> None:
+    bw = _bitwise_module()
+    a = np.random.default_rng(0).standard_normal((64, bw.FULL_BYTES // 64 // 4 + 1)).astype(np.float32)
+    rec = bw.record_entry(a)
+    step = int(rec["|step"])
+    assert step > 1 and rec[""].size == -(-a.size // step) and rec[""].size <= bw.SAMPLE + 1
+    assert bw.compare_entry(a.copy(), _member(rec)) is None
+    b = a.copy()
+    b.reshape(-1)[step] *= np.float32(1 + 2**-20)  # a sampled element
+    assert "sampled elements" in bw.compare_entry(b, _member(rec)) and "differ, max" in bw.compare_entry(
+        b, _member(rec)
+    )
+    c = a.copy()
+    c.reshape(-1)[1] += 1  # between two samples: only the digest sees it
+    assert bw.compare_entry(c, _member(rec)).startswith("differs outside its")
+    d = a.copy()
+    d.reshape(-1)[0] = np.float32(0.0)
+    rec0 = bw.record_entry(d)
+    d.reshape(-1)[0] = np.float32(-0.0)  # equal values, other bits
+    assert "bits only" in bw.compare_entry(d, _member(rec0))
+
+
+def test_bitwise_record_reads_the_older_layout_and_bfloat16() -> None:
+    bw = _bitwise_module()
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    old = {"": a, "|dtype": np.array("float32")}
+    assert bw.compare_entry(a.copy(), _member(old)) is None
+    b = a.copy()
+    b[0, 1] = 2.0
+    assert bw.compare_entry(b, _member(old)) == "1/12 elements differ, max 4.19e+06 ulp"
+    if bw.BF16 is not None:
+        h = a.astype(bw.BF16)
+        rec = bw.record_entry(h)
+        assert rec[""].dtype == np.uint16
+        assert bw.compare_entry(h.copy(), _member(rec)) is None

@@ -276,10 +276,11 @@ def test_a_baseline_that_dies_is_dropped_not_fatal() -> None:
     assert list(res["times"]) == ["pynorm"] and len(res["times"]["pynorm"]["rms_norm:fwd"]) == 2
 
 
-def _limits_module() -> Any:
+def _bench_script(name: str) -> Any:
+    """The script ``bench/<name>.py`` as a module (``bench/`` is not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("pynorm_bench_limits", ROOT / "bench" / "limits.py")
+    spec = importlib.util.spec_from_file_location(f"pynorm_bench_{name}", ROOT / "bench" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -290,7 +291,7 @@ def _limits_module() -> Any:
 def test_limits_rows_are_consistent(tmp_path: Path) -> None:
     """``bench/limits.py`` on a tiny shape: one row per op, variant and phase, each with its counted bytes (the op
     table's byte model) and fractions ordered as their definitions make them (``serial <= ceiling <= 1``)."""
-    limits = _limits_module()
+    limits = _bench_script("limits")
     out = tmp_path / "limits.json"
     assert limits.main(["--shape", "256x64", "--cache-rows", "128", "--ops", "layer_norm,dyt", "--bare",
                         "--repeat", "1", "--json", str(out)]) == 0  # fmt: skip
@@ -314,7 +315,7 @@ def test_limits_rows_are_consistent(tmp_path: Path) -> None:
 
 @needs_numba
 def test_limits_bare_case_drops_only_optional_parameters() -> None:
-    limits = _limits_module()
+    limits = _bench_script("limits")
     dyt = cases.make_case("dyt", (8, 16))
     bare = limits.bare_case(dyt)
     assert bare is not None
@@ -325,20 +326,10 @@ def test_limits_bare_case_drops_only_optional_parameters() -> None:
 
 @needs_numba
 def test_limits_refuses_ops_it_does_not_model() -> None:
-    limits = _limits_module()
+    limits = _bench_script("limits")
     with pytest.raises(SystemExit):
         limits.main(["--ops", "group_norm", "--shape", "8x8"])
     assert "group_norm" not in limits.MODELED and "layer_norm_linear" not in limits.MODELED
-
-
-def _bitwise_module() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pynorm_bench_bitwise", ROOT / "bench" / "bitwise_check.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _member(entries: dict[str, Any]) -> Any:
@@ -346,7 +337,7 @@ def _member(entries: dict[str, Any]) -> Any:
 
 
 def test_bitwise_record_of_a_small_output_is_whole() -> None:
-    bw = _bitwise_module()
+    bw = _bench_script("bitwise_check")
     a = np.linspace(-3, 3, 1000, dtype=np.float32).reshape(10, 100)
     rec = bw.record_entry(a)
     assert int(rec["|step"]) == 1 and np.array_equal(rec[""], a)
@@ -359,7 +350,7 @@ def test_bitwise_record_of_a_small_output_is_whole() -> None:
 
 
 def test_bitwise_record_of_a_large_output_is_a_digest_and_a_sample() -> None:
-    bw = _bitwise_module()
+    bw = _bench_script("bitwise_check")
     a = np.random.default_rng(0).standard_normal((64, bw.FULL_BYTES // 64 // 4 + 1)).astype(np.float32)
     rec = bw.record_entry(a)
     step = int(rec["|step"])
@@ -381,7 +372,7 @@ def test_bitwise_record_of_a_large_output_is_a_digest_and_a_sample() -> None:
 
 
 def test_bitwise_record_reads_the_older_layout_and_bfloat16() -> None:
-    bw = _bitwise_module()
+    bw = _bench_script("bitwise_check")
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     old = {"": a, "|dtype": np.array("float32")}
     assert bw.compare_entry(a.copy(), _member(old)) is None

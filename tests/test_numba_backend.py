@@ -932,8 +932,8 @@ def test_streaming_stores_match_plain_stores(variant: tuple[str, dict[str, Any]]
 @pytest.mark.parametrize("h", [5, 1000, 1037])
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_streaming_backward_matches_plain_stores(variant: tuple[str, dict[str, Any]], params: str, h: int) -> None:
-    # dx of large float32 inputs is written with streaming stores: the plain loops' values (to a few ulps),
-    # partial sums and paths bitwise, on both backward paths
+    # dx of large float32 inputs is written with streaming stores: bitwise the plain loops' values (a row's dx
+    # must not depend on whether its batch was large enough to stream), partial sums and paths, on both paths
     op, conv = variant
     rng = np.random.default_rng(11)
     rows = 37
@@ -965,17 +965,7 @@ def test_streaming_backward_matches_plain_stores(variant: tuple[str, dict[str, A
         for a, c in zip(got[0], got[1], strict=True):
             if a is None:
                 assert c is None
-            elif a.dtype == np.float32 and a.shape == (rows * h + 16,):
-                # dx buffers: the vector code may contract differently (a few ulps of the row's terms)
-                np.testing.assert_array_equal(a[:off], c[:off])
-                np.testing.assert_array_equal(a[off + rows * h :], c[off + rows * h :])
-                pa = a[off : off + rows * h].reshape(rows, h)
-                pc = c[off : off + rows * h].reshape(rows, h)
-                bad = ~np.isfinite(pa)
-                np.testing.assert_array_equal(bad, ~np.isfinite(pc))
-                scale = np.max(np.where(bad, 0, np.abs(pa)), axis=1, keepdims=True)
-                assert np.all(np.where(bad, 0, np.abs(pa - pc)) <= 1e-6 * scale)
-            else:
+            else:  # the streamed elements are computed by the plain loops' functions: bitwise the plain stores
                 np.testing.assert_array_equal(a, c)
         streamed.append([a if a is None or a.shape != (rows * h + 16,) else a[off : off + rows * h] for a in got[1]])
     # ... and, streamed, bitwise independent of the output's alignment

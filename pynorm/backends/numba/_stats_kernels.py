@@ -95,8 +95,8 @@ from ._rowstats import (
     slow_residual,
     slow_shift,
 )
-from ._storage import JIT_ONLY, at, ld, opt_add, opt_mul, r_ok, seg, seg2, st_exact, tcast, wat
-from ._stream import dx_vec, dx_vec1, out_vec, sfence, stream_lines, streams
+from ._storage import JIT_ONLY, at, ld, opt_add, opt_mul, r_ok, seg, seg2, shifted, st_exact, tcast, wat
+from ._stream import STAGE, nt_copy, sfence, stage_buf, stream_lines, streams
 
 __all__ = [
     "FAST",
@@ -145,13 +145,19 @@ def _y_range(stat, xr, w, b, k, c, r, yr, lo, hi):  # type: ignore[no-untyped-de
 
 @jit(FM_SUM, forceinline=True)
 def write_y(stat, xr, w, b, k, c, r, yr, stream, lo, hi):  # type: ignore[no-untyped-def]
-    """``yr[lo:hi] = centre(x) * r [* w] [+ b]``, rounded once to the storage dtype (a row is written whole, or
-    by segments with the same stores, :func:`._stream.stream_lines`)."""
+    """``yr[lo:hi] = centre(x) * r [* w] [+ b]``, rounded once to the storage dtype. With ``stream``, the aligned
+    lines (:func:`._stream.stream_lines`: a row written whole or by segments gets the same stores) are computed
+    by the same loop into a stack scratch row and streamed from there (:func:`._stream.nt_copy`): the bits do not
+    depend on the store mode."""
     if stream is not None and streams(yr):
         j0, j1 = stream_lines(yr, lo, hi)
         _y_range(stat, xr, w, b, k, c, r, yr, lo, j0)
-        for j in range(j0, j1, LANES):
-            out_vec(stat, xr, w, b, k, c, r, yr, j)
+        buf = stage_buf(yr)
+        for j in range(j0, j1, STAGE):
+            m = min(STAGE, j1 - j)
+            _y_range(stat, xr[j:], shifted(w, j), shifted(b, j), k, c, r, buf, 0, m)
+            for q in range(0, m, LANES):
+                nt_copy(buf, q, yr, j + q)
         _y_range(stat, xr, w, b, k, c, r, yr, j1, hi)
     else:
         _y_range(stat, xr, w, b, k, c, r, yr, lo, hi)
@@ -165,16 +171,18 @@ def write_y(stat, xr, w, b, k, c, r, yr, stream, lo, hi):  # type: ignore[no-unt
 @jit(FM_SUM, inline="always")
 def write_dx(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream, lo, hi):  # type: ignore[no-untyped-def]
     """``dxr[j] = dx_elem(...)`` for ``lo <= j < hi``, through the epilogue ``er`` (:func:`._io.put`; streaming
-    stores only without one; the streamed arithmetic is :mod:`._stream`'s, the same for a whole row and for
-    its segments)."""
+    stores only without one: the aligned lines computed by the same loop into a stack scratch row and streamed
+    from there, as :func:`write_y`)."""
     if stream is not None and streams(dxr):
         j0, j1 = stream_lines(dxr, lo, hi)
-        for j in range(lo, j0):
-            dx_vec1(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
-        for j in range(j0, j1, LANES):
-            dx_vec(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
-        for j in range(j1, hi):
-            dx_vec1(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j)
+        _dx_range(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, lo, j0)
+        buf = stage_buf(dxr)
+        for j in range(j0, j1, STAGE):
+            m = min(STAGE, j1 - j)
+            _dx_range(stat, xr[j:], dyr[j:], shifted(w, j), k, c, r, gbar, coef, buf, er, 0, m)
+            for q in range(0, m, LANES):
+                nt_copy(buf, q, dxr, j + q)
+        _dx_range(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, j1, hi)
     else:
         _dx_range(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, lo, hi)
 

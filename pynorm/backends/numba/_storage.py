@@ -41,6 +41,7 @@ __all__ = [
     "r_ok",
     "seg",
     "seg2",
+    "shifted",
     "st",
     "st_exact",
     "stv",
@@ -317,6 +318,18 @@ def _seg2_ol(a, i, lo, hi):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda a, i, lo, hi: None
     return lambda a, i, lo, hi: a[i, lo:hi]
+
+
+def shifted(a, j):  # type: ignore[no-untyped-def]
+    """``a[j:]`` of a parameter vector; ``a`` itself for None or a scalar (one channel's value, :mod:`._io`)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(shifted, inline="always")
+def _shifted_ol(a, j):  # type: ignore[no-untyped-def]
+    if isinstance(a, (types.NoneType, types.Float)):
+        return lambda a, j: a
+    return lambda a, j: a[j:]
 
 
 def at(a, i):  # type: ignore[no-untyped-def]

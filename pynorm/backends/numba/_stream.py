@@ -4,12 +4,12 @@
 
 A large output is written with 64-byte aligned non-temporal vector stores: the cache lines are
 not read before being overwritten (no read-for-ownership), which saves a third of the memory
-traffic of a forward. :func:`out_vec` and :func:`dx_vec` build, per statistic, the same
-operations with the same fastmath flags as the plain loops' elements (:func:`._rowstats.centre`,
-:func:`._rowstats.dx_elem`), rounded once; :func:`dx_vec1` is one element of :func:`dx_vec`'s
-arithmetic with a plain store (the unaligned ends of a streamed row are computed exactly as its
-body, so ``dx`` does not depend on the output's alignment). :func:`stream_span` is the aligned
-part of a row, :func:`sfence` orders a thread's streaming stores before its later stores.
+traffic of a forward. Nothing here computes an element: the kernels compute :data:`STAGE` elements at a time
+with the plain loops' own functions (the statistic's pieces, :func:`._rowstats.dx_elem` and the forward's
+element) into a scratch row on the stack (:func:`stage_buf`) and store them by :func:`nt_copy`, so a streamed
+output is bitwise the plain stores' (and a row's result never depends on whether the batch's output was large
+enough to stream). :func:`stream_span` is the aligned part of a row, :func:`sfence` orders a thread's streaming
+stores before its later stores.
 
 The intrinsics are typed for every dtype (a caller's branch on :func:`streams` is typed even
 where it is dead) and generate code for float32 only.
@@ -23,34 +23,25 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from ...ops.families import STATISTICS
 from ._cache import jit
 from ._layout import LANES
 from ._storage import JIT_ONLY
 
-__all__ = ["dx_vec", "dx_vec1", "out_vec", "sfence", "stream_lines", "stream_span", "streams"]
+__all__ = ["STAGE", "nt_copy", "sfence", "stage_buf", "stream_lines", "stream_span", "streams"]
+
+#: elements of a streamed row computed into the stack scratch at a time (a multiple of :data:`LANES`)
+STAGE = 4 * LANES
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
-def _splat(builder, v, n):  # type: ignore[no-untyped-def]
-    vt = ir.VectorType(v.type, n)
-    u = builder.insert_element(ir.Constant(vt, ir.Undefined), v, ir.IntType(32)(0))
-    return builder.shuffle_vector(u, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), None))
-
-
 def _vload(context, builder, aty, a, j, n=LANES):  # type: ignore[no-untyped-def]
-    """``a[j : j + n]`` as one vector (unaligned load)."""
+    """``a[j : j + n]`` as one float32 vector (unaligned load)."""
     from numba.core import cgutils
 
     arr = context.make_array(aty)(context, builder, a)
     ptr = cgutils.get_item_pointer(context, builder, aty, arr, [j], wraparound=False)
     return builder.load(builder.bitcast(ptr, ir.VectorType(ir.FloatType(), n).as_pointer()), align=4)
-
-
-def _fm(instr):  # type: ignore[no-untyped-def]
-    instr.flags.extend(["reassoc", "contract"])
-    return instr
 
 
 def _vstore_nt(context, builder, aty, a, j, v, nt=True):  # type: ignore[no-untyped-def]
@@ -130,87 +121,40 @@ def _streams_ol(a):  # type: ignore[no-untyped-def]
     return lambda a: False
 
 
-def _centered(stat):  # type: ignore[no-untyped-def]
-    """Whether the statistic's elements are centred as ``(x - k) - c`` (its record's ``mean``), else taken as they
-    are: the two element forms the vector code below builds, as the statistic's pieces
-    :func:`._rowstats.centre` / :func:`._rowstats.dx_elem` do."""
-    record = STATISTICS.get(str(getattr(stat, "choice", ""))) if getattr(stat, "axis", None) == "statistic" else None
-    if record is None:
-        raise TypeError(f"no streaming stores for {stat}")
-    return record.mean
+@intrinsic
+def stage_buf(typingctx, out):  # type: ignore[no-untyped-def]
+    """A scratch row of :data:`STAGE` elements of ``out``'s dtype on the calling function's stack (allocated once in
+    its entry block): where a streamed output's elements are computed, by the plain loops' own functions, before
+    :func:`nt_copy` stores them."""
+    if not isinstance(out, types.Array):
+        return None
+    ret = types.Array(out.dtype, 1, "C")
 
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        from numba.core import cgutils
 
-def _wvec(context, builder, aty, a, j, n=LANES):  # type: ignore[no-untyped-def]
-    """A parameter's ``a[j : j + n]`` as one vector, or the scalar ``a`` splat (one channel's value)."""
-    if isinstance(aty, types.Float):
-        return _splat(builder, a, n)
-    return _vload(context, builder, aty, a, j, n)
+        intp = context.get_value_type(types.intp)
+        ety = context.get_data_type(ret.dtype)
+        size = context.get_abi_sizeof(ety)
+        data = cgutils.alloca_once(builder, ety, size=STAGE)
+        ary = context.make_array(ret)(context, builder)
+        context.populate_array(
+            ary, data=data, shape=[intp(STAGE)], strides=[intp(size)], itemsize=intp(size), meminfo=None
+        )
+        return ary._getvalue()
+
+    return ret(out), codegen
 
 
 @intrinsic
-def out_vec(typingctx, stat, xr, w, b, k, c, r, yr, j):  # type: ignore[no-untyped-def]
-    """``yr[j : j + LANES] = centre(x) * r [* w] [+ b]`` (float32, as the plain loop), streaming store (``w``, ``b``:
-    vectors, or one channel's scalars)."""
-    f32 = xr.dtype == types.float32 and yr.dtype == types.float32
-    centered = _centered(stat)
-    has_w = not isinstance(w, types.NoneType)
-    has_b = not isinstance(b, types.NoneType)
+def nt_copy(typingctx, buf, q, out, j):  # type: ignore[no-untyped-def]
+    """``out[j : j + LANES] = buf[q : q + LANES]`` by one streaming store (float32; ``out[j]`` 64-byte aligned)."""
+    f32 = isinstance(out, types.Array) and out.dtype == types.float32
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        if not f32:
-            return context.get_dummy_value()
-        _, ax, aw, ab, vk, vc, vr, ay, vj = args
-        v = _vload(context, builder, sig.args[1], ax, vj)
-        if centered:  # (x - k) - c without flags, as _centre
-            v = builder.fsub(builder.fsub(v, _splat(builder, vk, LANES)), _splat(builder, vc, LANES))
-        v = _fm(builder.fmul(v, _splat(builder, vr, LANES)))
-        if has_w:
-            v = _fm(builder.fmul(v, _wvec(context, builder, sig.args[2], aw, vj)))
-        if has_b:
-            v = _fm(builder.fadd(v, _wvec(context, builder, sig.args[3], ab, vj)))
-        _vstore_nt(context, builder, sig.args[7], ay, vj, v)
+        if f32:
+            ab, vq, ao, vj = args
+            _vstore_nt(context, builder, sig.args[2], ao, vj, _vload(context, builder, sig.args[0], ab, vq))
         return context.get_dummy_value()
 
-    return types.none(stat, xr, w, b, k, c, r, yr, j), codegen
-
-
-def _dx_vec_make(n):  # type: ignore[no-untyped-def]
-    @intrinsic
-    def impl(typingctx, stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j):  # type: ignore[no-untyped-def]
-        """``dxr[j : j + n]`` = the statistic's ``dx`` (float32, as :func:`._rowstats.dx_elem`), streaming store
-        (plain store for n = 1)."""
-        f32 = xr.dtype == types.float32 and dyr.dtype == types.float32 and dxr.dtype == types.float32
-        centered = _centered(stat)
-        has_w = not isinstance(w, types.NoneType)
-
-        def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-            if not f32:
-                return context.get_dummy_value()
-            _, ax, ady, aw, vk, vc, vr, vg, vco, adx, vj = args
-            ta = sig.args
-            if centered:  # xhat = ((x - k) - c) * r; g = dy * w without flags (as _prod); t = g - gbar
-                d = builder.fsub(builder.fsub(_vload(context, builder, ta[1], ax, vj, n), _splat(builder, vk, n)),
-                                 _splat(builder, vc, n))  # fmt: skip
-                rv = _splat(builder, vr, n)
-                xhat = _fm(builder.fmul(d, rv))
-                g = _vload(context, builder, ta[2], ady, vj, n)
-                if has_w:
-                    g = builder.fmul(g, _wvec(context, builder, ta[3], aw, vj, n))
-                t = _fm(builder.fsub(g, _splat(builder, vg, n)))
-            else:  # mean square: g = dy * w with flags, xhat = x * r, no gbar
-                rv = _splat(builder, vr, n)
-                t = _vload(context, builder, ta[2], ady, vj, n)
-                if has_w:
-                    t = _fm(builder.fmul(t, _wvec(context, builder, ta[3], aw, vj, n)))
-                xhat = _fm(builder.fmul(_vload(context, builder, ta[1], ax, vj, n), rv))
-            u = _fm(builder.fsub(t, _fm(builder.fmul(xhat, _splat(builder, vco, n)))))
-            _vstore_nt(context, builder, ta[9], adx, vj, _fm(builder.fmul(rv, u)), n > 1)
-            return context.get_dummy_value()
-
-        return types.none(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, j), codegen
-
-    return impl
-
-
-dx_vec = _dx_vec_make(LANES)
-dx_vec1 = _dx_vec_make(1)
+    return types.none(buf, q, out, j), codegen

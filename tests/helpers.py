@@ -196,6 +196,28 @@ def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, wha
         )
 
 
+def assert_bitwise(actual: Any, expected: Any, what: str) -> None:
+    """``actual`` bitwise ``expected`` (NaN payloads aside: any NaN equals any NaN), else an AssertionError saying
+    ``what`` (the op, backend, path, dtype, input), how many elements differ, and the worst one: its index, both
+    values and their distance in ulps of the dtype -- never a raw array dump."""
+    a, e = np.asarray(actual), np.asarray(expected)
+    if a.shape != e.shape or a.dtype != e.dtype:
+        raise AssertionError(f"{what}: got {a.dtype}{a.shape}, expected {e.dtype}{e.shape}")
+    af, ef = a.astype(np.float64), e.astype(np.float64)
+    same = (a.view(np.uint8).reshape(*a.shape, -1) == e.view(np.uint8).reshape(*e.shape, -1)).all(axis=-1)
+    same |= np.isnan(af) & np.isnan(ef)
+    if same.all():
+        return
+    with np.errstate(invalid="ignore", over="ignore"):
+        ulps = np.where(same, 0.0, _testing.ulp_error(a, e, a.dtype))
+    ulps = np.where(np.isnan(ulps), np.inf, ulps)
+    i = np.unravel_index(int(np.argmax(np.where(same, -1.0, ulps))), a.shape)
+    raise AssertionError(
+        f"{what}: {int((~same).sum())} of {a.size} elements differ; worst at {tuple(int(k) for k in i)}: "
+        f"got {af[i]!r}, expected {ef[i]!r} ({ulps[i]:.3g} ulps of {a.dtype})"
+    )
+
+
 # tolerance (relative to the magnitude of the terms) of a fast backend vs the reference
 BACKEND_RTOL = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 4e-6, "float64": 1e-12}
 

@@ -32,7 +32,7 @@ from ._cache import FM_SUM, jit
 from ._io import _h_row, arow, ep_row, pslot, pzero
 from ._layout import ROW_BLOCK, SPLIT_SEG
 from ._rowstats import bwd_centring, bwd_finish, eps_outside, fwd_finish, fwd_shift, rfactor, row_aux, seg_sums
-from ._stats_kernels import _FWD_PENDING, FAST, _bwd_sums, mark_pending, write_dx, write_y
+from ._stats_kernels import FWD_PENDING, FAST, _bwd_sums, mark_pending, write_dx, write_y
 from ._storage import at, r_ok, tcast, tile
 from ._stream import sfence
 
@@ -114,7 +114,7 @@ def _fwd_finish_rows(stat, x, k, s1, s2, eps, corr, mode, c, aux, rstd):  # type
                 aux[i] = row_aux(stat, kk, cc, v, eps, mode)
             rstd[i] = r
         else:
-            rstd[i] = _FWD_PENDING
+            rstd[i] = FWD_PENDING
             pending += 1
     return pending
 
@@ -123,7 +123,7 @@ def _fwd_finish_rows(stat, x, k, s1, s2, eps, corr, mode, c, aux, rstd):  # type
 def _fwd_write_span(stat, x, w, b, tab, k, c, rstd, y, stream, t0, t1):  # type: ignore[no-untyped-def]
     for t in range(t0, t1):
         i, j0, j1 = tile(t, x.shape[1], SPLIT_SEG)
-        if rstd[i] != _FWD_PENDING:
+        if rstd[i] != FWD_PENDING:
             xr = x[i]
             write_y(stat, xr, arow(w, tab, i), arow(b, tab, i), tcast(xr, k[i]), tcast(xr, c[i]),
                     tcast(xr, rstd[i]), y[i], stream, j0, j1)  # fmt: skip

@@ -100,6 +100,7 @@ from ._stream import STAGE, nt_copy, sfence, stage_buf, stream_lines, streams
 
 __all__ = [
     "FAST",
+    "FWD_PENDING",
     "PENDING",
     "bwd_cast",
     "bwd_fused",
@@ -121,7 +122,7 @@ FAST = 1 << 20
 #: ... the row needs the slow path (set by the fast kernels, replaced by :func:`bwd_slow`)
 PENDING = FAST + 1
 #: ``rstd`` of a forward row that needs the slow path (set by :func:`fwd`, replaced by :func:`fwd_slow`)
-_FWD_PENDING = -1.0
+FWD_PENDING = -1.0
 
 
 @jit(FM_SUM, forceinline=True)
@@ -347,7 +348,7 @@ def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, i0
                 aux[i] = m
             rstd[i] = r
         else:
-            rstd[i] = _FWD_PENDING
+            rstd[i] = FWD_PENDING
             pending += 1
     sfence(stream)
     return pending
@@ -409,7 +410,7 @@ def fwd_slow(stat, rows, affine, conv, y, row_stats):  # type: ignore[no-untyped
 def _fwd_slow_rows(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd):  # type: ignore[no-untyped-def]
     buf = yscratch(y, x.shape[1])
     for i in range(x.shape[0]):
-        if rstd[i] == _FWD_PENDING:
+        if rstd[i] == FWD_PENDING:
             xr = src_done(pro, x, i)
             m, r = _fwd_row_slow(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, yrow(y, i, buf))
             ydone(y, i, buf)

@@ -33,6 +33,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import _paths
+
 __all__ = ["SERIAL_THRESHOLD", "EntryMemo", "get_num_threads", "launch", "set_num_threads", "spans", "threads_for"]
 
 #: calls on fewer elements (rows * hidden) than this run on one thread: handing a span to a pool thread costs
@@ -240,6 +242,8 @@ def launch(kernel: Callable[..., Any], work: int, tasks: int, *args: Any, memo: 
     """
     n = min(threads_for(work), tasks)
     workers = _take(n - 1) if n > 1 else []
+    if _paths._record is not None:
+        _paths.note("pool" if workers else "serial")
     if not workers:
         if memo is not None:
             return memo.call(kernel, (*args, 0, tasks))

@@ -51,7 +51,7 @@ from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statis
 from .._spec import param_names, prologue_input_names
 from . import _common as common
 from . import _stats_kernels as kernels
-from . import _threads
+from . import _paths, _threads
 from ._args import Affine, Conventions, Grad, Partials, RowStats, plain
 from ._layout import CHUNK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
 from ._reduce import sum_slots, table_slots
@@ -463,14 +463,18 @@ def forward_rows(
     rows_ = rows
     x, pro = rows
     n, h = x.shape
+    if stream:
+        _paths.note("stream")
     if memo is not None and memo.entry is not None and n * h < _threads.SERIAL_THRESHOLD and not FORCE_SPLIT:
         # a plan's serial call (what launch() would do, without its bookkeeping: a small call's microsecond)
+        _paths.note("plain")
         pending = memo.entry(stat, rows_, aff, cv, y, rs, True if stream else None, 0, n)
     elif (
         not _channel(aff[2]) and not isinstance(y, tuple) and split_rows(n, x if pro is None else pro[2])
     ):  # (the rows normalized are h's with a prologue)
         from . import _split_kernels as split
 
+        _paths.note("split")
         tasks = _segments(n, h)
         if pro is not None:  # h first, then the rows of h are normalized
             launch(split.prologue, n * h, tasks, pro, x)
@@ -482,8 +486,12 @@ def forward_rows(
         launch(split.fwd_write, n * h, tasks, stat, x, aff, shifts, c, rs[1], y, True if stream else None)
         rows_ = (x, None)
     else:
+        _paths.note("plain")
         pending = launch(kernels.fwd, n * h, n, stat, rows_, aff, cv, y, rs, True if stream else None, memo=memo)
+    if _paths.FORCE_SLOW and n:
+        rs[1][:], pending = kernels.FWD_PENDING, n
     if pending:
+        _paths.note("slow")
         kernels.fwd_slow(stat, rows_, aff, cv, y, rs)
 
 
@@ -515,6 +523,9 @@ def backward_rows(
         # their own by column tiles -- bitwise the same, as fewer than 4 rows are added there row by row, in order
         fused = True
     streaming = True if stream else None
+    _paths.note("fused" if fused else "rows")
+    if stream:
+        _paths.note("stream")
     scale = np.empty(rows, np.int64)
     cs = np.empty(rows) if not fused and record_of(stat).mean else None
     if not _channel(aff[2]) and split_rows(blocks(rows) if fused else rows, x):
@@ -523,7 +534,10 @@ def backward_rows(
         slow = launch(kernels.bwd_fused, rows * h, blocks(rows), stat, x, dy, aff, rs, cv, gr, parts, scale, streaming)
     else:
         slow = launch(kernels.bwd_rows, rows * h, rows, stat, x, dy, aff, rs, cv, gr, scale, cs, streaming)
+    if _paths.FORCE_SLOW and rows:
+        scale[:], slow = kernels.PENDING, rows
     if slow:
+        _paths.note("slow")
         kernels.bwd_slow(stat, x, dy, aff, rs, cv, gr, scale, cs)
         if fused and params:
             redo = kernels.redo_channel if _channel(aff[2]) else kernels.redo_blocks
@@ -543,6 +557,7 @@ def _backward_split(
     for the slow path. Bundles as plain tuples (:func:`._args.plain`)."""
     from . import _split_kernels as split
 
+    _paths.note("split")
     rows, h = x.shape
     shifts, c, ok = np.empty(rows), np.empty(rows), np.empty(rows, np.bool_)
     split.bwd_prep(stat, x, rs, shifts, c, ok)

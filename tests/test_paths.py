@@ -1,0 +1,252 @@
+"""Batch-invariant rows and every launch path, for every rows-layout op on every backend under test.
+
+The contract (``docs/numerics.md``, "Batch-invariant rows"): a row's outputs -- ``y`` and every other x-shaped
+output, the ctx's per-row statistics, ``dx`` and the gradients of x-shaped inputs -- are bitwise the same whether
+the row is computed alone, in a batch of any size, or at any position in it. On the ``numba`` backend the rows of
+a batch are also recomputed under every launch path (:mod:`pynorm.backends.numba._paths`, forced at small sizes):
+whichever path a batch size selects, the bits are the plain path's (the slow path, float64 arithmetic for rows the
+fast sums cannot hold, is checked against the reference instead); and a path that no call of an op takes is a
+failure naming the op and the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.helpers import BACKEND_RTOL, OPS, assert_bitwise, assert_close_scaled, dtype, make_args
+
+#: (rows, hidden) of the batches, per backend: narrow rows, a ragged row block (more than the fused backward's row
+#: blocks), and rows of several chunks; the CUDA harness runs every thread of a block on the CPU, hence fewer
+SHAPES = {
+    "numpy": [(37, 24), (5, 2100)],
+    "numba": [(37, 24), (133, 40), (5, 2100)],
+    "cupy": [(37, 24), (5, 1100)],
+}
+#: (offset, rows) of the sub-batches recomputed: a row alone at the start and in the middle, three rows, a ragged
+#: part; ``None`` rows: to the end
+SUBSETS = [(0, 1), (4, 1), (2, 3), (3, None)]
+
+#: ops whose rows are batch-invariant only to rounding, not bitwise, and why (a known gap of the contract, stated in
+#: docs/numerics.md): the fused norm + Linear's product ``n @ W.T`` (and its backward's ``dy @ W``) runs on the array
+#: module's matmul (BLAS), whose per-row sums are blocked by the batch's shape (float32: 1-4 ulps measured); the
+#: norm itself is batch-invariant (``layer_norm``/``rms_norm`` above)
+BLAS_PRODUCT = {"layer_norm_linear", "rms_norm_linear"}
+
+
+def _split(spec: Any, rows: int, args: list[Any]) -> tuple[list[Any], list[bool]]:
+    """The call's arguments after ``x``, and for each whether it is per row (sliced with ``x``)."""
+    per_row = [i.kind in ("like_x", "row_index", "cond", "row_scale") for i in spec.spec.inputs]
+    per_row += [False] * len(spec.spec.params)
+    return args, [
+        pr and a is not None and np.ndim(a) >= 1 and np.shape(a)[0] == rows
+        for a, pr in zip(args, per_row, strict=True)
+    ]
+
+
+def _per_row(spec: Any, backend: Any, x: Any, args: list[Any], dy: Any, ups: dict[str, Any]) -> dict[str, Any]:
+    """Every per-row result of a forward and backward of ``x`` (numpy arrays by name)."""
+    fwd = spec.spec.generic_forward()
+    outs, ctx = fwd(backend.asarray(x), *[None if a is None else backend.asarray(a) for a in args],
+                    backend=backend.name)  # fmt: skip
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    got = {name: backend.to_numpy(o) for name, o in zip(spec.spec.outputs, outs, strict=False)}
+    params = set(spec.spec.param_names)
+    for f in dataclasses.fields(ctx):
+        v = getattr(ctx, f.name)
+        if f.name not in params and hasattr(v, "shape") and len(v.shape) >= 1 and v.shape[0] == x.shape[0]:
+            got[f"ctx.{f.name}"] = backend.to_numpy(v)
+    grads = spec.backward(backend.asarray(dy), ctx, **{k: backend.asarray(v) for k, v in ups.items()})
+    n_in = 1 + sum(1 for i in spec.spec.inputs if i.kind == "like_x")
+    like_x = ["x", *(i.name for i in spec.spec.inputs if i.kind == "like_x")]
+    for name, g in zip(like_x, list(grads)[:n_in], strict=True):
+        got[f"d{name}"] = backend.to_numpy(g)
+    return got
+
+
+def _data(spec: Any, shape: tuple[int, int], dt: Any, seed: int) -> tuple[Any, list[Any], Any, dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 2 + 0.5).astype(dt)
+    x[min(2, shape[0] - 1)] = x[min(2, shape[0] - 1), 0]  # a constant row
+    args = make_args(spec, shape, -1, dt, rng)
+    out_shape = shape if spec.name not in ("layer_norm_linear", "rms_norm_linear") else None
+    if out_shape is None:
+        y, _ = spec.spec.generic_forward()(x, *args, backend="numpy")
+        out_shape = np.shape(y[0] if isinstance(y, tuple) else y)
+    dy = rng.standard_normal(out_shape).astype(dt)
+    ups = {f"d{o}": rng.standard_normal(shape).astype(dt) for o in spec.spec.outputs[1:] if o == "h"}
+    if spec.name in ("layer_norm_linear", "rms_norm_linear"):
+        ups = {}
+    return x, args, dy, ups
+
+
+def _rows(d: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    return {k: v[lo:hi] for k, v in d.items()}
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any], what: str, op: str = "") -> None:
+    assert set(got) == set(want), f"{what}: outputs {sorted(got)} vs {sorted(want)}"
+    for k in want:
+        if op in BLAS_PRODUCT and k in ("y", "dx"):
+            w = np.asarray(want[k])
+            scale = np.max(np.abs(w.astype(np.float64)), axis=-1, keepdims=True)
+            assert_close_scaled(got[k], w, scale, BACKEND_RTOL[dtype_name(w.dtype)],
+                                what=f"{what}, {k} (BLAS product: to rounding)")  # fmt: skip
+        else:
+            assert_bitwise(got[k], want[k], f"{what}, {k}")
+
+
+def dtype_name(dt: Any) -> str:
+    return "bfloat16" if np.dtype(dt).name == "bfloat16" else np.dtype(dt).name
+
+
+def _subset_args(args: list[Any], per_row: list[bool], lo: int, hi: int) -> list[Any]:
+    return [a[lo:hi] if pr else a for a, pr in zip(args, per_row, strict=True)]
+
+
+ROW_OPS = sorted(OPS)
+
+
+@pytest.mark.parametrize("dt", ["float32", "float16"])
+@pytest.mark.parametrize("op", ROW_OPS)
+def test_rows_do_not_depend_on_the_batch(backend: Any, op: str, dt: str) -> None:
+    spec = OPS[op]
+    for shape in SHAPES.get(backend.name, SHAPES["numpy"]):
+        x, args, dy, ups = _data(spec, shape, dtype(dt), seed=shape[1])
+        args, per_row = _split(spec, shape[0], args)
+        whole = _per_row(spec, backend, x, args, dy, ups)
+        for lo, n in SUBSETS:
+            hi = shape[0] if n is None else lo + n
+            sub = _per_row(spec, backend, x[lo:hi], _subset_args(args, per_row, lo, hi), dy[lo:hi], _rows(ups, lo, hi))
+            _assert_same(sub, _rows(whole, lo, hi), f"{op} on {backend.name}, {dt} {shape}: rows {lo}:{hi} alone", op)
+
+
+# ---------------------------------------------------------------------------
+# the numba backend's launch paths
+
+
+def _numba_paths() -> Any:
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _paths
+
+    return _paths
+
+
+def _numba_stats_ops() -> list[str]:
+    from pynorm import _registry
+
+    try:
+        served = set(_registry.backend_ops("numba"))
+    except Exception:  # pragma: no cover - numba's package absent
+        served = set()
+    return [op for op in ROW_OPS if op in served and OPS[op].spec.family in ("stats", "quantize", "composite")]
+
+
+#: the path sets a batch is recomputed under: each path of the statistics family alone, and the pairs that
+#: combine (a split or row-tile backward writing streamed outputs, the slow path on either backward)
+PATH_SETS = [
+    ("serial",),
+    ("pool", "fused"),
+    ("pool", "rows"),
+    ("split",),
+    ("split", "rows"),
+    ("stream", "fused"),
+    ("stream", "rows"),
+    ("split", "stream"),
+    ("slow", "fused"),
+    ("slow", "rows"),
+]
+
+
+@pytest.fixture
+def numba_backend() -> Any:
+    pytest.importorskip("numba")
+    from tests.conftest import _make
+
+    from pynorm import _registry
+
+    if _registry.unavailable_reason("numba"):
+        pytest.skip("backend 'numba' unavailable")
+    return _make("numba")
+
+
+@pytest.mark.parametrize("op", _numba_stats_ops())
+def test_every_launch_path_gives_the_plain_bits(numba_backend: Any, op: str) -> None:
+    """Each path forced at small sizes: bitwise the plain path's rows (the slow path: the reference's values), and
+    every path of the family taken by some call of the op."""
+    paths = _numba_paths()
+    spec = OPS[op]
+    taken: set[str] = set()
+    dts = ["float32", "float16"]
+    for dt in dts:
+        for shape in [(37, 24), (5, 2100)]:
+            x, args, dy, ups = _data(spec, shape, dtype(dt), seed=7 + shape[1])
+            args, per_row = _split(spec, shape[0], args)
+            with paths.forced("serial"):
+                plain = _per_row(spec, numba_backend, x, args, dy, ups)
+            ref = _per_row(spec, _reference(), x, args, dy, ups)
+            for chosen in PATH_SETS:
+                if dt == "float16" and "slow" not in chosen and "split" not in chosen:
+                    continue  # (16-bit rows: the split and the slow path differ from the plain one; the rest does not)
+                with paths.forced(*chosen), paths.recording() as seen:
+                    lo, hi = 1, shape[0]  # a sub-batch: its rows at other positions than in the whole batch
+                    got = _per_row(spec, numba_backend, x[lo:hi], _subset_args(args, per_row, lo, hi), dy[lo:hi],
+                                   _rows(ups, lo, hi))  # fmt: skip
+                taken |= seen
+                what = f"{op} on numba, path {'+'.join(chosen)}, {dt} {shape}, rows {lo}:{hi}"
+                missing = set(chosen) - seen - ({"stream"} if dt != "float32" else set())  # (float32 outputs only)
+                if spec.spec.family == "stats":
+                    assert not missing, f"{what}: forced path(s) {sorted(missing)} not taken (took {sorted(seen)})"
+                if "slow" in chosen:
+                    _assert_reference(spec, got, _rows(ref, lo, hi), dt, x[lo:hi], what)
+                else:
+                    _assert_same(got, _rows(plain, lo, hi), what, op)
+    if spec.spec.family == "stats":
+        missing = set(paths.PATHS) - taken
+        assert not missing, f"{op}: no call took the numba path(s) {sorted(missing)} ({paths.PATHS})"
+
+
+def _reference() -> Any:
+    from tests.conftest import _make
+
+    return _make("numpy")
+
+
+def _assert_reference(spec: Any, got: dict[str, Any], want: dict[str, Any], dt: str, x: Any, what: str) -> None:
+    """``got`` within the fast backends' tolerance of the reference's ``want`` (relative to each row's scale)."""
+    rtol = BACKEND_RTOL[dt]
+    for k in want:
+        w = np.asarray(want[k], np.float64)
+        scale = np.max(np.abs(np.where(np.isfinite(w), w, 0)), axis=tuple(range(1, w.ndim)), keepdims=True) + 1e-30
+        assert_close_scaled(got[k], want[k], scale, rtol * 8, what=f"{what}, {k} against the reference")
+
+
+def test_forced_rejects_unknown_paths() -> None:
+    paths = _numba_paths()
+    with pytest.raises(ValueError, match="unknown path"), paths.forced("nope"):
+        pass
+    with pytest.raises(ValueError, match="not both"), paths.forced("fused", "rows"):
+        pass
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_wide_rows_at_the_real_thresholds(numba_backend: Any, op: str) -> None:
+    """No forcing: 64 rows of 65536 float32 elements (16 MiB: streaming stores, the pool) against 1, 3 and 32 of
+    them (plain stores; few wide rows: the split kernels) -- the case a batch-dependent store path once broke."""
+    from pynorm.backends.numba import _threads
+
+    spec = OPS[op]
+    shape = (64, 65536)
+    x, args, dy, ups = _data(spec, shape, np.float32, seed=3)
+    saved = _threads.SERIAL_THRESHOLD
+    _threads.SERIAL_THRESHOLD = 1 << 17  # the library's own threshold (the suite's conftest sets 0)
+    try:
+        whole = _per_row(spec, numba_backend, x, args, dy, ups)
+        for lo, hi in [(0, 1), (63, 64), (5, 8), (32, 64)]:
+            sub = _per_row(spec, numba_backend, x[lo:hi], args, dy[lo:hi], ups)
+            _assert_same(sub, _rows(whole, lo, hi), f"{op}, {shape} float32, rows {lo}:{hi} alone")
+    finally:
+        _threads.SERIAL_THRESHOLD = saved

@@ -15,6 +15,7 @@ import operator
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -119,37 +120,55 @@ class PlanForward:
         return self.op.forward_setup(x, args, out, None, self)  # type: ignore[no-any-return]
 
 
+def size_class(nbytes: int) -> int:
+    """The buffer size a request of ``nbytes`` is served from: the smallest ``m * 2**k`` (``m`` in 4..7) at
+    least ``nbytes`` -- at most 25% more than asked, so that calls of nearby sizes (a batch one row shorter, the
+    last microbatch) share buffers."""
+    if nbytes <= 4:
+        return 4
+    k = max(nbytes - 1, 1).bit_length() - 3
+    return -(-nbytes >> k) << k
+
+
 class _BufferPool:
-    """Recycles the memory of large outputs the caller has dropped.
+    """Recycles the memory of outputs and scratch the caller has dropped, so that a steady stream of calls
+    touches no fresh page.
 
-    A fresh multi-megabyte ``numpy.empty`` is page-faulted in by the kernel that
-    first writes it; where the OS does that 4 KiB at a time (no transparent huge
-    pages) it costs more than the normalization itself. Outputs of at least
-    :attr:`min_bytes` are therefore views of pool-owned byte buffers; a buffer is
-    handed out again only when the pool holds the *last* reference to it (every
-    array or view made from an output keeps a reference to its buffer), so a live
-    result is never overwritten. At most :attr:`max_bytes` of idle buffers are
-    kept; ``max_bytes = 0`` disables the pool.
+    A fresh ``numpy.empty`` of more than glibc's mmap threshold (128 KiB to 32 MiB, moving with the
+    process's history) is page-faulted in, 4 KiB at a time, by the kernel that first writes it: a 128 x 4096
+    float32 LayerNorm forward + backward took ~990 minor faults and 2.2-2.9 ms a call with fresh outputs,
+    0.47 ms with reused ones. Outputs of at least :attr:`min_bytes` (and kernel scratch of at least
+    :attr:`scratch_bytes`) are therefore views of pool-owned byte buffers of a size class
+    (:func:`size_class`); a buffer is handed out again only when the pool holds the *last* reference to it (every
+    array or view made from an output keeps a reference to its buffer), so a live result is never overwritten
+    -- a layer stack that keeps every block's output alive until its backward gets a buffer per output, and
+    the same buffers again at the next step.
 
-    Kernel scratch that a call drops before it returns (the backward's block
-    partials) is pooled from :attr:`scratch_bytes`: a 4096 x 4096 float32
-    LayerNorm backward's two 2 MiB partials, fresh each call, cost about 2 ms of
-    its 13 ms in page faults on the development machine.
+    Idle buffers are kept up to :attr:`max_bytes` in all (the least recently used are released first), and a
+    buffer idle for :attr:`idle_seconds` is released at the pool's next miss or :meth:`trim`. ``max_bytes =
+    0`` disables the pool; :meth:`trim` releases every idle buffer now.
     """
 
-    def __init__(self, min_bytes: int = 1 << 22, max_bytes: int = 1 << 28, scratch_bytes: int = 1 << 18) -> None:
+    def __init__(
+        self, min_bytes: int = 1 << 16, max_bytes: int = 1 << 28, scratch_bytes: int = 1 << 16,
+        idle_seconds: float = 30.0,
+    ) -> None:  # fmt: skip
         self.min_bytes = min_bytes
         self.max_bytes = max_bytes
         self.scratch_bytes = scratch_bytes
-        self._bufs: list[np.ndarray] = []
+        self.idle_seconds = idle_seconds
+        self._bufs: dict[int, list[np.ndarray]] = {}  # size class -> buffers, most recently handed out last
+        self._used: dict[int, float] = {}  # id(buffer) -> when it was last handed out
         self._lock = threading.Lock()
 
-    def _free(self, i: int) -> bool:
+    @staticmethod
+    def _free(bufs: list[np.ndarray], i: int) -> bool:
         # references: the list slot and getrefcount's own argument
-        return sys.getrefcount(self._bufs[i]) <= 2
+        return sys.getrefcount(bufs[i]) <= 2
 
     def empty(self, shape: tuple[int, ...], dtype: Any, scratch: bool = False) -> np.ndarray:
-        """An uninitialized array, pooled from :attr:`min_bytes` (``scratch``: from :attr:`scratch_bytes`)."""
+        """An uninitialized C-contiguous array, pooled from :attr:`min_bytes` (``scratch``: from
+        :attr:`scratch_bytes`)."""
         n = math.prod(shape)
         least = self.scratch_bytes if scratch else self.min_bytes
         if 8 * n < least:  # (no dtype here is wider than 8 bytes: a small array, without np.dtype's cost)
@@ -158,22 +177,54 @@ class _BufferPool:
         nbytes = dtype.itemsize * n
         if nbytes < least or self.max_bytes <= 0:
             return np.empty(shape, dtype)
+        cls = size_class(nbytes)
+        now = time.monotonic()
         with self._lock:
-            for i in range(len(self._bufs)):
-                if self._bufs[i].nbytes == nbytes and self._free(i):
-                    buf = self._bufs.pop(i)
-                    self._bufs.append(buf)  # most recently used last
-                    return buf.view(dtype).reshape(shape)
-            buf = np.empty(nbytes, np.uint8)
-            self._bufs.append(buf)
-            idle = sum(b.nbytes for i, b in enumerate(self._bufs[:-1]) if self._free(i))
-            i = 0
-            while idle > self.max_bytes and i < len(self._bufs) - 1:
-                if self._free(i):
-                    idle -= self._bufs.pop(i).nbytes
-                else:
-                    i += 1
-            return buf.view(dtype).reshape(shape)
+            bufs = self._bufs.setdefault(cls, [])
+            for i in range(len(bufs) - 1, -1, -1):
+                if self._free(bufs, i):
+                    buf = bufs.pop(i)
+                    bufs.append(buf)
+                    self._used[id(buf)] = now
+                    return buf[:nbytes].view(dtype).reshape(shape)
+            self._release(now, cls)
+            buf = np.empty(cls, np.uint8)
+            bufs.append(buf)
+            self._used[id(buf)] = now
+            return buf[:nbytes].view(dtype).reshape(shape)
+
+    def _release(self, now: float, incoming: int) -> None:
+        """Drop idle buffers: those idle for :attr:`idle_seconds`, then the least recently used until the idle
+        ones and ``incoming`` more bytes fit :attr:`max_bytes` (under the lock)."""
+        idle = []
+        for bufs in self._bufs.values():
+            for i in range(len(bufs)):  # (by index: a loop variable would hold a reference while checking)
+                if self._free(bufs, i):
+                    idle.append((self._used[id(bufs[i])], bufs[i], bufs))
+        total = sum(b.nbytes for _, b, _ in idle) + incoming
+        drop = []
+        for t, b, bufs in sorted(idle, key=lambda e: e[0]):
+            if now - t >= self.idle_seconds or total > self.max_bytes:
+                drop.append((b, bufs))
+                total -= b.nbytes
+        for b, bufs in drop:
+            for i in range(len(bufs)):
+                if bufs[i] is b:
+                    del bufs[i]
+                    break
+            del self._used[id(b)]
+        del idle, drop
+
+    def trim(self) -> int:
+        """Release every idle buffer now; returns the bytes released (the buffers still referenced stay)."""
+        with self._lock:
+            before = self.held_bytes()
+            self._release(math.inf, 1 << 62)
+            return before - self.held_bytes()
+
+    def held_bytes(self) -> int:
+        """Bytes of every buffer the pool holds, idle or referenced by a live result."""
+        return sum(b.nbytes for bufs in self._bufs.values() for b in bufs)
 
 
 #: the pool behind every output this backend allocates (``POOL.max_bytes = 0`` turns it off).

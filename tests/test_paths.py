@@ -42,8 +42,7 @@ def _split(spec: Any, rows: int, args: list[Any]) -> tuple[list[Any], list[bool]
     per_row = [i.kind in ("like_x", "row_index", "cond", "row_scale") for i in spec.spec.inputs]
     per_row += [False] * len(spec.spec.params)
     return args, [
-        pr and a is not None and np.ndim(a) >= 1 and np.shape(a)[0] == rows
-        for a, pr in zip(args, per_row, strict=True)
+        pr and a is not None and np.ndim(a) >= 1 and np.shape(a)[0] == rows for a, pr in zip(args, per_row, strict=True)
     ]
 
 
@@ -164,9 +163,8 @@ PATH_SETS = [
 @pytest.fixture
 def numba_backend() -> Any:
     pytest.importorskip("numba")
-    from tests.conftest import _make
-
     from pynorm import _registry
+    from tests.conftest import _make
 
     if _registry.unavailable_reason("numba"):
         pytest.skip("backend 'numba' unavailable")
@@ -242,7 +240,7 @@ def test_wide_rows_at_the_real_thresholds(numba_backend: Any, op: str) -> None:
     shape = (64, 65536)
     x, args, dy, ups = _data(spec, shape, np.float32, seed=3)
     saved = _threads.SERIAL_THRESHOLD
-    _threads.SERIAL_THRESHOLD = 1 << 17  # the library's own threshold (the suite's conftest sets 0)
+    _threads.SERIAL_THRESHOLD = _threads.DEFAULT_SERIAL_THRESHOLD  # (the suite's conftest sets 0)
     try:
         whole = _per_row(spec, numba_backend, x, args, dy, ups)
         for lo, hi in [(0, 1), (63, 64), (5, 8), (32, 64)]:

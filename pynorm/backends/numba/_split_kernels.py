@@ -32,7 +32,7 @@ from ._cache import FM_SUM, jit
 from ._io import _h_row, arow, ep_row, pslot, pzero
 from ._layout import ROW_BLOCK, SPLIT_SEG
 from ._rowstats import bwd_centring, bwd_finish, eps_outside, fwd_finish, fwd_shift, rfactor, row_aux, seg_sums
-from ._stats_kernels import FWD_PENDING, FAST, _bwd_sums, mark_pending, write_dx, write_y
+from ._stats_kernels import FAST, FWD_PENDING, _bwd_sums, mark_pending, write_dx, write_y
 from ._storage import at, r_ok, tcast, tile
 from ._stream import sfence
 

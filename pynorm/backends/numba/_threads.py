@@ -45,6 +45,8 @@ __all__ = ["SERIAL_THRESHOLD", "EntryMemo", "get_num_threads", "launch", "set_nu
 #: 256 x 4096 495 vs 496, 512 x 4096 1747 vs 1006. So two threads from 1M elements (4 MiB of float32), where they
 #: are never slower; the old threshold (128K) made calls of 128K-1M elements up to 1.8x slower on two threads.
 SERIAL_THRESHOLD = 1 << 20
+#: the value the library starts with (tests that change :data:`SERIAL_THRESHOLD` put it back from here)
+DEFAULT_SERIAL_THRESHOLD = SERIAL_THRESHOLD
 
 _cap: int | None = None
 _lock = threading.Lock()

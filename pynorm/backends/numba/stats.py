@@ -50,8 +50,8 @@ from ...ops._spec import filled
 from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statistic_of
 from .._spec import param_names, prologue_input_names
 from . import _common as common
-from . import _stats_kernels as kernels
 from . import _paths, _threads
+from . import _stats_kernels as kernels
 from ._args import Affine, Conventions, Grad, Partials, RowStats, plain
 from ._layout import CHUNK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
 from ._reduce import sum_slots, table_slots

@@ -201,6 +201,11 @@ def test_worker_answers_errors_and_ends_with_its_input() -> None:
         (["--compile", "--compile-dtypes", "float8"], "--compile-dtypes: must name some of"),
         (["--compile", "--ops"], "--compile runs alone"),
         (["--threads", "4096"], "--threads: at most"),
+        (["--sizes", "--peers", "torch,mxnet"], "--peers: unknown mxnet"),
+        (["--sizes", "--rows", "0,4"], "--rows: expected comma-separated positive integers"),
+        (["--sizes", "--hidden", "100"], "--hidden: multiples of 32"),
+        (["--sizes", "--only", "dyt"], "--only with --sizes: unknown dyt"),
+        (["--sizes", "--ops"], "--sizes runs alone"),
     ],
 )
 def test_bad_options_are_argparse_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
@@ -233,6 +238,46 @@ def test_small_calls_table(tmp_path: Path) -> None:
     except ImportError:
         return
     assert (tmp_path / "s" / "small_calls.png").stat().st_size > 5000
+
+
+@needs_numba
+def test_size_sweep_runs_every_cell_in_its_own_process(tmp_path: Path) -> None:
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "pynorm", "bench", "--sizes", "--rows", "1,3", "--hidden", "64",
+                           "--repeat", "2", "--peers", "", "--out", "z"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "z" / "sizes.json").read_text())
+    from pynorm.bench import sizes
+
+    assert [(c["op"], c["rows"], c["hidden"]) for c in data["cells"]] == [
+        (op, r, 64) for op in sizes.OPS for r in (1, 3)
+    ]
+    for c in data["cells"]:
+        assert not c["errors"], c["errors"]
+        assert set(c["t"]) == {"copy", "pynorm:fwd", "pynorm:fwdbwd"} and all(v > 0 for v in c["t"].values())
+        assert c["bytes"] == 4 * c["rows"] * 64
+    assert data["meta"]["rounds"] == 2 and data["meta"]["threads"] == 2 and data["summary"] == {}
+    assert "group_norm" in proc.stdout and "fwdbwd (us)" in proc.stdout
+
+
+def test_size_sweep_summary_is_the_geometric_mean_of_the_best_peer() -> None:
+    from pynorm.bench import sizes
+
+    cells = [
+        {"op": "layer_norm", "rows": 1, "hidden": 64, "bytes": 256,
+         "t": {"pynorm:fwd": 2.0, "torch:fwd": 4.0, "ort:fwd": 1.0, "pynorm:fwdbwd": 1.0, "torch:fwdbwd": 3.0}},
+        {"op": "layer_norm", "rows": 2, "hidden": 64, "bytes": 512,
+         "t": {"pynorm:fwd": 1.0, "jax:fwd": 4.0, "pynorm:fwdbwd": 2.0, "jax:fwdbwd": 8.0}},
+    ]  # fmt: skip
+    s = sizes.summary(cells)
+    assert math.isclose(s["fwd"]["geomean_best_peer_over_pynorm"], math.sqrt(0.5 * 4.0))
+    assert s["fwd"]["pynorm_at_least_as_fast_as_best_peer"] == 1 and s["fwd"]["cells"] == 2
+    assert s["fwd"]["pynorm_at_least_as_fast_as_torch"] == 1 and s["fwd"]["cells_with_torch"] == 1
+    assert math.isclose(s["fwdbwd"]["geomean_best_peer_over_pynorm"], math.sqrt(3.0 * 4.0))
+    assert "1.41" in sizes.text({"meta": {"threads": 2, "cpu": "x", "rounds": 1, "loadavg_before": [0.0],
+                                          "loadavg_after": [0.0], "unavailable": {}}, "cells": cells,
+                                 "summary": s})  # fmt: skip
 
 
 def test_report_tables_read_the_results() -> None:

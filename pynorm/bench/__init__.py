@@ -97,6 +97,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --small: the input's ROWSxHIDDEN (default 4x8)")  # fmt: skip
     p.add_argument("--all", action="store_true", help="the default run, --ops and --small in one run")
     p.add_argument(
+        "--sizes",
+        action="store_true",
+        help="the size sweep: rows 1-8192 x hidden 1024/4096/8192 (--quick: fewer), LayerNorm, RMSNorm, add + "
+        "RMSNorm and GroupNorm, forward and forward + backward, against PyTorch eager, torch.compile, JAX jit and "
+        "ONNX Runtime (forward), each library in its own process (pynorm.bench.sizes)",
+    )
+    p.add_argument("--peers", default=None, metavar="LIBS",
+                   help="with --sizes: comma-separated peers (default: all of them; '' for none)")  # fmt: skip
+    p.add_argument("--rows", default=None, metavar="N,N,...", help="with --sizes: the row counts")
+    p.add_argument("--hidden", default=None, metavar="H,H,...", help="with --sizes: the hidden sizes")
+    p.add_argument(
         "--compile",
         action="store_true",
         help="only the compile times: the first forward+backward of every op and dtype in a fresh process, "
@@ -130,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m pynorm bench [options]`` (``--help``); returns the exit status (2: numba is missing)."""
     p = _parser()
     args = p.parse_args(argv)
+    if args.sizes:
+        if args.compile or args.ops or args.small or args.all:
+            p.error("--sizes runs alone: it cannot be combined with --compile, --ops, --small or --all")
+        return _sizes_mode(p, args)
     if args.compile and (args.ops or args.small or args.all):
         p.error("--compile runs alone: it cannot be combined with --ops, --small or --all")
     try:
@@ -188,6 +203,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {', '.join(str(w) for w in wrote)}")
     if not any(w.suffix == ".png" for w in wrote):
         print("(matplotlib is not installed: no charts)")
+    return 0
+
+
+def _ints(p: argparse.ArgumentParser, option: str, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        p.error(f"{option}: expected comma-separated positive integers, got {text!r}")
+    return vals
+
+
+def _sizes_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import sizes
+
+    peers = None
+    if args.peers is not None:
+        peers = [v.strip() for v in args.peers.split(",") if v.strip()]
+        bad = [v for v in peers if v not in sizes.PEERS]
+        if bad:
+            p.error(f"--peers: unknown {', '.join(bad)} (one of {', '.join(sizes.PEERS)})")
+    ops = None
+    if args.only:
+        ops = [v.strip() for v in args.only.split(",") if v.strip()]
+        bad = [v for v in ops if v not in sizes.OPS]
+        if bad:
+            p.error(f"--only with --sizes: unknown {', '.join(bad)} (one of {', '.join(sizes.OPS)})")
+    hidden = _ints(p, "--hidden", args.hidden)
+    if hidden and any(h % sizes.GROUPS for h in hidden):
+        p.error(f"--hidden: multiples of {sizes.GROUPS} (GroupNorm's groups), got {args.hidden!r}")
+    sizes.run(Path(args.out), args.threads, args.quick, args.repeat, ops, peers, _ints(p, "--rows", args.rows), hidden)
     return 0
 
 

@@ -116,18 +116,25 @@ def _with_add(term_scales: Any) -> Any:
     return scales
 
 
+#: options of a norm that its fused residual add does not take: the casting policies round ``x``'s dtype around the
+#: norm alone (``pynorm.composite.casting``), which the fused op's single rounding of ``h`` has no place for
+NOT_FUSED = frozenset({"casting"})
+
+
 def _add_spec(module: ModuleType, **own: Any) -> OpSpec:
-    """The fused residual add + the norm of ``module`` (its ``SPEC``): the norm's parameters, conventions
-    (``CONVENTIONS``) and cross-argument check, the residual input and prologue, the add's options and term
-    scales and the ``(y, h)`` outputs; ``own``: the rest (docs, grads, ctx, cases)."""
+    """The fused residual add + the norm of ``module`` (its ``SPEC``): the norm's parameters, affine source,
+    options (but :data:`NOT_FUSED`) and cross-argument check, the residual input and prologue, the add's options and
+    term scales and the ``(y, h)`` outputs; ``own``: the rest (docs, grads, ctx, cases)."""
     norm: OpSpec = module.SPEC
-    assert isinstance(norm.variant, StatsVariant)
+    if not isinstance(norm.variant, StatsVariant):
+        raise TypeError(f"a fused residual add needs a norm of the statistics family, not {norm.name}'s {norm.variant}")
     return OpSpec(
         name=f"add_{norm.name}",
         inputs=(Input("residual", "like_x", "the residual stream added to x (scaled by alpha)"),),
         params=norm.params,
-        options=(*module.CONVENTIONS, *_ADD_OPTIONS),
-        variant=StatsVariant(norm.variant.statistic, prologue="residual", epilogue="prenorm"),
+        options=(*(o for o in norm.options if o.name not in NOT_FUSED), *_ADD_OPTIONS),
+        variant=StatsVariant(norm.variant.statistic, prologue="residual", affine=norm.variant.affine,
+                             epilogue="prenorm"),  # fmt: skip
         term_scales=_with_add(norm.term_scales),
         check=norm.check,
         outputs=("y", "h"),

@@ -190,9 +190,13 @@ def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, wha
     bad = ~(err <= rtol * s + max(spacing, 1e-300))
     if bad.any():
         i = np.unravel_index(int(np.argmax(np.where(bad, err / (s + 1e-300), -1))), a.shape)
+        si = float(np.broadcast_to(s, a.shape)[i])
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            ulps = float(_testing.ulp_error(a_in[i], e[i], dt, scale=si))
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {a.size} elements differ by more than rtol={rtol:g} of their scale; "
-            f"worst at {i}: actual {a[i]!r}, expected {e[i]!r}, scale {np.broadcast_to(s, a.shape)[i]!r}"
+            f"worst at {tuple(int(k) for k in i)}: actual {float(a[i])!r}, expected {float(e[i])!r}, scale {si!r} "
+            f"({ulps:.3g} ulps of {dt} at the scale)"
         )
 
 

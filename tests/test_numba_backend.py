@@ -1338,9 +1338,9 @@ def _centre_only_pieces() -> dict[Any, Any]:
         **rs.CENTERED,
         rs.rfactor: lambda stat, v, eps, mode: 1.0,  # r = 1: the row is centred, not scaled
         rs.scaled_rstd: lambda stat, v_s, e, eps, mode: (1.0, math.ldexp(1.0, e)),
-        rs.eps_outside: lambda stat, mode: False,
+        rs.third_sum: lambda stat, mode: False,
         rs.bwd_finish: _centre_only_bwd_finish,
-        rs.slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: 0.0,
+        rs.slow_finish: lambda stat, sg, sgx, s3, h, n, r_s, mode, aux: (sg / h, 0.0),
     }
 
 

@@ -133,8 +133,9 @@ def _add_spec(module: ModuleType, **own: Any) -> OpSpec:
         inputs=(Input("residual", "like_x", "the residual stream added to x (scaled by alpha)"),),
         params=norm.params,
         options=(*(o for o in norm.options if o.name not in NOT_FUSED), *_ADD_OPTIONS),
-        variant=StatsVariant(norm.variant.statistic, prologue="residual", affine=norm.variant.affine,
-                             epilogue="prenorm"),  # fmt: skip
+        variant=StatsVariant(
+            norm.variant.statistic, prologue="residual", affine=norm.variant.affine, epilogue="prenorm"
+        ),
         term_scales=_with_add(norm.term_scales),
         check=norm.check,
         outputs=("y", "h"),

@@ -58,21 +58,42 @@ Names used throughout the kernels (the argument bundles of :mod:`._args` spell o
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...ops import Served, families
 
+
+class _Named:
+    """The choices of a record axis whose records name numba pieces, read at each test (live: a statistic or
+    function registered later -- ``families.STATISTICS[name] = record`` -- is served from then on)."""
+
+    def __init__(self, records: dict[str, object]) -> None:
+        self._records = records
+
+    def __contains__(self, name: object) -> bool:
+        r = self._records.get(name) if isinstance(name, str) else None
+        return bool(getattr(r, "numba", ""))
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(tuple(n for n, r in self._records.items() if getattr(r, "numba", "")))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
 #: the variants of each kernel family this backend has kernels for (axis -> choices): the statistics and
-#: functions whose records name numba pieces, the prologues, affine sources and epilogues of :mod:`._io`, and the
-#: quantize family's statistics (:mod:`._quant_kernels`)
-VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
+#: functions whose records name numba pieces (live), the prologues, affine sources and epilogues of :mod:`._io`, and
+#: the quantize family's statistics (:mod:`._quant_kernels`)
+VARIANTS: dict[str, dict[str, Any]] = {
     "stats": {
-        "statistic": tuple(n for n, s in families.STATISTICS.items() if s.numba),
+        "statistic": _Named(families.STATISTICS),  # type: ignore[arg-type]
         "prologue": ("plain", "residual"),
         "affine": ("vector", "scalar", "table", "channel"),
         "epilogue": ("plain", "prenorm"),
     },
-    "elementwise": {"function": tuple(n for n, f in families.FUNCTIONS.items() if f.numba)},
+    "elementwise": {"function": _Named(families.FUNCTIONS)},  # type: ignore[arg-type]
     "quantize": {"statistic": families.QUANTIZE_STATISTICS},
-    "column": {"statistic": tuple(n for n, s in families.COLUMN_STATISTICS.items() if s.numba)},
+    "column": {"statistic": _Named(families.COLUMN_STATISTICS)},  # type: ignore[arg-type]
 }
 
 #: options composed above this backend (:data:`pynorm.ops.families.COMPOSED`) -> the submodule holding the

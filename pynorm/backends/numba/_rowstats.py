@@ -22,15 +22,17 @@ nothing in the kernels -- ``r`` included (:func:`rfactor`, :func:`scaled_rstd`):
 :func:`centre`            an element's centred value ``x - mean`` from ``(k, c)`` (math type)
 :func:`bwd_centring`      the backward's ``(k, c)`` from ctx's float64 mean
 :func:`gprod`             ``g = dy * w`` as the statistic's gradient rounds it
+:func:`third_sum`,        whether the backward takes a third row sum besides ``sum g`` and ``sum g xhat``,
+:func:`third_term`        and its term (``d^2`` for eps outside the root; a statistic's own sum)
 :func:`bwd_finish`        ``(ok, gbar, coef)`` of the backward from the row's sums
 :func:`dx_elem`           one element of ``dx``
 :func:`slow_shift`,       the slow path's float64 centring ``(x * 2**-e - m_s) - c``: the shift, and
 :func:`slow_residual`     the residual mean the stored float64 mean misses
 :func:`is_centered`       compile-time constant: the statistic subtracts the mean
-:func:`eps_outside`       ``r = 1 / (sqrt(v) + eps)`` (LayerNorm's ``eps_mode="std"``)
 :func:`row_aux`,          the per-row aux value ctx keeps besides ``r`` (the mean, the floor flag), from
 :func:`slow_aux`          the fast / the slow path's statistics
-:func:`slow_coef`         the slow path's backward coefficient
+:func:`slow_finish`,      the slow path's ``(gbar, coef)`` from its float64 sums, and one element of its
+:func:`slow_dx`           ``dx`` (float64)
 ========================  ==================================================================
 
 Statistics: ``"centered"`` (LayerNorm: ``v`` the variance with ``H - correction`` degrees),
@@ -73,7 +75,6 @@ __all__ = [
     "bwd_finish",
     "centre",
     "dx_elem",
-    "eps_outside",
     "fwd_finish",
     "fwd_shift",
     "fwd_stats",
@@ -86,9 +87,12 @@ __all__ = [
     "scaled_stats",
     "seg_sums",
     "slow_aux",
-    "slow_coef",
+    "slow_dx",
+    "slow_finish",
     "slow_residual",
     "slow_shift",
+    "third_sum",
+    "third_term",
 ]
 
 #: options of the pieces' implementations: the kernels' fastmath flags and IEEE division
@@ -373,9 +377,16 @@ def is_centered(stat):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-def eps_outside(stat, mode):  # type: ignore[no-untyped-def]
-    """Whether the backward needs ``sum d^2`` (eps outside the root, LayerNorm's ``eps_mode="std"``): ``mode ==
-    OUTSIDE`` for the statistics with that convention, a compile-time False for the others."""
+def third_sum(stat, mode):  # type: ignore[no-untyped-def]
+    """Whether the backward takes a third row sum (of :func:`third_term`) besides ``sum g`` and ``sum g xhat``:
+    ``mode == OUTSIDE`` for the statistics whose eps may sit outside the root (``sum d^2``, LayerNorm's
+    ``eps_mode="std"``), a compile-time False where nothing needs it, True for a statistic with a sum of its own."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def third_term(stat, d, xhat):  # type: ignore[no-untyped-def]
+    """The term of the backward's third row sum for the element of centred value ``d`` and ``xhat = d r`` (in
+    their type: the math type on the fast path, float64 scaled on the slow one): ``d^2`` here."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -390,8 +401,15 @@ def slow_aux(stat, m1, c, e, v_s, eps, mode):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-def slow_coef(stat, sgx, sd2, n, r_s, mode, aux):  # type: ignore[no-untyped-def]
-    """The slow path's ``coef`` (float64) from ``sum g xhat``, ``sum d^2`` (scaled) and ``n = H - correction``."""
+def slow_finish(stat, sg, sgx, s3, h, n, r_s, mode, aux):  # type: ignore[no-untyped-def]
+    """The slow path's ``(gbar, coef)`` (float64) from ``sum g``, ``sum g xhat``, the third sum (scaled deviations),
+    ``h = H`` and ``n = H - correction``."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def slow_dx(stat, g, gbar, d, xhat, coef, r):  # type: ignore[no-untyped-def]
+    """One element of the slow path's ``dx`` (float64) from ``g``, the scaled centred value ``d`` and ``xhat``, the
+    row's ``gbar``/``coef`` and its ``r``: ``r ((g - gbar) - xhat coef)`` here."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -569,11 +587,11 @@ def _ms_bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, aux):  # type: i
     return math.isfinite(sgx), tcast(xr, 0.0), tcast(xr, sgx / xr.shape[0])
 
 
-def _c_slow_coef(stat, sgx, sd2, n, r_s, mode, aux):  # type: ignore[no-untyped-def]
+def _c_slow_finish(stat, sg, sgx, sd2, h, n, r_s, mode, aux):  # type: ignore[no-untyped-def]
     if mode == OUTSIDE:
         s_s = math.sqrt(sd2 / n)
-        return sgx / (n * s_s * r_s) if s_s > 0 else 0.0
-    return sgx / n
+        return sg / h, (sgx / (n * s_s * r_s) if s_s > 0 else 0.0)
+    return sg / h, sgx / n
 
 
 # ---------------------------------------------------------------------------
@@ -605,19 +623,22 @@ def _ms_dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j):  # type: ignore[no-un
 # registration: each statistic's implementation of each piece (a new statistic is one more mapping, named by its
 # record)
 
-#: the r rules of :func:`_rfactor` / :func:`_scaled_rstd`, as every statistic here forms ``r``
+#: the r rules of :func:`_rfactor` / :func:`_scaled_rstd`, as every statistic here forms ``r``; the third sum's
+#: term and the slow path's dx element, as every statistic here has them
 _R_PIECES = {
     rfactor: lambda stat, v, eps, mode: _rfactor(v, eps, mode),
     scaled_rstd: lambda stat, v_s, e, eps, mode: _scaled_rstd(v_s, e, eps, mode),
+    third_term: lambda stat, d, xhat: d * d,
+    slow_dx: lambda stat, g, gbar, d, xhat, coef, r: r * ((g - gbar) - xhat * coef),
 }
 
 MEAN_SQUARE = {
     is_centered: lambda stat: False,
-    eps_outside: lambda stat, mode: False,
+    third_sum: lambda stat, mode: False,
     **_R_PIECES,
     row_aux: lambda stat, k, c, v, eps, mode: 0.0,
     slow_aux: lambda stat, m1, c, e, v_s, eps, mode: 0.0,
-    slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: sgx / n,
+    slow_finish: lambda stat, sg, sgx, s3, h, n, r_s, mode, aux: (0.0, sgx / n),
     fwd_stats: _ms_fwd_stats,
     fwd_shift: lambda stat, xr: tcast(xr, 0.0),
     seg_sums: _ms_seg_sums,
@@ -634,11 +655,11 @@ MEAN_SQUARE = {
 
 CENTERED = {
     is_centered: lambda stat: True,
-    eps_outside: lambda stat, mode: mode == OUTSIDE,
+    third_sum: lambda stat, mode: mode == OUTSIDE,
     **_R_PIECES,
     row_aux: lambda stat, k, c, v, eps, mode: np.float64(k) + c,
     slow_aux: lambda stat, m1, c, e, v_s, eps, mode: math.ldexp(m1 + c, e),
-    slow_coef: _c_slow_coef,
+    slow_finish: _c_slow_finish,
     fwd_stats: _c_fwd_stats,
     fwd_shift: lambda stat, xr: _row_shift(xr),
     seg_sums: lambda stat, xr, k, j0, j1, c1s, c2s: _chunk_range(xr, k, tcast(xr, 0.0), j0, j1, c1s, c2s),
@@ -658,7 +679,7 @@ L2 = {
     **MEAN_SQUARE,
     row_aux: lambda stat, k, c, v, eps, mode: 1.0 if mode == FLOOR and math.sqrt(v) < eps else 0.0,
     slow_aux: lambda stat, m1, c, e, v_s, eps, mode: _scaled_floor(v_s, e, eps, mode),
-    slow_coef: lambda stat, sgx, sd2, n, r_s, mode, aux: 0.0 if aux != 0.0 else sgx,
+    slow_finish: lambda stat, sg, sgx, s3, h, n, r_s, mode, aux: (0.0, 0.0 if aux != 0.0 else sgx),
     fwd_stats: _l2_fwd_stats,
     fwd_finish: _l2_fwd_finish,
     scaled_stats: lambda stat, xr, e, corr: (0.0, 0.0, _scaled_sum_squares(xr, e)),
@@ -669,11 +690,15 @@ L2 = {
 STUBS = tuple(CENTERED)
 
 
+#: the pieces compiled without fastmath flags: the slow path's float64 arithmetic, rounded as written
+_EXACT_PIECE: Any = {"error_model": "numpy"}
+
+
 def _register(stub):  # type: ignore[no-untyped-def]
     def typer(stat, *args):  # type: ignore[no-untyped-def]
         return pieces(stat).get(stub)
 
-    overload(stub, jit_options=_PIECE, strict=False)(typer)
+    overload(stub, jit_options=_EXACT_PIECE if stub is slow_dx else _PIECE, strict=False)(typer)
 
 
 for _stub in STUBS:

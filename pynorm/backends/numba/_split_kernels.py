@@ -31,7 +31,7 @@ from ._borrow import borrow
 from ._cache import FM_SUM, jit
 from ._io import _h_row, arow, ep_row, pslot, pzero
 from ._layout import ROW_BLOCK, SPLIT_SEG
-from ._rowstats import bwd_centring, bwd_finish, eps_outside, fwd_finish, fwd_shift, rfactor, row_aux, seg_sums
+from ._rowstats import bwd_centring, bwd_finish, fwd_finish, fwd_shift, rfactor, row_aux, seg_sums, third_sum
 from ._stats_kernels import FAST, FWD_PENDING, _bwd_sums, mark_pending, write_dx, write_y
 from ._storage import at, r_ok, tcast, tile
 from ._stream import sfence
@@ -173,7 +173,7 @@ def _bwd_sums_span(stat, x, dy, w, tab, k, c, rstd, ok, mode, pw, pb, sums, t0, 
             if ok[i]:
                 xr = x[i]
                 _bwd_sums(stat, xr, dy[i], arow(w, tab, i), tcast(xr, k[i]), tcast(xr, c[i]), tcast(xr, rstd[i]),
-                          eps_outside(stat, mode), pw, pb, pslot(tab, blk, i), j0, j1, sums[i])  # fmt: skip
+                          third_sum(stat, mode), pw, pb, pslot(tab, blk, i), j0, j1, sums[i])  # fmt: skip
 
 
 @jit(FM_SUM)

@@ -82,18 +82,19 @@ from ._rowstats import (
     bwd_finish,
     centre,
     dx_elem,
-    eps_outside,
     fwd_stats,
     gprod,
-    is_centered,
     rfactor,
     row_aux,
     scaled_rstd,
     scaled_stats,
     slow_aux,
-    slow_coef,
+    slow_dx,
+    slow_finish,
     slow_residual,
     slow_shift,
+    third_sum,
+    third_term,
 )
 from ._storage import JIT_ONLY, at, ld, opt_add, opt_mul, r_ok, seg, seg2, shifted, st_exact, tcast, wat
 from ._stream import STAGE, nt_copy, sfence, stage_buf, stream_lines, streams
@@ -477,7 +478,7 @@ def _bwd_sums(stat, xr, dyr, w, k, c, r, with_d2, pw, pb, blk, j0, j1, chunks): 
                 g = gmul(stat, dy, wc, j)
                 ag += g
                 agx += g * xhat
-                ad2 += d * d
+                ad2 += third_term(stat, d, xhat)
                 padd(pwc, j, dy * xhat)
                 padd(pbc, j, dy)
         else:
@@ -505,7 +506,7 @@ def _bwd_row(stat, xr, dyr, w, mean, r, corr, mode, dxr, er, pw, pb, blk, stream
     k, c = bwd_centring(stat, xr, mean, r)
     rt = tcast(xr, r)
     if r_ok(xr, r):
-        sg, sgx, sd2 = row_sums(stat, xr, dyr, w, k, c, rt, eps_outside(stat, mode), pw, pb, blk)
+        sg, sgx, sd2 = row_sums(stat, xr, dyr, w, k, c, rt, third_sum(stat, mode), pw, pb, blk)
         ok, gbar, coef = bwd_finish(stat, xr, k, c, sg, sgx, sd2, r, corr, mode, mean)
         if ok:
             write_dx_out(stat, xr, dyr, w, k, c, rt, gbar, coef, dxr, er, stream)
@@ -535,15 +536,14 @@ def _bwd_row_slow(stat, xr, dyr, w, mean, r, corr, mode, dxr, er):  # type: igno
         g = aff_mul(np.float64(ld(dyr[j])), w, j)
         sg, tg = _cadd(sg, tg, g)
         sgx, tgx = _cadd(sgx, tgx, g * (d * r_s))
-        sd2, td2 = _cadd(sd2, td2, d * d)
+        sd2, td2 = _cadd(sd2, td2, third_term(stat, d, d * r_s))
     sg = sg + tg
     sgx = sgx + tgx
-    coef = slow_coef(stat, sgx, sd2 + td2, n, r_s, mode, mean)
-    gbar = sg / h if is_centered(stat) else 0.0
+    gbar, coef = slow_finish(stat, sg, sgx, sd2 + td2, h, n, r_s, mode, mean)
     for j in range(h):
-        xhat = ((np.float64(ld(xr[j])) * sc - m_s) - c) * r_s
+        d = (np.float64(ld(xr[j])) * sc - m_s) - c
         g = aff_mul(np.float64(ld(dyr[j])), w, j)
-        put_exact(er, dxr, j, r * ((g - gbar) - xhat * coef))
+        put_exact(er, dxr, j, slow_dx(stat, g, gbar, d, d * r_s, coef, r))
     return e, c
 
 

@@ -426,3 +426,53 @@ def rms_all_in_dtype(x, weight, eps=1e-6):
         r = (1 / np.sqrt((ms.astype(np.float64) + eps).astype(t).astype(np.float64))).astype(t)
         y = (x * r).astype(t)
         return (y * weight.astype(t)).astype(t)
+
+
+# --- LayerNorms as people write them (issue 46): two causes in one kernel, correct float64 math -----------------
+
+
+def tutorial_layer_norm(x, weight, bias, eps=1e-5):
+    """The tutorial LayerNorm: ``w * (x - x.mean()) / (x.std() + eps) + b`` in float32 math (``x.float()``, float64
+    input too), ``x.std()`` being torch's unbiased estimator (NumPy's two-pass ``std`` with ``ddof=1``)."""
+    ax = _axes(x, weight)
+    with np.errstate(all="ignore"):
+        xf = np.asarray(x).astype(np.float32)
+        m = xf.mean(axis=ax, keepdims=True, dtype=np.float32)
+        s = xf.std(axis=ax, keepdims=True, ddof=1, dtype=np.float32)
+        y = (xf - m) / (s + np.float32(eps)) * weight.astype(np.float32) + bias.astype(np.float32)
+    return y.astype(x.dtype)
+
+
+def float64_layer_norm(x, weight, bias, eps=1e-5):
+    """Correct, the normal way: two passes in float64 (every dtype), the row scaled by a power of two first (so that
+    its squares cannot overflow or underflow), ``(x - mean) * rstd * w + b``, rounded once to x's dtype. Not exact:
+    the float64 mean is not corrected, so float64 rows with a large offset are off by more than the budget."""
+    ax = _axes(x, weight)
+    with np.errstate(all="ignore"):
+        xf = np.asarray(x, np.float64)
+        s = _pow2_scale(xf, ax)
+        xs = xf / s
+        d = xs - xs.mean(axis=ax, keepdims=True)
+        r = 1 / np.sqrt((d * d).mean(axis=ax, keepdims=True) + eps / s / s)
+        xh = np.where(d == 0, 0.0, d * r)  # a row without spread: x̂ = 0 (r overflows where eps / s^2 underflows)
+        y = xh * weight.astype(np.float64) + bias.astype(np.float64)
+    return y.astype(x.dtype)
+
+
+def float64_layer_norm_backward(dy, x, weight, bias, eps=1e-5):
+    """The backward of :func:`float64_layer_norm` in float64: ``dx = r (g - mean(g) - x̂ mean(g x̂))``, ``g = dy w``."""
+    h = weight.size
+    with np.errstate(all="ignore"):
+        x2 = np.asarray(x, np.float64).reshape(-1, h)
+        dy2 = np.asarray(dy, np.float64).reshape(-1, h)
+        s = _pow2_scale(x2, 1)
+        d = x2 / s - (x2 / s).mean(axis=1, keepdims=True)
+        # rstd of the scaled row in long double: eps / s^2 underflows in float64 for s near float64's max
+        rs = 1 / np.sqrt((d * d).mean(axis=1, keepdims=True).astype(np.longdouble) + eps / np.longdouble(s) ** 2)
+        xh = np.where(d == 0, 0.0, (d * rs).astype(np.float64))
+        r = (rs / s).astype(np.float64)
+        g = dy2 * weight.reshape(-1).astype(np.float64)
+        dx = r * (g - g.mean(axis=1, keepdims=True) - xh * (g * xh).mean(axis=1, keepdims=True))
+    dw = (dy2 * xh).sum(axis=0).reshape(weight.shape)
+    db = dy2.sum(axis=0).reshape(bias.shape)
+    return dx.reshape(x.shape).astype(x.dtype), dw.astype(weight.dtype), db.astype(bias.dtype)

@@ -8,22 +8,28 @@
   units in the last place of a dtype, optionally at the magnitude of the terms a
   result was computed from (``scale=``): the fair measure for results that are
   small differences of larger terms.
+* :func:`assert_matches_reference` is ``python -m pynorm check`` as an assertion, for
+  your own test suite (``docs/examples/test_my_layer_norm.py`` is one to copy).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._dtypes import dtype_of, finfo
 
+if TYPE_CHECKING:
+    from .oracle.report import CheckReport
+
 __all__ = [
     "HARD_CASES",
     "ConformanceReport",
     "GradCheckReport",
+    "assert_matches_reference",
     "assert_ulp_close",
     "check_conformance",
     "check_grads",
@@ -435,4 +441,76 @@ def check_conformance(
                         ga = np.asarray(g).astype(dt)
                         row[f"d{name}"] = max_ulp_error(ga, gr, dt, scale=sc[f"d{name}"])
                 report.rows.append(row)
+    return report
+
+
+def assert_matches_reference(
+    fn: Callable[..., Any],
+    *,
+    op: str,
+    backward: Callable[..., Any] | None = None,
+    grid: Any = "quick",
+    dtypes: Sequence[str] | None = None,
+    strict: bool = False,
+    reference: dict[str, Any] | None = None,
+    conventions: dict[str, Any] | None = None,
+    budget: Any = None,
+    seed: int = 0,
+) -> CheckReport:
+    """Assert that your implementation of ``op`` matches pynorm's reference: :func:`pynorm.oracle.check` as an
+    assertion for your test suite.
+
+    Parameters
+    ----------
+    fn : your forward, called like ``pynorm.<op>(x, *inputs, *params, **conventions)`` (``docs/oracle.md``).
+    op : the op it implements (``"layer_norm"``, ``"rms_norm"``...).
+    backward : your backward, ``backward(dy, x, *inputs, *params, **conventions) -> (dx, *dinputs, *dparams)``.
+    grid : ``"quick"`` (default, seconds), ``"default"`` (the full grid) or a list of
+        :class:`pynorm.oracle.Cell`.
+    dtypes : restrict the grid to these dtype names.
+    strict : fail on cells of tier ``stable`` too (beyond the exact budget, within what a backward-stable algorithm
+        in the working precision may lose).
+    reference : options for the reference only (``{"casting": "llama"}``, ``{"correction": 1}``): your functions
+        do not receive them.
+    conventions : options passed to your functions and to the reference (``{"eps": 1e-6}``).
+    budget : budgets in ulps (``"y=4,dx=16"``), as :func:`pynorm.oracle.check` takes them.
+    seed : the seed of the inputs.
+
+    Returns
+    -------
+    pynorm.oracle.CheckReport
+        The report, when the check passes (no cell of tier ``fail``, no exception, batch-invariant rows on the
+        named grids).
+
+    Raises
+    ------
+    AssertionError
+        The check fails: the message is the table of the cells that are not exact, the joint diagnoses per dtype,
+        the diagnoses, the advice the checker verified and the summary.
+    pynorm.errors.ArgumentTypeError
+        ``fn`` or ``backward`` is not callable, ``strict`` is not a bool.
+    pynorm.errors.UnknownOpError, pynorm.errors.ArgumentError
+        an unknown ``op``, a bad ``grid``, ``dtypes``, ``budget``, ``conventions`` or ``reference``.
+    """
+    from .errors import ArgumentTypeError
+    from .oracle import check
+
+    if not isinstance(strict, bool):
+        raise ArgumentTypeError(f"strict must be True or False, got {strict!r}")
+    name = getattr(fn, "__qualname__", getattr(fn, "__name__", "fn"))
+    report = check(
+        op,
+        fn,
+        backward,
+        conventions=conventions,
+        reference=reference,
+        budget=budget,
+        grid=grid,
+        dtypes=dtypes,
+        seed=seed,
+        strict=strict,
+        target=name,
+    )
+    if not report.passed:
+        raise AssertionError("\n".join(report.lines(cli=False, only_failures=True)))
     return report

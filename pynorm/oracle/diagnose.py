@@ -229,8 +229,9 @@ def _signature(user: np.ndarray, ref: np.ndarray, precision: str, scale: Any) ->
     fin = np.isfinite(user)
     if not fin.any():
         return False  # NaN and inf say nothing about the precision they were computed in
-    # representability is evidence only where the exact values are not representable themselves (0, b at H = 1...)
-    telling = fin & np.isfinite(ref) & (round_to(ref, precision).astype(np.float64) != ref)
+    # representability is evidence only where the exact values are not representable themselves (0, b at H = 1...),
+    # and where yours are not 0 (a 0, an underflow or an overflow's x / inf, is representable in every precision)
+    telling = fin & (user != 0) & np.isfinite(ref) & (round_to(ref, precision).astype(np.float64) != ref)
     if not telling.any():
         return False
     u = user[telling]

@@ -476,3 +476,37 @@ def float64_layer_norm_backward(dy, x, weight, bias, eps=1e-5):
     dw = (dy2 * xh).sum(axis=0).reshape(weight.shape)
     db = dy2.sum(axis=0).reshape(bias.shape)
     return dx.reshape(x.shape).astype(x.dtype), dw.astype(weight.dtype), db.astype(bias.dtype)
+
+
+def np_var_layer_norm(x, weight, bias, eps=1e-5, *, _ddof=0):
+    """Correct but not exact: ``np.var`` (two passes, NumPy's pairwise sums) in float32 (float64 for float64 input),
+    the mean uncorrected."""
+    f = _work(x)
+    ax = _axes(x, weight)
+    with np.errstate(all="ignore"):
+        xf = np.asarray(x).astype(f)
+        m = xf.mean(axis=ax, keepdims=True, dtype=f)
+        v = xf.var(axis=ax, keepdims=True, dtype=f, ddof=_ddof)
+        y = (xf - m) / np.sqrt(v + f(eps)) * weight.astype(f) + bias.astype(f)
+    return y.astype(x.dtype)
+
+
+def np_var_unbiased_layer_norm(x, weight, bias, eps=1e-5):
+    """:func:`np_var_layer_norm` with ``ddof=1`` (H - 1): the same algorithm, checked with ``reference={"correction":
+    1}``."""
+    return np_var_layer_norm(x, weight, bias, eps, _ddof=1)
+
+
+def batch_dependent_layer_norm(x, weight, bias, eps=1e-5):
+    """Mistake (vLLM's batch-invariance bug): the row sums run in another order when the batch has more than 8 rows
+    (a kernel choosing its reduction from the number of rows), so a row's bits depend on the batch it is in."""
+    f = _work(x)
+    h = weight.size
+    xf = np.asarray(x).astype(f).reshape(-1, h)
+    order = xf if xf.shape[0] <= 8 else xf[:, ::-1]
+    with np.errstate(all="ignore"):
+        m = (np.cumsum(order, axis=1, dtype=f)[:, -1:] / f(h)).astype(f)
+        d = (xf - m).astype(f)
+        v = (np.cumsum((d * d)[:, ::-1] if xf.shape[0] > 8 else d * d, axis=1, dtype=f)[:, -1:] / f(h)).astype(f)
+        y = d / np.sqrt(v + f(eps)) * weight.reshape(-1).astype(f) + bias.reshape(-1).astype(f)
+    return y.reshape(x.shape).astype(x.dtype)

@@ -598,7 +598,7 @@ def run_diagnoses(
 #: reference's on the failing cells); 2 ** MAX_CONVENTIONS subsets at most
 MAX_CONVENTIONS = 4
 #: the convention subsets under which every other model is tried besides the empty one (the closest)
-CANDIDATE_SUBSETS = 2
+CANDIDATE_SUBSETS = 1
 
 _Pair = tuple[int, str]
 
@@ -636,33 +636,36 @@ class _JointSearch:
             m for m in models
             if m.options is None and (m.named_in is None or dt in m.named_in or _is_baseline(m, models))
         ]  # fmt: skip
-        self.cache: dict[tuple[tuple[str, ...], str], tuple[dict[_Pair, float], list[dict[str, float]]]] = {}
+        self.cache: dict[_Key, tuple[dict[str, float], dict[str, float]]] = {}
 
     # --- coverage
 
     def coverage(
-        self, convs: Sequence[Model], model: Model | None
+        self, convs: Sequence[Model], model: Model | None, cells: Sequence[int] | None = None
     ) -> tuple[dict[_Pair, float], list[dict[str, float]]]:
-        key = (tuple(c.key for c in convs), "" if model is None else model.key)
-        if key not in self.cache:
-            got: dict[_Pair, float] = {}
-            evid: list[dict[str, float]] = []
-            if model is not None or convs:
-                for i in self.cells:
-                    found, e = self.runner.match(model, i, self.names[i], convs)
-                    got.update({(i, n): d for n, d in found.items()})
-                    if found and e:
-                        evid.append(e)
-            self.cache[key] = (got, evid)
-        return self.cache[key]
+        """What ``model`` under ``convs`` explains on ``cells`` (default: every failing cell), and its evidence."""
+        got: dict[_Pair, float] = {}
+        evid: list[dict[str, float]] = []
+        if model is None and not convs:
+            return got, evid
+        ck = tuple(c.key for c in convs)
+        for i in self.cells if cells is None else cells:
+            key = (ck, "" if model is None else model.key, i)
+            if key not in self.cache:
+                self.cache[key] = self.runner.match(model, i, self.names[i], convs)
+            found, e = self.cache[key]
+            got.update({(i, n): d for n, d in found.items()})
+            if found and e:
+                evid.append(e)
+        return got, evid
 
-    def covered(self, convs: Sequence[Model], model: Model) -> dict[_Pair, float]:
+    def covered(self, convs: Sequence[Model], model: Model, cells: Sequence[int] | None = None) -> dict[_Pair, float]:
         """What ``model`` explains under ``convs`` and its baseline does not."""
-        got = self.coverage(convs, model)[0]
+        got = self.coverage(convs, model, cells)[0]
         base = self.by_key.get(model.baseline or "")
         if base is None:
             return got
-        taken = self.coverage(convs, base)[0]
+        taken = self.coverage(convs, base, cells)[0]
         return {p: d for p, d in got.items() if p not in taken}
 
     def closeness(self, convs: Sequence[Model]) -> float:
@@ -675,7 +678,16 @@ class _JointSearch:
         explained: dict[_Pair, tuple[Model | None, float]] = {}
         if convs:
             explained.update({p: (None, d) for p, d in self.coverage(convs, None)[0].items()})
-        per = {m.key: self.covered(convs, m) for m in pool}
+        # the other models are run where the conventions leave something to explain; the fitted statistics models
+        # (costly, with unknowns) only where the models without unknowns leave something too
+        open_cells = self.open_cells(explained)
+        per = {m.key: self.covered(convs, m, open_cells) for m in pool if not m.fitted}
+        reach = dict(explained)
+        for got in per.values():
+            reach.update(dict.fromkeys(got))
+        still = self.open_cells(reach)
+        per.update({m.key: self.covered(convs, m, still) for m in pool if m.fitted})
+        pool = [m for m in pool if m.key in per]
         chosen: list[Model] = []
         while True:
             gains = [(sum(p not in explained for p in per[m.key]), -j, m) for j, m in enumerate(pool)]
@@ -685,8 +697,20 @@ class _JointSearch:
             _, _, m = max(gains, key=lambda t: (t[0], t[1]))
             chosen.append(m)
             explained.update({p: (m, d) for p, d in per[m.key].items() if p not in explained})
-        evid = {m.key: self.coverage(convs, m)[1] for m in chosen}
+        evid = {m.key: self.coverage(convs, m, still if m.fitted else open_cells)[1] for m in chosen}
         return _Joint(convs, tuple(chosen), explained, evid)
+
+    def open_cells(self, explained: Mapping[_Pair, Any]) -> list[int]:
+        return [i for i in self.cells if any((i, n) not in explained for n in self.names[i])]
+
+    def strong_coverage(self, convs: tuple[Model, ...]) -> set[_Pair]:
+        """The outputs ``convs`` reproduce alone or with a model without unknowns, where yours are not all NaN."""
+        got = set(self.coverage(convs, None)[0])
+        open_cells = self.open_cells(dict.fromkeys(got))
+        for m in self.others:
+            if not m.fitted and self._namable(m):
+                got |= set(self.covered(convs, m, open_cells))
+        return {(i, n) for i, n in got if np.isfinite(self.runner.evaluated[i].user.get(n, np.nan)).any()}
 
     def _namable(self, m: Model) -> bool:
         return m.named_in is None or self.dt in m.named_in
@@ -725,10 +749,17 @@ class _JointSearch:
             changed = False
             for cause in reversed((*joint.convs, *joint.models)):
                 smaller = self._drop(joint, cause)
-                if len(smaller.pairs) >= len(joint.pairs):
+                if len(smaller.pairs) >= len(joint.pairs) or (cause in joint.convs and not self._shows(joint, cause)):
                     joint, changed = smaller, True
                     break
         return joint
+
+    def _shows(self, joint: _Joint, conv: Model) -> bool:
+        """Whether a convention reproduces outputs that the rest does not, by itself or with a model without
+        unknowns, and with numbers: a fitted statistics model has room enough to absorb a convention, and NaN
+        everywhere is what many causes give."""
+        rest = tuple(c for c in joint.convs if c is not conv)
+        return bool(self.strong_coverage(joint.convs) - self.strong_coverage(rest))
 
     def _drop(self, joint: _Joint, cause: Model) -> _Joint:
         """The joint without ``cause`` (its other causes, re-covered)."""

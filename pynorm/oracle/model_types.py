@@ -89,6 +89,8 @@ class Model:
         (:mod:`pynorm.oracle.diagnose`). None: a model of a precision or an algorithm.
     axis : the option a convention model sets (two models of one axis, two ``casting`` policies, never combine).
     short : the cause in a few words, for the joint diagnoses (default: ``code``).
+    fitted : a statistics model with bounded unknowns read back from your output: weaker evidence, so that a
+        convention is named only where it reproduces outputs without one (:mod:`pynorm.oracle.diagnose`).
     """
 
     key: str
@@ -104,6 +106,7 @@ class Model:
     options: Callable[[Evaluated], dict[str, Any]] | None = None
     axis: str = ""
     short: str = ""
+    fitted: bool = False
 
     @property
     def words(self) -> str:

@@ -516,7 +516,16 @@ def _in_precision(
     """The model ``code/<p>`` of a LayerNorm computing its statistics the ``kind`` way in ``p``
     (:func:`_stats_model`), compared with the model ``baseline/<p>``."""
     pn = dtype_name(p)
-    return Model(f"{code}/{pn}", code, says, fix, _stats_model(kind, p), baseline=f"{baseline}/{pn}", evidence=evidence)
+    return Model(
+        f"{code}/{pn}",
+        code,
+        says,
+        fix,
+        _stats_model(kind, p),
+        baseline=f"{baseline}/{pn}",
+        evidence=evidence,
+        fitted=True,
+    )
 
 
 def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emulation | None:
@@ -832,6 +841,7 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                     "centre x exactly in the backward (recompute x - mean with the corrected two-pass mean, or keep "
                     "the forward's centred values' statistics in a wider type)",
                     _backward_stats(p),
+                    fitted=True,
                 )
             )
         for which, says in (
@@ -928,7 +938,8 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                     "policy)",
                     "compute float64 input in float64",
                     _stats_model("correct", p),
-                    named_in=("float64",) if pn == "float32" else (),
+                    named_in=(),  # a baseline: float64 input in float32 is named by the float32_math model
+                    fitted=True,
                 )
             )
             out.append(

@@ -682,10 +682,8 @@ class _JointSearch:
         # (costly, with unknowns) only where the models without unknowns leave something too
         open_cells = self.open_cells(explained)
         per = {m.key: self.covered(convs, m, open_cells) for m in pool if not m.fitted}
-        reach = dict(explained)
-        for got in per.values():
-            reach.update(dict.fromkeys(got))
-        still = self.open_cells(reach)
+        reach = set(explained).union(*per.values())
+        still = self.open_cells(dict.fromkeys(reach))
         per.update({m.key: self.covered(convs, m, still) for m in pool if m.fitted})
         pool = [m for m in pool if m.key in per]
         chosen: list[Model] = []

@@ -19,10 +19,11 @@ import pytest
 import pynorm
 from pynorm.__main__ import main
 from pynorm.errors import ArgumentError, ArgumentTypeError, UnknownOpError
-from pynorm.oracle import Cell, check
+from pynorm.oracle import check
 from pynorm.testing import assert_matches_reference
 
 from . import oracle_targets as T
+from .test_oracle_diagnoses import ALL, grid, named
 
 pytestmark = pytest.mark.skipif(
     "numpy" not in os.environ.get("PYNORM_TEST_BACKENDS", "numpy").split(","),
@@ -31,30 +32,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL = ("float16", "bfloat16", "float32", "float64")
-
-
-def grid(dtypes=ALL, kinds=("normal",), hidden=(7, 64), eps=(1e-5, 0.0)):
-    return [
-        Cell(dt, (h,), (4,), k, e)
-        for dt in dtypes
-        for k in kinds
-        for h in hidden
-        for e in eps
-        if not (e == 0.0 and (k == "constant" or h == 1))
-    ]
 
 
 def joint(report) -> dict[str, list[str]]:
     """dtype -> the codes of its joint explanation."""
     return {j.dtype: j.causes for j in report.joint}
-
-
-def named(report) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for d in report.diagnoses:
-        out.setdefault(d.code, set()).update(d.dtypes)
-    return out
 
 
 def run_advice(report, op, forward, backward=None, grid_="quick"):

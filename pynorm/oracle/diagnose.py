@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from .._measure import ulp_error
 from ..ops import OpSpec
-from ..testing import ulp_error
 from ._dtypes import dtype_name, dtype_of, round_to
 from .evaluate import Budgets, CellResult, Evaluated, scale_like
 from .models import Emulation, Model, reference_with

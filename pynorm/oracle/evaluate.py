@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from .._measure import flat_arrays, term_scales, ulp_error
 from ..errors import ArgumentError
 from ..ops import OpSpec
-from ..testing import flat_arrays, term_scales, ulp_error
 from ._dtypes import constants, dtype_name, dtype_of
 from .grid import Case, Cell
 

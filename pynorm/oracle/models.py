@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from .._measure import ulp, ulp_error
 from ..errors import PynormError
 from ..ops import OpSpec
 from ..reference.casting import CASTINGS
-from ..testing import ulp, ulp_error
 from ._dtypes import dtype_name, dtype_of, round_to, unit_roundoff, working_precision
 from .channel_models import channel_models
 from .evaluate import Evaluated, run_reference

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from .._measure import ulp
 from ..errors import ArgumentError, ArgumentTypeError, PynormError
 from ..ops import OpSpec, get
-from ..testing import ulp
 from ._dtypes import DTYPE_NAMES, dtype_name, dtype_of, have_bfloat16
 from .batch import check_batch_invariance
 from .diagnose import Advice, run_diagnoses

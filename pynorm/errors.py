@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "ArgumentError",
+    "ArgumentTypeError",
     "ArrayTypeError",
     "BackendUnavailableError",
     "ContextError",
@@ -37,6 +38,10 @@ class DTypeError(PynormError, TypeError):
 
 class ArgumentError(PynormError, ValueError):
     """A scalar option is out of range or of the wrong kind (eps, correction, eps_mode...)."""
+
+
+class ArgumentTypeError(PynormError, TypeError):
+    """An argument of the wrong kind: a function where one is expected (the oracle's ``forward``), a flag..."""
 
 
 class ArrayTypeError(PynormError, TypeError):

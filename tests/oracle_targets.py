@@ -426,3 +426,87 @@ def rms_all_in_dtype(x, weight, eps=1e-6):
         r = (1 / np.sqrt((ms.astype(np.float64) + eps).astype(t).astype(np.float64))).astype(t)
         y = (x * r).astype(t)
         return (y * weight.astype(t)).astype(t)
+
+
+# --- LayerNorms as people write them (issue 46): two causes in one kernel, correct float64 math -----------------
+
+
+def tutorial_layer_norm(x, weight, bias, eps=1e-5):
+    """The tutorial LayerNorm: ``w * (x - x.mean()) / (x.std() + eps) + b`` in float32 math (``x.float()``, float64
+    input too), ``x.std()`` being torch's unbiased estimator (NumPy's two-pass ``std`` with ``ddof=1``)."""
+    ax = _axes(x, weight)
+    with np.errstate(all="ignore"):
+        xf = np.asarray(x).astype(np.float32)
+        m = xf.mean(axis=ax, keepdims=True, dtype=np.float32)
+        s = xf.std(axis=ax, keepdims=True, ddof=1, dtype=np.float32)
+        y = (xf - m) / (s + np.float32(eps)) * weight.astype(np.float32) + bias.astype(np.float32)
+    return y.astype(x.dtype)
+
+
+def float64_layer_norm(x, weight, bias, eps=1e-5):
+    """Correct, the normal way: two passes in float64 (every dtype), the row scaled by a power of two first (so that
+    its squares cannot overflow or underflow), ``(x - mean) * rstd * w + b``, rounded once to x's dtype. Not exact:
+    the float64 mean is not corrected, so float64 rows with a large offset are off by more than the budget."""
+    ax = _axes(x, weight)
+    with np.errstate(all="ignore"):
+        xf = np.asarray(x, np.float64)
+        s = _pow2_scale(xf, ax)
+        xs = xf / s
+        d = xs - xs.mean(axis=ax, keepdims=True)
+        r = 1 / np.sqrt((d * d).mean(axis=ax, keepdims=True) + eps / s / s)
+        xh = np.where(d == 0, 0.0, d * r)  # a row without spread: x̂ = 0 (r overflows where eps / s^2 underflows)
+        y = xh * weight.astype(np.float64) + bias.astype(np.float64)
+    return y.astype(x.dtype)
+
+
+def float64_layer_norm_backward(dy, x, weight, bias, eps=1e-5):
+    """The backward of :func:`float64_layer_norm` in float64: ``dx = r (g - mean(g) - x̂ mean(g x̂))``, ``g = dy w``."""
+    h = weight.size
+    with np.errstate(all="ignore"):
+        x2 = np.asarray(x, np.float64).reshape(-1, h)
+        dy2 = np.asarray(dy, np.float64).reshape(-1, h)
+        s = _pow2_scale(x2, 1)
+        d = x2 / s - (x2 / s).mean(axis=1, keepdims=True)
+        # rstd of the scaled row in long double: eps / s^2 underflows in float64 for s near float64's max
+        rs = 1 / np.sqrt((d * d).mean(axis=1, keepdims=True).astype(np.longdouble) + eps / np.longdouble(s) ** 2)
+        xh = np.where(d == 0, 0.0, (d * rs).astype(np.float64))
+        r = (rs / s).astype(np.float64)
+        g = dy2 * weight.reshape(-1).astype(np.float64)
+        dx = r * (g - g.mean(axis=1, keepdims=True) - xh * (g * xh).mean(axis=1, keepdims=True))
+    dw = (dy2 * xh).sum(axis=0).reshape(weight.shape)
+    db = dy2.sum(axis=0).reshape(bias.shape)
+    return dx.reshape(x.shape).astype(x.dtype), dw.astype(weight.dtype), db.astype(bias.dtype)
+
+
+def np_var_layer_norm(x, weight, bias, eps=1e-5, *, _ddof=0):
+    """Correct but not exact: ``np.var`` (two passes, NumPy's pairwise sums) in float32 (float64 for float64 input),
+    the mean uncorrected."""
+    f = _work(x)
+    ax = _axes(x, weight)
+    with np.errstate(all="ignore"):
+        xf = np.asarray(x).astype(f)
+        m = xf.mean(axis=ax, keepdims=True, dtype=f)
+        v = xf.var(axis=ax, keepdims=True, dtype=f, ddof=_ddof)
+        y = (xf - m) / np.sqrt(v + f(eps)) * weight.astype(f) + bias.astype(f)
+    return y.astype(x.dtype)
+
+
+def np_var_unbiased_layer_norm(x, weight, bias, eps=1e-5):
+    """:func:`np_var_layer_norm` with ``ddof=1`` (H - 1): the same algorithm, checked with ``reference={"correction":
+    1}``."""
+    return np_var_layer_norm(x, weight, bias, eps, _ddof=1)
+
+
+def batch_dependent_layer_norm(x, weight, bias, eps=1e-5):
+    """Mistake (vLLM's batch-invariance bug): the row sums run in another order when the batch has more than 8 rows
+    (a kernel choosing its reduction from the number of rows), so a row's bits depend on the batch it is in."""
+    f = _work(x)
+    h = weight.size
+    xf = np.asarray(x).astype(f).reshape(-1, h)
+    order = xf if xf.shape[0] <= 8 else xf[:, ::-1]
+    with np.errstate(all="ignore"):
+        m = (np.cumsum(order, axis=1, dtype=f)[:, -1:] / f(h)).astype(f)
+        d = (xf - m).astype(f)
+        v = (np.cumsum((d * d)[:, ::-1] if xf.shape[0] > 8 else d * d, axis=1, dtype=f)[:, -1:] / f(h)).astype(f)
+        y = d / np.sqrt(v + f(eps)) * weight.reshape(-1).astype(f) + bias.reshape(-1).astype(f)
+    return y.reshape(x.shape).astype(x.dtype)

@@ -6,15 +6,15 @@ function -- and no two packages of one layer import each other):
 ==  ==============================================================================================
 0   ``errors``, ``_dtypes``: names, rounding, working precision
 1   ``ops``: the specs, their ctx and gradient types, the dtype rules they state
-2   ``reference``: the math (the ``numpy`` backend and the oracle)
+2   ``reference``: the math (the ``numpy`` backend and the oracle); ``_measure``: ulps, hard inputs, term scales
 3   ``_registry``: backend records, resolution (backend packages are loaded by their import path)
 4   ``_validate``: argument checks shared by the in-memory and the Dask entry points
 5   ``_dispatch``: validate, resolve, flatten, call a backend, reduce gradients
 6   ``backends``: the fast backends' kernels and host code
 7   ``composite``: ops over other ops (casting policies, conditional norms, fused Linear)
 8   ``_api``, ``functional``: the public functions made from the specs
-9   ``pynorm`` (the package), ``layers``, ``testing``, ``deepnorm``
-10  ``blocks``, ``dask``, ``oracle``, ``_stub``
+9   ``pynorm`` (the package), ``layers``, ``deepnorm``
+10  ``blocks``, ``dask``, ``oracle``, ``_stub``, ``testing`` (it runs the oracle: ``assert_matches_reference``)
 11  ``demo``, ``benchmark``, ``__main__``
 ==  ==============================================================================================
 
@@ -32,8 +32,8 @@ import pynorm
 ROOT = Path(pynorm.__file__).resolve().parent
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "_dtypes": 0, "ops": 1, "reference": 2, "_registry": 3, "_validate": 4, "_dispatch": 5,
-    "backends": 6, "composite": 7, "_api": 8, "functional": 8, "": 9, "layers": 9, "testing": 9, "blocks": 10,
+    "errors": 0, "_dtypes": 0, "ops": 1, "reference": 2, "_measure": 2, "_registry": 3, "_validate": 4, "_dispatch": 5,
+    "backends": 6, "composite": 7, "_api": 8, "functional": 8, "": 9, "layers": 9, "testing": 10, "blocks": 10,
     "deepnorm": 9, "dask": 10, "oracle": 10, "_stub": 10, "demo": 11, "benchmark": 11, "bench": 11, "__main__": 11,
 }  # fmt: skip
 

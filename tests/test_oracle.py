@@ -30,6 +30,7 @@ from pynorm.oracle import (
     write_vectors,
 )
 from pynorm.oracle.grid import KINDS, make_oracle_input
+from pynorm.oracle.report import REPORT_SCHEMA_VERSION
 
 from . import oracle_targets as T
 
@@ -206,22 +207,33 @@ def test_report_table_summary_and_json(tmp_path):
     table = report.table()
     lines = table.splitlines()
     assert len(lines) == len(report.results) + 3
-    assert all(w in lines[1] for w in ("dtype", "y ulps", "y abs", "stable", "verdict"))
-    fail = next(r for r in report.results if r.verdict == "fail")
+    assert all(w in lines[1] for w in ("dtype", "y ulps", "y abs", "verdict"))
+    fail = next(r for r in report.results if r.tier == "fail")
     assert any(ln.startswith(fail.cell.dtype) and "FAIL" in ln and "*" in ln for ln in lines)
     assert report.summary().startswith("FAILED: layer_norm (tests.oracle_targets:eps_on_std")
-    assert f"{report.count('fail')} failed ({report.explained} explained, {report.unexplained} unexplained" in (
-        report.summary()
+    tiers = report.tiers()
+    assert sum(tiers.values()) == len(report.results) and tiers["fail"] == len(report.failing) > 0
+    assert (
+        f"{tiers['exact']} exact, {tiers['stable']} stable, {tiers['fail']} FAIL ({report.explained} explained, "
+        f"{report.unexplained} unexplained)" in report.summary()
     )
     assert any(ln.startswith("diagnosis: eps is added to the std") for ln in str(report).splitlines())
+    assert any(ln.startswith("explanation: float32: eps on the std reproduces") for ln in str(report).splitlines())
     path = tmp_path / "r.json"
     report.write_json(str(path))
     data = json.loads(path.read_text())
     assert data["passed"] is False and data["op"] == "layer_norm"
     assert len(data["cells"]) == len(report.results)
     c0 = data["cells"][0]
-    assert {"dtype", "shape", "kind", "eps", "verdict", "errors_ulps", "budgets_ulps"} <= set(c0)
+    assert {"dtype", "shape", "kind", "eps", "verdict", "tier", "errors_ulps", "budgets_ulps"} <= set(c0)
+    assert data["schema"] == "pynorm-check-report" and data["schema_version"] == REPORT_SCHEMA_VERSION == 2
+    assert data["tiers"] == tiers and data["strict"] is False
     assert data["diagnoses"][0]["code"] == "eps_on_std"
+    joint = {j["dtype"]: j for j in data["joint_diagnoses"]}
+    assert set(joint) == {r.cell.dtype for r in report.failing}
+    assert joint["float32"]["causes"] == ["eps_on_std"] and joint["float32"]["explained"] >= 1
+    assert data["advice"][0]["reference"] == {"eps_mode": "std"} and data["advice"][0]["tiers"]["fail"] == 0
+    assert data["batch_invariance"]["passed"] is True and data["batch_invariance"]["calls"] > 0
     assert data["budgets"]["defaults"]["float32"]["y"] == 8.0
 
 

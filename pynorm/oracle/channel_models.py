@@ -291,6 +291,7 @@ def channel_models(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                 "compute it from the centred values (two passes) or by Welford/Chan",
                 _fitted("one_pass", p),
                 evidence=_var_evidence,
+                fitted=True,
             )
         )
     halves: tuple[np.dtype[Any], ...] = (np.dtype(np.float16), dtype_of("bfloat16"))
@@ -303,6 +304,7 @@ def channel_models(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                 "accumulate the mean and the variance in float32 (as PyTorch does for 16-bit input)",
                 _fitted("low", p),
                 evidence=_var_evidence,
+                fitted=True,
             )
         )
     return out

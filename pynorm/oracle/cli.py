@@ -1,7 +1,8 @@
 """``python -m pynorm check`` and ``python -m pynorm vectors`` (the command-line glue of :mod:`pynorm.oracle`).
 
-Exit status of ``check``: 0 when every cell passes, 1 when any fails, 2 for a usage error (an unimportable
-target, an unknown op, a bad ``--budget`` or ``--convention``).
+Exit status of ``check``: 0 when no cell fails (tier ``fail``; with ``--strict`` also ``stable``) nor raises and
+the rows are batch-invariant, 1 otherwise, 2 for a usage error (an unimportable target, an unknown op, a bad
+``--budget`` or ``--convention``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ast
 import importlib
 import importlib.util
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Callable
@@ -75,7 +77,9 @@ def _check_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pynorm check",
         description="Check your implementation of an op against pynorm's reference over the conformance grid "
-        "(docs/oracle.md). Exit status 0: every cell passes; 1: some cell fails; 2: usage error.",
+        "(docs/oracle.md). Each cell is exact, stable (within what a backward-stable algorithm may lose) or FAIL. "
+        "Exit status 0: no cell fails (--strict: every cell exact) and the rows are batch-invariant; 1: otherwise; "
+        "2: usage error.",
     )
     p.add_argument("target", help="your forward, MODULE:FUNCTION: f(x, *inputs, *params, **conventions) -> y")
     p.add_argument("--op", required=True, help="the op it implements (python -m pynorm backends lists them)")
@@ -98,7 +102,18 @@ def _check_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--quick", action="store_true", help="the small grid (seconds)")
     p.add_argument("--dtypes", help="comma-separated dtypes to check (default all four)")
-    p.add_argument("--failures-only", action="store_true", help="print only the failing cells in the table")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="cells of tier 'stable' (beyond the exact budget, within what a backward-stable algorithm may lose) "
+        "fail too",
+    )
+    p.add_argument(
+        "--no-batch-invariance",
+        action="store_true",
+        help="skip the batch invariance check (each row's outputs bitwise the same in batches of other sizes)",
+    )
+    p.add_argument("--failures-only", action="store_true", help="print only the cells that are not exact")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -150,7 +165,12 @@ def check_main(argv: list[str]) -> int:
         seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
         target=args.target + (f", backward {args.backward}" if args.backward else ""),
+        strict=args.strict,
+        batch_invariance=False if args.no_batch_invariance else None,
     )
+    command = "python -m pynorm check " + shlex.join(a for a in argv if a != "--no-progress")
+    for advice in report.advice:
+        advice.command = command
     print("\n".join(report.lines(cli=True, only_failures=args.failures_only)))
     if args.json:
         report.write_json(args.json)

@@ -16,15 +16,16 @@ from typing import Any
 
 import numpy as np
 
+from .._measure import flat_arrays, term_scales, ulp_error
 from ..errors import ArgumentError
 from ..ops import OpSpec
-from ..testing import flat_arrays, term_scales, ulp_error
 from ._dtypes import constants, dtype_name, dtype_of
 from .grid import Case, Cell
 
 __all__ = [
     "DEFAULT_BUDGETS",
     "RUNNING_OUTPUTS",
+    "TIERS",
     "Budgets",
     "CellResult",
     "Evaluated",
@@ -40,6 +41,9 @@ __all__ = [
     "run_reference",
     "scales_of",
 ]
+
+#: the tiers of a cell's verdict, best first (:attr:`CellResult.tier`)
+TIERS = ("exact", "stable", "fail", "error", "skip")
 
 #: default budgets in ulps of each output's dtype at the terms' magnitude: ``y`` (and the other forward
 #: outputs), ``dx``, and ``dparam`` for every other gradient. Half dtypes: what one rounding of a float32
@@ -410,6 +414,21 @@ class CellResult:
             return None
         return all(bool(f) for f in flags)
 
+    @property
+    def tier(self) -> str:
+        """The cell's verdict in tiers (:data:`TIERS`): ``"exact"`` (every output within its budget of the exact
+        result), ``"stable"`` (beyond it, but every failing output within what a backward-stable algorithm in the
+        working precision may lose), ``"fail"``; ``"error"`` and ``"skip"`` as :attr:`verdict`."""
+        if self.verdict == "pass":
+            return "exact"
+        if self.verdict == "fail":
+            return "stable" if self.stable is True else "fail"
+        return self.verdict
+
+    def fails(self, strict: bool = False) -> bool:
+        """Whether the cell fails the check: its tier is ``"fail"`` (with ``strict``, ``"stable"`` too)."""
+        return self.tier == "fail" or (strict and self.tier == "stable")
+
     def add_note(self, text: str) -> None:
         self.note = f"{self.note}; {text}" if self.note else text
 
@@ -418,6 +437,7 @@ class CellResult:
             **self.cell.to_json(),
             "eps_received": self.eps,
             "verdict": self.verdict,
+            "tier": self.tier,
             "outputs": {k: o.to_json() for k, o in self.outputs.items()},
             "errors_ulps": {k: _num(o.ulps) for k, o in self.outputs.items()},
             "budgets_ulps": self.budgets,

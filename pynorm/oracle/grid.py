@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from .._measure import make_input
 from ..ops import OpSpec
-from ..testing import make_input
 from ._dtypes import DTYPE_NAMES, dtype_of
 
 __all__ = [

@@ -13,7 +13,32 @@ import numpy as np
 from ..ops import OpSpec
 from .evaluate import Evaluated
 
-__all__ = ["Emulation", "Emulator", "Model"]
+__all__ = ["SHORT", "Emulation", "Emulator", "Model"]
+
+#: each diagnosis code's cause in a few words (the joint diagnoses: "unbiased variance + eps on the std + float32
+#: math")
+SHORT = {
+    "eps_ignored": "a fixed eps of its own",
+    "backward_stats_rounded": "the backward from rounded statistics",
+    "overflow": "unscaled squares that overflow",
+    "underflow": "unscaled squares that underflow",
+    "float32_math": "float32 math",
+    "strides": "the strides ignored",
+    "normalized_dims": "only the last axis normalized",
+    "dx_missing_variance_term": "dx without its variance term",
+    "dx_missing_mean_term": "dx without its mean term",
+    "saved_stats_16bit": "16-bit saved statistics",
+    "correct_float64": "a correct float64 algorithm",
+    "mean_in_precision": "an uncorrected mean",
+    "one_pass": "one-pass variance",
+    "xr_minus_mean_r": "x r - mean r",
+    "low_precision_math": "the statistics in the input dtype",
+    "unbiased_variance": "unbiased variance",
+    "eps_on_std": "eps on the std",
+    "group_stats_per_channel": "statistics per channel",
+    "running_var_biased": "running_var updated biased",
+    "momentum_convention": "momentum as the old value's weight",
+}
 
 
 @dataclass
@@ -54,10 +79,18 @@ class Model:
         where the model does not apply to the cell.
     baseline : the key of the model this one refines (None: the reference).
     agreement : a rounding-order model, also judged by bit agreement over every 16-bit cell of a dtype.
-    reference, convention : the options that make pynorm's reference follow this model: reference-only
-        (``--reference``) or for both sides (``--convention``), for the advice.
+    reference : the options that make pynorm's reference follow this model (``{"casting": "llama"}``), for the
+        advice (``--reference``).
     evidence : formats the model's evidence numbers for the message.
     named_in : the cell dtypes where the model may be named (None: every dtype; empty: a baseline only).
+    options : for a *convention* model (pynorm's reference with options changed): ``options(ev)`` -> the options
+        that change in cell ``ev`` (``{}`` where the convention makes no difference, an eps of 0 rounded to
+        float32). The joint diagnoses combine convention models with each other and with one other model each
+        (:mod:`pynorm.oracle.diagnose`). None: a model of a precision or an algorithm.
+    axis : the option a convention model sets (two models of one axis, two ``casting`` policies, never combine).
+    short : the cause in a few words, for the joint diagnoses (default: ``code``).
+    fitted : a statistics model with bounded unknowns read back from your output: weaker evidence, so that a
+        convention is named only where it reproduces outputs without one (:mod:`pynorm.oracle.diagnose`).
     """
 
     key: str
@@ -68,6 +101,17 @@ class Model:
     baseline: str | None = None
     agreement: bool = False
     reference: dict[str, Any] | None = None
-    convention: dict[str, Any] | None = None
     evidence: Callable[[dict[str, float]], str] | None = None
     named_in: tuple[str, ...] | None = None
+    options: Callable[[Evaluated], dict[str, Any]] | None = None
+    axis: str = ""
+    short: str = ""
+    fitted: bool = False
+
+    @property
+    def words(self) -> str:
+        """The cause in a few words (``one-pass variance (float32)``)."""
+        if self.short:
+            return self.short
+        _, _, variant = self.key.partition("/")
+        return SHORT.get(self.code, self.code.replace("_", " ")) + (f" ({variant})" if variant else "")

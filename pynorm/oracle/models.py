@@ -30,22 +30,23 @@ different algorithm is not given the name of a bug whose bounds happen to contai
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .._measure import ulp, ulp_error
 from ..errors import PynormError
 from ..ops import OpSpec
 from ..reference.casting import CASTINGS
-from ..testing import ulp, ulp_error
 from ._dtypes import dtype_name, dtype_of, round_to, unit_roundoff, working_precision
 from .channel_models import channel_models
 from .evaluate import Evaluated, run_reference
 from .grid import Case
 from .model_types import Emulation, Emulator, Model
 
-__all__ = ["CASTING_DOC", "Emulation", "Model", "models_for"]
+__all__ = ["CASTING_DOC", "Emulation", "Model", "models_for", "reference_with"]
 
 #: what each ``casting`` policy of layer_norm / rms_norm reproduces (``pynorm.reference.casting``)
 CASTING_DOC = {
@@ -76,15 +77,29 @@ def _rows(a: np.ndarray, case: Case) -> np.ndarray:
 
 
 def _reference_with(spec: OpSpec, ev: Evaluated, case: Case | None = None, **change: Any) -> Emulation | None:
-    """The reference on ``case`` (default the cell's) with the user's conventions and ``change``."""
+    """The reference on ``case`` (default the cell's) with the cell's conventions and ``change``. Where the change
+    asks for an unbiased variance of a single value (``correction=1`` at H = 1, which the reference rejects), an
+    implementation divides 0 by 0: every output but ``dbias`` is NaN."""
     base = ev.case if case is None else case
     try:
         options = spec.validate({**ev.call, **change}, ev.result.cell.hidden)  # channels: hidden is C
         run = run_reference(spec, dataclasses.replace(base, options=options))
     except PynormError:
-        return None
+        if spec.layout == "channels" or int(change.get("correction", 0)) < ev.result.cell.hidden:
+            return None
+        plain = _reference_with(spec, ev, case, **{k: v for k, v in change.items() if k != "correction"})
+        if plain is None:
+            return None
+        plain.outputs = {k: v if k == "dbias" else np.full_like(v, np.nan) for k, v in plain.outputs.items()}
+        return plain
     out = {**run.outputs, **run.grads}
     return Emulation({k: np.asarray(v).astype(np.float64) for k, v in out.items()})
+
+
+def reference_with(spec: OpSpec, ev: Evaluated, change: dict[str, Any]) -> Emulation | None:
+    """The reference on cell ``ev`` with its conventions and the options ``change`` (None where ``change`` is
+    empty: that is the reference itself, or where the reference rejects the options)."""
+    return _reference_with(spec, ev, **change) if change else None
 
 
 def _lattice(center: np.ndarray, k: int) -> np.ndarray:
@@ -135,11 +150,20 @@ def _measure_dtype(p: np.dtype[Any], out_dtype: Any) -> np.dtype[Any]:
 # convention models
 
 
-def _option_model(change: dict[str, Any]) -> Emulator:
+def _convention_model(options: Callable[[Evaluated], dict[str, Any]]) -> Emulator:
     def emulate(spec: OpSpec, ev: Evaluated) -> Emulation | None:
-        return _reference_with(spec, ev, **change)
+        return reference_with(spec, ev, options(ev))
 
     return emulate
+
+
+def _set(**change: Any) -> Callable[[Evaluated], dict[str, Any]]:
+    """The options of a convention model that sets ``change`` (nothing where the cell has it already)."""
+
+    def options(ev: Evaluated) -> dict[str, Any]:
+        return {} if all(ev.call.get(k) == v for k, v in change.items()) else dict(change)
+
+    return options
 
 
 def _eps_model(value: float) -> Emulator:
@@ -152,20 +176,20 @@ def _eps_model(value: float) -> Emulator:
     return emulate
 
 
-def _eps_float32(spec: OpSpec, ev: Evaluated) -> Emulation | None:
+def _eps_float32(ev: Evaluated) -> dict[str, Any]:
     eps = ev.call.get("eps")
     if eps is None or float(np.float32(eps)) == float(eps):
-        return None
-    return _reference_with(spec, ev, eps=float(np.float32(eps)))
+        return {}
+    return {"eps": float(np.float32(eps))}
 
 
-def _casting_model(policy: str) -> Emulator:
-    def emulate(spec: OpSpec, ev: Evaluated) -> Emulation | None:
+def _casting(policy: str) -> Callable[[Evaluated], dict[str, Any]]:
+    def options(ev: Evaluated) -> dict[str, Any]:
         if ev.call.get("casting") == policy or ev.dtype not in ("float16", "bfloat16"):
-            return None  # the policies differ in where 16-bit values are rounded
-        return _reference_with(spec, ev, casting=policy)
+            return {}  # the policies differ in where 16-bit values are rounded
+        return {"casting": policy}
 
-    return emulate
+    return options
 
 
 # ---------------------------------------------------------------------------
@@ -492,7 +516,16 @@ def _in_precision(
     """The model ``code/<p>`` of a LayerNorm computing its statistics the ``kind`` way in ``p``
     (:func:`_stats_model`), compared with the model ``baseline/<p>``."""
     pn = dtype_name(p)
-    return Model(f"{code}/{pn}", code, says, fix, _stats_model(kind, p), baseline=f"{baseline}/{pn}", evidence=evidence)
+    return Model(
+        f"{code}/{pn}",
+        code,
+        says,
+        fix,
+        _stats_model(kind, p),
+        baseline=f"{baseline}/{pn}",
+        evidence=evidence,
+        fitted=True,
+    )
 
 
 def _fit_stats(spec: OpSpec, ev: Evaluated, kind: str, p: np.dtype[Any]) -> Emulation | None:
@@ -751,8 +784,10 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                 "eps_on_std",
                 "eps is added to the std, not the variance: (x - mean) / (std + eps)",
                 "add it inside the root, sqrt(var + eps), as PyTorch, ONNX, Apex and TransformerEngine do",
-                _option_model({"eps_mode": "std"}),
-                convention={"eps_mode": "std"},
+                _convention_model(_set(eps_mode="std")),
+                options=_set(eps_mode="std"),
+                axis="eps_mode",
+                short="eps on the std",
             )
         )
     if "correction" in names and conventions.get("correction", 0) != 1:
@@ -762,8 +797,10 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                 "unbiased_variance",
                 "the variance is the unbiased estimator, divided by H - 1 (torch.Tensor.var/std's default)",
                 "LayerNorm divides by H (biased)",
-                _option_model({"correction": 1}),
-                convention={"correction": 1},
+                _convention_model(_set(correction=1)),
+                options=_set(correction=1),
+                axis="correction",
+                short="unbiased variance",
             )
         )
     if "eps" in names:
@@ -776,8 +813,10 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                 f"eps is rounded to float32 before it is used (an ONNX FLOAT attribute, a float32 scalar): "
                 f"{e32!r} instead of {eps!r}",
                 "keep eps in the input's precision",
-                _eps_float32,
-                convention={"eps": e32} if e32 != eps else None,
+                _convention_model(_eps_float32),
+                options=_eps_float32,
+                axis="eps",
+                short="eps rounded to float32",
             )
         )
         for value, why in _eps_candidates(spec):
@@ -802,6 +841,7 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                     "centre x exactly in the backward (recompute x - mean with the corrected two-pass mean, or keep "
                     "the forward's centred values' statistics in a wider type)",
                     _backward_stats(p),
+                    fitted=True,
                 )
             )
         for which, says in (
@@ -898,7 +938,8 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                     "policy)",
                     "compute float64 input in float64",
                     _stats_model("correct", p),
-                    named_in=("float64",) if pn == "float32" else (),
+                    named_in=(),  # a baseline: float64 input in float32 is named by the float32_math model
+                    fitted=True,
                 )
             )
             out.append(
@@ -944,9 +985,12 @@ def models_for(spec: OpSpec, conventions: dict[str, Any]) -> list[Model]:
                     "low_precision_math" if policy == "none" else "rounding_order",
                     f"the forward rounds like casting='{policy}' ({CASTING_DOC[policy]})",
                     "to check against that order",
-                    _casting_model(policy),
+                    _convention_model(_casting(policy)),
                     agreement=True,
                     reference={"casting": policy},
+                    options=_casting(policy),
+                    axis="casting",
+                    short=f"casting='{policy}' rounding",
                 )
             )
     return out

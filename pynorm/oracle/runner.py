@@ -26,11 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError, PynormError
+from .._measure import ulp
+from ..errors import ArgumentError, ArgumentTypeError, PynormError
 from ..ops import OpSpec, get
-from ..testing import ulp
 from ._dtypes import DTYPE_NAMES, dtype_name, dtype_of, have_bfloat16
-from .diagnose import run_diagnoses
+from .batch import check_batch_invariance
+from .diagnose import Advice, run_diagnoses
 from .evaluate import (
     Budgets,
     CellResult,
@@ -125,6 +126,9 @@ def check(
     progress: bool = False,
     diagnose: bool = True,
     target: str = "",
+    strict: bool = False,
+    batch_invariance: bool | None = None,
+    advise: bool = True,
 ) -> CheckReport:
     """Check a user's implementation of ``op`` against pynorm's reference over the conformance grid.
 
@@ -144,6 +148,12 @@ def check(
     progress : show a progress bar on stderr (tqdm if installed).
     diagnose : run the diagnoses on failing cells (:mod:`pynorm.oracle.diagnose`).
     target : a label for the report (the CLI passes ``MODULE:FUNCTION``).
+    strict : cells of tier ``stable`` (beyond the exact budget, within what a backward-stable algorithm may lose)
+        fail the check too; by default only tier ``fail`` does.
+    batch_invariance : check that each row's outputs are bitwise the same in calls of other batch sizes and row
+        offsets (:mod:`pynorm.oracle.batch`); default: on for the named grids, off for a list of cells.
+    advise : verify the advice: for the conventions of the joint diagnoses, run the check again with them as
+        reference options and report the outcome (``report.advice``).
 
     Returns
     -------
@@ -156,12 +166,19 @@ def check(
     pynorm.errors.ArgumentError
         an unknown or bad option in ``conventions`` or ``reference`` (the message names which), a bad ``grid``,
         ``dtypes`` or ``budget``.
+    pynorm.errors.ArgumentTypeError
+        ``forward`` or ``backward`` is not callable.
     """
+    if not callable(forward):
+        raise ArgumentTypeError(f"forward must be callable, got {type(forward).__name__}")
+    if backward is not None and not callable(backward):
+        raise ArgumentTypeError(f"backward must be callable or None, got {type(backward).__name__}")
     spec = get(op)
     user_conv = validate_options(spec, conventions, "conventions")
     ref_only = validate_options(spec, reference, "reference")
     validate_options(spec, {**user_conv, **ref_only}, "reference")
     budgets = budget if isinstance(budget, Budgets) else parse_budget(budget)
+    named_grid = isinstance(grid, str)
     if isinstance(grid, str):
         if grid not in ("default", "quick"):
             raise ArgumentError(f"grid must be 'default', 'quick' or a list of cells, got {grid!r}")
@@ -183,7 +200,9 @@ def check(
     if not have_bfloat16() and any(c.dtype == "bfloat16" for c in cells):
         cells = [c for c in cells if c.dtype != "bfloat16"]
         notes.append("bfloat16 cells left out: pip install ml_dtypes")
-    report = CheckReport(op, target or getattr(forward, "__name__", "forward"), user_conv, budgets, reference=ref_only)
+    report = CheckReport(
+        op, target or getattr(forward, "__name__", "forward"), user_conv, budgets, reference=ref_only, strict=strict
+    )
     report.backward_checked = backward is not None
     report.notes = notes
     evaluated: list[Evaluated] = []
@@ -203,12 +222,47 @@ def check(
         if ev.result.verdict == "fail":
             _mark_stability(spec, ev)
     if diagnose:
-        models = models_for(spec, spec.validate(with_required(spec, user_conv)))
+        models = models_for(spec, spec.validate(with_required(spec, {**user_conv, **ref_only})))
         errors = [r for r in report.results if r.verdict == "error"]
         with np.errstate(all="ignore"):  # the models' non-finite values are compared, not warned about
-            report.diagnoses = run_diagnoses(spec, evaluated, budgets, models, errors, runner.rerun)
+            report.diagnoses, report.joint = run_diagnoses(
+                spec, evaluated, budgets, models, errors, runner.rerun, strict
+            )
+        if advise:
+            report.advice = _verified_advice(report, cells, lambda ref, sub: check(
+                op, forward, backward, conventions=user_conv, reference=ref, budget=budgets, grid=sub, seed=seed,
+                diagnose=False, strict=strict, batch_invariance=False,
+            ))  # fmt: skip
+    if batch_invariance or (batch_invariance is None and named_grid):
+        dts = sorted({c.dtype for c in cells}, key=DTYPE_NAMES.index)
+        report.batch = check_batch_invariance(spec, forward, backward, user_conv, dts, seed)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _verified_advice(
+    report: CheckReport, cells: Sequence[Cell], rerun: Callable[[dict[str, Any], list[Cell]], CheckReport]
+) -> list[Advice]:
+    """The reference options of the joint diagnoses' conventions, grouped by the dtypes they hold in, each checked
+    by running the cells of those dtypes again with them (only advice that leaves fewer failing cells is kept)."""
+    groups: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {}
+    for j in report.joint:
+        if not j.options:
+            continue
+        key = repr(sorted(j.options.items()))
+        opts, dts, causes = groups.setdefault(key, (dict(j.options), [], []))
+        dts.append(j.dtype)
+        causes.extend(c for c in j.conventions if c not in causes)
+    out: list[Advice] = []
+    checked = sorted({c.dtype for c in cells}, key=DTYPE_NAMES.index)
+    for opts, dts, causes in groups.values():
+        sub = [c for c in cells if c.dtype in dts]
+        before = sum(r.fails(report.strict) or r.verdict == "error" for r in report.results if r.cell.dtype in dts)
+        again = rerun({**report.reference, **opts}, sub)
+        advice = Advice(opts, None if set(checked) <= set(dts) else dts, causes, again.tiers(), before)
+        if advice.failing_after < before:
+            out.append(advice)
+    return out
 
 
 def _mark_stability(spec: OpSpec, ev: Evaluated) -> None:
@@ -273,7 +327,8 @@ class _CellRunner:
         dtypes.update({n: g.dtype for n, g in run.grads.items()})
         ref = {**run.outputs, **run.grads}
         user: dict[str, np.ndarray] = {}
-        ev = Evaluated(case, spec.validate(call), user, ref, scales, dtypes, result, run.ctx)
+        # the models emulate the reference's conventions changed (the reference-only ones included)
+        ev = Evaluated(case, dict(case.options), user, ref, scales, dtypes, result, run.ctx)
         self._measure(ev, call, result, user, contiguous=False)
         return result, ev if result.verdict != "skip" else None
 

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from .._measure import max_ulp_error
 from ..errors import ArgumentError, PynormError, PynormWarning
 from ..ops import SPECS, OpSpec, get
-from ..testing import max_ulp_error
 from ._dtypes import DTYPE_NAMES, constants, have_bfloat16, steps_apart
 from ._dtypes import dtype_of as _dtype
 from .evaluate import DEFAULT_BUDGETS, Budgets, reference, run_reference, scales_of

@@ -119,10 +119,22 @@ def as_array(a: Any, name: str) -> Array:
     if isinstance(a, (list, tuple, numbers.Number, np.generic)) and not isinstance(a, bool):
         return np.asarray(a)
     if hasattr(a, "__dlpack__") and not served(a):
+        if _is_jax_tracer(a):
+            raise ArrayTypeError(
+                f"{name} is a JAX tracer ({type(a).__name__}: inside jax.jit, grad or vmap), which holds no buffer to "
+                f"read: use pynorm.jax.<op> there (the same ops for JAX, differentiable; docs/jax.md)"
+            )
         return from_dlpack(a, name)
     if not (hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")):
         raise ArrayTypeError(f"{name} must be an array (numpy.ndarray, cupy.ndarray...), got {type(a).__name__}")
     return a
+
+
+def _is_jax_tracer(a: Any) -> bool:
+    """Whether ``a`` is a JAX tracer (an abstract value under ``jax.jit``/``grad``/``vmap``), without importing JAX."""
+    core = sys.modules.get("jax.core")
+    tracer = getattr(core, "Tracer", None)
+    return tracer is not None and isinstance(a, tracer)
 
 
 def check_float_dtype(a: Array, name: str, allowed: tuple[str, ...] = FLOAT_DTYPES) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "cond_groups",
     "ctx_arrays",
     "from_dlpack",
+    "returner",
     "same_family",
     "served",
     "xp_of",
@@ -105,6 +106,37 @@ def from_dlpack(a: Any, name: str) -> Array:
     except (BufferError, TypeError, ValueError, RuntimeError) as exc:
         raise ArrayTypeError(f"{name} ({type(a).__module__}.{type(a).__name__}) could not be imported "
                              f"through DLPack: {exc}") from exc  # fmt: skip
+
+
+def returner(a: Any) -> Any:
+    """For an argument that was read through DLPack (:func:`from_dlpack`): a function that gives a NumPy or CuPy
+    result back as ``a``'s own array type -- through ``a.__array_namespace__().from_dlpack`` (the Array API's: JAX)
+    or the ``from_dlpack`` of ``a``'s top-level module (PyTorch), zero-copy where that library allows; bfloat16 as
+    its 16-bit pattern viewed back (``view(bfloat16)`` on the library's side). None for anything else (a NumPy or
+    CuPy array, a list), or where ``a``'s library offers no ``from_dlpack`` (results then stay NumPy/CuPy)."""
+    if type(a) is np.ndarray or not hasattr(a, "__dlpack__") or served(a):
+        return None
+    ns: Any = None
+    if hasattr(a, "__array_namespace__"):
+        try:
+            ns = a.__array_namespace__()
+        except Exception:  # an exporter whose namespace cannot be had: its module's from_dlpack, if any
+            ns = None
+    if getattr(ns, "from_dlpack", None) is None:
+        ns = sys.modules.get(type(a).__module__.partition(".")[0])
+    load = getattr(ns, "from_dlpack", None)
+    if load is None:
+        return None
+    bf16 = getattr(ns, "bfloat16", None)
+
+    def back(r: Any) -> Any:
+        if r is None or not hasattr(r, "__dlpack__"):
+            return r
+        if bf16 is not None and dtype_name(r.dtype) == "bfloat16":
+            return load(r.view("int16")).view(bf16)
+        return load(r)
+
+    return back
 
 
 def as_array(a: Any, name: str) -> Array:

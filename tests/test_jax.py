@@ -268,3 +268,16 @@ def test_signatures_and_docstrings_follow_the_numpy_api() -> None:
         assert list(inspect.signature(fn).parameters.values()) == want, name
         assert fn.__doc__ and "Parameters" in fn.__doc__ and "\nout :" not in fn.__doc__
     assert sorted(pj.__all__) == sorted(pynorm.list_ops())
+
+
+def test_jax_arrays_given_to_the_numpy_api_come_back_as_jax_arrays() -> None:
+    """Eager JAX arrays read through DLPack: the outputs and the gradients are JAX arrays, equal to NumPy's."""
+    rng = np.random.default_rng(7)
+    x, w = rng.standard_normal((4, 16)).astype(np.float32), np.ones(16, np.float32)
+    y, ctx = pynorm.layer_norm_forward(jnp.asarray(x), jnp.asarray(w))
+    assert isinstance(y, jax.Array)
+    np.testing.assert_array_equal(np.asarray(y), pynorm.layer_norm(x, w))
+    g = pynorm.layer_norm_backward(jnp.asarray(x), ctx)
+    assert isinstance(g.dx, jax.Array) and isinstance(g.dweight, jax.Array) and g.dbias is None
+    _, ctx_np = pynorm.layer_norm_forward(x, w)
+    np.testing.assert_array_equal(np.asarray(g.dweight), pynorm.layer_norm_backward(x, ctx_np).dweight)

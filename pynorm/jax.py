@@ -158,10 +158,11 @@ def _layout(spec: OpSpec, roles: tuple[tuple[str, str], ...], avals: tuple[Any, 
 
 
 def _to_residual(a: np.ndarray) -> np.ndarray:
-    """A statistic as JAX keeps it: as it is, or a 64-bit one as its ``uint32`` pairs (shape ``(*shape, 2)``)
-    where JAX runs without ``jax_enable_x64`` (it has no 64-bit arrays then); :func:`_from_residual` undoes it."""
-    if a.dtype.itemsize == 8 and not jax.config.read("jax_enable_x64"):
-        return np.ascontiguousarray(a).view(np.uint32).reshape(*a.shape, 2)
+    """A statistic as JAX keeps it: as it is, or as its ``uint32`` words (shape ``(*shape, itemsize // 4)``) where
+    JAX has no such dtype -- a 64-bit one without ``jax_enable_x64``, the reference's extended-precision
+    (``longdouble``) statistics of float64 input; :func:`_from_residual` undoes it, bit for bit."""
+    if (a.dtype.itemsize == 8 and not jax.config.read("jax_enable_x64")) or a.dtype.itemsize > 8:
+        return np.ascontiguousarray(a).view(np.uint32).reshape(*a.shape, a.dtype.itemsize // 4)
     return a
 
 

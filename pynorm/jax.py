@@ -80,7 +80,8 @@ class _Layout:
     #: without x64: :func:`_to_residual`), and each one's own dtype
     stats: tuple[Any, ...]
     stat_dtypes: tuple[Any, ...]
-    #: the probe's ctx (its static fields are every call's), and the slot of each array in its inner ctx, by path
+    #: the stand-in run's ctx without its arrays (its other fields are every call's), and the slot of each array of
+    #: its inner ctx, by path
     ctx: Any
     slots: dict[tuple[Any, ...], _Slot]
     #: the resolved backend's name
@@ -112,6 +113,13 @@ def _walk(obj: Any, path: tuple[Any, ...], found: dict[tuple[Any, ...], np.ndarr
     elif isinstance(obj, tuple):
         for i, v in enumerate(obj):
             _walk(v, (*path, i), found)
+
+
+def _at(obj: Any, path: tuple[Any, ...]) -> Any:
+    """The value at ``path`` (field names and tuple indices, :func:`_walk`'s) in ``obj``."""
+    for k in path:
+        obj = obj[k] if isinstance(k, int) else getattr(obj, k)
+    return obj
 
 
 def _same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
@@ -151,9 +159,10 @@ def _layout(spec: OpSpec, roles: tuple[tuple[str, str], ...], avals: tuple[Any, 
     )
     structs = tuple(jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for v in leaves)
     saved = tuple(_to_residual(a) for a in stats)
+    template = _rebuilt(ctx, slots, lambda s: None)  # (the stand-ins' arrays are not kept with the layout)
     return _Layout(
         structs, is_tuple, leaf_output, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in saved),
-        tuple(a.dtype for a in stats), ctx, slots, ctx.backend,
+        tuple(a.dtype for a in stats), template, slots, ctx.backend,
     )  # fmt: skip
 
 
@@ -191,14 +200,13 @@ def _host(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
-def _ctx_of(layout: _Layout, arrays: tuple[np.ndarray, ...], stats: tuple[np.ndarray, ...]) -> Any:
-    """The dispatcher's Context of a call: the probe's, its inner ctx's arrays replaced by the call's."""
+def _rebuilt(ctx: Any, slots: dict[tuple[Any, ...], _Slot], value: Callable[[_Slot], Any]) -> Any:
+    """The dispatcher's Context ``ctx`` with each array of its inner ctx replaced by ``value(its slot)``."""
 
     def rebuild(obj: Any, path: tuple[Any, ...]) -> Any:
-        slot = layout.slots.get(path)
+        slot = slots.get(path)
         if slot is not None:
-            src = arrays[slot.arg] if slot.arg >= 0 else stats[~slot.arg]
-            return src.reshape(slot.shape)
+            return value(slot)
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             values = {f.name: rebuild(getattr(obj, f.name), (*path, f.name)) for f in dataclasses.fields(obj)}
             new = object.__new__(type(obj))
@@ -208,7 +216,14 @@ def _ctx_of(layout: _Layout, arrays: tuple[np.ndarray, ...], stats: tuple[np.nda
             return tuple(rebuild(v, (*path, i)) for i, v in enumerate(obj))
         return obj
 
-    return dataclasses.replace(layout.ctx, inner=rebuild(layout.ctx.inner, ()))
+    return dataclasses.replace(ctx, inner=rebuild(ctx.inner, ()))
+
+
+def _ctx_of(layout: _Layout, arrays: tuple[np.ndarray, ...], stats: tuple[np.ndarray, ...]) -> Any:
+    """The Context of a call: the layout's, its inner ctx's arrays the call's arguments and statistics."""
+    return _rebuilt(
+        layout.ctx, layout.slots, lambda s: (arrays[s.arg] if s.arg >= 0 else stats[~s.arg]).reshape(s.shape)
+    )
 
 
 class _Op:
@@ -218,6 +233,9 @@ class _Op:
                  axis: int | None, layout: _Layout) -> None:  # fmt: skip
         self.spec, self.roles, self.options, self.axis, self.layout = spec, roles, options, axis, layout
         self.diff = tuple(role == "x" or kind in ("like_x", "cond") or kind in _PARAM_KINDS for role, kind in roles)
+        #: the path of each residual statistic in the backend's ctx, in residual order
+        self.stat_paths = tuple(p for p, _ in sorted(((p, ~s.arg) for p, s in layout.slots.items() if s.arg < 0),
+                                                     key=lambda ps: ps[1]))  # fmt: skip
         self.fn = jax.custom_vjp(self._primal)
         self.fn.defvjp(self._fwd, self._bwd)
 
@@ -230,13 +248,7 @@ class _Op:
         out = tuple(np.asarray(v) for v in leaves)
         if not stats:
             return out
-        found: dict[tuple[Any, ...], np.ndarray] = {}
-        _walk(ctx.inner, (), found)
-        saved = [np.empty(0)] * len(self.layout.stats)
-        for path, slot in self.layout.slots.items():
-            if slot.arg < 0:
-                saved[~slot.arg] = _to_residual(np.asarray(found[path]))
-        return (*out, *saved)
+        return (*out, *(_to_residual(np.asarray(_at(ctx.inner, path))) for path in self.stat_paths))
 
     def _host_backward(self, *flat: Any) -> tuple[np.ndarray, ...]:
         n_arr, n_st = len(self.roles), len(self.layout.stats)

@@ -233,7 +233,10 @@ def test_float64_with_x64() -> None:
     rng = np.random.default_rng(5)
     x = rng.standard_normal((3, 40))
     w = 1 + 0.1 * rng.standard_normal(40)
-    with jax.enable_x64(True):
+    x64 = getattr(jax, "enable_x64", None)
+    if x64 is None:  # (older JAX: the experimental context manager)
+        from jax.experimental import enable_x64 as x64
+    with x64(True):
         g = jax.grad(lambda a, b: jnp.sum(pj.rms_norm(a, b) ** 3), argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
         assert g[0].dtype == jnp.float64
     _, ctx = pynorm.rms_norm_forward(x, w)

@@ -47,7 +47,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # lazy submodules and names: keep ``import pynorm`` cheap
-    if name in ("layers", "testing", "blocks", "dask"):
+    if name in ("layers", "testing", "blocks", "dask", "jax"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -13,7 +13,9 @@ Subcommands:
 * ``bench`` -- the CPU benchmark (:mod:`pynorm.bench`; ``bench --help``);
 * ``check MODULE:FUNCTION --op OP`` -- check your implementation of an op against the reference over the
   conformance grid, with diagnoses (:mod:`pynorm.oracle`; ``check --help``, ``docs/oracle.md``);
-* ``vectors --out DIR`` -- write golden vectors (``vectors --help``).
+* ``vectors --out DIR`` -- write golden vectors (``vectors --help``);
+* ``warmup [--ops ...] [--dtypes ...] [--jobs N]`` -- compile the numba kernels ahead of time, with progress
+  (:mod:`pynorm.warmup`; ``warmup --help``).
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ COMMANDS = {
     "check": "check your implementation of an op against the reference over the conformance grid, with "
     "diagnoses (check --help)",
     "vectors": "write golden vectors (inputs, outputs, gradients, a JSON Schema) for other languages (vectors --help)",
+    "warmup": "compile the numba backend's kernels ahead of time (ops x dtypes, forward and backward), with "
+    "progress (warmup --help)",
 }
 
 
@@ -193,11 +197,15 @@ def _names(s: str) -> tuple[str, ...] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # demo, bench, check and vectors parse their own options (``<command> --help``)
+    # demo, bench, check, vectors and warmup parse their own options (``<command> --help``)
     if argv and argv[0] in ("check", "vectors"):
         from .oracle import cli
 
         return cli.check_main(argv[1:]) if argv[0] == "check" else cli.vectors_main(argv[1:])
+    if argv and argv[0] == "warmup":
+        from . import warmup
+
+        return warmup.main(argv[1:])
     if argv and argv[0] == "bench":
         from . import bench
 

@@ -38,6 +38,7 @@ from ._validate import (
     check_param_values,
     check_tables,
     ctx_arrays,
+    returner,
     xp_of,
 )
 from .errors import ArrayTypeError, ContextError, DTypeError, ShapeError
@@ -67,6 +68,10 @@ class Context:
     array_family : ``(module, class)`` of the arrays forward ran on (``("numpy", "ndarray")``).
     y_shape : shape of the first output (None: ``x_shape``; a fused norm + Linear's ``(..., N)``).
     input_shapes : shape of each differentiable extra input, in order (a ``cond``'s gradient has its shape).
+    returners : None, or for arguments read through DLPack (a PyTorch tensor, a JAX array), one function per
+        gradient of the backward (``dx``, the differentiable inputs', the parameters') giving it back as its
+        argument's own array type (None where that argument was a NumPy or CuPy array):
+        :func:`pynorm._validate.returner`.
     """
 
     op: str
@@ -81,6 +86,7 @@ class Context:
     array_family: tuple[str, str] = ("numpy", "ndarray")
     y_shape: tuple[int, ...] | None = None
     input_shapes: tuple[tuple[int, ...], ...] = ()
+    returners: tuple[Any, ...] | None = None
 
     @property
     def rows(self) -> int:
@@ -172,7 +178,7 @@ def forward(
     if plan is not None:  # the same call shape as before: only what depends on the values is checked again
         _recheck(spec, plan, x, inputs, params, out, plan.y_shape)
         return _run(spec, plan, x, tuple(inputs), tuple(params), out, backend)
-    given = (x, *inputs, *params)
+    given, out_given = (x, *inputs, *params), out
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 1:
@@ -212,7 +218,34 @@ def forward(
         _value_checks(spec), None if key is None else ("numpy", "ndarray"),
     )  # fmt: skip
     _keep(key, plan, given)
-    return _run(spec, plan, x, ins, ps, out, backend)
+    if plan.family is not None:
+        return _run(spec, plan, x, ins, ps, out, backend)
+    return _returned(spec, _run(spec, plan, x, ins, ps, out, backend), given, out_given)
+
+
+def _returned(
+    spec: OpSpec, done: tuple[Any, Context], given: tuple[Any, ...], out_given: Any
+) -> tuple[Any, Context]:  # fmt: skip
+    """A forward's ``(result, ctx)`` for arguments of which some came through DLPack: each array of the result
+    back as ``x``'s own type (``out`` as the object given), and the ctx's :attr:`Context.returners` for the
+    backward's gradients. Unchanged for NumPy and CuPy arguments."""
+    back = tuple(returner(a) for a in given)
+    if not any(back):
+        return done
+    result, ctx = done
+    n_in = len(spec.inputs)
+    diff_inputs = tuple(b for si, b in zip(spec.inputs, back[1 : 1 + n_in], strict=True) if si.differentiable)
+    object.__setattr__(ctx, "returners", (back[0], *diff_inputs, *back[1 + n_in :]))
+    first = back[0]
+    if first is None:
+        return result, ctx
+
+    def one(i: int, r: Any) -> Any:
+        return out_given if (i == 0 and out_given is not None) else first(r)
+
+    if isinstance(result, tuple):
+        return tuple(one(i, r) for i, r in enumerate(result)), ctx
+    return one(0, result), ctx
 
 
 def _lookup(key: tuple[Any, ...] | None) -> tuple[tuple[Any, ...] | None, Any]:
@@ -446,7 +479,7 @@ def _forward_channels(
     if plan is not None:
         _recheck(spec, plan, x, inputs, params, out, plan.x_shape)
         return _run_channels(spec, plan, x, tuple(inputs), tuple(params), out, backend)
-    given = (x, *inputs, *params)
+    given, out_given = (x, *inputs, *params), out
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 2:
@@ -473,7 +506,9 @@ def _forward_channels(
         _value_checks(spec), None if key is None else ("numpy", "ndarray"),
     )  # fmt: skip
     _keep(key, plan, given)
-    return _run_channels(spec, plan, x, ins, ps, out, backend)
+    if plan.family is not None:
+        return _run_channels(spec, plan, x, ins, ps, out, backend)
+    return _returned(spec, _run_channels(spec, plan, x, ins, ps, out, backend), given, out_given)
 
 
 @dataclass(frozen=True)
@@ -541,8 +576,21 @@ def _backward_channels(spec: OpSpec, dy: Array, ctx: Context, dx_out: Any) -> An
 def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str, Any] | None = None) -> Any:
     """Validate and run ``spec``'s backward on the forward's backend; ``spec.grads(dx, d<input>..., d<param>...)``.
 
-    ``upstream`` maps ``d<output>`` for each output after the first to its gradient (or None).
+    ``upstream`` maps ``d<output>`` for each output after the first to its gradient (or None). Where the forward
+    read arguments through DLPack, each gradient comes back as its argument's own type
+    (:attr:`Context.returners`; ``dx_out`` as the object given).
     """
+    grads = _backward(spec, dy, ctx, dx_out, upstream)
+    back = ctx.returners
+    if back is None:
+        return grads
+    return spec.grads(*(
+        dx_out if (i == 0 and dx_out is not None) else (g if b is None else b(g))
+        for i, (g, b) in enumerate(zip(grads, back, strict=True))
+    ))  # fmt: skip
+
+
+def _backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str, Any] | None) -> Any:
     op = spec.name
     if not isinstance(ctx, Context):
         raise ContextError(f"ctx must be the Context returned by {op}_forward, got {type(ctx).__name__}")

@@ -36,6 +36,7 @@ __all__ = [
     "cond_groups",
     "ctx_arrays",
     "from_dlpack",
+    "returner",
     "same_family",
     "served",
     "xp_of",
@@ -107,6 +108,37 @@ def from_dlpack(a: Any, name: str) -> Array:
                              f"through DLPack: {exc}") from exc  # fmt: skip
 
 
+def returner(a: Any) -> Any:
+    """For an argument that was read through DLPack (:func:`from_dlpack`): a function that gives a NumPy or CuPy
+    result back as ``a``'s own array type -- through ``a.__array_namespace__().from_dlpack`` (the Array API's: JAX)
+    or the ``from_dlpack`` of ``a``'s top-level module (PyTorch), zero-copy where that library allows; bfloat16 as
+    its 16-bit pattern viewed back (``view(bfloat16)`` on the library's side). None for anything else (a NumPy or
+    CuPy array, a list), or where ``a``'s library offers no ``from_dlpack`` (results then stay NumPy/CuPy)."""
+    if type(a) is np.ndarray or not hasattr(a, "__dlpack__") or served(a):
+        return None
+    ns: Any = None
+    if hasattr(a, "__array_namespace__"):
+        try:
+            ns = a.__array_namespace__()
+        except Exception:  # an exporter whose namespace cannot be had: its module's from_dlpack, if any
+            ns = None
+    if getattr(ns, "from_dlpack", None) is None:
+        ns = sys.modules.get(type(a).__module__.partition(".")[0])
+    load = getattr(ns, "from_dlpack", None)
+    if load is None:
+        return None
+    bf16 = getattr(ns, "bfloat16", None)
+
+    def back(r: Any) -> Any:
+        if r is None or not hasattr(r, "__dlpack__"):
+            return r
+        if bf16 is not None and dtype_name(r.dtype) == "bfloat16":
+            return load(r.view("int16")).view(bf16)
+        return load(r)
+
+    return back
+
+
 def as_array(a: Any, name: str) -> Array:
     """``a`` if it is an array (of any backend's library), NumPy's array of it if it is a list/scalar, a zero-copy
     view of any other DLPack exporter (:func:`from_dlpack`). A NumPy array of non-native byte order (``'>f4'`` on
@@ -119,10 +151,22 @@ def as_array(a: Any, name: str) -> Array:
     if isinstance(a, (list, tuple, numbers.Number, np.generic)) and not isinstance(a, bool):
         return np.asarray(a)
     if hasattr(a, "__dlpack__") and not served(a):
+        if _is_jax_tracer(a):
+            raise ArrayTypeError(
+                f"{name} is a JAX tracer ({type(a).__name__}: inside jax.jit, grad or vmap), which holds no buffer to "
+                f"read: use pynorm.jax.<op> there (the same ops for JAX, differentiable; docs/jax.md)"
+            )
         return from_dlpack(a, name)
     if not (hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "reshape")):
         raise ArrayTypeError(f"{name} must be an array (numpy.ndarray, cupy.ndarray...), got {type(a).__name__}")
     return a
+
+
+def _is_jax_tracer(a: Any) -> bool:
+    """Whether ``a`` is a JAX tracer (an abstract value under ``jax.jit``/``grad``/``vmap``), without importing JAX."""
+    core = sys.modules.get("jax.core")
+    tracer = getattr(core, "Tracer", None)
+    return tracer is not None and isinstance(a, tracer)
 
 
 def check_float_dtype(a: Array, name: str, allowed: tuple[str, ...] = FLOAT_DTYPES) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -174,7 +174,9 @@ class Layer:
             raise TypeError(
                 f"{type(self).__name__}.forward() got unexpected keyword argument(s) {sorted(set(call) - kw)}"
             )
-        params = [self.params.get(p.name) for p in spec.params]
+        # the ctx gets its own copy of the (small) parameters: an update written into params[...] between this
+        # forward and its backward (an optimizer's, a gradient check's) cannot change the backward's gradients
+        params = [None if (v := self.params.get(p.name)) is None else v.copy() for p in spec.params]
         fwd = getattr(F, f"{spec.name}_forward")
         options = {**self.options, **call}
         if spec.layout == "rows":
@@ -209,6 +211,12 @@ class Layer:
 
     def __call__(self, x: Any, *inputs: Any, **kw: Any) -> tuple[Any, F.Context]:
         return self.forward(x, *inputs, **kw)
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Any, str]]:
+        """``(name, self, key)`` of every parameter (``self.params[key]``, its gradient ``self.grads[key]``), as
+        :meth:`pynorm.blocks.Module.named_parameters` gives them: what the optimizers of :mod:`pynorm.optim` walk."""
+        for key in self.params:
+            yield f"{prefix}{key}", self, key
 
     def zero_grad(self) -> None:
         """Reset every accumulated gradient to zero."""

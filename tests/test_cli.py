@@ -46,9 +46,9 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> str:
 
 def test_help_describes_every_command(tmp_path: Path) -> None:
     out = _ok(_run(["--help"], tmp_path))
-    for cmd in ("demo", "selftest", "backends", "bench", "check", "vectors"):
+    for cmd in ("demo", "selftest", "backends", "bench", "check", "vectors", "warmup"):
         assert f"    {cmd} " in out, out
-    for cmd in ("demo", "selftest", "bench", "check", "vectors"):
+    for cmd in ("demo", "selftest", "bench", "check", "vectors", "warmup"):
         assert "usage: python -m pynorm" in _ok(_run([cmd, "--help"], tmp_path)), cmd
 
 
@@ -150,3 +150,57 @@ def test_vectors_write_and_verify(tmp_path: Path) -> None:
     _ok(_run(["vectors", "--out", "v", "--ops", "layer_norm", "rms_norm"], tmp_path))
     assert (tmp_path / "v" / "index.json").exists()
     _ok(_run(["vectors", "--verify", "v"], tmp_path))
+
+
+_FIRST_CALLS = r"""
+import logging, sys
+import numpy as np
+import pynorm
+for dt in sys.argv[1:]:
+    if dt == "quiet":
+        logging.getLogger("pynorm.compile").setLevel(logging.ERROR)
+        continue
+    for shape in ((4, 64), (64, 1024)):
+        x = np.random.default_rng(0).standard_normal(shape).astype(dt)
+        y, ctx = pynorm.rms_norm_forward(x, np.ones(shape[1], dt), backend="numba")
+        pynorm.rms_norm_backward(y, ctx)
+print("ran", *sys.argv[1:])
+"""
+
+
+@needs_numba
+def test_warmup_compiles_ahead_and_first_compilations_say_so(tmp_path: Path) -> None:
+    """``warmup`` fills an empty cache with progress lines; a process then running what it compiled (two shapes
+    that take different launch paths) compiles nothing and says nothing, while a dtype it did not compile is
+    announced once per direction on stderr -- and not at all once the ``pynorm.compile`` logger is silenced."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    warm = subprocess.run(
+        [sys.executable, "-m", "pynorm", "warmup", "--ops", "rms_norm", "--dtypes", "float32"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert warm.returncode == 0, warm.stdout + warm.stderr
+    assert "1/1  rms_norm float32:" in warm.stdout and "done in" in warm.stdout, warm.stdout
+
+    def first_calls(*dtypes: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", _FIRST_CALLS, *dtypes], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+
+    after = first_calls("float32")
+    assert after.returncode == 0 and "ran float32" in after.stdout, after.stderr
+    assert "compiling" not in after.stderr, after.stderr
+    cold = first_calls("float32", "float16")
+    lines = [ln for ln in cold.stderr.splitlines() if "compiling" in ln]
+    assert lines == [
+        f"pynorm: compiling rms_norm {d} float16 kernels for this CPU (first use; cached for later runs)"
+        for d in ("forward", "backward")
+    ], cold.stderr
+    quiet = first_calls("quiet", "float64")
+    assert quiet.returncode == 0 and "compiling" not in quiet.stderr, quiet.stderr
+
+
+def test_warmup_errors(tmp_path: Path) -> None:
+    bad = _run(["warmup", "--ops", "layer_nrom"], tmp_path)
+    assert bad.returncode == 2
+    assert ("unknown op(s) layer_nrom" in bad.stderr) if HAS_NUMBA else ("needs the numba backend" in bad.stderr)
+    if HAS_NUMBA:
+        assert "--dtypes must name" in _run(["warmup", "--dtypes", "float8"], tmp_path).stderr

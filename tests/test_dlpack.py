@@ -135,18 +135,31 @@ def test_clear_errors():
 
 
 def test_pytorch_tensors_round_trip():
+    """PyTorch tensors in, PyTorch tensors out (outputs and gradients, zero-copy over pynorm's results; a gradient
+    of a NumPy argument stays NumPy); bfloat16 both ways; ``out=`` returned as the tensor given."""
     torch = pytest.importorskip("torch", reason="PyTorch is an optional test dependency (pip install torch==2.13.0)")
     t = torch.randn(6, 32)
     w = torch.randn(32)
-    y, ctx = pynorm.layer_norm_forward(t, w)
+    b = np.zeros(32, np.float32)
+    y, ctx = pynorm.layer_norm_forward(t, w, b)
     assert np.shares_memory(ctx.inner.x, t.numpy())  # no copy on input
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32
+    np.testing.assert_array_equal(y.numpy(), pynorm.layer_norm(t.numpy(), w.numpy(), b))
     ref = torch.nn.functional.layer_norm(t, (32,), w)
-    np.testing.assert_allclose(torch.from_dlpack(y).numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     g = pynorm.layer_norm_backward(torch.ones(6, 32), ctx)
+    assert isinstance(g.dx, torch.Tensor) and isinstance(g.dweight, torch.Tensor) and isinstance(g.dbias, np.ndarray)
     t2 = t.clone().requires_grad_(True)
-    torch.nn.functional.layer_norm(t2, (32,), w).sum().backward()
-    np.testing.assert_allclose(g.dx, t2.grad.numpy(), rtol=1e-4, atol=1e-5)
-    yb = pynorm.rms_norm(t.to(torch.bfloat16))  # bfloat16 through the exporter's int16 view
-    assert yb.dtype.name == "bfloat16"
+    w2 = w.clone().requires_grad_(True)
+    torch.nn.functional.layer_norm(t2, (32,), w2).sum().backward()
+    torch.testing.assert_close(g.dx, t2.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(g.dweight, w2.grad, rtol=1e-4, atol=1e-5)
+    yb = pynorm.rms_norm(t.to(torch.bfloat16))  # bfloat16 through the exporter's int16 view, and back
+    assert isinstance(yb, torch.Tensor) and yb.dtype == torch.bfloat16
+    want = pynorm.rms_norm(t.to(torch.bfloat16).view(torch.int16).numpy().view(dtype("bfloat16")))
+    np.testing.assert_array_equal(yb.view(torch.int16).numpy(), want.view(np.int16))
+    out = torch.empty(6, 32)
+    assert pynorm.layer_norm(t, w, out=out) is out
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ArrayTypeError, match="could not be imported through DLPack"):
         pynorm.layer_norm(t.requires_grad_(True))  # torch refuses to export a tensor that requires grad

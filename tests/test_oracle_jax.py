@@ -1,5 +1,5 @@
-"""JAX interop: bfloat16 JAX arrays through DLPack, and docs/jax.md's recipe (``jax.pure_callback`` +
-``jax.custom_vjp`` over pynorm's forward and backward) under ``jit``, ``grad`` and ``vmap``. JAX is optional: the
+"""JAX interop: bfloat16 JAX arrays through DLPack (JAX arrays back), and docs/jax.md's examples
+(:mod:`pynorm.jax`) under ``jit``, ``grad`` and ``vmap``. JAX is optional: the
 tests that need it skip, with the reason, where it is not installed; the DLPack rule it relies on is also checked
 on a stand-in exporter that needs no JAX."""
 
@@ -90,33 +90,35 @@ def test_bfloat16_jax_arrays_through_dlpack():
     w = (1 + 0.5 * np.random.default_rng(2).standard_normal(32)).astype(bf16)
     b = np.zeros(32, bf16)
     got = pynorm.layer_norm(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), backend="numpy")
-    assert isinstance(got, np.ndarray) and got.dtype == bf16
+    assert isinstance(got, jnp.ndarray) and got.dtype == jnp.bfloat16  # JAX in, JAX out
     want = pynorm.layer_norm(x, w, b, backend="numpy")
-    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert np.array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
 
 
 @needs_jax
-def test_the_jax_recipe_under_jit_grad_and_vmap():
+def test_the_pages_examples_under_jit_grad_and_vmap():
+    """docs/jax.md's examples: the model trains under jit(value_and_grad), vmap's per-example gradients are the
+    one-by-one ones, and pynorm.jax's LayerNorm under jit and grad equals the NumPy API's on the same values."""
     import jax
     import jax.numpy as jnp
 
     ns = _recipe()
-    layer_norm = ns["layer_norm"]
+    assert float(ns["value"]) < float(ns["first"])
+    pj, w, xb = ns["pj"], ns["w"], ns["xb"]
+    f = jax.grad(lambda w, xi: jnp.sum(pj.rms_norm(xi, w) ** 3))
+    one_by_one = np.stack([np.asarray(f(w, xb[i])) for i in range(xb.shape[0])])
+    np.testing.assert_array_equal(np.asarray(ns["per_example"]), one_by_one)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, 40)).astype(np.float32)
     w = (1 + 0.5 * rng.standard_normal(40)).astype(np.float32)
     b = (0.5 * rng.standard_normal(40)).astype(np.float32)
     dy = rng.standard_normal((6, 40)).astype(np.float32)
-    # the callbacks run pynorm's automatic backend choice (they may run on another thread): compared with the same
-    y = jax.jit(lambda x, w, b: layer_norm(x, w, b, 1e-5))(x, w, b)
-    np.testing.assert_array_equal(np.asarray(y), pynorm.layer_norm(x, w, b, eps=1e-5))
-    grads = jax.grad(lambda x, w, b: jnp.sum(layer_norm(x, w, b, 1e-5) * dy), argnums=(0, 1, 2))(x, w, b)
-    _, ctx = pynorm.layer_norm_forward(x, w, b, eps=1e-5)
-    want = pynorm.layer_norm_backward(dy, ctx)
-    for g, r in zip(grads, want, strict=True):
+    y = jax.jit(lambda x, w, b: pj.layer_norm(x, w, b))(x, w, b)
+    np.testing.assert_array_equal(np.asarray(y), pynorm.layer_norm(x, w, b))
+    grads = jax.grad(lambda x, w, b: jnp.sum(pj.layer_norm(x, w, b) * dy), argnums=(0, 1, 2))(x, w, b)
+    _, ctx = pynorm.layer_norm_forward(x, w, b)
+    for g, r in zip(grads, pynorm.layer_norm_backward(dy, ctx), strict=True):
         np.testing.assert_array_equal(np.asarray(g), r)
-    batched = jax.vmap(lambda r: layer_norm(r, w, b, 1e-5))(x.reshape(2, 3, 40))
-    np.testing.assert_array_equal(np.asarray(batched).reshape(6, 40), np.asarray(y))
     # the documented check of a JAX RMSNorm: float64 computed in float32 (no x64) is named, per dtype
     report = ns["report"]
     codes = {d.code: set(d.dtypes) or {c.split()[0] for c in d.cells} for d in report.diagnoses}

@@ -6,7 +6,8 @@
   :func:`deepnorm_constants`;
 * :class:`Stack` (per-layer gradient norms and update sizes, the multimodal hybrid, gradient
   checkpointing);
-* training: :class:`Adam`, :class:`LossScaler` (dynamic loss scaling), :class:`SequenceModel`,
+* training: :class:`Adam`, :class:`AdamW`, :class:`SGD` (:mod:`pynorm.optim`),
+  :class:`LossScaler` (dynamic loss scaling), :class:`SequenceModel`,
   :func:`cross_entropy`, :func:`train_step` (fp32 or float16/bfloat16 activations).
 
 Formulas, gradients and the depth demo: ``docs/blocks.md``.
@@ -31,13 +32,26 @@ from .sublayers import (
     masked_softmax,
     masked_softmax_backward,
 )
-from .train import Adam, LossScaler, SequenceModel, StepResult, cross_entropy, sort_task, train_step
+from .train import (
+    SGD,
+    Adam,
+    AdamW,
+    LossScaler,
+    SequenceModel,
+    StepResult,
+    cross_entropy,
+    limit_blas_threads,
+    sort_task,
+    train_step,
+)
 
 __all__ = [
     "IO_NORM_KINDS",
     "NORM_KINDS",
     "PLACEMENTS",
+    "SGD",
     "Adam",
+    "AdamW",
     "Block",
     "Embedding",
     "FeedForward",
@@ -54,6 +68,7 @@ __all__ = [
     "deepnorm_constants",
     "gelu_tanh",
     "gelu_tanh_grad",
+    "limit_blas_threads",
     "masked_softmax",
     "masked_softmax_backward",
     "sort_task",

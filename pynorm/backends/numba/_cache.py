@@ -27,8 +27,10 @@ saves guarded):
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -54,7 +56,35 @@ def _warn_once(kind: str, message: str) -> None:
         warnings.warn(message, CacheWarning, stacklevel=4)
 
 
-__all__ = ["CACHING", "FM_SUM", "INLINED", "SOURCE_STAMP", "CacheWarning", "GuardedCache", "jit"]
+__all__ = ["CACHING", "FM_SUM", "INLINED", "LOG", "SOURCE_STAMP", "CacheWarning", "GuardedCache", "jit"]
+
+#: where the first compilation of a kernel is announced (one WARNING line per op, direction and dtype, printed
+#: on stderr by Python's last-resort handler where logging is not configured): silence it with
+#: ``logging.getLogger("pynorm.compile").setLevel(logging.ERROR)``
+LOG = logging.getLogger("pynorm.compile")
+_announced: set[str] = set()
+
+
+def _announce() -> None:
+    """Log, once per process and per op, direction and dtype, that kernels are being compiled (a cache miss: the
+    next seconds are numba's). The op is read from the dispatcher's frame on the stack (only on a miss)."""
+    what = "numba"
+    f: Any = sys._getframe(2)
+    while f is not None:
+        loc = f.f_locals
+        if f.f_code.co_filename.endswith("_dispatch.py") and "spec" in loc:
+            ctx: Any = loc.get("ctx")
+            x: Any = loc.get("x")
+            if hasattr(ctx, "x_dtype"):
+                what = f"{loc['spec'].name} backward {ctx.x_dtype}"
+            elif hasattr(x, "dtype"):
+                what = f"{loc['spec'].name} forward {x.dtype}"
+            break
+        f = f.f_back
+    if what not in _announced:
+        _announced.add(what)
+        LOG.warning("pynorm: compiling %s kernels for this CPU (first use; cached for later runs)", what)
+
 
 #: the fastmath flags of the kernels' arithmetic (row sums reassociate and vectorize, products contract):
 #: never ``nnan``/``ninf``, so NaN and Inf keep their IEEE meaning. Helpers whose rounding matters are
@@ -234,7 +264,10 @@ class GuardedCache(FunctionCache):  # type: ignore[misc]
 
     def load_overload(self, sig: Any, target_context: Any) -> Any:
         try:
-            return super().load_overload(sig, target_context)
+            found = super().load_overload(sig, target_context)
+            if found is None:
+                _announce()
+            return found
         except Exception as exc:  # a corrupt index or data file: a miss, and the index rewritten by the save
             _warn_once(
                 "corrupt",

@@ -28,7 +28,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["FORCE_SLOW", "PATHS", "forced", "note", "recording"]
+from . import _layout
+
+__all__ = ["FORCE_SLOW", "FORCE_SPLIT", "PATHS", "SERIAL_OVERRIDE", "forced", "note", "recording"]
 
 #: every path, with a line of what it is
 PATHS = {
@@ -42,8 +44,11 @@ PATHS = {
     "pool": "the call's spans on the pool's threads",
 }
 
-#: a test switch (:func:`forced`): every row of every call is finished by the slow path
+#: test switches (:func:`forced`): every row of every call finished by the slow path; every call that can take the
+#: split kernels taking them; the one-thread threshold in place of :data:`._threads.SERIAL_THRESHOLD` (None: that)
 FORCE_SLOW = False
+FORCE_SPLIT = False
+SERIAL_OVERRIDE: int | None = None
 
 _record: set[str] | None = None
 
@@ -72,17 +77,15 @@ def forced(*paths: str) -> Iterator[None]:
     """Make small calls take ``paths`` (keys of :data:`PATHS`; ``plain`` and ``serial`` are what small calls take
     anyway, ``fused`` and ``rows`` exclude each other): the thresholds of :mod:`._layout`, :mod:`._threads` and
     :mod:`.stats` lowered (or raised) for the block, and put back after it. Not thread-safe: for tests."""
-    from . import _layout, _threads, stats
-
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise ValueError(f"unknown path(s) {sorted(unknown)}: expected some of {sorted(PATHS)}")
     if "fused" in paths and "rows" in paths:
         raise ValueError("the backward takes one of 'fused' and 'rows', not both")
-    global FORCE_SLOW
+    global FORCE_SLOW, FORCE_SPLIT, SERIAL_OVERRIDE
     saved = (
         _layout.STREAM_MIN_BYTES, _layout.STREAM_MIN_ROW, _layout.FUSED_MIN_ROWS, _layout.FUSED_MAX_SMALL,
-        _threads.SERIAL_THRESHOLD, stats.FORCE_SPLIT, FORCE_SLOW,
+        SERIAL_OVERRIDE, FORCE_SPLIT, FORCE_SLOW,
     )  # fmt: skip
     try:
         if "stream" in paths:
@@ -92,16 +95,16 @@ def forced(*paths: str) -> Iterator[None]:
         if "rows" in paths:
             _layout.FUSED_MIN_ROWS, _layout.FUSED_MAX_SMALL = 1 << 62, 0
         if "pool" in paths or "split" in paths:
-            _threads.SERIAL_THRESHOLD = 0
+            SERIAL_OVERRIDE = 0
         if "serial" in paths:
-            _threads.SERIAL_THRESHOLD = 1 << 62
+            SERIAL_OVERRIDE = 1 << 62
         if "split" in paths:
-            stats.FORCE_SPLIT = True
+            FORCE_SPLIT = True
         if "slow" in paths:
             FORCE_SLOW = True
         yield
     finally:
         (
             _layout.STREAM_MIN_BYTES, _layout.STREAM_MIN_ROW, _layout.FUSED_MIN_ROWS, _layout.FUSED_MAX_SMALL,
-            _threads.SERIAL_THRESHOLD, stats.FORCE_SPLIT, FORCE_SLOW,
+            SERIAL_OVERRIDE, FORCE_SPLIT, FORCE_SLOW,
         ) = saved  # fmt: skip

@@ -198,9 +198,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_workers)
 
 
+def serial_threshold() -> int:
+    """:data:`SERIAL_THRESHOLD`, or the test switch's value while :func:`._paths.forced` holds one."""
+    o = _paths.SERIAL_OVERRIDE
+    return SERIAL_THRESHOLD if o is None else o
+
+
 def threads_for(work: int) -> int:
     """Threads a call on ``work`` elements made from this Python thread may use (before the task count)."""
-    return 1 if work < SERIAL_THRESHOLD else get_num_threads()
+    return 1 if work < serial_threshold() else get_num_threads()
 
 
 def spans(tasks: int, n: int) -> list[tuple[int, int]]:

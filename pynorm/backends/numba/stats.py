@@ -433,7 +433,7 @@ def split_rows(tasks: int, x: np.ndarray) -> bool:
     keeps them apart)."""
     rows, hidden = x.shape
     work = rows * hidden
-    if FORCE_SPLIT:
+    if FORCE_SPLIT or _paths.FORCE_SPLIT:
         return work > 0 and x.dtype != np.float64
     if work < SPLIT_MIN_WORK or work == 0 or x.dtype == np.float64:  # (the size first: a small call's test)
         return False
@@ -465,7 +465,7 @@ def forward_rows(
     n, h = x.shape
     if stream:
         _paths.note("stream")
-    if memo is not None and memo.entry is not None and n * h < _threads.SERIAL_THRESHOLD and not FORCE_SPLIT:
+    if memo is not None and memo.entry is not None and n * h < _threads.serial_threshold() and not (FORCE_SPLIT or _paths.FORCE_SPLIT):
         # a plan's serial call (what launch() would do, without its bookkeeping: a small call's microsecond)
         _paths.note("plain")
         pending = memo.entry(stat, rows_, aff, cv, y, rs, True if stream else None, 0, n)

@@ -465,7 +465,12 @@ def forward_rows(
     n, h = x.shape
     if stream:
         _paths.note("stream")
-    if memo is not None and memo.entry is not None and n * h < _threads.serial_threshold() and not (FORCE_SPLIT or _paths.FORCE_SPLIT):
+    if (
+        memo is not None
+        and memo.entry is not None
+        and n * h < _threads.serial_threshold()
+        and not (FORCE_SPLIT or _paths.FORCE_SPLIT)
+    ):
         # a plan's serial call (what launch() would do, without its bookkeeping: a small call's microsecond)
         _paths.note("plain")
         pending = memo.entry(stat, rows_, aff, cv, y, rs, True if stream else None, 0, n)

@@ -12,6 +12,7 @@ failure naming the op and the path.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -112,6 +113,8 @@ ROW_OPS = sorted(OPS)
 @pytest.mark.parametrize("dt", ["float32", "float16"])
 @pytest.mark.parametrize("op", ROW_OPS)
 def test_rows_do_not_depend_on_the_batch(backend: Any, op: str, dt: str) -> None:
+    if backend.name == "cupy" and dt != "float32" and os.environ.get("PYNORM_CUDA_CPU") == "1":
+        pytest.skip("the CUDA execution harness checks float32 rows only (CI time); float16 rows run on a GPU")
     spec = OPS[op]
     for shape in SHAPES.get(backend.name, SHAPES["numpy"]):
         x, args, dy, ups = _data(spec, shape, dtype(dt), seed=shape[1])

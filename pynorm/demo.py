@@ -361,6 +361,19 @@ class _Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m pynorm demo [options]``; returns the exit status. The numba thread cap the demo sets for its tiny
+    arrays (``--threads``) is put back as it was when it returns: a caller's later calls keep their threads."""
+    from .backends.numba import _threads
+
+    cap = _threads._cap
+    try:
+        return _main(argv)
+    finally:
+        if _threads._cap != cap:
+            _threads.set_num_threads(cap)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pynorm demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small grid: depths 6, 24, 96 at init, training at 6 and 24")
     ap.add_argument("--backend", default="auto", help="numpy, numba, cupy or auto (default)")

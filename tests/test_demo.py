@@ -12,9 +12,13 @@ from pynorm import demo
 
 
 def test_tiny_demo_run(backend, tmp_path, capsys):
+    from pynorm.backends.numba import _threads
+
+    cap = _threads._cap
     rc = demo.main(["--backend", backend.name, "--depths", "2,3", "--train", "2:4", "--width", "8",
                     "--out", str(tmp_path), "--no-progress"])  # fmt: skip
     assert rc == 0
+    assert _threads._cap == cap  # the demo's one-thread cap is put back: the caller keeps its threads
     out = capsys.readouterr().out
     assert "Post-LN" in out and "DeepNorm" in out and "claims" in out
     doc = json.loads((tmp_path / "demo.json").read_text())  # strict JSON (no NaN)

@@ -200,6 +200,20 @@ def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, wha
         )
 
 
+def load_example(path: Any, module: str) -> Any:
+    """The module of a docs example file (``docs/examples/<name>.py``), imported under ``module`` (kept in
+    ``sys.modules``, as a statistic's record names its pieces by module; the caller deletes it)."""
+    import importlib.util
+    import sys
+
+    loader = importlib.util.spec_from_file_location(module, path)
+    assert loader is not None and loader.loader is not None
+    mod = importlib.util.module_from_spec(loader)
+    sys.modules[module] = mod
+    loader.loader.exec_module(mod)
+    return mod
+
+
 def assert_bitwise(actual: Any, expected: Any, what: str) -> None:
     """``actual`` bitwise ``expected`` (NaN payloads aside: any NaN equals any NaN), else an AssertionError saying
     ``what`` (the op, backend, path, dtype, input), how many elements differ, and the worst one: its index, both

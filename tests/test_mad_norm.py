@@ -7,7 +7,6 @@ no CUDA policy), with no kernel file touched.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,11 +26,7 @@ OP = "mad_norm"
 
 @pytest.fixture(scope="module")
 def example() -> Iterator[ModuleType]:
-    loader = importlib.util.spec_from_file_location(MODULE, EXAMPLE)
-    assert loader is not None and loader.loader is not None
-    mod = importlib.util.module_from_spec(loader)
-    sys.modules[MODULE] = mod
-    loader.loader.exec_module(mod)
+    mod = helpers.load_example(EXAMPLE, MODULE)
     mod.add()
     helpers.OPS[OP] = helpers.OpSpec(mod.SPEC)
     try:

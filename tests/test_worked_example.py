@@ -7,7 +7,6 @@ and cupy on the CPU execution harness in CI): the same functions the suites run 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,11 +29,7 @@ MODULE = "pynorm_example_l2_norm"
 @pytest.fixture(scope="module")
 def example() -> Iterator[ModuleType]:
     """The example module, its op added (and the generic suites' op table holding it) for this module's tests."""
-    loader = importlib.util.spec_from_file_location(MODULE, EXAMPLE)
-    assert loader is not None and loader.loader is not None
-    mod = importlib.util.module_from_spec(loader)
-    sys.modules[MODULE] = mod
-    loader.loader.exec_module(mod)
+    mod = helpers.load_example(EXAMPLE, MODULE)
     pynorm.add_op(mod.SPEC)
     helpers.OPS["l2_norm"] = helpers.OpSpec(mod.SPEC)
     try:

@@ -22,6 +22,7 @@ keeps the values its forward used (and a layer's ctx holds its own copy of its p
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable
 from typing import Any
@@ -60,7 +61,7 @@ def cosine_schedule(total: int, final: float = 0.0) -> Callable[[int], float]:
     return factor
 
 
-class Optimizer:
+class Optimizer(abc.ABC):
     """What every optimizer shares: the learning rate of each step (``lr``, ``warmup``, the ``schedule`` hook),
     gradient clipping, the loss scale, and the walk over ``model.named_parameters()``; a subclass defines
     :meth:`update`."""
@@ -116,9 +117,10 @@ class Optimizer:
             out[name] = math.sqrt(float((delta * delta).sum()))
         return out
 
-    def update(self, name: str, p: Any, g: Any, lr: float, xp: Any) -> Any:  # pragma: no cover - abstract
-        """The change of parameter ``name`` (value ``p``, gradient ``g``) at learning rate ``lr``."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def update(self, name: str, p: Any, g: Any, lr: float, xp: Any) -> Any:
+        """The change of parameter ``name`` (value ``p``, gradient ``g``) at learning rate ``lr`` (each optimizer's
+        own rule: :class:`Adam`, :class:`AdamW`, :class:`SGD`)."""
 
 
 class Adam(Optimizer):

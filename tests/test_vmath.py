@@ -193,3 +193,33 @@ def test_power_norm_float32_accuracy(p):
     exact = [min(pm * abs(mpmath.mpf(float(v))) ** (pm - 1), F32_MAX) for v in x[0]]
     err = mpmath_ulps(dx, exact)
     assert err.max() <= 2.0, (err.max(), x[0, err.argmax()])
+
+
+@pytest.mark.parametrize("isa, lanes", [("host", None), ("avx2", 8)])
+def test_every_function_vectorizes_on_avx512_and_avx2(isa, lanes):
+    """Each function's array loop compiles to float vectors on this CPU and on an AVX2 CPU without AVX-512 (numba
+    told so by NUMBA_CPU_NAME and NUMBA_CPU_FEATURES, in a process of its own): no libm call or scalar step keeps
+    a loop scalar on either instruction set. AVX2's full width is 8 float32 lanes; the tanh + sech^2 form writes
+    float64 ``sech^2``, so its loop is as wide as the float64 vectors (4)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from pynorm.bench.isa import ISAS
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, **ISAS[isa], "NUMBA_CACHE_DIR": cache}
+        run = subprocess.run(
+            [sys.executable, "-m", "pynorm.bench.isa", "--widths"], env=env, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    widths = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(widths) == {"_vmath.tanh_f32", "_vmath.tanh_sech2", "_vmath.exp2_f32", "_vmath.log2_f32",
+                           "_vmath.spow_f32"}  # fmt: skip
+    for name, width in widths.items():
+        assert width >= 4, f"{name}: its loop is not vectorized on {isa} (widest float vector {width})"
+        if lanes is not None and name != "_vmath.tanh_sech2":
+            assert width == lanes, f"{name}: {width} float32 lanes on {isa}, expected {lanes}"

@@ -40,7 +40,7 @@ __all__ = ["SERIAL_THRESHOLD", "EntryMemo", "get_num_threads", "launch", "set_nu
 #: calls on fewer elements (rows * hidden) than this run on one thread. A hand-off to a pool thread costs a wake-up of
 #: a sleeping thread and its wait for the GIL before its span starts, and the caller's wake-up after it: 60-150 us a
 #: launch on a virtual machine (a bare lock round trip 15-35 us), and a backward makes two or three launches. Measured
-#: on 2 cores (AMD EPYC, AVX2; LayerNorm float32, medians of 200 calls, one thread against two): forward 32 x 4096
+#: on 2 cores (AMD EPYC, AVX-512; LayerNorm float32, medians of 200 calls, one thread against two): forward 32 x 4096
 #: 59 vs 105 us, 128 x 4096 127 vs 146, 256 x 4096 237 vs 255, 512 x 4096 698 vs 305; backward 128 x 4096 250 vs 377,
 #: 256 x 4096 495 vs 496, 512 x 4096 1747 vs 1006. So two threads from 1M elements (4 MiB of float32), where they
 #: are never slower; the old threshold (128K) made calls of 128K-1M elements up to 1.8x slower on two threads.

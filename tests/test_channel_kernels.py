@@ -142,6 +142,27 @@ def test_long_rows(backend: Any, op: str, options: dict, shape: tuple) -> None:
     _compare(backend, op, options, False, x)
 
 
+@pytest.mark.parametrize("kind", ["normal", "offset", "huge"])
+@pytest.mark.parametrize("dt", ["float32", "float64"])
+@pytest.mark.parametrize("s", [1, 7, 8])
+def test_few_positions_per_channel(backend: Any, s: int, dt: str, kind: str) -> None:
+    """``S`` positions per channel on both sides of numba's switch to the table source
+    (``pynorm.backends.numba.stats.TABLE_BELOW_S``: an ``(N, C)`` input is ``S = 1``), the slow path's rows included:
+    the reference's values, and each sample's rows the same alone as in the batch."""
+    _fast(backend)
+    rng = np.random.default_rng(6)
+    x = make_rows(kind, (5, 12, s), np.dtype(dt), rng)
+    _compare(backend, "group_norm", {"num_groups": 3}, False, x)
+    w, b = rng.standard_normal(12).astype(dt), rng.standard_normal(12).astype(dt)
+    dy = rng.standard_normal(x.shape).astype(dt)
+    y, ctx = pynorm.group_norm_forward(backend.asarray(x), backend.asarray(w), backend.asarray(b), num_groups=3)
+    dx = pynorm.group_norm_backward(backend.asarray(dy), ctx).dx
+    y1, ctx1 = pynorm.group_norm_forward(backend.asarray(x[3:4]), backend.asarray(w), backend.asarray(b), num_groups=3)
+    dx1 = pynorm.group_norm_backward(backend.asarray(dy[3:4]), ctx1).dx
+    assert np.array_equal(backend.to_numpy(y)[3:4], backend.to_numpy(y1), equal_nan=True)
+    assert np.array_equal(backend.to_numpy(dx)[3:4], backend.to_numpy(dx1), equal_nan=True)
+
+
 def test_slow_path_rows_next_to_fast_ones(backend: Any) -> None:
     # a group whose float32 sums overflow (the slow path) among ordinary groups: each matches the reference
     _fast(backend)

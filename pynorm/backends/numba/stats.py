@@ -171,6 +171,10 @@ class _Op:
         self._fields = tuple(f.name for f in fields(spec.ctx))
         self._options = spec.defaults()
 
+    def _partials_dtype(self, mdt: np.dtype[Any]) -> np.dtype[Any]:
+        """The parameter-gradient partials' dtype: the math type, float64 where ``xhat`` is not O(1)."""
+        return mdt if self.statistic.normalizes else np.dtype(np.float64)
+
     def __repr__(self) -> str:
         return f"<numba stats op {self.name!r} (variant {self.spec.variant})>"
 
@@ -228,10 +232,6 @@ class StatsOp(_Op):
         wide = np.dtype(x_dtype) == np.float64 or (h_dtype is not None and np.dtype(h_dtype) == np.float64)
         mdt = np.dtype(np.float64) if wide else np.dtype(np.float32)
         return mdt, h_dtype is not None and common.math_dtype(h_dtype) != mdt
-
-    def _partials_dtype(self, mdt: np.dtype[Any]) -> np.dtype[Any]:
-        """The parameter-gradient partials' dtype: the math type, float64 where ``xhat`` is not O(1)."""
-        return mdt if self.statistic.normalizes else np.dtype(np.float64)
 
     def _setup(self, options: dict[str, Any], x_dtype: Any, residual_dtype: Any) -> _Setup:
         """What a forward reads of its options and dtypes alone (kept for the next call with the same ones)."""
@@ -586,6 +586,30 @@ def _backward_split(
 _GROUPS, _USE_STATS, _MOMENTUM = "num_groups", "use_input_stats", "momentum"
 assert {_GROUPS, _USE_STATS, _MOMENTUM} <= set(AFFINES["channel"].options)
 
+#: rows of fewer positions per channel (``S``) than this take the table source (:func:`_as_table`): the channel
+#: kernels' per-channel loops cost some 40 ns a channel, which at ``S = 1`` -- GroupNorm of an ``(N, C)`` input --
+#: made the backward 10-25x slower than LayerNorm's over the same rows. Measured (float32, G = 32, one run, loaded
+#: 2-core AVX-512 machine), channel kernels -> table, forward / backward: (64, 256, 1) 167 -> 107 / 195 -> 244 us,
+#: (16, 4096, 1) 186 -> 51 / 500 -> 113, (256, 1024, 1) 1083 -> 402 / 11930 -> 1009, (32, 256, 4) 108 -> 69 /
+#: 143 -> 142, (16, 256, 8) 62 -> 49 / 83 -> 93, (8, 256, 16) 45 -> 37 / 58 -> 71.
+TABLE_BELOW_S = 8
+
+
+def _as_table(param: Any, groups: int, s: int, mdt: np.dtype[Any]) -> Any:
+    """A channel parameter ``(C,)`` as the table source's ``(G, (C / G) S)`` table of the math type: each channel's
+    value repeated for its ``S`` positions (a group's row is its ``C / G`` channels of ``S`` positions, contiguous),
+    so that row ``i`` (sample ``i // G``'s group ``i % G``) is scaled by table row ``i % G``; None stays None."""
+    vec = common.param(param, mdt)
+    if vec is None:
+        return None
+    table = vec.reshape(groups, -1)
+    return table if s == 1 else np.ascontiguousarray(np.repeat(table, s, axis=1))
+
+
+def _group_ids(rows: int, groups: int) -> np.ndarray:
+    """The table row of each row: ``i % G`` (int64)."""
+    return np.ascontiguousarray(np.tile(np.arange(groups, dtype=np.int64), rows // groups))
+
 
 class ChannelOp(_Op):
     """An op of the statistics family with the channel affine source on this backend: ``x`` is ``(N, C, S)``
@@ -635,6 +659,10 @@ class ChannelOp(_Op):
                 launch(kernels.fwd_given, rows * h, rows, self.stat, xs, plain(aff), (mean, rstd), ys,
                        True if stream else None)  # fmt: skip
             else:
+                if s < TABLE_BELOW_S:  # (few positions per channel: the table source, :data:`TABLE_BELOW_S`)
+                    ids = (_group_ids(rows, groups), groups)
+                    aff = Affine(_as_table(p[self.weight_name], groups, s, mdt),
+                                 _as_table(p.get(self.bias_name), groups, s, mdt), ids)  # fmt: skip
                 forward_rows(self.stat, (xs, None), plain(aff), plain(Conventions.of(kargs)), ys, (mean, rstd), stream)
         values = {**o, **p, self.row: x, **self.statistic.ctx_values(rstd, mean=mean)}
         ctx = filled(self.ctx_type, {f: values[f] for f in self._fields})
@@ -674,6 +702,8 @@ class ChannelOp(_Op):
             xs, dys = common.storage(x).reshape(rows, h), common.storage(dy).reshape(rows, h)
             dxs = common.storage(dx).reshape(rows, h)
             stream = use_stream(dxs)
+            if getattr(ctx, _USE_STATS, True) and s < TABLE_BELOW_S:
+                return self._table_backward(xs, dys, weight, bias, rs, kargs, dx, dxs, (n, c, s, groups), mdt, stream)
             if getattr(ctx, _USE_STATS, True):
                 backward_rows(self.stat, "fused", xs, dys, plain(aff), plain(rs), plain(Conventions.of(kargs)),
                               (dxs, None), (pw, pb), stream)  # fmt: skip
@@ -684,6 +714,33 @@ class ChannelOp(_Op):
             None if part is None or param is None else round_to(part.reshape(n, c).sum(axis=0), param.dtype)
             for part, param in ((pw, weight), (pb, bias))
         ]
+        return self.grads(dx, *grads)
+
+    def _table_backward(
+        self, xs: Any, dys: Any, weight: Any, bias: Any, rs: RowStats, kargs: Any, dx: np.ndarray, dxs: Any,
+        dims: tuple[int, int, int, int], mdt: np.dtype[Any], stream: bool,
+    ) -> Any:  # fmt: skip
+        """The backward of rows of fewer than :data:`TABLE_BELOW_S` positions per channel, on the table source (as
+        :meth:`StatsOp.backward` runs it): ``dweight``/``dbias`` the float64 ``(G, (C / G) S)`` table gradients
+        summed over each channel's ``S`` positions, rounded once."""
+        _, c, s, groups = dims
+        rows, h = xs.shape
+        table = AFFINE_SOURCES["table"]
+        tab, layout = table.layout((_group_ids(rows, groups), groups), rows)
+        pdt = self._partials_dtype(mdt)
+        pw, pb = table.partials(layout, h, pdt, weight), table.partials(layout, h, pdt, bias)
+        backward_rows(
+            self.stat, "fused" if use_fused(rows, h) else "rows", xs, dys,
+            (_as_table(weight, groups, s, mdt), None, tab), plain(rs), plain(Conventions.of(kargs)), (dxs, None),
+            (pw, pb), stream,
+        )  # fmt: skip
+        grads: list[np.ndarray | None] = []
+        for part, param in ((pw, weight), (pb, bias)):
+            if part is None or param is None:
+                grads.append(None)
+                continue
+            full = table.reduce(part, np.empty((groups, h), np.float64), layout)
+            grads.append(round_to(full.reshape(c, s).sum(axis=1), param.dtype))
         return self.grads(dx, *grads)
 
 

@@ -139,9 +139,14 @@ def mark_pending(scale, i, ok):  # type: ignore[no-untyped-def]
 # the 64-byte aligned part of float32 rows; the arithmetic is the plain loops')
 
 
+#: _UNSIGNED: the element loops of :func:`_y_range` and :func:`_dx_range` index with an unsigned copy of the loop
+#: variable. Their ranges start at run-time offsets (a split row's segments, the streamed stores' head and tail), and
+#: numba indexes a signed value through its negative-index wraparound, a select per element that LLVM vectorized as
+#: gathers and scatters at best (the split kernels' writes) or not at all; an unsigned index has no wraparound.
 @jit(FM_SUM, forceinline=True)
 def _y_range(stat, xr, w, b, k, c, r, yr, lo, hi):  # type: ignore[no-untyped-def]
-    for j in range(lo, hi):
+    for i in range(lo, hi):
+        j = np.uint64(i)  # (see _UNSIGNED)
         put_y(yr, j, opt_add(opt_mul(centre(stat, ld(xr[j]), k, c) * r, w, j), b, j))
 
 
@@ -191,7 +196,8 @@ def write_dx(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, stream, lo, hi):  #
 
 @jit(FM_SUM, inline="always")
 def _dx_range(stat, xr, dyr, w, k, c, r, gbar, coef, dxr, er, lo, hi):  # type: ignore[no-untyped-def]
-    for j in range(lo, hi):
+    for i in range(lo, hi):
+        j = np.uint64(i)  # (see _UNSIGNED)
         put(er, dxr, j, dx_elem(stat, xr, dyr, w, k, c, r, gbar, coef, j))
 
 

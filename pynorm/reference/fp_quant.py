@@ -40,6 +40,7 @@ Backward: the straight-through estimator -- the gradient w.r.t. the dequantized 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -64,14 +65,17 @@ __all__ = [
     "tensor_scale",
     "unpack_fp4",
     "unswizzle",
+    "xp_of",
 ]
 
 #: NVFP4's default global scale divisor: ``fmax(e4m3) * fmax(e2m1)``
 NVFP4_GLOBAL = 448.0 * 6.0
 
 
-def encode(v: np.ndarray, el: Element, overflow: str = "saturate") -> np.ndarray:
-    """The ``el`` codes (uint8; 4-bit codes in the low nibble) of the float32 values ``v`` (see the module doc)."""
+def encode(v: np.ndarray, el: Element, overflow: str = "saturate", rounding: str = "rne") -> np.ndarray:
+    """The ``el`` codes (uint8; 4-bit codes in the low nibble) of the float32 values ``v`` (see the module doc).
+    ``rounding="trunc"`` truncates the magnitude instead (toward zero): not a convention of this library, the
+    mistake :func:`pynorm.oracle.check_quantizer` emulates."""
     b = np.ascontiguousarray(v, dtype=np.float32).view(np.uint32).astype(np.int64)
     sign = b >> 31
     a = b & 0x7FFFFFFF
@@ -80,7 +84,10 @@ def encode(v: np.ndarray, el: Element, overflow: str = "saturate") -> np.ndarray
     m = (a & 0x7FFFFF) | 0x800000
     te = np.maximum(e, el.emin)
     shift = np.minimum(23 - el.mbits + (te - e), 26)  # beyond 26 bits the value is below half the least subnormal
-    r = (m + (np.int64(1) << (shift - 1)) - 1 + ((m >> shift) & 1)) >> shift  # round to nearest, ties to even
+    if rounding == "trunc":
+        r = m >> shift
+    else:
+        r = (m + (np.int64(1) << (shift - 1)) - 1 + ((m >> shift) & 1)) >> shift  # round to nearest, ties to even
     code = ((te - el.emin) << el.mbits) + r
     code = np.where(biased == 0, 0, code)  # float32 zeros and subnormals: below every format's least subnormal
     over = code > el.max_code  # (infinity too)
@@ -112,16 +119,29 @@ def _table(el: Element) -> np.ndarray:
 _TABLES = {name: _table(el) for name, el in ELEMENTS.items()}
 
 
+def xp_of(a: Any) -> Any:
+    """The array module of ``a``: CuPy for a CuPy array (a GPU backend's results laid out by this module's integer
+    code), else NumPy."""
+    mod = type(a).__module__
+    if mod.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
 def decode(codes: np.ndarray, el: Element) -> np.ndarray:
     """The float32 values of ``el`` codes (uint8; 4-bit codes in the low nibble)."""
-    return _TABLES[el.name][np.asarray(codes, dtype=np.uint8) & ((1 << el.nbits) - 1)]
+    xp = xp_of(codes)
+    return xp.asarray(_TABLES[el.name])[xp.asarray(codes, dtype=np.uint8) & ((1 << el.nbits) - 1)]  # type: ignore[no-any-return]
 
 
 def decode_e8m0(codes: np.ndarray) -> np.ndarray:
     """E8M0 scale codes to float32: ``2^(code - 127)``, NaN for ``0xFF``."""
-    c = np.asarray(codes, dtype=np.uint8)
-    v = np.ldexp(np.float64(1.0), c.astype(np.int64) - 127)
-    return np.where(c == 0xFF, np.nan, v).astype(np.float32)
+    xp = xp_of(codes)
+    c = xp.asarray(codes, dtype=np.uint8)
+    v = xp.ldexp(xp.ones(c.shape, dtype=np.float64), c.astype(np.int64) - 127)
+    return xp.where(c == 0xFF, np.nan, v).astype(np.float32)  # type: ignore[no-any-return]
 
 
 def mx_exponent(amax: np.ndarray, el: Element, rule: str) -> np.ndarray:
@@ -185,15 +205,36 @@ def _expand(s: np.ndarray, block: int, h: int) -> np.ndarray:
     return np.repeat(s, block, axis=1)[:, :h]
 
 
-def quantize_rows(y: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray, Any]:
+def quantize_rows(
+    y: np.ndarray, spec: QuantSpec, emulate: Mapping[str, Any] | None = None
+) -> tuple[np.ndarray, np.ndarray, Any]:  # fmt: skip
     """``(codes, scales, global_scale)`` of the ``(R, H)`` array ``y``: codes ``(R, H)`` uint8 (unpacked), scales
     row-major float32 ``(1,)``/``(R,)``/``(R, groups)`` or the block formats' ``(R, blocks)`` uint8 codes, the
-    NVFP4 global scale (a float32) or None."""
+    NVFP4 global scale (a float32) or None.
+
+    ``emulate``: mistakes of other implementations, for :func:`pynorm.oracle.check_quantizer` only --
+    ``rounding="trunc"`` (elements truncated), ``amax_block`` (a block's ``amax`` taken over its first
+    ``amax_block`` elements only, or ``"row"``: over the whole row), ``no_global=True`` (NVFP4's global scale
+    ignored: 1)."""
+    em = dict(emulate or {})
+    rounding = em.get("rounding", "rne")
     fmt = spec.fmt
     el = fmt.element
     with np.errstate(all="ignore"):
         y32 = np.asarray(y).astype(np.float32)
     r, h = y32.shape
+
+    def amax_of(block: int) -> np.ndarray:
+        wrong = em.get("amax_block")
+        if wrong == "row":
+            return np.repeat(block_amax(y32, max(h, 1)), -(-h // block), axis=1)
+        if wrong is not None and wrong < block:
+            nb = -(-h // block)
+            part = np.zeros((r, nb * block), dtype=np.float32)
+            part[:, :h] = np.where(np.isnan(y32), np.float32(0), np.abs(y32))
+            return part.reshape(r, nb, block)[:, :, :wrong].max(axis=2, initial=np.float32(0))
+        return block_amax(y32, block)
+
     with np.errstate(all="ignore"):
         if fmt.kind == "scaled":
             if spec.scale is not None or spec.scaling == "tensor":
@@ -201,34 +242,34 @@ def quantize_rows(y: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarra
                 s = scales.reshape(1, 1)
             else:
                 block = spec.block_size(h)
-                s = _scaled_scale(block_amax(y32, block), el)
+                s = _scaled_scale(amax_of(block), el)
                 scales = s.reshape(r) if spec.scaling == "row" else s
             full = s if s.shape[0] == 1 and s.shape[1] == 1 else _expand(s, spec.block_size(h), h)
-            codes = encode(y32 / full, el, spec.overflow)
+            codes = encode(y32 / full, el, spec.overflow, rounding)
             return codes, scales, None
         block = fmt.block
-        am = block_amax(y32, block)
+        am = amax_of(block)
         if fmt.kind == "mx":
             sc = mx_exponent(am, el, spec.scale_rule)
             e = _expand(sc.astype(np.int64) - 127, block, h)
             v = np.ldexp(y32.astype(np.float64), -e).astype(np.float32)
-            codes = encode(v, el, spec.overflow)
+            codes = encode(v, el, spec.overflow, rounding)
             codes = np.where(_expand(sc, block, h) == 0xFF, np.uint8(0), codes)
             return codes, sc, None
-        g = nvfp4_global(finite_amax(y32), spec.global_scale)
+        g = np.float32(1) if em.get("no_global") else nvfp4_global(finite_amax(y32), spec.global_scale)
         e4 = ELEMENTS["e4m3"]
         sb = encode((am / np.float32(6)) / g, e4, "saturate")
         big = decode(sb, e4) * g
         S = _expand(big, block, h)
         ok = (S > 0) & np.isfinite(S)
         v = np.where(ok, y32 / np.where(ok, S, np.float32(1)), np.float32(0)).astype(np.float32)
-        return encode(v, el, "saturate"), sb, np.float32(g)
+        return encode(v, el, "saturate", rounding), sb, np.float32(g)
 
 
 def pack_fp4(codes: np.ndarray, order: str = "low_first") -> np.ndarray:
     """``(R, H)`` 4-bit codes packed two per byte: ``(R, ceil(H / 2))`` uint8."""
     r, h = codes.shape
-    c = np.zeros((r, h + (h & 1)), dtype=np.uint8)
+    c = xp_of(codes).zeros((r, h + (h & 1)), dtype=np.uint8)
     c[:, :h] = codes & 0xF
     even, odd = c[:, 0::2], c[:, 1::2]
     return (even | (odd << 4)) if order == "low_first" else ((even << 4) | odd)
@@ -256,9 +297,10 @@ def swizzle(s: np.ndarray) -> np.ndarray:
     """The ``(R, C)`` block scales in the 128 x 4 swizzled layout: a flat array of ``128 ceil(R/128) * 4 ceil(C/4)``
     elements, zeros in the padding."""
     rows, cols = s.shape
-    out = np.zeros(128 * -(-rows // 128) * 4 * -(-cols // 4), dtype=s.dtype)
-    out[swizzle_index(rows, cols)] = s
-    return out
+    xp = xp_of(s)
+    out = xp.zeros(128 * -(-rows // 128) * 4 * -(-cols // 4), dtype=s.dtype)
+    out[xp.asarray(swizzle_index(rows, cols))] = s
+    return out  # type: ignore[no-any-return]
 
 
 def unswizzle(flat: np.ndarray, rows: int, cols: int) -> np.ndarray:

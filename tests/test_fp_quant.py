@@ -432,3 +432,41 @@ def test_check_quantizer_cli(tmp_path: Any, capsys: Any) -> None:
     assert "[scale_rule_ceil]" in capsys.readouterr().out
     assert check_main([f"{mod}:good", "--quant", "mxfp4", "--quant-option", "scale_rule=ceil"]) == 0
     assert check_main([f"{mod}:good", "--quant", "fp5"]) == 2
+
+
+def test_quantizer_golden_vectors(tmp_path: Any) -> None:
+    import json
+
+    from pynorm.oracle import read_vectors, schema, verify_vectors, write_vectors
+    from pynorm.oracle.cli import vectors_main
+
+    assert vectors_main(["--out", str(tmp_path), "--ops", "fp_quant"]) == 0
+    doc = json.loads((tmp_path / "fp_quant.json").read_text())
+    assert {r["format"] for r in doc["vectors"]} == set(FORMATS)
+    assert len({r["id"] for r in doc["vectors"]}) == len(doc["vectors"])
+    try:
+        import jsonschema
+    except ImportError:
+        pass
+    else:
+        jsonschema.validate(doc, schema())
+    docs = read_vectors(tmp_path)
+    assert verify_vectors(docs) == []
+    rec = next(r for r in docs[0]["vectors"] if r["format"] == "mxfp4" and r["kind"] == "ties")
+    rec["outputs"]["codes"][0, 1] ^= 0x10  # one nibble changed
+    assert verify_vectors(docs) == [f"{rec['id']}: codes differs from the vector"]
+    files = write_vectors(tmp_path / "npz", ["fp_quant"], fmt="npz")
+    assert verify_vectors(read_vectors(files[0])) == []
+
+
+def test_bench_case_of_a_quantized_output() -> None:
+    from pynorm.bench.cases import make_case, op_bytes, quantized_names
+
+    assert "rms_norm:nvfp4" in quantized_names() and "add_layer_norm:fp8_e5m2" in quantized_names()
+    case = make_case("rms_norm:nvfp4", (8, 64))
+    assert case.required["quantize"] == QuantSpec("nvfp4")
+    plain = op_bytes(make_case("rms_norm", (8, 64)))["fwd"]
+    # y (8 x 64 float32) replaced by 8 x 32 packed codes, 8 x 4 E4M3 scales and the float32 global scale
+    assert op_bytes(case)["fwd"] == plain - 8 * 64 * 4 + 8 * 32 + 8 * 4 + 4
+    with pytest.raises(KeyError):
+        make_case("dyt:mxfp4", (8, 64))

@@ -195,6 +195,21 @@ class QuantSpec:
             return f.block
         return self.group_size if self.scaling == "group" else hidden
 
+    def output_nbytes(self, rows: int, hidden: int) -> int:
+        """The bytes of the codes and scales of ``rows`` rows of ``hidden`` elements (in this spec's layout)."""
+        f = self.fmt
+        codes = rows * (-(-hidden // 2) if f.packed else hidden)
+        if f.kind == "scaled":
+            n = (
+                1
+                if (self.scale is not None or self.scaling == "tensor")
+                else rows * -(-hidden // self.block_size(hidden))
+            )
+            return codes + 4 * n
+        nb = -(-hidden // f.block)
+        n = rows * nb if self.scale_layout == "row_major" else 128 * -(-rows // 128) * 4 * -(-nb // 4)
+        return codes + n * (4 if self.scale_dtype == "float32" else 1) + (4 if f.kind == "nvfp4" else 0)
+
 
 class Quantized(NamedTuple):
     """A quantized array: what ``quantize=`` makes a norm return (and :func:`pynorm.quantize`).

@@ -223,7 +223,7 @@ def vectors_main(argv: list[str]) -> int:
     g.add_argument("--out", metavar="DIR", help="directory to write to")
     g.add_argument("--verify", metavar="DIR", help="recompute the vectors of DIR (or one file) with the reference")
     p.add_argument("--format", choices=["json", "npz"], default="json")
-    p.add_argument("--ops", nargs="*", help="ops to write (default: every op)")
+    p.add_argument("--ops", nargs="*", help="ops to write (default: every op); fp_quant: the FP8 / FP4 quantizer's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--large-hidden",

@@ -61,6 +61,7 @@ __all__ = [
     "quantize",
     "quantize_rows",
     "rows_of",
+    "scales_in_layout",
     "swizzle",
     "tensor_scale",
     "unpack_fp4",
@@ -311,15 +312,21 @@ def unswizzle(flat: np.ndarray, rows: int, cols: int) -> np.ndarray:
 def layout(codes: np.ndarray, scales: np.ndarray, g: Any, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray, Any]:
     """Codes and scales of :func:`quantize_rows` in the spec's layout (FP4 packed; block scales as float32 values
     and/or swizzled), still with ``R`` rows."""
-    fmt = spec.fmt
-    if fmt.packed:
+    if spec.fmt.packed:
         codes = pack_fp4(codes, spec.nibble_order)
+    return codes, scales_in_layout(scales, spec), g
+
+
+def scales_in_layout(scales: np.ndarray, spec: QuantSpec) -> np.ndarray:
+    """Row-major scales (a block format's codes) in the spec's layout: their float32 values (``scale_dtype``)
+    and/or swizzled (``scale_layout``)."""
+    fmt = spec.fmt
     if fmt.kind != "scaled":
         if spec.scale_dtype == "float32":
             scales = decode_e8m0(scales) if fmt.kind == "mx" else decode(scales, ELEMENTS["e4m3"])
         if spec.scale_layout == "swizzled":
             scales = swizzle(scales)
-    return codes, scales, g
+    return scales
 
 
 def quantized(

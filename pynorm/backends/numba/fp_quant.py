@@ -51,32 +51,26 @@ def _bits(v):  # type: ignore[no-untyped-def]
 def _encode(b, mbits, emin, max_code, sign_shift, over, nan):  # type: ignore[no-untyped-def]
     """The code of the float32 bits ``b`` (int64) in the element format (``over``: the code of a value beyond the
     largest finite one, ``max_code`` when saturating; ``nan``: the code of NaN) -- the reference's
-    :func:`~pynorm.reference.fp_quant.encode`."""
+    :func:`~pynorm.reference.fp_quant.encode`, branch-free (selects only: the loops calling it vectorize)."""
     a = b & 0x7FFFFFFF
-    if a > 0x7F800000:
-        return np.uint8(nan)
     biased = a >> 23
-    if biased == 0:
-        code = np.int64(0)
-    else:
-        e = biased - 127
-        m = (a & 0x7FFFFF) | 0x800000
-        te = e if e > emin else np.int64(emin)
-        shift = 23 - mbits + (te - e)
-        if shift > 26:
-            shift = 26
-        r = (m + (np.int64(1) << (shift - 1)) - 1 + ((m >> shift) & 1)) >> shift
-        code = ((te - emin) << mbits) + r
-        if code > max_code:
-            code = np.int64(over)
-    return np.uint8(code | ((b >> 31) << sign_shift))
+    e = biased - 127
+    m = (a & 0x7FFFFF) | 0x800000
+    te = max(e, np.int64(emin))
+    shift = min(23 - mbits + (te - e), np.int64(26))  # (float32 zeros and subnormals: replaced below)
+    r = (m + (np.int64(1) << (shift - 1)) - 1 + ((m >> shift) & 1)) >> shift
+    code = ((te - emin) << mbits) + r
+    code = np.int64(over) if code > max_code else code
+    code = np.int64(0) if biased == 0 else code
+    code = code | ((b >> 31) << sign_shift)
+    return np.uint8(np.int64(nan) if a > 0x7F800000 else code)
 
 
 @jit(inline="always")
-def _block_amax(br, lo, hi):  # type: ignore[no-untyped-def]
-    """The largest magnitude's bits of ``br[lo:hi]`` (NaN ignored: their bits count as 0)."""
+def _block_amax(br):  # type: ignore[no-untyped-def]
+    """The largest magnitude's bits of ``br`` (NaN ignored: their bits count as 0)."""
     m = np.uint32(0)
-    for j in range(lo, hi):
+    for j in range(br.shape[0]):
         u = br[j] & np.uint32(0x7FFFFFFF)
         m = max(m, u if u <= np.uint32(0x7F800000) else np.uint32(0))
     return np.int64(m)
@@ -109,9 +103,10 @@ def _mx_code(ab, emax, mt, ceil):  # type: ignore[no-untyped-def]
 
 
 @jit()
-def fpq_rows(bits, kind, el, block, s_tensor, ceil, g, e4m3, codes, sf, sc, lo, hi):  # type: ignore[no-untyped-def]
+def fpq_rows(bits, kind, el, block, s_tensor, ceil, g, e4m3, pack, codes, sf, sc, lo, hi):  # type: ignore[no-untyped-def]
     """Rows ``lo <= i < hi`` of the float32 bits ``bits`` (``(R, H)`` uint32) quantized: ``codes`` (``(R, H)``
-    uint8, unpacked), per block float32 scales ``sf`` (FP8) or codes ``sc`` (MX, NVFP4), ``(R, blocks)``.
+    uint8; with ``pack`` 1 or 2, ``(R, ceil(H / 2))``, two codes a byte, the even one in the low (1) or high (2)
+    nibble), per block float32 scales ``sf`` (FP8) or codes ``sc`` (MX, NVFP4), ``(R, blocks)``.
 
     ``el``: the element format ``(mbits, emin, max_code, sign_shift, over, nan, emax, mt)``; ``s_tensor`` the
     tensor's float32 scale (0: per block), ``g`` NVFP4's global scale, ``e4m3`` the E4M3 codes' float32 values."""
@@ -120,48 +115,65 @@ def fpq_rows(bits, kind, el, block, s_tensor, ceil, g, e4m3, codes, sf, sc, lo, 
     nb = (h + block - 1) // block
     fmax = np.float64(_f32(((emax + 127) << 23) | (mt & 0x7FFFFF)))
     gd = np.float64(g)
+    row = np.zeros(h + 1, dtype=np.uint8)  # one row's codes (a zero nibble after an odd row's last)
     for i in range(lo, hi):
-        br = bits[i]
-        cr = codes[i]
         for k in range(nb):
             j0 = k * block
             j1 = min(j0 + block, h)
+            bb = bits[i, j0:j1]  # (views from 0: the element loops below vectorize)
+            cb = row[j0:j1]
             if kind == SCALED:
                 s = s_tensor
                 if s == 0:
-                    s = np.float32(np.float64(_f32(_block_amax(br, j0, j1))) / fmax)
+                    s = np.float32(np.float64(_f32(_block_amax(bb))) / fmax)
                     if not (s > 0 and s < np.inf):
                         s = np.float32(1.0)
                 sf[i, k] = s
-                sd = np.float64(s)
-                for j in range(j0, j1):
-                    v = np.float32(np.float64(_f32(np.int64(br[j]))) / sd)
-                    cr[j] = _encode(_bits(v), mbits, emin, max_code, sign_shift, over, nan)
+                _divided(bb, cb, s, el)
             elif kind == MX:
-                c = _mx_code(_block_amax(br, j0, j1), emax, mt, ceil)
+                c = _mx_code(_block_amax(bb), emax, mt, ceil)
                 sc[i, k] = np.uint8(c)
                 if c == 255:
-                    for j in range(j0, j1):
-                        cr[j] = 0
+                    cb[:] = 0
                     continue
                 mul = _f64_pow2(127 - c)
-                for j in range(j0, j1):
-                    v = np.float32(np.float64(_f32(np.int64(br[j]))) * mul)
-                    cr[j] = _encode(_bits(v), mbits, emin, max_code, sign_shift, over, nan)
+                for j in range(cb.shape[0]):
+                    v = np.float32(np.float64(_f32(np.int64(bb[j]))) * mul)
+                    cb[j] = _encode(np.int64(_f32_bits(v)), mbits, emin, max_code, sign_shift, over, nan)
             else:
-                d = np.float32(np.float64(_f32(_block_amax(br, j0, j1))) / 6.0)
+                d = np.float32(np.float64(_f32(_block_amax(bb))) / 6.0)
                 t = np.float32(np.float64(d) / gd)
                 sb = _encode(_bits(t), 3, -6, 0x7E, 7, 0x7E, 0x7F)
                 sc[i, k] = sb
                 big = np.float32(np.float64(e4m3[sb]) * gd)
-                ok = big > 0 and big < np.inf
-                bd = np.float64(big)
-                for j in range(j0, j1):
-                    if ok:
-                        v = np.float32(np.float64(_f32(np.int64(br[j]))) / bd)
-                        cr[j] = _encode(_bits(v), mbits, emin, max_code, sign_shift, over, nan)
-                    else:
-                        cr[j] = 0
+                if big > 0 and big < np.inf:
+                    _divided(bb, cb, big, el)
+                else:
+                    cb[:] = 0
+        _store(row, codes[i], pack)
+
+
+@jit(inline="always")
+def _store(row, out, pack):  # type: ignore[no-untyped-def]
+    """A row's codes into its output row: as they are, or packed two a byte (``pack`` 1: the even code in the low
+    nibble, 2: in the high one)."""
+    if pack == 0:
+        for j in range(out.shape[0]):
+            out[j] = row[j]
+        return
+    lo_shift = 0 if pack == 1 else 4
+    hi_shift = 4 - lo_shift
+    for k in range(out.shape[0]):
+        out[k] = np.uint8(((row[2 * k] & 0xF) << lo_shift) | ((row[2 * k + 1] & 0xF) << hi_shift))
+
+
+@jit(inline="always")
+def _divided(bb, cb, sd, el):  # type: ignore[no-untyped-def]
+    """``cb`` = the codes of the float32 quotients ``bb / sd`` (``bb``: bits, ``sd`` a float32; one rounding each)."""
+    mbits, emin, max_code, sign_shift, over, nan = el[0], el[1], el[2], el[3], el[4], el[5]
+    for j in range(cb.shape[0]):
+        v = _f32(np.int64(bb[j])) / sd  # a float32 quotient, correctly rounded (IEEE division, no fastmath)
+        cb[j] = _encode(np.int64(_f32_bits(v)), mbits, emin, max_code, sign_shift, over, nan)
 
 
 @jit(inline="always")
@@ -174,7 +186,7 @@ def _f64_pow2(e):  # type: ignore[no-untyped-def]
 def row_amax(bits, amax, lo, hi):  # type: ignore[no-untyped-def]
     """``amax[i]`` = the bits of row ``i``'s largest magnitude (NaN ignored), rows ``lo <= i < hi``."""
     for i in range(lo, hi):
-        amax[i] = _block_amax(bits[i], 0, bits.shape[1])
+        amax[i] = _block_amax(bits[i])
 
 
 def _element_args(spec: QuantSpec) -> tuple[int, ...]:
@@ -209,13 +221,14 @@ def quantize(y: Any, spec: QuantSpec, axis: int = -1) -> Quantized:
         s_tensor = ref.tensor_scale(_tensor_amax(bits), spec)[0]
     if fmt.kind == "nvfp4":
         g = ref.nvfp4_global(_tensor_amax(bits) if spec.global_scale is None else 0, spec.global_scale)
-    codes = np.empty((r, h), dtype=np.uint8)
+    pack = 0 if not fmt.packed else (1 if spec.nibble_order == "low_first" else 2)
+    codes = np.empty((r, -(-h // 2) if pack else h), dtype=np.uint8)
     sf = np.empty((r, nb) if fmt.kind == "scaled" else (0, 0), dtype=np.float32)
     sc = np.empty((r, nb) if fmt.kind != "scaled" else (0, 0), dtype=np.uint8)
     if r:
         launch(
             fpq_rows, bits.size, r, bits, _KINDS[fmt.kind], _element_args(spec), block, s_tensor,
-            spec.scale_rule == "ceil", g, _E4M3_TABLE, codes, sf, sc,
+            spec.scale_rule == "ceil", g, _E4M3_TABLE, pack, codes, sf, sc,
         )  # fmt: skip
     scales: np.ndarray
     if fmt.kind == "scaled":
@@ -223,8 +236,8 @@ def quantize(y: Any, spec: QuantSpec, axis: int = -1) -> Quantized:
         scales = np.full(1, s_tensor, np.float32) if s_tensor != 0 else (sf.reshape(r) if per_row else sf)
     else:
         scales = sc
-    codes2, scales2, g2 = ref.layout(codes, scales, g if fmt.kind == "nvfp4" else None, spec)
-    return ref.quantized(codes2, scales2, g2, y, spec, tuple(y.shape), lead)
+    g2 = g if fmt.kind == "nvfp4" else None
+    return ref.quantized(codes, ref.scales_in_layout(scales, spec), g2, y, spec, tuple(y.shape), lead)
 
 
 def dequantize(q: Quantized) -> np.ndarray:

@@ -346,3 +346,15 @@ def test_bench_case_of_a_quantized_output() -> None:
     assert op_bytes(case)["fwd"] == plain - 8 * 64 * 4 + 8 * 32 + 8 * 4 + 4
     with pytest.raises(KeyError):
         make_case("dyt:mxfp4", (8, 64))
+
+
+def test_layer_forward_takes_quantize_per_call() -> None:
+    from pynorm.layers import RMSNorm
+
+    layer = RMSNorm(48, backend="numpy")
+    x = np.random.default_rng(8).standard_normal((3, 48)).astype(np.float32)
+    q, ctx = layer.forward(x, quantize=QuantSpec("mxfp8_e5m2", keep_y=True))
+    assert isinstance(q, pynorm.Quantized) and q.scales.shape == (3, 2)
+    assert np.array_equal(q.codes, ref.quantize(q.y, QuantSpec("mxfp8_e5m2")).codes)
+    _, ctx2 = layer.forward(x)
+    assert np.array_equal(layer.backward(np.ones_like(x), ctx), layer.backward(np.ones_like(x), ctx2))

@@ -86,8 +86,9 @@ def _check_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quant",
         metavar="FORMAT",
-        help="check an FP8/FP4 quantizer instead, f(y) -> (codes, scales[, global_scale]): fp8_e4m3, fp8_e5m2, "
-        "mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4 (docs/norms/quantized_outputs.md)",
+        help="check an FP8/FP4 quantizer instead, f(y) -> (codes, scales[, global_scale]) (with --op: a fused norm + "
+        "quantize, f(x, *inputs, *params, **conventions)): fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4 "
+        "(docs/norms/quantized_outputs.md)",
     )
     p.add_argument(
         "--quant-option",
@@ -195,17 +196,23 @@ def check_main(argv: list[str]) -> int:
 
 
 def _quant_main(args: argparse.Namespace) -> int:
-    """``python -m pynorm check MODULE:FUNCTION --quant FORMAT [--quant-option K=V ...]``."""
+    """``python -m pynorm check MODULE:FUNCTION --quant FORMAT [--quant-option K=V ...] [--op OP]``: a quantizer of
+    ``y``, or with ``--op`` a fused norm + quantize of ``x`` (``--convention``: the norm's options)."""
     from ..ops.fp_quant import QuantSpec
     from .quant_check import check_quantizer
 
     try:
         spec = QuantSpec(args.quant, **parse_conventions(args.quant_option, "--quant-option"))
         fn = load_target(args.target)
+        conv = parse_conventions(args.convention)
     except (UsageError, PynormError, TypeError) as e:
         print(f"python -m pynorm check: error: {e}", file=sys.stderr)
         return 2
-    report = check_quantizer(fn, spec, seed=args.seed)
+    try:
+        report = check_quantizer(fn, spec, op=args.op, conventions=conv, seed=args.seed)
+    except ArgumentError as e:
+        print(f"python -m pynorm check: error: {e}", file=sys.stderr)
+        return 2
     print(report)
     return 0 if report.passed else 1
 

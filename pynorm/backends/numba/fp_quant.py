@@ -5,12 +5,14 @@
 One kernel, :func:`fpq_rows`, quantizes rows of float32 ``y`` (passed as their ``uint32`` bits: one signature
 whatever ``y``'s dtype): per block (the row, a group, an MX or NVFP4 block) the exact ``amax`` as an integer
 maximum of the bits, the block's scale, then each element scaled and encoded by integer rounding
-(:func:`_encode`: round to nearest even on the bits, no libm). Each float32 operation of the reference is computed
-in float64 and rounded once to float32 -- the same correctly rounded result as the float32 operation, as a
-quotient or product of two float32s is exact to well within float64's precision. So the codes and scales are
-bitwise the reference's. Rows are independent tasks (:func:`._threads.launch`); a per-tensor scale and NVFP4's
-global scale take a first pass of the rows' ``amax`` (:func:`row_amax`; their maximum is exact in any order).
-Packing FP4 codes and swizzling scales are the reference's integer layout code.
+(:func:`_encode`: round to nearest even on the bits, branch-free, no libm). Each float32 operation of the reference
+is a float32 operation here (IEEE, compiled without fastmath) or computed in float64 and rounded once to float32 --
+the same correctly rounded result, as a quotient or product of two float32s is exact to well within float64's
+precision. So the codes and scales are bitwise the reference's. The element loops run over views starting at 0
+(they vectorize); each row's codes go through a scratch row, FP4 packed from it. Rows are independent tasks
+(:func:`._threads.launch`); a per-tensor scale and NVFP4's global scale take a first pass of the rows' ``amax``
+(:func:`row_amax`; their maximum is exact in any order). Swizzling block scales is the reference's integer layout
+code.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from ._registry import (
     use_backend,
 )
 from .errors import *  # noqa: F403  (every error and warning class)
+from .fpquant import Quantized, QuantSpec, dequantize, quantize
 from .functional import *  # noqa: F403  (every op's three functions and gradient tuple, and Context)
 
 __version__ = "0.1.0"
@@ -32,12 +33,16 @@ __all__ = [
     *errors.__all__,
     "Backend",
     "BackendInfo",
+    "QuantSpec",
+    "Quantized",
     "__version__",
     "add_op",
     "deepnorm_constants",  # noqa: F405  (lazy: pynorm.deepnorm)
+    "dequantize",
     "get_num_threads",
     "list_backends",
     "list_ops",
+    "quantize",
     "register_backend",
     "remove_op",
     "set_num_threads",

@@ -36,6 +36,7 @@ from . import functional as F
 from ._dtypes import FLOAT_DTYPES, dtype_of
 from .errors import ArgumentError, DTypeError, ShapeError
 from .ops import REQUIRED, SPECS, OpSpec, check_positive_int, check_real
+from .ops.fp_quant import QUANTIZE
 
 
 def _shape(normalized_shape: Any) -> tuple[int, ...]:
@@ -84,7 +85,7 @@ class Layer:
             eps = None if getattr(cls, "kinds", None) else defaults["eps"]
             params.append(P("eps", P.POSITIONAL_OR_KEYWORD, default=eps))
         skip = ("eps", "return_norm", *cls.managed)
-        kw: dict[str, Any] = {o.name: o.default for o in spec.options if o.name not in skip}
+        kw: dict[str, Any] = {o.name: o.default for o in spec.options if o.name not in skip and o is not QUANTIZE}
         if any(p.kind in ("feature", "table", "channel") and not p.required for p in spec.params):
             kw["elementwise_affine"] = True
         kw |= {p.name: True for p in spec.params if not p.required and p.name not in cls.flags.values()}

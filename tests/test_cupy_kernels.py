@@ -259,8 +259,10 @@ def test_instantiations_are_what_the_specs_declare():
     ew = _loader.instantiations("elementwise.cu")
     assert len(ew) == 2 * 2 * 9 and "pynorm::ew_bwd<__half, float, pynorm::SignedPower>" in ew
     quant = _loader.instantiations("quantize.cu")
-    # quant_int8 reads its parameters in an accumulation type; the other three take every float type
-    assert len(quant) == 2 + 3 * 4 and "pynorm::quant_int8<double>" in quant
+    # quant_int8 reads its parameters in an accumulation type; the other five (the FP8/FP4 quantizer's
+    # quant_fp_rows and quant_fp_amax among them) take every float type
+    assert len(quant) == 2 + 5 * 4 and "pynorm::quant_int8<double>" in quant
+    assert "pynorm::quant_fp_rows<__nv_bfloat16>" in quant
     assert "pynorm::quant_int8<__half>" not in quant and "pynorm::quant_float<__nv_bfloat16>" in quant
     assert _loader.spec_instantiations(ops.QUANT_LAYER_NORM) == [(t,) for t in _loader.CUDA_TYPES]
     intype = _loader.instantiations("intype.cu")

@@ -10,6 +10,7 @@ Everything it times comes from the op specs (:data:`pynorm.ops.SPECS`): the ops,
   forward + backward (output buffers passed as ``out=``/``dx_out=``) and the allocating forward; then the first
   call of each op in a fresh process with a warm numba cache and, unless ``--no-cold``, an empty one;
 * ``--ops``: every op on one shape (``--ops-shape``, default 4096x4096), forward and forward + backward;
+  ``--only rms_norm:nvfp4,...`` adds the norms with a quantized output (bytes: the codes and scales written);
 * ``--small``: the fixed costs, microseconds per small call (``--small-shape``, default 4x8) of every op;
 * ``--compile``: the first forward + backward of every op and dtype in a fresh process, with an empty numba
   cache and then with the cache it filled;
@@ -81,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cold", action="store_true", help="skip the cold-cache first-call measurement")
     p.add_argument("--only", default="", metavar="OPS",
                    help="comma-separated ops (default: layer_norm,rms_norm for the default run; every op of the numba "
-                   "backend for --ops, --small and --compile)")  # fmt: skip
+                   "backend for --ops, --small and --compile); op:format times a norm with a quantized output "
+                   "(rms_norm:nvfp4; formats fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4)")  # fmt: skip
     p.add_argument(
         "--ops",
         action="store_true",
@@ -124,8 +126,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _op_list(p: argparse.ArgumentParser, option: str, text: str, allowed: tuple[str, ...]) -> list[str] | None:
+    from .cases import quantized_names
+
     names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [n for n in names if n not in allowed]
+    bad = [n for n in names if n not in allowed and not (option == "--only" and n in quantized_names())]
     if bad:
         p.error(f"{option}: unknown op(s) {', '.join(bad)} (the numba backend's ops: {', '.join(allowed)})")
     return names or None

@@ -28,7 +28,8 @@ import numpy as np
 from ..ops import REQUIRED, SPECS, OpSpec
 
 __all__ = [
-    "TORCH_BASELINES", "Case", "TorchBaseline", "call_args", "make_case", "op_bytes", "pynorm_calls", "x_shape_of",
+    "QUANTIZED_OPS", "TORCH_BASELINES", "Case", "TorchBaseline", "call_args", "make_case", "op_bytes", "pynorm_calls",
+    "quantized_names", "x_shape_of",
 ]  # fmt: skip
 
 #: the dtype of ``x`` in the throughput cases
@@ -61,8 +62,12 @@ class Case:
 
     @property
     def required(self) -> dict[str, Any]:
-        """The options a call must pass (those without a default: GroupNorm's ``num_groups``)."""
-        return {k: self.options[k] for k, d in self.spec.defaults().items() if d is REQUIRED}
+        """The options a call must pass (those without a default: GroupNorm's ``num_groups``; the ``quantize``
+        spec of an ``op:format`` case)."""
+        out = {k: self.options[k] for k, d in self.spec.defaults().items() if d is REQUIRED}
+        if self.options.get("quantize") is not None:
+            out["quantize"] = self.options["quantize"]
+        return out
 
     @property
     def named(self) -> dict[str, Any]:
@@ -91,12 +96,24 @@ def x_shape_of(spec: OpSpec, shape: tuple[int, int]) -> tuple[int, ...]:
     return (rows // c, c, hidden)
 
 
+#: the ops with a quantized output mode, benchmarked as ``op:format`` (``rms_norm:nvfp4``)
+QUANTIZED_OPS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
+
+
+def quantized_names() -> tuple[str, ...]:
+    """Every ``op:format`` name: the ops of :data:`QUANTIZED_OPS` with each FP8 / FP4 format's output."""
+    from ..ops.fp_quant import FORMATS
+
+    return tuple(f"{op}:{fmt}" for op in QUANTIZED_OPS for fmt in FORMATS)
+
+
 def make_case(op: str, shape: tuple[int, int], seed: int = 0, dtype: Any = DTYPE) -> Case:
     """The case of op ``op`` (a name of :data:`pynorm.ops.SPECS`) on float32 ``x`` of ``shape``.
 
     Parameters
     ----------
-    op : the op's name.
+    op : the op's name; ``op:format`` (``rms_norm:mxfp4``, :func:`quantized_names`): the op with its output
+        quantized (``quantize=QuantSpec(format)``, FP8 per row).
     shape : ``(rows, hidden)``; a rows-layout op normalizes the last axis, a channels-layout op reads ``x`` as
         :func:`x_shape_of` says.
     seed : the random generator's seed; equal seeds give equal arrays in every process.
@@ -109,7 +126,8 @@ def make_case(op: str, shape: tuple[int, int], seed: int = 0, dtype: Any = DTYPE
         required option (GroupNorm's ``num_groups``, BatchNorm's ``training``) taken from the spec's first test
         case.
     """
-    spec = SPECS[op]
+    name, _, fmt = op.partition(":")
+    spec = SPECS[name]
     xs = x_shape_of(spec, shape)
     axis = -1 if spec.layout == "rows" else 1
     rng = np.random.default_rng(seed)
@@ -118,6 +136,12 @@ def make_case(op: str, shape: tuple[int, int], seed: int = 0, dtype: Any = DTYPE
     defaults = spec.defaults()
     first = spec.cases[0] if spec.cases else {}
     options = {**defaults, **{k: v for k, v in first.items() if defaults[k] is REQUIRED}}
+    if fmt:
+        from ..ops.fp_quant import QuantSpec
+
+        if name not in QUANTIZED_OPS:
+            raise KeyError(f"{name} has no quantized output mode")
+        options["quantize"] = QuantSpec(fmt)
     args = spec.example_args(xs, axis, dt, rng, options=options)
     yshape = spec.output_shape(xs, axis, dict(zip((*spec.input_names, *spec.param_names), args, strict=True)))
     ydt = spec.dtypes_of_outputs(dt, options)[0]
@@ -156,7 +180,11 @@ def op_bytes(case: Case) -> dict[str, int]:
     inputs = [(i, a) for i, a in zip(spec.inputs, case.args[:n_in], strict=True) if a is not None]
     params = [a for a in case.args[n_in:] if a is not None]
     fwd = case.x.nbytes + sum(a.nbytes for _, a in inputs) + sum(a.nbytes for a in params)
-    fwd += sum(math.prod(s) * d.itemsize for s, d in case.output_shapes())
+    outs = [math.prod(s) * d.itemsize for s, d in case.output_shapes()]
+    q = case.options.get("quantize")
+    if q is not None:  # the first output is the codes and scales (what a fused kernel writes), not y
+        outs[0] = q.output_nbytes(case.shape[0], case.shape[1])
+    fwd += sum(outs)
     gdt = np.dtype(spec.grad_dtype(case.x.dtype))
     bwd = case.dy.nbytes + case.x.nbytes + sum(a.nbytes for a in params)
     bwd += sum(a.nbytes for i, a in inputs if i.kind != "like_x")
@@ -440,6 +468,8 @@ def torch_calls(case: Case) -> dict[str, Callable[[], Any]]:
     """
     import torch
 
+    if case.options.get("quantize") is not None:
+        raise KeyError(f"PyTorch has no baseline for {case.spec.name} with a quantized output")
     base = TORCH_BASELINES[case.spec.name]
     t = torch_tensors(case)
     fwd = base.build(t, case.options, case.shape[1])

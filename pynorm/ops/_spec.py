@@ -35,6 +35,7 @@ __all__ = [
     "check_offset",
     "check_positive_int",
     "check_real",
+    "check_scale",
     "filled",
     "one_of",
 ]
@@ -489,6 +490,21 @@ def check_offset(v: Any, name: str) -> float:
             f"got {v!r}"
         )
     return o
+
+
+def check_scale(v: Any, name: str) -> float | None:
+    """None, or a positive finite real whose float32 rounding is a positive finite float32 (returned as that)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ArgumentError(f"{name} must be None or a positive finite real number, got {v!r}")
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        s = float(np.float32(v))
+    if not (math.isfinite(float(v)) and s > 0 and math.isfinite(s)):
+        raise ArgumentError(f"{name} must be a positive finite number (as a float32), got {v!r}")
+    return s
 
 
 def one_of(*choices: Any, doc: str = "") -> Callable[[Any, str], Any]:

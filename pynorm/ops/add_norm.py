@@ -140,6 +140,8 @@ def _add_spec(module: ModuleType, **own: Any) -> OpSpec:
         check=norm.check,
         outputs=("y", "h"),
         output_dtypes=_dtypes,
+        result=norm.result,
+        result_doc="``(y, h)``; ``y`` a ``pynorm.Quantized`` when ``quantize`` is given" if norm.result else "",
         summary=f"h = x + alpha * residual, y = {norm.name}(h)",
         **own,
     )

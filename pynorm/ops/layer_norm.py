@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import ArgumentError
 from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_offset, one_of
+from .fp_quant import QUANTIZE, QUANTIZE_RESULT_DOC, quantize_result
 
 #: the casting policies, the default first
 CASTINGS = ("fp32", "gemma", "llama", "t5", "apex", "none")
@@ -187,7 +188,9 @@ SPEC = OpSpec(
         Param("weight", "feature", 1.0, "per-feature scale (effective scale w + weight_offset)"),
         Param("bias", "feature", 0.0, "per-feature shift"),
     ),
-    options=OPTIONS,
+    options=(*OPTIONS, QUANTIZE),
+    result=quantize_result,
+    result_doc=QUANTIZE_RESULT_DOC,
     grads=LayerNormGrads,
     ctx=LayerNormCtx,
     variant=StatsVariant("centered"),

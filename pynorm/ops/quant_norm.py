@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -12,7 +11,7 @@ import numpy as np
 
 from ..errors import ArgumentError, ShapeError
 from . import layer_norm as _ln
-from ._spec import Input, OpSpec, Option, QuantizeVariant, one_of
+from ._spec import Input, OpSpec, Option, QuantizeVariant, check_scale, one_of
 
 #: the largest magnitude of the symmetric int8 code
 QMAX = 127
@@ -73,17 +72,8 @@ def grad_dtype(x_dtype: Any) -> np.dtype[Any]:
     return np.dtype(np.float32) if np.dtype(x_dtype) == np.int8 else np.dtype(x_dtype)
 
 
-def check_out_scale(v: Any, name: str) -> float | None:
-    """None, or a positive finite real whose float32 rounding is a positive finite float32 (returned as that)."""
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise ArgumentError(f"{name} must be None or a positive finite real number, got {v!r}")
-    with np.errstate(all="ignore"):
-        s = float(np.float32(v))
-    if not (math.isfinite(float(v)) and s > 0 and math.isfinite(s)):
-        raise ArgumentError(f"{name} must be a positive finite number (as a float32), got {v!r}")
-    return s
+#: None, or a positive finite real whose float32 rounding is a positive finite float32 (returned as that)
+check_out_scale = check_scale
 
 
 def _check(options: Mapping[str, Any], hidden: int) -> None:

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ._spec import OpSpec, Option, Param, StatsVariant, check_eps, check_offset, one_of
+from .fp_quant import QUANTIZE, QUANTIZE_RESULT_DOC, quantize_result
 from .layer_norm import CASTINGS, widened
 
 
@@ -89,7 +90,9 @@ SPEC = OpSpec(
     doc=_RMS_NORM_DOC,
     backward_doc=_RMS_NORM_BACKWARD_DOC,
     params=(Param("weight", "feature", 1.0, "per-feature scale (effective scale w + weight_offset)"),),
-    options=OPTIONS,
+    options=(*OPTIONS, QUANTIZE),
+    result=quantize_result,
+    result_doc=QUANTIZE_RESULT_DOC,
     grads=RMSNormGrads,
     ctx=RMSNormCtx,
     variant=StatsVariant("mean_square"),

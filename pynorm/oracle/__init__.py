@@ -17,7 +17,8 @@
 Module layout (no module imports one that imports it): ``_dtypes`` and ``grid`` at the bottom, then
 ``evaluate`` (budgets, the reference, the yardsticks), ``stability``, ``model_types``, ``channel_models`` (the
 models of GroupNorm, InstanceNorm and BatchNorm), ``models``, ``diagnose``, ``report``,
-``runner`` (:func:`check`), ``vectors`` and ``cli``.
+``runner`` (:func:`check`), ``quant_check`` (:func:`check_quantizer`: FP8 / FP4 quantizers, code for code),
+``vectors`` and ``cli``.
 
 Documented in ``docs/oracle.md``.
 """
@@ -28,6 +29,7 @@ from .diagnose import Diagnosis
 from .evaluate import DEFAULT_BUDGETS, Budgets, CellResult, OutputCheck, parse_budget
 from .grid import KINDS, Cell, default_grid, make_case, quick_grid
 from .models import Model, models_for
+from .quant_check import QuantCheckReport, check_quantizer
 from .report import CheckReport
 from .runner import check
 from .vectors import SCHEMA_VERSION, read_vectors, schema, verify_vectors, write_vectors
@@ -43,7 +45,9 @@ __all__ = [
     "Diagnosis",
     "Model",
     "OutputCheck",
+    "QuantCheckReport",
     "check",
+    "check_quantizer",
     "default_grid",
     "make_case",
     "models_for",

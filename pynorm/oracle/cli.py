@@ -82,7 +82,20 @@ def _check_parser() -> argparse.ArgumentParser:
         "2: usage error.",
     )
     p.add_argument("target", help="your forward, MODULE:FUNCTION: f(x, *inputs, *params, **conventions) -> y")
-    p.add_argument("--op", required=True, help="the op it implements (python -m pynorm backends lists them)")
+    p.add_argument("--op", help="the op it implements (python -m pynorm backends lists them)")
+    p.add_argument(
+        "--quant",
+        metavar="FORMAT",
+        help="check an FP8/FP4 quantizer instead, f(y) -> (codes, scales[, global_scale]) (with --op: a fused norm + "
+        "quantize, f(x, *inputs, *params, **conventions)): fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4 "
+        "(docs/norms/quantized_outputs.md)",
+    )
+    p.add_argument(
+        "--quant-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a QuantSpec option of --quant (repeatable): scale_rule=ceil, scaling=group, group_size=128",
+    )
     p.add_argument(
         "--backward", metavar="MODULE:FUNCTION", help="your backward: b(dy, x, *inputs, *params, **conventions)"
     )
@@ -130,7 +143,11 @@ def check_main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return int(e.code or 0)
+    if args.quant is not None:
+        return _quant_main(args)
     try:
+        if args.op is None:
+            raise UsageError("--op (or --quant) is required")
         if args.op not in SPECS:
             raise UsageError(f"--op: no op named {args.op!r} (ops: {', '.join(SPECS)})")
         budgets = parse_budget(args.budget)
@@ -178,6 +195,28 @@ def check_main(argv: list[str]) -> int:
     return 0 if report.passed else 1
 
 
+def _quant_main(args: argparse.Namespace) -> int:
+    """``python -m pynorm check MODULE:FUNCTION --quant FORMAT [--quant-option K=V ...] [--op OP]``: a quantizer of
+    ``y``, or with ``--op`` a fused norm + quantize of ``x`` (``--convention``: the norm's options)."""
+    from ..ops.fp_quant import QuantSpec
+    from .quant_check import check_quantizer
+
+    try:
+        spec = QuantSpec(args.quant, **parse_conventions(args.quant_option, "--quant-option"))
+        fn = load_target(args.target)
+        conv = parse_conventions(args.convention)
+    except (UsageError, PynormError, TypeError) as e:
+        print(f"python -m pynorm check: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = check_quantizer(fn, spec, op=args.op, conventions=conv, seed=args.seed)
+    except ArgumentError as e:
+        print(f"python -m pynorm check: error: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if report.passed else 1
+
+
 def vectors_main(argv: list[str]) -> int:
     """``python -m pynorm vectors --out DIR [--format npz|json] [--ops ...]`` (or ``--verify DIR``)."""
     from .vectors import LARGE_HIDDEN, verify_vectors, write_vectors
@@ -191,7 +230,7 @@ def vectors_main(argv: list[str]) -> int:
     g.add_argument("--out", metavar="DIR", help="directory to write to")
     g.add_argument("--verify", metavar="DIR", help="recompute the vectors of DIR (or one file) with the reference")
     p.add_argument("--format", choices=["json", "npz"], default="json")
-    p.add_argument("--ops", nargs="*", help="ops to write (default: every op)")
+    p.add_argument("--ops", nargs="*", help="ops to write (default: every op); fp_quant: the FP8 / FP4 quantizer's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--large-hidden",

@@ -35,6 +35,7 @@ import numpy as np
 from .._measure import max_ulp_error
 from ..errors import ArgumentError, PynormError, PynormWarning
 from ..ops import SPECS, OpSpec, get
+from ..ops.fp_quant import QUANTIZE
 from ._dtypes import DTYPE_NAMES, constants, have_bfloat16, steps_apart
 from ._dtypes import dtype_of as _dtype
 from .evaluate import DEFAULT_BUDGETS, Budgets, reference, run_reference, scales_of
@@ -226,7 +227,7 @@ def _vector(spec: OpSpec, cell: Cell, conv: dict[str, Any], seed: int) -> tuple[
         "normalized_shape": list(cell.norm_shape),
         "axis": case.axis,
         **({"layout": "channels"} if spec.layout == "channels" else {}),
-        "conventions": options,
+        "conventions": {k: v for k, v in options.items() if not (k == QUANTIZE.name and QUANTIZE in spec.options)},
         "tolerance": {
             "unit": "ulp",
             "measured_at": "max(|expected|, scale)",
@@ -271,7 +272,8 @@ def write_vectors(
     Parameters
     ----------
     out_dir : the directory (created if needed).
-    ops : op names (:class:`pynorm.errors.UnknownOpError` for an unknown one).
+    ops : op names (:class:`pynorm.errors.UnknownOpError` for an unknown one); ``"fp_quant"`` adds the FP8 / FP4
+        quantizer's vectors (every format and scaling over the hard cases of :mod:`.quant_check`).
     fmt : ``"json"`` or ``"npz"``.
     seed : seed of the inputs.
     cells : per op, the ``(cell, conventions)`` pairs to write (default :func:`default_cells`).
@@ -288,7 +290,8 @@ def write_vectors(
     from .. import __version__
 
     names = list(SPECS) if not ops else list(ops)
-    specs = [get(n) for n in names]
+    quant = QUANT_VECTORS in names
+    specs = [get(n) for n in names if n != QUANT_VECTORS]
     os.makedirs(out_dir, exist_ok=True)
     written: list[str] = []
     notes: list[str] = []
@@ -306,26 +309,7 @@ def write_vectors(
             except PynormError as e:
                 file_notes.append(f"left out {cell.label} {conv or ''}: {e}")
                 continue
-            for group, items in arrays.items():
-                enc: dict[str, Any] = {}
-                for name, a in items.items():
-                    if a is None:
-                        enc[name] = None
-                    elif fmt == "json":
-                        enc[name] = _encode_json(a)
-                    else:
-                        key = f"{i}/{group}/{name}"
-                        a = np.asarray(a)
-                        bits = _dtype(a.dtype).name == "bfloat16"
-                        npz[key] = a.view(np.uint16) if bits else a
-                        enc[name] = {
-                            "dtype": _dtype(a.dtype).name,
-                            "shape": list(a.shape),
-                            "npz_key": key,
-                            "encoding": "bits" if bits else "native",
-                        }
-                meta[group] = enc
-            records.append(meta)
+            records.append(_encoded(meta, arrays, fmt, i, npz))
         doc = {
             "schema": SCHEMA_NAME,
             "schema_version": SCHEMA_VERSION,
@@ -340,14 +324,18 @@ def write_vectors(
             "notes": file_notes,
             "vectors": records,
         }
-        path = os.path.join(out_dir, f"{spec.name}.{fmt}")
-        if fmt == "json":
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(doc, f, separators=(",", ":"))
-                f.write("\n")
-        else:
-            np.savez_compressed(path, __meta__=np.asarray(json.dumps(doc)), **npz)  # type: ignore[arg-type]
-        written.append(path)
+        written.append(_write_doc(out_dir, spec.name, fmt, doc, npz))
+    if quant:
+        from .quant_vectors import quant_records
+
+        npz = {}
+        recs = [_encoded(meta, arrays, fmt, i, npz) for i, (meta, arrays) in enumerate(quant_records(seed))]
+        doc = {
+            "schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "pynorm_version": __version__,
+            "op": QUANT_VECTORS, "summary": QUANT_SUMMARY, "outputs": ["codes", "scales", "global_scale", "decoded"],
+            "grad_names": [], "notes": [], "vectors": recs,
+        }  # fmt: skip
+        written.append(_write_doc(out_dir, QUANT_VECTORS, fmt, doc, npz))
     index = {
         "schema": SCHEMA_NAME,
         "schema_version": SCHEMA_VERSION,
@@ -365,6 +353,51 @@ def write_vectors(
 
 
 _GROUPS = ("inputs", "params", "upstream", "outputs", "grads", "scales", "statistics")
+
+#: the name of the FP8 / FP4 quantizer's vector file (``--ops fp_quant``; :mod:`.quant_vectors`)
+QUANT_VECTORS = "fp_quant"
+QUANT_SUMMARY = (
+    "FP8 / MXFP8 / MXFP4 / NVFP4 codes and scales of y (pynorm.quantize; docs/norms/quantized_outputs.md): "
+    "an implementation passes a vector when its codes, scales and global scale equal the vector's bit for bit"
+)
+
+
+def _encoded(meta: dict[str, Any], arrays: dict[str, Any], fmt: str, i: int, npz: dict[str, np.ndarray]) -> Any:
+    """``meta`` with each group of ``arrays`` encoded for ``fmt`` (NPZ: the arrays into ``npz`` under keys
+    ``i/group/name``)."""
+    for group, items in arrays.items():
+        enc: dict[str, Any] = {}
+        for name, a in items.items():
+            if a is None:
+                enc[name] = None
+            elif fmt == "json":
+                enc[name] = _encode_json(a)
+            else:
+                key = f"{i}/{group}/{name}"
+                a = np.asarray(a)
+                bits = _dtype(a.dtype).name == "bfloat16"
+                npz[key] = a.view(np.uint16) if bits else a
+                enc[name] = {
+                    "dtype": _dtype(a.dtype).name,
+                    "shape": list(a.shape),
+                    "npz_key": key,
+                    "encoding": "bits" if bits else "native",
+                }
+        meta[group] = enc
+    return meta
+
+
+def _write_doc(
+    out_dir: str | os.PathLike[str], name: str, fmt: str, doc: dict[str, Any], npz: dict[str, np.ndarray]
+) -> str:
+    path = os.path.join(out_dir, f"{name}.{fmt}")
+    if fmt == "json":
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(doc, f, separators=(",", ":"))
+            f.write("\n")
+    else:
+        np.savez_compressed(path, __meta__=np.asarray(json.dumps(doc)), **npz)  # type: ignore[arg-type]
+    return path
 
 
 def _read_one(path: str) -> dict[str, Any]:
@@ -424,6 +457,11 @@ def verify_vectors(docs: Iterable[dict[str, Any]] | str | os.PathLike[str], *, e
         docs = read_vectors(docs)
     problems: list[str] = []
     for doc in docs:
+        if doc["op"] == QUANT_VECTORS:
+            from .quant_vectors import verify_quant
+
+            problems += verify_quant(doc)
+            continue
         spec = get(doc["op"])
         for rec in doc["vectors"]:
             x = rec["inputs"]["x"]

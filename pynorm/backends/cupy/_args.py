@@ -28,6 +28,8 @@ __all__ = [
     "BwdStatsArgs",
     "EwBwdArgs",
     "EwFwdArgs",
+    "FpqAmaxArgs",
+    "FpqRowsArgs",
     "FwdArgs",
     "InTypeBwdArgs",
     "InTypeFwdArgs",
@@ -52,6 +54,7 @@ OutRes = Annotated[Any, "res_t<Pro, T>*"]
 ConstIdx = Annotated[Any, "const long long*"]
 ConstBool = Annotated[Any, "const bool*"]
 OutBool = Annotated[Any, "bool*"]
+OutU8 = Annotated[Any, "unsigned char*"]
 LongLong = Annotated[int, "long long"]
 Int = Annotated[int, "int"]
 Double = Annotated[float, "double"]
@@ -333,6 +336,41 @@ class InTypeParamsArgs(_Args):
     centered: Int
 
 
+@dataclass(frozen=True)
+class FpqRowsArgs(_Args):
+    """``quant_fp_rows``'s parameters (FP8 / FP4 codes and block scales of a float ``y``; :mod:`.fp_quant`)."""
+
+    y: ConstT
+    codes: OutU8
+    sf: OutF32
+    sc: OutU8
+    rows: LongLong
+    hidden: Int
+    kind: Int
+    mbits: Int
+    emin: Int
+    max_code: Int
+    sign_shift: Int
+    over: Int
+    nan: Int
+    emax: Int
+    mt: Int
+    block: Int
+    s_tensor: Double
+    ceil_rule: Int
+    g: Double
+
+
+@dataclass(frozen=True)
+class FpqAmaxArgs(_Args):
+    """``quant_fp_amax``'s parameters (each row's largest magnitude, NaN ignored)."""
+
+    y: ConstT
+    amax_out: OutF32
+    rows: LongLong
+    hidden: Int
+
+
 KERNEL_ARGS = {
     "stats_fwd": FwdArgs,
     "stats_bwd": BwdArgs,
@@ -341,6 +379,8 @@ KERNEL_ARGS = {
     "ew_fwd": EwFwdArgs,
     "ew_bwd": EwBwdArgs,
     "quant_int8": QuantInt8Args,
+    "quant_fp_rows": FpqRowsArgs,
+    "quant_fp_amax": FpqAmaxArgs,
     "quant_float": QuantFloatArgs,
     "quant_dequant": QuantDequantArgs,
     "quant_mask": QuantMaskArgs,

@@ -59,7 +59,7 @@ ACC_TYPES = ("float", "double")
 KERNELS: dict[str, tuple[str, ...]] = {
     "stats.cu": ("stats_fwd", "stats_bwd", "stats_bwd_stats", "stats_bwd_apply"),
     "elementwise.cu": ("ew_fwd", "ew_bwd"),
-    "quantize.cu": ("quant_int8", "quant_float", "quant_dequant", "quant_mask"),
+    "quantize.cu": ("quant_int8", "quant_float", "quant_dequant", "quant_mask", "quant_fp_rows", "quant_fp_amax"),
     "column.cu": ("col_stats", "col_merge", "col_apply", "col_bwd_sums", "col_sum_chunks", "col_dx", "col_scale"),
     "intype.cu": ("intype_fwd", "intype_bwd", "intype_params"),
     "reduce.cu": ("reduce_partials",),

@@ -98,12 +98,23 @@ inline float __int_as_float(int i) {
   std::memcpy(&f, &i, sizeof f);
   return f;
 }
+inline unsigned int __float_as_uint(float f) {
+  unsigned int i;
+  std::memcpy(&i, &f, sizeof i);
+  return i;
+}
+inline float __uint_as_float(unsigned int i) {
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+}
 inline double __longlong_as_double(long long i) {
   double d;
   std::memcpy(&d, &i, sizeof d);
   return d;
 }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __int2float_rn(int i) { return static_cast<float>(i); }

@@ -177,4 +177,152 @@ __global__ void __launch_bounds__(PYNORM_QUANT_THREADS)
   }
 }
 
+// ---------------------------------------------------------------------------
+// FP8 / FP4 outputs (pynorm/reference/fp_quant.py): quant_fp_rows<T> quantizes rows of a float y (read as float32:
+// exact for 16-bit types, one rounding for double) block by block -- the block's amax (a fixed-order group
+// maximum, exact), its scale, then each element scaled by one correctly rounded float32 operation (__fdiv_rn,
+// __fmul_rn; an MX power of two by an exact double product) and encoded by fpq_encode's integer rounding to
+// nearest even. Bitwise the reference's and the numba backend's codes and scales. quant_fp_amax<T>: each row's
+// largest magnitude (the first pass of a per-tensor scale and of NVFP4's global scale).
+
+enum FpqKind : int { kFpqScaled = 0, kFpqMx = 1, kFpqNvfp4 = 2 };
+
+// the code of the float32 bits b: nearest even in the element format (mbits mantissa bits, least normal exponent
+// emin), `over` beyond the largest finite code max_code (max_code itself when saturating), `nan` for NaN
+__device__ __forceinline__ unsigned int fpq_encode(unsigned int b, int mbits, int emin, int max_code, int sign_shift,
+                                                   int over, int nan) {
+  const unsigned int a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<unsigned int>(nan);
+  const int biased = static_cast<int>(a >> 23);
+  long long code = 0;
+  if (biased != 0) {  // (float32 subnormals are below half of every format's least subnormal)
+    const int e = biased - 127;
+    const long long m = static_cast<long long>((a & 0x7FFFFFu) | 0x800000u);
+    const int te = e > emin ? e : emin;
+    int shift = 23 - mbits + (te - e);
+    if (shift > 26) shift = 26;
+    const long long r = (m + (1LL << (shift - 1)) - 1 + ((m >> shift) & 1)) >> shift;
+    code = (static_cast<long long>(te - emin) << mbits) + r;
+    if (code > max_code) code = over;
+  }
+  return static_cast<unsigned int>(code) | ((b >> 31) << sign_shift);
+}
+
+// the E8M0 code of a block's largest magnitude (bits ab): floor(log2 amax) - emax, +1 with the ceil rule when the
+// significand exceeds the format's largest (mantissa bits mt), clamped to [-127, 127]; 0 for 0, 0xFF for inf
+__device__ __forceinline__ int fpq_mx_code(unsigned int ab, int emax, unsigned int mt, int ceil_rule) {
+  if (ab == 0u) return 0;
+  if (ab == 0x7F800000u) return 255;
+  const int biased = static_cast<int>(ab >> 23);
+  unsigned int m = ab & 0x7FFFFFu;
+  int fl = biased - 127;
+  if (biased == 0) {  // a subnormal maximum: normalize its mantissa
+    int k = 0;
+    while ((m & 0x800000u) == 0u) {
+      m <<= 1;
+      ++k;
+    }
+    fl = -126 - k;
+    m &= 0x7FFFFFu;
+  }
+  int e = fl - emax;
+  if (ceil_rule && m > mt) ++e;
+  e = e > 127 ? 127 : (e < -127 ? -127 : e);
+  return e + 127;
+}
+
+// the float32 value of a non-negative E4M3 code below 0x7F (exact)
+__device__ __forceinline__ float fpq_e4m3_value(unsigned int c) {
+  const unsigned int ef = c >> 3, mf = c & 7u;
+  if (ef == 0u) return __fmul_rn(static_cast<float>(mf), 0.001953125f);  // mf * 2^-9
+  return __fmul_rn(static_cast<float>(8u + mf), __uint_as_float((ef - 10u + 127u) << 23));
+}
+
+template <typename T> __device__ __forceinline__ float fpq_load(const T* y, long long k) {
+  return __double2float_rn(static_cast<double>(Conv<T>::to_float(y[k])));
+}
+
+template <typename T>
+__device__ __forceinline__ float fpq_block_amax(const T* yr, int j0, int j1, int G, float* red) {
+  float a = 0.0f;
+  for (int j = j0 + static_cast<int>(threadIdx.x); j < j1; j += G) {
+    const float v = fabsf(fpq_load(yr, j));
+    if (v > a) a = v;  // NaN never compares greater
+  }
+  return group_max(a, G, red);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(PYNORM_QUANT_THREADS)
+    quant_fp_rows(const T* __restrict__ y, unsigned char* __restrict__ codes, float* __restrict__ sf,
+             unsigned char* __restrict__ sc, long long rows, int hidden, int kind, int mbits, int emin, int max_code,
+             int sign_shift, int over, int nan, int emax, int mt, int block, double s_tensor, int ceil_rule,
+             double g) {
+  __shared__ float red[32];
+  const int G = static_cast<int>(blockDim.x);
+  const int nb = (hidden + block - 1) / block;
+  const float fmax = __uint_as_float((static_cast<unsigned int>(emax + 127) << 23) | static_cast<unsigned int>(mt));
+  const float gf = static_cast<float>(g), st = static_cast<float>(s_tensor);
+  for (long long i = blockIdx.x; i < rows; i += gridDim.x) {
+    const long long off = i * static_cast<long long>(hidden);
+    const T* yr = y + off;
+    unsigned char* cr = codes + off;
+    for (int k = 0; k < nb; ++k) {
+      const int j0 = k * block;
+      const int j1 = j0 + block < hidden ? j0 + block : hidden;
+      const float amax = fpq_block_amax(yr, j0, j1, G, red);
+      const long long at = i * nb + k;
+      if (kind == kFpqScaled) {
+        float s = st;
+        if (s == 0.0f) {
+          s = __fdiv_rn(amax, fmax);
+          if (!(s > 0.0f) || isinf(s)) s = 1.0f;
+        }
+        if (threadIdx.x == 0) sf[at] = s;
+        for (int j = j0 + static_cast<int>(threadIdx.x); j < j1; j += G) {
+          const float v = __fdiv_rn(fpq_load(yr, j), s);
+          cr[j] = static_cast<unsigned char>(fpq_encode(__float_as_uint(v), mbits, emin, max_code, sign_shift, over, nan));
+        }
+      } else if (kind == kFpqMx) {
+        const int c = fpq_mx_code(__float_as_uint(amax), emax, static_cast<unsigned int>(mt), ceil_rule);
+        if (threadIdx.x == 0) sc[at] = static_cast<unsigned char>(c);
+        const double mul = __longlong_as_double(static_cast<long long>(127 - c + 1023) << 52);  // 2^-e
+        for (int j = j0 + static_cast<int>(threadIdx.x); j < j1; j += G) {
+          unsigned int q = 0u;
+          if (c != 255) {
+            const float v = __double2float_rn(__dmul_rn(static_cast<double>(fpq_load(yr, j)), mul));
+            q = fpq_encode(__float_as_uint(v), mbits, emin, max_code, sign_shift, over, nan);
+          }
+          cr[j] = static_cast<unsigned char>(q);
+        }
+      } else {
+        const float t = __fdiv_rn(__fdiv_rn(amax, 6.0f), gf);
+        const unsigned int sb = fpq_encode(__float_as_uint(t), 3, -6, 0x7E, 7, 0x7E, 0x7F);
+        if (threadIdx.x == 0) sc[at] = static_cast<unsigned char>(sb);
+        const float big = __fmul_rn(fpq_e4m3_value(sb), gf);
+        const bool ok = big > 0.0f && !isinf(big);
+        for (int j = j0 + static_cast<int>(threadIdx.x); j < j1; j += G) {
+          unsigned int q = 0u;
+          if (ok) {
+            const float v = __fdiv_rn(fpq_load(yr, j), big);
+            q = fpq_encode(__float_as_uint(v), mbits, emin, max_code, sign_shift, over, nan);
+          }
+          cr[j] = static_cast<unsigned char>(q);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(PYNORM_QUANT_THREADS)
+    quant_fp_amax(const T* __restrict__ y, float* __restrict__ amax_out, long long rows, int hidden) {
+  __shared__ float red[32];
+  const int G = static_cast<int>(blockDim.x);
+  for (long long i = blockIdx.x; i < rows; i += gridDim.x) {
+    const float a = fpq_block_amax(y + i * static_cast<long long>(hidden), 0, hidden, G, red);
+    if (threadIdx.x == 0) amax_out[i] = a;
+  }
+}
+
 }  // namespace pynorm

@@ -1,0 +1,360 @@
+"""FP8 / FP4 quantized outputs: the formats on every code point, hard rows with hand-derived codes, the layouts,
+the backends' quantizers bitwise against the reference, and the norms' ``quantize=`` output mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pynorm
+from pynorm.errors import ArgumentError, ArgumentTypeError
+from pynorm.ops.fp_quant import ELEMENTS, FORMATS, QuantSpec
+from pynorm.reference import fp_quant as ref
+
+_ML = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "e2m1": ml_dtypes.float4_e2m1fn}
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equal float32 arrays (NaN equal to NaN whatever its payload)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return bool(np.all((a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))))
+
+
+# ---------------------------------------------------------------------------- the formats, every code point
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e2m1"])
+def test_every_code_decodes_as_ml_dtypes(name: str) -> None:
+    el = ELEMENTS[name]
+    codes = np.arange(1 << el.nbits, dtype=np.uint8)
+    assert _same(ref.decode(codes, el), codes.view(_ML[name]).astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e2m1"])
+def test_every_code_round_trips(name: str) -> None:
+    el = ELEMENTS[name]
+    codes = np.arange(1 << el.nbits, dtype=np.uint8)
+    vals = ref.decode(codes, el)
+    finite = np.isfinite(vals)
+    assert np.array_equal(ref.encode(vals[finite], el), codes[finite])  # -0 included
+    if el.nan_code is not None:
+        assert set(ref.encode(vals[np.isnan(vals)], el).tolist()) == {el.nan_code}
+
+
+def test_format_constants() -> None:
+    got = {n: (e.fmax, e.emax, e.emin) for n, e in ELEMENTS.items()}
+    assert got == {"e4m3": (448.0, 8, -6), "e5m2": (57344.0, 15, -14), "e2m1": (6.0, 2, 0)}
+
+
+def _probes(el: Any) -> np.ndarray:
+    """Every positive value, the midpoints between neighbours (ties), the float32s on either side of each, and
+    values beyond the largest, with both signs."""
+    v = ref.decode(np.arange(el.max_code + 1, dtype=np.uint8), el).astype(np.float64)
+    mids = (v[:-1] + v[1:]) / 2
+    top = np.array([el.fmax * 1.0625, el.fmax * 1.125, el.fmax * 1.2, el.fmax * 4, 1e30, np.inf])
+    base = np.concatenate([v, mids, top]).astype(np.float32)
+    near = np.concatenate([base, np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(0))])
+    return np.concatenate([near, -near]).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e2m1"])
+def test_encoder_rounds_as_ml_dtypes(name: str) -> None:
+    """Round to nearest even, overflow per format (e4m3 NaN, e5m2 inf, e2m1 saturates): ml_dtypes' conversion."""
+    el = ELEMENTS[name]
+    rng = np.random.default_rng(0)
+    rand = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    v = np.concatenate([_probes(el), rand, (rng.standard_normal(5000) * el.fmax).astype(np.float32)])
+    v = v[~np.isnan(v)]
+    mode = "saturate" if el.over_code is None else "nan"
+    assert np.array_equal(ref.encode(v, el, mode), v.astype(_ML[name]).view(np.uint8) & ((1 << el.nbits) - 1))
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+def test_saturation(name: str) -> None:
+    el = ELEMENTS[name]
+    v = _probes(el)
+    v = v[~np.isnan(v)]
+    plain = v.astype(_ML[name]).astype(np.float32)
+    want = np.where(np.isfinite(plain), plain, np.sign(v) * np.float32(el.fmax)).astype(np.float32)
+    assert _same(ref.decode(ref.encode(v, el, "saturate"), el), want)
+
+
+def test_e8m0_scales_decode_as_ml_dtypes() -> None:
+    codes = np.arange(256, dtype=np.uint8)
+    assert _same(ref.decode_e8m0(codes), codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32))
+
+
+def test_nan_codes() -> None:
+    v = np.array([np.nan, -np.nan], np.float32)
+    assert ref.encode(v, ELEMENTS["e4m3"]).tolist() == [0x7F, 0x7F]
+    assert ref.encode(v, ELEMENTS["e5m2"]).tolist() == [0x7E, 0x7E]
+    assert ref.encode(v, ELEMENTS["e2m1"]).tolist() == [0, 0]
+
+
+# ---------------------------------------------------------------------------- hard rows, codes derived by hand
+
+
+def test_fp8_row_scale_hand_codes() -> None:
+    # amax 2 -> s = 2/448, y / s = 224 y: 224 = 1.75 * 2^7 -> 0x76, -448 -> 0xFE, 112 -> 0x6E, 2^-9 -> 0x01
+    s = np.float32(2) / np.float32(448)
+    y = np.array([[1.0, -2.0, 0.5, 0.0, -0.0, float(np.float32(2.0**-9) * s)]], np.float32)
+    q = pynorm.quantize(y, QuantSpec("fp8_e4m3", scaling="row"), backend="numpy")
+    assert q.codes.tolist() == [[0x76, 0xFE, 0x6E, 0x00, 0x80, 0x01]]
+    assert q.scales.dtype == np.float32 and q.scales.tolist() == [float(s)]
+
+
+def test_all_zero_rows() -> None:
+    y = np.zeros((2, 64), np.float32)
+    for fmt in FORMATS:
+        q = pynorm.quantize(y, fmt, backend="numpy")
+        assert not q.codes.any(), fmt
+        if fmt.startswith("fp8"):
+            assert q.scales.tolist() == [1.0, 1.0]  # s = 1 where amax / fmax is not positive
+        elif fmt == "nvfp4":
+            assert not q.scales.any() and float(q.global_scale) == 1.0
+        else:
+            assert not q.scales.any()  # E8M0 code 0: 2^-127
+        assert not pynorm.dequantize(q).any()
+
+
+def test_mx_floor_and_ceil_rules() -> None:
+    # block amax 7: floor(log2 7) - 2 = 0 -> 7 saturates to 6; ceil: 7 > 6 * 2^0 -> e = 1, 7 / 2 = 3.5, a tie
+    # between 3 (code 5) and 4 (code 6, even) -> 4
+    y = np.zeros((1, 32), np.float32)
+    y[0, :3] = [7.0, 5.0, -0.75]
+    fl = ref.quantize(y, QuantSpec("mxfp4"))
+    ce = ref.quantize(y, QuantSpec("mxfp4", scale_rule="ceil"))
+    assert fl.scales.tolist() == [[127]] and ce.scales.tolist() == [[128]]
+    # floor: 7 -> 6 (code 7), 5 -> 4 (tie, even: code 6), -0.75 -> -1 (tie, even: code 0x8 | 2), 0
+    assert fl.codes[0, :2].tolist() == [0x7 | (0x6 << 4), 0xA]
+    # ceil: 3.5 -> 4 (code 6), 2.5 -> 2 (tie, even: code 4), -0.375 -> -0.5 (code 0x8 | 1), 0
+    assert ce.codes[0, :2].tolist() == [0x6 | (0x4 << 4), 0x9]
+
+
+def test_mx_e4m3_floor_saturates_and_nan_mode() -> None:
+    y = np.zeros((1, 32), np.float32)
+    y[0, 0] = 500.0  # floor(log2 500) - 8 = 0: 500 > 448
+    assert ref.quantize(y, QuantSpec("mxfp8_e4m3")).codes[0, 0] == 0x7E
+    assert ref.quantize(y, QuantSpec("mxfp8_e4m3", overflow="nan")).codes[0, 0] == 0x7F
+    assert ref.quantize(y, QuantSpec("mxfp8_e4m3", scale_rule="ceil")).scales.tolist() == [[128]]
+
+
+def test_one_huge_value_among_tiny() -> None:
+    y = np.full((1, 32), 1e-3, np.float32)
+    y[0, 5] = 3e4
+    q = ref.quantize(y, QuantSpec("mxfp8_e4m3"))
+    assert q.scales.tolist() == [[127 + 14 - 8]]  # floor(log2 3e4) = 14
+    assert np.count_nonzero(q.codes) == 1  # 1e-3 / 64 is below half the least subnormal 2^-9
+
+
+def test_non_finite_values() -> None:
+    y = np.ones((1, 32), np.float32)
+    y[0, 1], y[0, 2] = np.nan, -np.inf
+    q8 = ref.quantize(y, QuantSpec("fp8_e4m3"))
+    assert q8.scales.tolist() == [1.0] and q8.codes[0, :3].tolist() == [0x38, 0x7F, 0xFE]  # amax inf: s = 1
+    mx = ref.quantize(y, QuantSpec("mxfp8_e4m3"))
+    assert mx.scales.tolist() == [[0xFF]] and not mx.codes.any()
+    assert np.isnan(ref.dequantize(mx)).all()  # a NaN scale: the block decodes to NaN
+    y2 = np.ones((1, 16), np.float32)
+    y2[0, 3] = np.nan
+    nv = ref.quantize(y2, QuantSpec("nvfp4", global_scale=1.0))
+    # amax 1 (NaN ignored): 1/6 rounds in e4m3 to 11 * 2^-6 = 0.171875 = 1.375 * 2^-3 -> code (4 << 3) | 3;
+    # 1 / 0.171875 = 5.82 -> 6 (code 7); NaN -> 0
+    assert nv.scales.tolist() == [[0x23]]
+    assert nv.codes[0, :2].tolist() == [0x77, 0x07]
+
+
+def test_nvfp4_global_scale() -> None:
+    y = np.zeros((2, 16), np.float32)
+    y[0, 0], y[1, 0] = 2688.0, 6.0  # global 2688 / 2688 = 1; block maxima / 6 = 448 and 1 -> codes 0x7E, 0x38
+    q = ref.quantize(y, QuantSpec("nvfp4"))
+    assert float(q.global_scale) == 1.0
+    assert q.scales.tolist() == [[0x7E], [0x38]]
+    assert q.codes[:, 0].tolist() == [0x07, 0x07]
+    assert ref.dequantize(q)[:, 0].tolist() == [2688.0, 6.0]
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+def test_fp4_nibble_order() -> None:
+    c = np.array([[1, 2, 3]], np.uint8)
+    assert ref.pack_fp4(c, "low_first").tolist() == [[0x21, 0x03]]
+    assert ref.pack_fp4(c, "high_first").tolist() == [[0x12, 0x30]]
+    for order in ("low_first", "high_first"):
+        assert np.array_equal(ref.unpack_fp4(ref.pack_fp4(c, order), 3, order), c)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (130, 5), (256, 8)])
+def test_swizzle_is_the_cublas_tile_layout(shape: tuple[int, int]) -> None:
+    """Against the layout written as a reshape: pad to (128 Mt, 4 Kt), view as (Mt, 4, 32, Kt, 4), order the axes
+    (Mt, Kt, 32, 4, 4)."""
+    r, c = shape
+    s = np.arange(1, r * c + 1, dtype=np.int64).reshape(r, c)
+    mt, kt = -(-r // 128), -(-c // 4)
+    pad = np.zeros((128 * mt, 4 * kt), np.int64)
+    pad[:r, :c] = s
+    want = pad.reshape(mt, 4, 32, kt, 4).transpose(0, 3, 2, 1, 4).reshape(-1)
+    assert np.array_equal(ref.swizzle(s), want)
+    assert np.array_equal(ref.unswizzle(want, r, c), s)
+
+
+def test_scale_dtypes_and_layouts_dequantize_alike() -> None:
+    rng = np.random.default_rng(3)
+    y = rng.standard_normal((3, 2, 48)).astype(np.float32)
+    for fmt in ("mxfp8_e5m2", "mxfp4", "nvfp4"):
+        base = ref.dequantize(ref.quantize(y, QuantSpec(fmt)))
+        for kw in ({"scale_layout": "swizzled"}, {"scale_dtype": "float32"}, {"nibble_order": "high_first"}):
+            q = ref.quantize(y, QuantSpec(fmt, **kw))
+            assert _same(ref.dequantize(q), base), (fmt, kw)
+    q = ref.quantize(y, QuantSpec("mxfp4", scale_layout="swizzled"))
+    assert q.codes.shape == (3, 2, 24) and q.scales.shape == (128 * 4,)
+
+
+# ---------------------------------------------------------------------------- values and shapes
+
+
+_SPECS = [
+    QuantSpec("fp8_e4m3"),
+    QuantSpec("fp8_e4m3", scaling="tensor"),
+    QuantSpec("fp8_e5m2", scaling="group", group_size=32),
+    QuantSpec("fp8_e4m3", scaling="tensor", scale=0.01, overflow="nan"),
+    QuantSpec("mxfp8_e4m3"),
+    QuantSpec("mxfp8_e5m2", scale_rule="ceil"),
+    QuantSpec("mxfp4", scale_layout="swizzled"),
+    QuantSpec("nvfp4"),
+    QuantSpec("nvfp4", global_scale=0.5, scale_dtype="float32", nibble_order="high_first"),
+]
+
+
+def _hard(rng: np.random.Generator) -> np.ndarray:
+    y = (rng.standard_normal((6, 80)) * 3).astype(np.float32)
+    y[1, 5] = 1e4
+    y[2] = 0
+    y[3, 7], y[3, 9], y[3, 11] = np.nan, np.inf, -np.inf
+    y[4, ::3] = 1e-40
+    y[5, :32] = np.float32(448.0) * np.float32(1.0625)  # just above e4m3's max after the row scale
+    y[0, 3] = -0.0
+    return y
+
+
+def test_dequantized_within_half_a_step() -> None:
+    rng = np.random.default_rng(4)
+    y = rng.standard_normal((4, 96)).astype(np.float32)
+    for spec in _SPECS[:3] + _SPECS[4:6]:
+        q = ref.quantize(y, spec)
+        d = ref.dequantize(q)
+        el = spec.fmt.element
+        scale = np.max(np.abs(y)) / el.fmax * (2 if spec.fmt.kind == "mx" else 1)
+        # the largest step of the format is 2^(emax - mbits) at its scale
+        assert np.max(np.abs(d - y)) <= 2.0 ** (el.emax - el.mbits) * scale, spec
+
+
+def test_quantize_validates() -> None:
+    with pytest.raises(ArgumentError, match="format"):
+        QuantSpec("fp6")
+    with pytest.raises(ArgumentError, match="scale_rule"):
+        QuantSpec("mxfp4", scale_rule="round")
+    with pytest.raises(ArgumentError, match="overflow"):
+        QuantSpec("nvfp4", overflow="nan")
+    with pytest.raises(ArgumentError, match="scale"):
+        QuantSpec("mxfp4", scale=1.0)
+    with pytest.raises(ArgumentError, match="scaling='tensor'"):
+        QuantSpec("fp8_e4m3", scale=1.0)
+    with pytest.raises(ArgumentError, match="global_scale"):
+        QuantSpec("fp8_e4m3", global_scale=1.0)
+    with pytest.raises(ArgumentError, match="group_size"):
+        QuantSpec("fp8_e4m3", scaling="group", group_size=0)
+    with pytest.raises(ArgumentTypeError, match="quantize"):
+        pynorm.rms_norm(np.ones((2, 4), np.float32), quantize=3)
+    with pytest.raises(ArgumentError, match="y must be a float array"):
+        pynorm.quantize(np.ones(4, np.int32), "mxfp4")
+
+
+# ---------------------------------------------------------------------------- backends: bitwise the reference
+
+
+def test_backend_quantizer_is_bitwise_the_reference(backend: Any) -> None:
+    y = _hard(np.random.default_rng(5))
+    for spec in _SPECS:
+        want = ref.quantize(y, spec)
+        got = pynorm.quantize(backend.asarray(y), spec, backend=backend.name)
+        assert np.array_equal(backend.to_numpy(got.codes), want.codes), spec
+        gs = np.asarray(backend.to_numpy(got.scales))
+        assert gs.shape == want.scales.shape and gs.dtype == want.scales.dtype, spec
+        assert np.array_equal(gs.reshape(-1).view(np.uint8), want.scales.reshape(-1).view(np.uint8)), spec
+        if want.global_scale is not None:
+            assert float(got.global_scale) == float(want.global_scale)
+        assert _same(backend.to_numpy(pynorm.dequantize(got)), ref.dequantize(want))
+
+
+def test_backend_quantizer_reads_every_float_dtype(backend: Any) -> None:
+    """16-bit ``y`` exactly, float64 ``y`` rounded once to float32 first."""
+    rng = np.random.default_rng(7)
+    y = rng.standard_normal((3, 64)) * 100
+    for dt in ("float16", "bfloat16", "float64"):
+        yd = y.astype(ml_dtypes.bfloat16 if dt == "bfloat16" else dt)
+        for spec in (QuantSpec("fp8_e5m2"), QuantSpec("mxfp4"), QuantSpec("nvfp4")):
+            want = ref.quantize(yd, spec)
+            assert np.array_equal(want.codes, ref.quantize(yd.astype(np.float32), spec).codes)
+            got = pynorm.quantize(backend.asarray(yd), spec, backend=backend.name)
+            assert np.array_equal(backend.to_numpy(got.codes), want.codes), (dt, spec)
+            assert np.array_equal(backend.to_numpy(got.scales), want.scales), (dt, spec)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+def test_norm_quantized_output(backend: Any, op: str) -> None:
+    """``quantize=``: the norm's own ``y`` quantized (on its backend); the backward is the float op's
+    (straight-through)."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(40)).astype(np.float32)
+    args = [backend.asarray(x)]
+    if op.startswith("add_"):
+        args.append(backend.asarray(rng.standard_normal(x.shape).astype(np.float32)))
+    args += [backend.asarray(w)] * (2 if "layer" in op else 1)
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    plain, pctx = fwd(*args, backend=backend.name)
+    for spec in (QuantSpec("fp8_e4m3", scaling="group", group_size=16, keep_y=True), QuantSpec("nvfp4")):
+        res, ctx = fwd(*args, quantize=spec, backend=backend.name)
+        q = res[0] if op.startswith("add_") else res
+        y = plain[0] if op.startswith("add_") else plain
+        want = ref.quantize(backend.to_numpy(y), spec)
+        assert isinstance(q, pynorm.Quantized) and q.shape == x.shape
+        assert np.array_equal(backend.to_numpy(q.codes), want.codes)
+        assert np.array_equal(backend.to_numpy(q.scales), want.scales)
+        if spec.keep_y:
+            assert np.array_equal(backend.to_numpy(q.y), backend.to_numpy(y))
+        if op.startswith("add_"):
+            assert np.array_equal(backend.to_numpy(res[1]), backend.to_numpy(plain[1]))
+        dy = backend.asarray(rng.standard_normal(x.shape).astype(np.float32))
+        for a, b in zip(bwd(dy, ctx), bwd(dy, pctx), strict=True):
+            assert np.array_equal(backend.to_numpy(a), backend.to_numpy(b))
+
+
+def test_bench_case_of_a_quantized_output() -> None:
+    from pynorm.bench.cases import make_case, op_bytes, quantized_names
+
+    assert "rms_norm:nvfp4" in quantized_names() and "add_layer_norm:fp8_e5m2" in quantized_names()
+    case = make_case("rms_norm:nvfp4", (8, 64))
+    assert case.required["quantize"] == QuantSpec("nvfp4")
+    plain = op_bytes(make_case("rms_norm", (8, 64)))["fwd"]
+    # y (8 x 64 float32) replaced by 8 x 32 packed codes, 8 x 4 E4M3 scales and the float32 global scale
+    assert op_bytes(case)["fwd"] == plain - 8 * 64 * 4 + 8 * 32 + 8 * 4 + 4
+    with pytest.raises(KeyError):
+        make_case("dyt:mxfp4", (8, 64))
+
+
+def test_layer_forward_takes_quantize_per_call() -> None:
+    from pynorm.layers import RMSNorm
+
+    layer = RMSNorm(48, backend="numpy")
+    x = np.random.default_rng(8).standard_normal((3, 48)).astype(np.float32)
+    q, ctx = layer.forward(x, quantize=QuantSpec("mxfp8_e5m2", keep_y=True))
+    assert isinstance(q, pynorm.Quantized) and q.scales.shape == (3, 2)
+    assert np.array_equal(q.codes, ref.quantize(q.y, QuantSpec("mxfp8_e5m2")).codes)
+    _, ctx2 = layer.forward(x)
+    assert np.array_equal(layer.backward(np.ones_like(x), ctx), layer.backward(np.ones_like(x), ctx2))

@@ -193,3 +193,16 @@ def test_power_norm_float32_accuracy(p):
     exact = [min(pm * abs(mpmath.mpf(float(v))) ** (pm - 1), F32_MAX) for v in x[0]]
     err = mpmath_ulps(dx, exact)
     assert err.max() <= 2.0, (err.max(), x[0, err.argmax()])
+
+
+def test_erf_within_1_ulp_everywhere():
+    """Derf's float32 erf (float64 arithmetic, no libm) within 1 ulp of mpmath on every exponent, both branches
+    (|z| < 1, 1 <= |z| < 4) and the saturation at 4; odd, the special values."""
+    x = _every_exponent(4, 0, 130)
+    x = np.concatenate([x, np.linspace(0, 4.5, 2001, dtype=np.float32), np.float32([1.0, 4.0])])
+    x = np.concatenate([x, -x])
+    err = mpmath_ulps(vm.erf_f32_array(x), [mpmath.erf(mpmath.mpf(float(v))) for v in x])
+    assert err.max() <= 1.0, x[np.argmax(err)]
+    special = vm.erf_f32_array(np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 1e30, TINY]))
+    assert special[0] == 0 and np.signbit(special[1]) and list(special[2:4]) == [1.0, -1.0]
+    assert np.isnan(special[4]) and special[5] == 1.0 and special[6] == np.float32(TINY) * np.float32(1.1283791)

@@ -316,8 +316,8 @@ def _erf_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
 
 
 def _add_term(par, j, t):  # type: ignore[no-untyped-def]
-    """``par[j] += t`` for one scalar's term, ``par[0, j] += t[0]; par[1, j] += t[1]`` for a pair (two scalars:
-    ``par`` a ``(2, n)`` partial)."""
+    """``par[j] += t`` for one scalar's term, ``par[0][j] += t[0]; par[1][j] += t[1]`` for a pair (two scalars:
+    ``par`` a pair of partial rows)."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -326,19 +326,40 @@ def _add_term_ol(par, j, t):  # type: ignore[no-untyped-def]
     if isinstance(t, types.BaseTuple):
 
         def pair(par, j, t):  # type: ignore[no-untyped-def]
-            par[0, j] += t[0]
-            par[1, j] += t[1]
+            par[0][j] += t[0]
+            par[1][j] += t[1]
 
         return pair
-    if par.ndim == 2:  # a placeholder's term (a loop the pair's tags never run)
+    if isinstance(par, types.BaseTuple):  # a placeholder's term (a loop the pair's tags never run)
 
         def first(par, j, t):  # type: ignore[no-untyped-def]
-            par[0, j] += t
+            par[0][j] += t
 
         return first
 
     def one(par, j, t):  # type: ignore[no-untyped-def]
         par[j] += t
+
+    return one
+
+
+def _zero(par):  # type: ignore[no-untyped-def]
+    """``par[:] = 0`` for a partial row, or for both rows of a pair."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_zero, jit_options=INLINED)
+def _zero_ol(par):  # type: ignore[no-untyped-def]
+    if isinstance(par, types.BaseTuple):
+
+        def pair(par):  # type: ignore[no-untyped-def]
+            par[0][:] = 0
+            par[1][:] = 0
+
+        return pair
+
+    def one(par):  # type: ignore[no-untyped-def]
+        par[:] = 0
 
     return one
 
@@ -365,12 +386,13 @@ def _put_term_ol(ts, j, t):  # type: ignore[no-untyped-def]
 
 
 def _pseg2(a, i, lo, hi):  # type: ignore[no-untyped-def]
-    """The scalar partial's row ``a[i, lo:hi]`` (``a[i, :, lo:hi]`` for a pair's ``(blocks, 2, H)``), None for None."""
+    """The scalar partial's row ``a[i, lo:hi]`` (for a pair's ``(blocks, 2, H)``, the two rows ``(a[i, 0, lo:hi],
+    a[i, 1, lo:hi])``: contiguous, so that the loops adding to them vectorize), None for None."""
     raise RuntimeError(JIT_ONLY)
 
 
 def _pseg(a, lo, hi):  # type: ignore[no-untyped-def]
-    """``a[lo:hi]`` (``a[:, lo:hi]`` for a pair's two rows), None for None."""
+    """``a[lo:hi]`` (of both rows of a pair), None for None."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -379,7 +401,7 @@ def _pseg2_ol(a, i, lo, hi):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda a, i, lo, hi: None
     if a.ndim == 3:
-        return lambda a, i, lo, hi: a[i, :, lo:hi]
+        return lambda a, i, lo, hi: (a[i, 0, lo:hi], a[i, 1, lo:hi])
     return lambda a, i, lo, hi: a[i, lo:hi]
 
 
@@ -387,8 +409,8 @@ def _pseg2_ol(a, i, lo, hi):  # type: ignore[no-untyped-def]
 def _pseg_ol(a, lo, hi):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda a, lo, hi: None
-    if a.ndim == 2:
-        return lambda a, lo, hi: a[:, lo:hi]
+    if isinstance(a, types.BaseTuple):
+        return lambda a, lo, hi: (a[0][lo:hi], a[1][lo:hi])
     return lambda a, lo, hi: a[lo:hi]
 
 
@@ -662,7 +684,7 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
         if pb is not None:
             pbr[:] = 0
         if pa is not None:
-            par[:] = 0
+            _zero(par)
         for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
             n = min(i + 1, rows - 1)  # the next row's tile, asked of the cache piece by piece meanwhile
             for lo in range(j0, j1, PF_CHUNK):

@@ -309,8 +309,9 @@ def _erf_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     def impl(fn, v, g, a, big):  # type: ignore[no-untyped-def]
         x = np.float64(v)
         z = np.float64(a[0]) * x + np.float64(a[1])
-        ge = np.float64(g) * vm.erf_prime_d(z)
-        return np.float64(a[0]) * ge, vm.erf_d(z), (ge * x, ge)
+        f, e = vm.erf_and_prime_d(z)  # one exponential for both
+        ge = np.float64(g) * e
+        return np.float64(a[0]) * ge, f, (ge * x, ge)
 
     return impl
 

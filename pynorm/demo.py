@@ -1,6 +1,7 @@
 """``python -m pynorm demo``: residual placements on deep stacks -- gradients at initialisation and training.
 
-For each placement (Post-LN, Pre-LN, Sandwich, DeepNorm) and depth, the demo
+For each placement (Post-LN, Pre-LN, Sandwich, DeepNorm, LayerNorm Scaling, Mix-LN, and a norm-free Pre-LN stack
+whose every norm is DyT) and depth, the demo
 
 1. measures the gradient norm of every block's parameters at initialisation (one batch, one
    forward and backward through :class:`pynorm.blocks.SequenceModel`);
@@ -11,12 +12,17 @@ For each placement (Post-LN, Pre-LN, Sandwich, DeepNorm) and depth, the demo
    the top at initialisation and Pre-LN's stay level: Xiong et al. 2020, "On Layer Normalization in the
    Transformer Architecture"; deep Post-LN fails to train and DeepNorm fixes it: Wang et al. 2022, "DeepNet:
    Scaling Transformers to 1,000 Layers", and Liu et al. 2020, "Understanding the Difficulty of Training
-   Transformers"; shallow Post-LN trains: Vaswani et al. 2017, "Attention Is All You Need") and says which the
-   run shows and which it does not;
+   Transformers"; shallow Post-LN trains: Vaswani et al. 2017, "Attention Is All You Need"; LayerNorm Scaling
+   keeps the deep blocks' gradients from shrinking: Sun et al. 2025, "The Curse of Depth in Large Language
+   Models"; Mix-LN's gradients are more uniform across depth: Li, Yin & Liu 2025, "Mix-LN"; DyT trains where
+   LayerNorm does: Zhu et al. 2025, "Transformers without Normalization") and says which the run shows and which
+   it does not, with the criterion;
 4. writes ``demo.json`` (every number), ``demo.png`` (matplotlib, if installed: gradient norm per
    layer per placement, loss curves) and prints a table.
 
-``--quick`` runs a smaller grid (< 30 s); ``--help`` lists the knobs.
+``--quick`` runs a smaller grid (< 30 s); ``--full`` trains every placement at every trained depth (by default the
+deepest trained depth, 96, trains only the placements its claims compare: Post-LN, Pre-LN, DeepNorm); ``--help``
+lists the knobs.
 """
 
 from __future__ import annotations
@@ -35,8 +41,14 @@ import numpy as np
 import pynorm
 from pynorm.blocks import Adam, SequenceModel, cross_entropy, sort_task, train_step
 
-PLACEMENTS = ("post", "pre", "sandwich", "deepnorm")
-LABELS = {"post": "Post-LN", "pre": "Pre-LN", "sandwich": "Sandwich", "deepnorm": "DeepNorm"}
+#: the demo's stacks: a Stack placement each, but "dyt" -- a Pre-LN stack whose every norm is DyT (norm-free)
+PLACEMENTS = ("post", "pre", "sandwich", "deepnorm", "layer_norm_scaling", "mix", "dyt")
+LABELS = {
+    "post": "Post-LN", "pre": "Pre-LN", "sandwich": "Sandwich", "deepnorm": "DeepNorm",
+    "layer_norm_scaling": "LN-Scaling", "mix": "Mix-LN", "dyt": "DyT (Pre)",
+}  # fmt: skip
+#: the placements trained at depths above :attr:`Config.all_up_to` (those the deep-training claims compare)
+DEEP_TRAINED = ("post", "pre", "deepnorm")
 
 
 @dataclass
@@ -52,6 +64,12 @@ class Config:
     lr: float = 1e-3
     norm: str = "layer"
     seed: int = 0
+    #: every placement trains at depths up to this one; deeper, only :data:`DEEP_TRAINED` (``--full``: all)
+    all_up_to: int = 24
+
+    def trains(self, placement: str, depth: int) -> bool:
+        """Whether ``placement`` is trained at ``depth`` (a depth of :attr:`train_steps`)."""
+        return depth in self.train_steps and (depth <= self.all_up_to or placement in DEEP_TRAINED)
 
 
 QUICK = Config(init_depths=(6, 24, 96), train_steps={6: 80, 24: 40})
@@ -80,9 +98,10 @@ def pick_backend(requested: str, quick: bool) -> tuple[str, str]:
 
 
 def _model(cfg: Config, placement: str, depth: int, backend: str) -> SequenceModel:
+    pl, norm = ("pre", "dyt") if placement == "dyt" else (placement, cfg.norm)
     return SequenceModel(
-        cfg.vocab, cfg.seq_len, depth, cfg.d_model, cfg.n_heads, cfg.d_ff, placement=placement, norm=cfg.norm,
-        rng=cfg.seed, backend=backend,
+        cfg.vocab, cfg.seq_len, depth, cfg.d_model, cfg.n_heads, cfg.d_ff, placement=pl, norm=norm, rng=cfg.seed,
+        backend=backend,
     )  # fmt: skip
 
 
@@ -111,6 +130,8 @@ def run(cfg: Config, backend: str, progress: Any = None) -> dict[str, Any]:
     chance = math.log(cfg.vocab)
     for depth, steps in cfg.train_steps.items():
         for pl in PLACEMENTS:
+            if not cfg.trains(pl, depth):
+                continue
             m = _model(cfg, pl, depth, backend)
             opt = Adam(cfg.lr)
             drng = np.random.default_rng(cfg.seed + 2)  # the same batches for every placement
@@ -172,6 +193,9 @@ SOURCES = {
     "post_deep": "Wang et al. 2022; Liu et al. 2020",
     "deepnorm": "Wang et al. 2022",
     "post_shallow": "Vaswani et al. 2017",
+    "lns": "Sun et al. 2025, arXiv 2502.05795",
+    "mix": "Li, Yin & Liu 2025, arXiv 2412.13795",
+    "dyt": "Zhu et al. 2025, arXiv 2503.10622",
 }
 
 
@@ -229,6 +253,52 @@ def claims(cfg: Config, res: dict[str, Any]) -> list[dict[str, Any]]:
             "evidence": f"Post-LN {desc(ps)}, Pre-LN {desc(qs)} (chance {chance:.3f})",
             "shown": bool(ps["diverged_at"] is None and ps["final_loss"] < 0.9 * chance),
         })  # fmt: skip
+    return out + depth_claims(cfg, res)
+
+
+def depth_claims(cfg: Config, res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The 2025 depth studies' claims, each with its criterion in the evidence: at the deepest init depth, LayerNorm
+    Scaling's top/bottom gradient ratio above Pre-LN's, and Mix-LN's max/min spread below both Pre-LN's and
+    Post-LN's; at every trained depth where the Pre-LN (LayerNorm) stack trains, the DyT stack trains too."""
+    out = []
+    init, deep = res["init"], max(cfg.init_depths)
+    lns, pre, post, mix = (init[f"{k}/{deep}"]["grad_norm"] for k in ("layer_norm_scaling", "pre", "post", "mix"))
+    rl, rp = _ratio(lns), _ratio(pre)
+    out.append({
+        "claim": f"LayerNorm Scaling keeps the deep blocks' gradient norms from shrinking with depth (L={deep})",
+        "source": SOURCES["lns"],
+        "evidence": f"top/bottom quarter at init: LN-Scaling {rl:.2f}, Pre-LN {rp:.2f} (shown if LN-Scaling's is the "
+        "higher)",
+        "shown": bool(rl > rp),
+    })  # fmt: skip
+    sm, sq, sp = _spread(mix), _spread(pre), _spread(post)
+    out.append({
+        "claim": f"Mix-LN's gradients are more uniform across depth than Pre-LN's and Post-LN's (L={deep})",
+        "source": SOURCES["mix"],
+        "evidence": f"max/min over blocks at init: Mix-LN {sm:.2f}, Pre-LN {sq:.2f}, Post-LN {sp:.3g} (shown if "
+        "Mix-LN's is the smallest)",
+        "shown": bool(sm < sq and sm < sp),
+    })  # fmt: skip
+    chance = math.log(cfg.vocab)
+    pairs = [(d, res["train"][f"pre/{d}"], res["train"][f"dyt/{d}"]) for d in cfg.train_steps if cfg.trains("dyt", d)]
+    pairs = [(d, q, y) for d, q, y in pairs if q["diverged_at"] is None and q["final_loss"] < 0.9 * chance]
+    if pairs:
+
+        def trains(r: dict[str, Any]) -> bool:
+            return r["diverged_at"] is None and r["final_loss"] < 0.9 * chance
+
+        ev = "; ".join(
+            f"L={d}: LayerNorm {q['final_loss']:.3f}, DyT "
+            + (f"diverged at step {y['diverged_at']}" if y["diverged_at"] is not None else f"{y['final_loss']:.3f}")
+            for d, q, y in pairs
+        )
+        out.append({
+            "claim": f"DyT trains where LayerNorm trains (Pre-LN stacks, L={', '.join(str(d) for d, _, _ in pairs)})",
+            "source": SOURCES["dyt"],
+            "evidence": f"final loss {ev} (shown if DyT ends below 90% of chance {chance:.3f} wherever LayerNorm "
+            "does)",
+            "shown": bool(all(trains(y) for _, _, y in pairs)),
+        })  # fmt: skip
     return out
 
 
@@ -242,14 +312,14 @@ def status(t: dict[str, Any], chance: float) -> str:
 def table(cfg: Config, res: dict[str, Any]) -> str:
     """The console table: one row per (depth, placement)."""
     cols = ("depth", "placement", "grad top/bot", "grad max/min", "steps", "loss start", "loss end", "acc")
-    widths = (5, 9, 12, 12, 5, 10, 9, 6)
+    widths = (5, 10, 12, 12, 5, 10, 9, 6)
     head = "  ".join(f"{c:>{w}s}" if i != 1 else f"{c:{w}s}" for i, (c, w) in enumerate(zip(cols, widths)))
     lines = [head + "  status", "-" * (len(head) + 20)]
     chance = math.log(cfg.vocab)
     for depth in cfg.init_depths:
         for pl in PLACEMENTS:
             g = res["init"][f"{pl}/{depth}"]["grad_norm"]
-            cells = [f"{depth:5d}", f"{LABELS[pl]:9s}", f"{_ratio(g):12.2f}", f"{_spread(g):12.2f}"]
+            cells = [f"{depth:5d}", f"{LABELS[pl]:10s}", f"{_ratio(g):12.2f}", f"{_spread(g):12.2f}"]
             t = res["train"].get(f"{pl}/{depth}")
             if t is None:
                 cells += [f"{'-':>5s}", f"{'-':>10s}", f"{'-':>9s}", f"{'-':>6s}", "gradients at init only"]
@@ -276,34 +346,36 @@ def plot(
     depths = list(cfg.init_depths)
     tdepths = list(cfg.train_steps)
     ncol = max(len(depths), len(tdepths) + 1)
-    fig = plt.figure(figsize=(4.2 * ncol, 8.4), layout="constrained")
+    fig = plt.figure(figsize=(4.2 * ncol, 9.4), layout="constrained")
     fig.suptitle(
-        f"Residual placement and depth: Post-LN, Pre-LN, Sandwich, DeepNorm (d_model {cfg.d_model}, "
-        f"{cfg.norm} norm, backend {backend or '?'})",
+        f"Residual placement and depth (d_model {cfg.d_model}, {cfg.norm} norm but the DyT stack, backend "
+        f"{backend or '?'})",
         fontsize=13,
     )
-    top, bottom = np.asarray(fig.subfigures(2, 1, height_ratios=(1.0, 1.05))).ravel()
-    colors = {"post": "tab:red", "pre": "tab:blue", "sandwich": "tab:green", "deepnorm": "tab:purple"}
+    top, bottom = np.asarray(fig.subfigures(2, 1, height_ratios=(1.0, 1.15))).ravel()
     for j, (ax, depth) in enumerate(zip(np.atleast_1d(top.subplots(1, len(depths))), depths, strict=True)):
         for pl in PLACEMENTS:
             g = res["init"][f"{pl}/{depth}"]["grad_norm"]
-            ax.plot(np.arange(1, depth + 1), g, label=LABELS[pl], color=colors[pl], lw=1.2)
+            ax.plot(np.arange(1, depth + 1), g, label=LABELS[pl], **STYLES[pl])
         ax.set_yscale("log")
         ax.set_title(f"gradient norm per block at init, L={depth}", fontsize=10)
         ax.set_xlabel("block (1 = bottom)")
         if j == 0:
             ax.set_ylabel("||dL/dθ_block||")
-            ax.legend(fontsize=8)
+    handles, labels = np.atleast_1d(top.axes)[0].get_legend_handles_labels()
+    top.legend(handles, labels, loc="outside lower center", ncol=len(PLACEMENTS), fontsize=9, frameon=False)
     chance = math.log(cfg.vocab)
-    axes = np.atleast_1d(bottom.subplots(1, len(tdepths) + 1, width_ratios=[1.0] * len(tdepths) + [1.6]))
+    axes = np.atleast_1d(bottom.subplots(1, len(tdepths) + 1, width_ratios=[1.0] * len(tdepths) + [2.2]))
     for j, (ax, depth) in enumerate(zip(axes[:-1], tdepths, strict=True)):
         for pl in PLACEMENTS:
-            t = res["train"][f"{pl}/{depth}"]
+            t = res["train"].get(f"{pl}/{depth}")
+            if t is None:
+                continue
             ls = np.asarray(t["losses"], dtype=float)
             k = 10
             sm = np.convolve(ls, np.ones(k) / k, mode="valid") if len(ls) >= k else ls
             lab = LABELS[pl] + (f" (diverged @ {t['diverged_at']})" if t["diverged_at"] is not None else "")
-            ax.plot(np.arange(len(sm)) + (len(ls) - len(sm)), sm, label=lab, color=colors[pl], lw=1.2)
+            ax.plot(np.arange(len(sm)) + (len(ls) - len(sm)), sm, label=lab, **STYLES[pl])
         ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
         ax.set_title(f"training loss (sort task), L={depth}", fontsize=10)
         ax.set_xlabel("Adam step")
@@ -316,18 +388,30 @@ def plot(
     return True
 
 
+#: each stack's line in the figure (a color each; the norm-free DyT stack dashed)
+STYLES: dict[str, dict[str, Any]] = {
+    "post": {"color": "tab:red", "lw": 1.2},
+    "pre": {"color": "tab:blue", "lw": 1.2},
+    "sandwich": {"color": "tab:green", "lw": 1.2},
+    "deepnorm": {"color": "tab:purple", "lw": 1.2},
+    "layer_norm_scaling": {"color": "tab:orange", "lw": 1.2},
+    "mix": {"color": "tab:brown", "lw": 1.2},
+    "dyt": {"color": "black", "lw": 1.0, "ls": "--"},
+}
+
+
 def _claims_panel(ax: Any, cl: list[dict[str, Any]]) -> None:
     import textwrap
 
     ax.axis("off")
     ax.set_title("what this run shows", fontsize=10)
-    y = 0.98
+    y = 0.99
     for c in cl:
         mark, color = ("SHOWN", "tab:green") if c["shown"] else ("NOT SHOWN", "tab:red")
-        ax.text(0.0, y, mark, color=color, fontsize=8, fontweight="bold", va="top", transform=ax.transAxes)
-        body = textwrap.fill(f"{c['claim']} -- {c['source']}", 62)
-        ax.text(0.22, y, body, fontsize=7.5, va="top", transform=ax.transAxes)
-        y -= 0.045 * (body.count("\n") + 1) + 0.03
+        ax.text(0.0, y, mark, color=color, fontsize=7, fontweight="bold", va="top", transform=ax.transAxes)
+        body = textwrap.fill(f"{c['claim']} -- {c['source']}", 92)
+        ax.text(0.15, y, body, fontsize=7, va="top", transform=ax.transAxes)
+        y -= 0.036 * (body.count("\n") + 1) + 0.016
 
 
 class _Progress:
@@ -376,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pynorm demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small grid: depths 6, 24, 96 at init, training at 6 and 24")
+    ap.add_argument("--full", action="store_true", help="train every placement at every trained depth (slower)")
     ap.add_argument("--backend", default="auto", help="numpy, numba, cupy or auto (default)")
     ap.add_argument("--out", default="pynorm-demo", help="folder for demo.json and demo.png (default ./pynorm-demo)")
     ap.add_argument("--depths", type=lambda s: tuple(int(v) for v in s.split(",")), help="depths measured at init")
@@ -385,7 +470,7 @@ def _main(argv: list[str] | None) -> int:
     )  # fmt: skip
     ap.add_argument("--lr", type=float)
     ap.add_argument("--width", type=int, help="d_model (d_ff = 2 * width, 4 heads)")
-    ap.add_argument("--norm", choices=["layer", "rms", "scale", "dyt"])
+    ap.add_argument("--norm", choices=["layer", "rms", "scale", "dyt", "derf"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="numba threads (default 1: the arrays are tiny)")
     ap.add_argument("--no-progress", action="store_true")
@@ -402,6 +487,8 @@ def _main(argv: list[str] | None) -> int:
         cfg.d_model, cfg.d_ff = args.width, 2 * args.width
     if args.norm:
         cfg.norm = args.norm
+    if args.full:
+        cfg.all_up_to = max(cfg.train_steps, default=0)
     cfg.seed = args.seed
     backend, why = pick_backend(args.backend, args.quick)
     if backend == "numba" and not args.threads:
@@ -420,20 +507,15 @@ def _main(argv: list[str] | None) -> int:
           + ", ".join(f"L={d} for {s} steps" for d, s in cfg.train_steps.items()))  # fmt: skip
     # warm-up: the backend's first call compiles (numba) or loads its kernels
     t0 = time.perf_counter()
-    warm = _model(cfg, "post", 1, backend)
-    train_step(
-        warm, warm.xp.asarray(np.zeros((2, cfg.seq_len), dtype=np.int64)), np.zeros((2, cfg.seq_len), int), Adam()
-    )
-    warm_pre = _model(cfg, "pre", 1, backend)
-    train_step(
-        warm_pre,
-        warm_pre.xp.asarray(np.zeros((2, cfg.seq_len), dtype=np.int64)),
-        np.zeros((2, cfg.seq_len), int),
-        Adam(),
-    )
+    for pl in ("post", "pre", "dyt"):  # every kernel the runs use (LayerNorm, add + LayerNorm, DyT)
+        warm = _model(cfg, pl, 1, backend)
+        zeros = np.zeros((2, cfg.seq_len), dtype=np.int64)
+        train_step(warm, warm.xp.asarray(zeros), zeros, Adam())
     t_warm = time.perf_counter() - t0
     print(f"backend warm-up (kernel compilation or cache load): {t_warm:.1f} s")
-    total = len(PLACEMENTS) * (sum(cfg.init_depths) + sum(d * s for d, s in cfg.train_steps.items()))
+    total = len(PLACEMENTS) * sum(cfg.init_depths) + sum(
+        d * s for d, s in cfg.train_steps.items() for pl in PLACEMENTS if cfg.trains(pl, d)
+    )
     prog = _Progress(total, not args.no_progress)
     try:
         res = run(cfg, backend, prog)

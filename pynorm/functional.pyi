@@ -6,6 +6,7 @@ from ._dispatch import Context as Context
 from .ops.add_norm import AddLayerNormGrads as AddLayerNormGrads, AddRMSNormGrads as AddRMSNormGrads
 from .ops.batch_norm import BatchNormGrads as BatchNormGrads
 from .ops.conditional_norm import ConditionalLayerNormGrads as ConditionalLayerNormGrads, ConditionalRMSNormGrads as ConditionalRMSNormGrads
+from .ops.derf import DerfGrads as DerfGrads
 from .ops.dyt import DyTGrads as DyTGrads
 from .ops.group_norm import GroupNormGrads as GroupNormGrads, InstanceNormGrads as InstanceNormGrads
 from .ops.layer_norm import LayerNormGrads as LayerNormGrads
@@ -25,6 +26,7 @@ __all__ = [
     "BatchNormGrads",
     "ConditionalLayerNormGrads",
     "ConditionalRMSNormGrads",
+    "DerfGrads",
     "DyTGrads",
     "GroupNormGrads",
     "InstanceNormGrads",
@@ -52,6 +54,9 @@ __all__ = [
     "dyt",
     "dyt_forward",
     "dyt_backward",
+    "derf",
+    "derf_forward",
+    "derf_backward",
     "add_layer_norm",
     "add_layer_norm_forward",
     "add_layer_norm_backward",
@@ -109,6 +114,10 @@ def power_norm_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None)
 def dyt(x: Array, alpha: Array, weight: Array | None = None, bias: Array | None = None, *, axis: int = -1, backend: str | None = None, out: Array | None = None) -> Array: ...
 def dyt_forward(x: Array, alpha: Array, weight: Array | None = None, bias: Array | None = None, *, axis: int = -1, backend: str | None = None, out: Array | None = None) -> tuple[Array, Context]: ...
 def dyt_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> DyTGrads: ...
+
+def derf(x: Array, alpha: Array, shift: Array, weight: Array | None = None, bias: Array | None = None, *, axis: int = -1, backend: str | None = None, out: Array | None = None) -> Array: ...
+def derf_forward(x: Array, alpha: Array, shift: Array, weight: Array | None = None, bias: Array | None = None, *, axis: int = -1, backend: str | None = None, out: Array | None = None) -> tuple[Array, Context]: ...
+def derf_backward(dy: Array, ctx: Context, *, dx_out: Array | None = None) -> DerfGrads: ...
 
 def add_layer_norm(x: Array, residual: Array, weight: Array | None = None, bias: Array | None = None, *, eps: float = 1e-05, correction: int = 0, eps_mode: str = 'var', weight_offset: float = 0.0, quantize: Any = None, alpha: float = 1.0, residual_dtype: Any = None, axis: int = -1, backend: str | None = None, out: Array | None = None) -> Any: ...
 def add_layer_norm_forward(x: Array, residual: Array, weight: Array | None = None, bias: Array | None = None, *, eps: float = 1e-05, correction: int = 0, eps_mode: str = 'var', weight_offset: float = 0.0, quantize: Any = None, alpha: float = 1.0, residual_dtype: Any = None, axis: int = -1, backend: str | None = None, out: Array | None = None) -> tuple[Any, Context]: ...

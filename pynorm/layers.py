@@ -331,6 +331,13 @@ class DyT(Layer):
     spec = SPECS["dyt"]
 
 
+class Derf(Layer):
+    """Derf, ``w * erf(alpha x + shift) + b`` (:func:`pynorm.derf_forward`): ``alpha`` starts at ``alpha_init``,
+    ``shift`` at ``shift_init``."""
+
+    spec = SPECS["derf"]
+
+
 class _Kinded(Layer):
     """A layer whose op is chosen by ``kind`` (``"layer"``: the LayerNorm variant, ``"rms"``: the RMSNorm one)."""
 

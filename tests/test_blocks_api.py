@@ -423,20 +423,38 @@ def _norm_table() -> dict[tuple[str, str | None], dict[str, str]]:
 CONDITIONS = {
     "always": lambda c: True,
     "`learnable_alpha=True`": lambda c: c["learnable_alpha"],
-    "`qk_norm` is not None": lambda c: c["qk_norm"] is not None,
+    '`qk_norm` is not None, or `placement="hybrid"`': lambda c: c["qk_norm"] is not None or c["placement"] == "hybrid",
+    '`v_norm=True` or `placement="hybrid"`': lambda c: c.get("v_norm", False) or c["placement"] == "hybrid",
     "`io_norms=True`": lambda c: c["io_norms"],
-    '`placement` is `"pre"`, `"post"` or `"deepnorm"`': lambda c: c["placement"] in ("pre", "post", "deepnorm"),
-    '`placement="sandwich"`': lambda c: c["placement"] == "sandwich",
-    '`final_norm=True`; None means `placement` is `"pre"` or `"sandwich"`': lambda c: (
-        c["placement"] in ("pre", "sandwich") if c["final_norm"] is None else c["final_norm"]
+    '`placement` is `"pre"`, `"post"`, `"deepnorm"` or `"layer_norm_scaling"`': lambda c: (
+        c["placement"] in ("pre", "post", "deepnorm", "layer_norm_scaling")
+    ),
+    '`placement` is `"pre"`, `"post"`, `"deepnorm"`, `"layer_norm_scaling"` or `"hybrid"`': lambda c: (
+        c["placement"] in ("pre", "post", "deepnorm", "layer_norm_scaling", "hybrid")
+    ),
+    '`placement` is `"sandwich"` or `"peri"`': lambda c: c["placement"] in ("sandwich", "peri"),
+    '`input_norm=True`; None means `placement="peri"`': lambda c: (
+        c["placement"] == "peri" if c.get("input_norm") is None else c["input_norm"]
+    ),
+    '`final_norm=True`; None means the top block\'s placement is `"pre"`, `"sandwich"`, `"peri"` or '
+    '`"layer_norm_scaling"`': lambda c: (
+        _top(c) in ("pre", "sandwich", "peri", "layer_norm_scaling") if c["final_norm"] is None else c["final_norm"]
     ),
 }
 
 
+def _top(c: dict[str, Any]) -> str:
+    """The placement of a stack's top block (Mix-LN's: Post-LN only if every block is)."""
+    if c["placement"] != "mix":
+        return str(c["placement"])
+    return "post" if int(np.floor(c.get("mix_alpha", 0.25) * c["n_layers"] + 1e-9)) >= c["n_layers"] else "pre"
+
+
 def _kind(var: str, c: dict[str, Any]) -> tuple[str, str | None]:
     """The (kind, modality_kind) of a norm the table names by argument -- the defaults as the page states them."""
-    if var == "qk_norm":
-        return c["qk_norm"], None
+    if var == "qk_norm":  # HybridNorm's QKV-norm: RMSNorm for norm="rms", else LayerNorm, unless qk_norm says
+        default = ("rms" if c["norm"] == "rms" else "layer") if c["placement"] == "hybrid" else None
+        return c["qk_norm"] or default, None
     if var == "io_norm_kind":
         k = c["io_norm_kind"] or (c["modality_kind"] if c["norm"] == "modality" else c["norm"])
         return k, None
@@ -459,6 +477,9 @@ def expected_names(marker: str, c: dict[str, Any]) -> dict[str, tuple[int, ...]]
                     sub = dict(c)
                     if i < c["hybrid_layers"]:
                         sub |= {"norm": "modality", "modality_kind": c["norm"]}
+                    if c["placement"] == "mix":  # Mix-LN: the lowest floor(mix_alpha * n) blocks Post-LN
+                        n_post = int(np.floor(c.get("mix_alpha", 0.25) * c["n_layers"] + 1e-9))
+                        sub["placement"] = "post" if i < n_post else "pre"
                     out |= {prefix.replace("<i>", str(i)) + k: v for k, v in expected_names("Block", sub).items()}
             else:
                 out |= {prefix + k: v for k, v in expected_names(what, c).items()}
@@ -482,8 +503,8 @@ def _actual(m: Any) -> dict[str, tuple[int, ...]]:
 
 BASE = {"norm": "layer", "modality_kind": "layer", "qk_norm": None, "io_norms": False, "io_norm_kind": None,
         "learnable_alpha": False, "final_norm": None, "hybrid_layers": 0}  # fmt: skip
-NORMS = [("layer", "layer"), ("rms", "layer"), ("scale", "layer"), ("dyt", "layer"), ("modality", "layer"),
-         ("modality", "rms")]  # fmt: skip
+NORMS = [("layer", "layer"), ("rms", "layer"), ("scale", "layer"), ("dyt", "layer"), ("derf", "layer"),
+         ("modality", "layer"), ("modality", "rms")]  # fmt: skip
 
 
 def _block(c: dict[str, Any]) -> Block:
@@ -493,7 +514,7 @@ def _block(c: dict[str, Any]) -> Block:
     return Block(SIZES["d"], N_HEADS, SIZES["f"], n_modalities=SIZES["m"], **opts, **dn)
 
 
-@pytest.mark.parametrize("placement", ["pre", "post", "sandwich", "deepnorm"])
+@pytest.mark.parametrize("placement", ["pre", "post", "sandwich", "deepnorm", "layer_norm_scaling", "peri", "hybrid"])
 def test_block_parameter_names_are_the_documented_ones(placement):
     io = [(False, None), (True, None), (True, "scale")]
     alphas = [False, True] if placement == "deepnorm" else [False]
@@ -511,6 +532,10 @@ def test_block_parameter_names_are_the_documented_ones(placement):
         {"placement": "sandwich", "norm": "rms", "hybrid_layers": 1, "io_norms": True},
         {"placement": "deepnorm", "norm": "modality", "modality_kind": "rms", "learnable_alpha": True},
         {"placement": "pre", "norm": "dyt", "final_norm": False, "io_norms": True, "io_norm_kind": "layer"},
+        {"placement": "mix", "mix_alpha": 0.5, "norm": "derf"},
+        {"placement": "mix", "mix_alpha": 1.0},
+        {"placement": "peri", "norm": "rms"},
+        {"placement": "hybrid", "input_norm": True},
     ],
 )
 def test_stack_and_model_parameter_names_are_the_documented_ones(opts):

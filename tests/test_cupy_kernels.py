@@ -257,7 +257,8 @@ def test_instantiations_are_what_the_specs_declare():
     groups = _loader.instantiation_groups("stats.cu")
     assert sorted(n for g in groups for n in g) == sorted(stats)
     ew = _loader.instantiations("elementwise.cu")
-    assert len(ew) == 2 * 2 * 9 and "pynorm::ew_bwd<__half, float, pynorm::SignedPower>" in ew
+    assert len(ew) == 2 * 3 * 9 and "pynorm::ew_bwd<__half, float, pynorm::SignedPower>" in ew  # 3 functions
+    assert "pynorm::ew_bwd<float, float, pynorm::Erf>" in ew
     quant = _loader.instantiations("quantize.cu")
     # quant_int8 reads its parameters in an accumulation type; the other five (the FP8/FP4 quantizer's
     # quant_fp_rows and quant_fp_amax among them) take every float type

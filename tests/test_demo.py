@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from pynorm import __main__ as cli
@@ -39,20 +40,27 @@ def test_tiny_demo_run(backend, tmp_path, capsys):
     assert (tmp_path / "demo.png").stat().st_size > 10_000
 
 
-def _fake(cfg: demo.Config, post_top: float, post_loss: float, dn_loss: float, post_div: int | None) -> dict:
+def _fake(
+    cfg: demo.Config, post_top: float, post_loss: float, dn_loss: float, post_div: int | None, lns_top: float = 1.0,
+    mix_top: float = 1.0, dyt_div: int | None = None,
+) -> dict:  # fmt: skip
     res: dict = {"init": {}, "train": {}}
     for d in cfg.init_depths:
         for pl in demo.PLACEMENTS:
             g = [1.0] * d
-            if pl == "post":
-                g[-max(1, d // 4) :] = [post_top] * max(1, d // 4)
+            top = {"post": post_top, "layer_norm_scaling": lns_top, "mix": mix_top}.get(pl)
+            if top is not None:
+                g[-max(1, d // 4) :] = [top] * max(1, d // 4)
+            if pl == "pre":  # shrinking toward the top, within the "about equal" spread of 2
+                g = list(np.linspace(1.5, 1.0, d))
             res["init"][f"{pl}/{d}"] = {"grad_norm": g}
     for d in cfg.train_steps:
         for pl in demo.PLACEMENTS:
             deep = d == max(cfg.train_steps)  # the made-up losses are for the deepest stack; shallow ones train
             loss = {"post": post_loss, "deepnorm": dn_loss}.get(pl, 1.0) if deep else 1.0
-            res["train"][f"{pl}/{d}"] = {"final_loss": loss, "diverged_at": post_div if pl == "post" and deep else None,
-                                         "losses": [3.0] * 10, "steps": 10, "accuracy": 0.5}  # fmt: skip
+            div = {"post": post_div if deep else None, "dyt": dyt_div}.get(pl)
+            res["train"][f"{pl}/{d}"] = {"final_loss": loss, "diverged_at": div, "losses": [3.0] * 10, "steps": 10,
+                                         "accuracy": 0.5}  # fmt: skip
     return res
 
 
@@ -71,6 +79,23 @@ def test_claims_follow_the_numbers():
     assert demo.status({"diverged_at": 3, "final_loss": 9.0}, chance) == "DIVERGED at step 3"
     assert demo.status({"diverged_at": None, "final_loss": chance}, chance) == "stuck near chance"
     assert demo.status({"diverged_at": None, "final_loss": 1.0}, chance) == "ok"
+
+
+def test_depth_study_claims_follow_the_numbers():
+    """LayerNorm Scaling (top/bottom above Pre-LN's), Mix-LN (the smallest spread), DyT (trains where LayerNorm
+    trains), each NOT SHOWN when its numbers say otherwise; the criterion is printed with the evidence."""
+    cfg = demo.Config(init_depths=(4, 8), train_steps={4: 10, 8: 10}, vocab=16)
+    good = {c["claim"]: c for c in demo.depth_claims(cfg, _fake(cfg, 5.0, 1.0, 1.0, None))}
+    assert all(c["shown"] for c in good.values()) and len(good) == 3
+    assert all("shown if" in c["evidence"] for c in good.values())
+    bad = {c["claim"]: c["shown"] for c in demo.depth_claims(cfg, _fake(cfg, 5.0, 1.0, 1.0, None, 0.5, 8.0, 2))}
+    assert bad == {
+        "LayerNorm Scaling keeps the deep blocks' gradient norms from shrinking with depth (L=8)": False,
+        "Mix-LN's gradients are more uniform across depth than Pre-LN's and Post-LN's (L=8)": False,
+        "DyT trains where LayerNorm trains (Pre-LN stacks, L=4, 8)": False,
+    }
+    deep = demo.Config(init_depths=(4, 48), train_steps={4: 10, 48: 10}, vocab=16)
+    assert not deep.trains("mix", 48) and deep.trains("post", 48) and deep.trains("mix", 4)
 
 
 def test_cli_dispatch(monkeypatch, capsys):

@@ -25,7 +25,7 @@ def prologue_input_names(spec: OpSpec, prologue: Any) -> tuple[str, str]:
 
 
 #: the parameters the element-wise kernels (both backends) have a slot for, in the kernels' order
-EW_SLOTS = ("alpha", "weight", "bias")
+EW_SLOTS = ("alpha", "shift", "weight", "bias")
 
 
 def check_ew_slots(spec: OpSpec) -> None:

@@ -2,8 +2,8 @@
 
 * sublayers: :class:`Linear`, :class:`FeedForward` (tanh GELU), :class:`MultiHeadAttention` (QK-norm,
   the ``ln_q``/``ln_kv``/``ln_out`` variant, causal and padding masks), :class:`Norm`, :class:`Embedding`;
-* :class:`Block` in the ``pre``, ``post``, ``sandwich`` and ``deepnorm`` placements,
-  :func:`deepnorm_constants`;
+* :class:`Block` in the ``pre``, ``post``, ``sandwich`` / ``peri``, ``deepnorm``, ``layer_norm_scaling`` and
+  ``hybrid`` placements (a :class:`Stack` also ``mix``), :func:`deepnorm_constants`;
 * :class:`Stack` (per-layer gradient norms and update sizes, the multimodal hybrid, gradient
   checkpointing);
 * training: :class:`Adam`, :class:`AdamW`, :class:`SGD` (:mod:`pynorm.optim`),
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..deepnorm import deepnorm_constants
 from ._base import Module
-from .block import PLACEMENTS, Block
+from .block import PLACEMENTS, STACK_PLACEMENTS, Block
 from .stack import Stack, StackCtx
 from .sublayers import (
     IO_NORM_KINDS,
@@ -50,6 +50,7 @@ __all__ = [
     "NORM_KINDS",
     "PLACEMENTS",
     "SGD",
+    "STACK_PLACEMENTS",
     "Adam",
     "AdamW",
     "Block",

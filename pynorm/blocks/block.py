@@ -35,14 +35,25 @@ from .sublayers import NORM_KINDS, AttentionKw, FeedForward, MultiHeadAttention,
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["PLACEMENTS", "Block", "BlockKw", "LayerKw"]
+__all__ = ["PLACEMENTS", "STACK_PLACEMENTS", "Block", "BlockKw", "LayerKw"]
 
-PLACEMENTS = ("pre", "post", "sandwich", "deepnorm")
+PLACEMENTS = ("pre", "post", "sandwich", "deepnorm", "layer_norm_scaling", "peri", "hybrid")
+#: the placements of a :class:`~pynorm.blocks.Stack`: every block's, and Mix-LN's (``"post"`` then ``"pre"`` blocks)
+STACK_PLACEMENTS = (*PLACEMENTS, "mix")
+#: the placements whose blocks wrap each sublayer in two norms (``norm<k>_in``, ``norm<k>_out``)
+_TWO_NORMS = ("sandwich", "peri")
 
 
 def _add(x: Any, f: Any) -> Any:
     cdt = compute_dtype(x.dtype)
     return _cast(x.astype(cdt, copy=False) + f.astype(cdt, copy=False), x.dtype)
+
+
+def _scaled(z: Any, s: float) -> Any:
+    """``s z`` in the compute dtype, rounded to ``z``'s (``z`` itself for ``s = 1``: Pre-LN's arithmetic unchanged)."""
+    if s == 1.0:
+        return z
+    return _cast(z.astype(compute_dtype(z.dtype), copy=False) * s, z.dtype)
 
 
 class LayerKw(AttentionKw, total=False):
@@ -56,8 +67,9 @@ class LayerKw(AttentionKw, total=False):
 
 
 class BlockKw(LayerKw, total=False):
-    """:class:`Block`'s keyword options: :class:`LayerKw` and DeepNorm's constants."""
+    """:class:`Block`'s keyword options: :class:`LayerKw`, the block's depth and DeepNorm's constants."""
 
+    depth: int
     alpha: float | None
     beta: float | None
     n_layers: int | None
@@ -69,17 +81,22 @@ class Block(Module):
     Parameters
     ----------
     d_model, n_heads : width and heads. d_ff : feed-forward width (default ``4 * d_model``).
-    placement : ``"pre"``, ``"post"``, ``"sandwich"`` or ``"deepnorm"``.
-    norm : the norms' kind: ``"layer"``, ``"rms"``, ``"scale"``, ``"dyt"`` or ``"modality"``
+    placement : ``"pre"``, ``"post"``, ``"sandwich"``, ``"peri"``, ``"deepnorm"``, ``"layer_norm_scaling"`` or
+        ``"hybrid"`` (the module docs).
+    norm : the norms' kind: ``"layer"``, ``"rms"``, ``"scale"``, ``"dyt"``, ``"derf"`` or ``"modality"``
         (per-modality parameter tables of kind ``modality_kind``, ``n_modalities`` of them; the
         forward then needs ``modality_ids``).
     qk_norm, io_norms, causal : the attention's options (:class:`~pynorm.blocks.MultiHeadAttention`).
     io_norm_kind : the kind of the attention's ``ln_q``/``ln_kv``/``ln_out`` (``io_norms=True`` only):
-        ``"layer"``, ``"rms"``, ``"scale"`` or ``"dyt"``. None (default) follows ``norm`` -- a block asked
+        ``"layer"``, ``"rms"``, ``"scale"``, ``"dyt"`` or ``"derf"``. None (default) follows ``norm`` -- a block asked
         for RMSNorm has RMSNorm everywhere -- and, for ``norm="modality"``, ``modality_kind`` (the
         attention sees no modality ids, so its io norms are shared by the modalities).
     alpha, beta : DeepNorm's constants; default :func:`pynorm.deepnorm_constants` for ``n_layers``
         blocks (``"decoder"`` when ``causal``, else ``"encoder"``). Only for ``placement="deepnorm"``.
+    depth : the block's 1-based depth :math:`\ell` in its stack (a :class:`~pynorm.blocks.Stack` passes it): LayerNorm
+        Scaling multiplies each norm's output by :math:`1/\sqrt{\ell}`; the other placements ignore it.
+    qk_norm, v_norm : the attention's QK-norm and value norm; ``placement="hybrid"`` turns both on (QKV-norm), its
+        ``qk_norm`` None meaning ``"rms"`` for ``norm="rms"`` and ``"layer"`` otherwise.
     learnable_alpha : make DeepNorm's ``alpha`` a trainable scalar (``params["alpha"]``) starting at the
         paper's value -- as some write-ups describe it; the paper keeps it fixed (default).
     eps : the norms' eps (None: each norm's own default).
@@ -120,6 +137,11 @@ class Block(Module):
             if learnable_alpha or alpha is not None or beta is not None:
                 raise ArgumentError(f"alpha, beta and learnable_alpha are DeepNorm's; placement is {placement!r}")
             self.alpha, self.beta = 1.0, 1.0
+        self.depth = positive_int(kw["depth"], "depth")
+        #: LayerNorm Scaling's factor 1/sqrt(depth) on each norm's output (1: none)
+        self.scale = 1.0 / np.sqrt(self.depth) if placement == "layer_norm_scaling" else 1.0
+        if placement == "hybrid":
+            kw = {**kw, "v_norm": True, "qk_norm": kw["qk_norm"] or ("rms" if norm == "rms" else "layer")}
         self.learnable_alpha = bool(learnable_alpha)
         if self.learnable_alpha:
             self.add_param("alpha", np.full((1,), self.alpha))
@@ -132,7 +154,11 @@ class Block(Module):
             **options_for(MultiHeadAttention, kw, io_norm_kind=io_norm_kind, v_gain=g, o_gain=g, **sub),
         )
         self.ffn = FeedForward(d_model, d_ff, **options_for(FeedForward, kw, gain=g, **sub))
-        names = ("norm1_in", "norm1_out", "norm2_in", "norm2_out") if placement == "sandwich" else ("norm1", "norm2")
+        names: tuple[str, ...] = ("norm1", "norm2")
+        if placement in _TWO_NORMS:
+            names = ("norm1_in", "norm1_out", "norm2_in", "norm2_out")
+        elif placement == "hybrid":
+            names = ("norm2",)  # the attention's norms are its QKV norms
         self.norms = {n: Norm(d_model, norm, **options_for(Norm, kw, xp=self.xp)) for n in names}
         self.children = {"attn": self.attn, "ffn": self.ffn, **self.norms}
 
@@ -149,11 +175,14 @@ class Block(Module):
 
         k = str(i + 1)
         pl = self.placement
-        if pl == "pre":
+        if pl in ("pre", "layer_norm_scaling"):
             z, cn = self.norms[f"norm{k}"].forward(x, ids)
-            fz, cf = f(z)
+            fz, cf = f(_scaled(z, self.scale))
             return _add(x, fz), (cn, cf)
-        if pl == "sandwich":
+        if pl == "hybrid" and i == 0:
+            fx, cf = f(x)
+            return _add(x, fx), cf
+        if pl in _TWO_NORMS:
             z, cin = self.norms[f"norm{k}_in"].forward(x, ids)
             fz, cf = f(z)
             o, cout = self.norms[f"norm{k}_out"].forward(fz, ids)
@@ -166,10 +195,12 @@ class Block(Module):
         fb = self.attn.backward if i == 0 else self.ffn.backward
         k = str(i + 1)
         pl = self.placement
-        if pl == "pre":
+        if pl in ("pre", "layer_norm_scaling"):
             cn, cf = ctx
-            return _add(dy, self.norms[f"norm{k}"].backward(fb(dy, cf), cn))
-        if pl == "sandwich":
+            return _add(dy, self.norms[f"norm{k}"].backward(_scaled(fb(dy, cf), self.scale), cn))
+        if pl == "hybrid" and i == 0:
+            return _add(dy, fb(dy, ctx))
+        if pl in _TWO_NORMS:
             cin, cf, cout = ctx
             do = self.norms[f"norm{k}_out"].backward(dy, cout)
             return _add(dy, self.norms[f"norm{k}_in"].backward(fb(do, cf), cin))

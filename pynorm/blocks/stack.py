@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ArgumentError, ShapeError
+from ..ops import check_real
 from ._base import Module, as_rng, choice, keyword_options, options_for, positive_int
-from .block import PLACEMENTS, Block, LayerKw
+from .block import STACK_PLACEMENTS, Block, LayerKw
 from .sublayers import Norm
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ class StackKw(LayerKw, total=False):
 
     hybrid_layers: int
     final_norm: bool | None
+    input_norm: bool | None
+    mix_alpha: float
     checkpoint: bool
     record: bool
 
@@ -46,6 +49,7 @@ class StackCtx:
     final: Any
     padding_mask: Any
     modality_ids: Any
+    initial: Any = None  # the input norm's ctx
 
 
 class Stack(Module):
@@ -54,19 +58,27 @@ class Stack(Module):
     Parameters
     ----------
     n_layers, d_model, n_heads, d_ff : sizes (``d_ff`` default ``4 * d_model``).
-    placement : ``"pre"``, ``"post"``, ``"sandwich"`` or ``"deepnorm"`` (every block). DeepNorm's
+    placement : every block's placement (:class:`~pynorm.blocks.Block`: ``"pre"``, ``"post"``, ``"sandwich"``,
+        ``"peri"``, ``"deepnorm"``, ``"layer_norm_scaling"``, ``"hybrid"``), or ``"mix"`` (Mix-LN: the lowest
+        ``floor(mix_alpha * n_layers)`` blocks ``"post"``, the others ``"pre"``). DeepNorm's
         ``alpha``/``beta`` default to :func:`pynorm.deepnorm_constants` with ``N = n_layers``
-        (``"decoder"`` with ``M = n_layers`` when ``causal``).
+        (``"decoder"`` with ``M = n_layers`` when ``causal``); LayerNorm Scaling's block ``i`` (from 0) has depth
+        ``i + 1``.
     norm : the norm kind of every block and of the final norm (``"layer"``, ``"rms"``, ``"scale"``,
-        ``"dyt"``, ``"modality"``).
+        ``"dyt"``, ``"derf"``, ``"modality"``); ``"dyt"`` / ``"derf"`` make a norm-free stack (every norm slot
+        an element-wise function).
+    mix_alpha : Mix-LN's fraction of Post-LN blocks (default 0.25, the paper's; ``placement="mix"`` only).
+    input_norm : a norm of the stack's input (the embedding output, ``input_norm.norm.<...>``) before the first
+        block (None, the default: True for ``"peri"``, else False).
     modality_kind : the tables' kind (``"layer"`` or ``"rms"``) when ``norm="modality"`` (a hybrid
         stack's tables are of kind ``norm``).
     hybrid_layers : ``k`` -- the multimodal *hybrid* configuration: the lowest ``k`` blocks use
         modality-specific norms (parameter tables of kind ``norm``, ``n_modalities`` rows; needs
         ``norm`` in ``"layer"``, ``"rms"``), the blocks above share one norm across modalities.
     n_modalities : number of modalities (for ``norm="modality"`` or ``hybrid_layers``).
-    final_norm : a norm after the last block (None, the default: True for ``pre`` and ``sandwich``,
-        whose output is not normalized, False for ``post`` and ``deepnorm``).
+    final_norm : a norm after the last block (None, the default: True where the last block's output is not
+        normalized -- ``pre``, ``sandwich``, ``peri``, ``layer_norm_scaling``, ``mix`` with a Pre-LN block on top
+        --, False for ``post``, ``deepnorm``, ``hybrid`` and an all-Post-LN ``mix``).
     qk_norm, io_norms, io_norm_kind, causal, learnable_alpha, eps : passed to each block
         (:class:`~pynorm.blocks.Block`; ``io_norm_kind=None`` follows ``norm``).
     checkpoint : gradient checkpointing by default (``forward(checkpoint=...)`` overrides it).
@@ -89,7 +101,14 @@ class Stack(Module):
         super().__init__(kw["dtype"], kw["xp"], kw["backend"])
         placement, norm, hybrid_layers = kw["placement"], kw["norm"], kw["hybrid_layers"]
         self.n_layers = positive_int(n_layers, "n_layers")
-        self.placement = choice(placement, "placement", PLACEMENTS)
+        self.placement = choice(placement, "placement", STACK_PLACEMENTS)
+        mix_alpha = check_real(kw["mix_alpha"], "mix_alpha")
+        if not 0.0 <= mix_alpha <= 1.0:
+            raise ArgumentError(f"mix_alpha must be in [0, 1], got {mix_alpha}")
+        if placement != "mix" and mix_alpha != 0.25:
+            raise ArgumentError(f"mix_alpha is Mix-LN's; placement is {placement!r}")
+        #: Mix-LN's number of Post-LN blocks (the lowest ones)
+        self.n_post = int(np.floor(mix_alpha * self.n_layers + 1e-9)) if placement == "mix" else 0
         if isinstance(hybrid_layers, bool) or not isinstance(hybrid_layers, (int, np.integer)):
             raise ArgumentError(f"hybrid_layers must be an int in [0, n_layers], got {hybrid_layers!r}")
         if not 0 <= hybrid_layers <= self.n_layers:
@@ -100,15 +119,24 @@ class Stack(Module):
         self.checkpoint = bool(kw["checkpoint"])
         self.record = bool(kw["record"])
         sub = {"rng": as_rng(kw["rng"]), "xp": self.xp, "n_layers": self.n_layers if placement == "deepnorm" else None}
+        self.input_norm = None
+        input_norm = kw["input_norm"]
+        if input_norm if input_norm is not None else placement == "peri":
+            # before the blocks, so that it draws nothing from rng ahead of them (a norm draws nothing anyway)
+            self.input_norm = Norm(d_model, norm, **options_for(Norm, kw, xp=self.xp))
         self.blocks: list[Block] = []
         for i in range(self.n_layers):
             hybrid = i < self.hybrid_layers  # a modality norm whose tables are of kind `norm`
             kinds = {"norm": "modality", "modality_kind": norm} if hybrid else {}
-            self.blocks.append(Block(d_model, n_heads, d_ff, **options_for(Block, kw, **sub, **kinds)))
+            pl = ("post" if i < self.n_post else "pre") if placement == "mix" else placement
+            opts = options_for(Block, kw, **sub, **kinds, placement=pl, depth=i + 1)
+            self.blocks.append(Block(d_model, n_heads, d_ff, **opts))
         self.children = {f"layers.{i}": b for i, b in enumerate(self.blocks)}
+        if self.input_norm is not None:
+            self.children["input_norm"] = self.input_norm
         final_norm = kw["final_norm"]
         if final_norm is None:
-            final_norm = placement in ("pre", "sandwich")
+            final_norm = self.blocks[-1].placement in ("pre", "sandwich", "peri", "layer_norm_scaling")
         self.final_norm = None
         if final_norm:
             self.final_norm = Norm(d_model, norm, **options_for(Norm, kw, xp=self.xp))
@@ -128,7 +156,9 @@ class Stack(Module):
             raise ArgumentError("this stack has modality-specific norms: pass modality_ids of shape (B, T)")
         ck = self.checkpoint if checkpoint is None else bool(checkpoint)
         saved: list[Any] = []
-        h = x
+        h, ci = x, None
+        if self.input_norm is not None:
+            h, ci = self.input_norm.forward(h, modality_ids)
         for blk in self.blocks:
             if ck:
                 saved.append(h)
@@ -139,7 +169,7 @@ class Stack(Module):
         cf = None
         if self.final_norm is not None:
             h, cf = self.final_norm.forward(h, modality_ids)
-        return h, StackCtx(ck, saved, cf, padding_mask, modality_ids)
+        return h, StackCtx(ck, saved, cf, padding_mask, modality_ids, ci)
 
     def backward(self, dy: Any, ctx: StackCtx) -> Any:
         if self.final_norm is not None:
@@ -152,6 +182,8 @@ class Stack(Module):
                 c = ctx.saved[i]
             dy = blk.backward(dy, c)
             del c
+        if self.input_norm is not None:
+            dy = self.input_norm.backward(dy, ctx.initial)
         if self.record:
             self.history["grad_norm"].append(self.layer_grad_norms())
         return dy

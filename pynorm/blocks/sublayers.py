@@ -41,9 +41,9 @@ __all__ = [
     "masked_softmax_backward",
 ]
 
-NORM_KINDS = ("layer", "rms", "scale", "dyt", "modality")
+NORM_KINDS = ("layer", "rms", "scale", "dyt", "derf", "modality")
 #: the kinds of the attention's ``ln_q``/``ln_kv``/``ln_out`` (the attention takes no modality ids)
-IO_NORM_KINDS = ("layer", "rms", "scale", "dyt")
+IO_NORM_KINDS = ("layer", "rms", "scale", "dyt", "derf")
 
 
 def _cast(a: Any, dtype: Any) -> Any:
@@ -184,7 +184,8 @@ class Norm(Module):
 
     ``kind``: ``"layer"`` (:func:`pynorm.layer_norm`), ``"rms"`` (:func:`pynorm.rms_norm`),
     ``"scale"`` (:func:`pynorm.scale_norm`, ``g`` starting at ``sqrt(d)``), ``"dyt"``
-    (:func:`pynorm.dyt`, ``alpha`` 0.5), ``"modality"`` (per-modality parameter tables,
+    (:func:`pynorm.dyt`, ``alpha`` 0.5), ``"derf"`` (:func:`pynorm.derf`, ``alpha`` 0.5, ``shift`` 0),
+    ``"modality"`` (per-modality parameter tables,
     :func:`pynorm.modality_layer_norm` / :func:`pynorm.modality_rms_norm` by ``modality_kind``).
 
     * ``forward(x, modality_ids=None) -> (norm(x), ctx)``; ``backward(dy, ctx) -> dx``.
@@ -221,6 +222,8 @@ class Norm(Module):
             inner = L.ScaleNorm(d, **e, **kw)
         elif kind == "dyt":
             inner = L.DyT(d, **kw)
+        elif kind == "derf":
+            inner = L.Derf(d, **kw)
         else:
             choice(modality_kind, "modality_kind", ("layer", "rms"))
             if n_modalities is None:
@@ -309,6 +312,7 @@ class AttentionKw(InitKw, total=False):
     """The attention's options that a :class:`~pynorm.blocks.Block` (and a stack, to each block) passes on."""
 
     qk_norm: str | None
+    v_norm: bool
     io_norms: bool
     io_norm_kind: str | None
     causal: bool
@@ -331,6 +335,7 @@ class MultiHeadAttention(Module):
         q = x_q W_q^T + b_q,\; k = x_{kv} W_k^T + b_k,\; v = x_{kv} W_v^T + b_v \quad\text{(split into heads)}
 
         \tilde q = \mathrm{norm}_q(q),\; \tilde k = \mathrm{norm}_k(k) \quad\text{(QK-norm, per head over } d_k)
+        \quad [\tilde v = \mathrm{norm}_v(v) \text{ with } v\_norm]
 
         p = \mathrm{softmax}_{mask}(\tilde q \tilde k^T / \sqrt{d_k}),\quad o = p\,v,\quad
         y = \mathrm{norm}_{out}(\mathrm{merge}(o))\, W_o^T + b_o
@@ -348,8 +353,10 @@ class MultiHeadAttention(Module):
     d_model, n_heads : ``d_model`` divisible by ``n_heads`` (``d_k = d_model / n_heads``).
     qk_norm : None, ``"layer"`` or ``"rms"``: a norm over each head's ``d_k`` features of queries and keys
         (one ``(d_k,)`` parameter set each for q and k, shared by the heads).
+    v_norm : also normalize the values (``v_norm``, of kind ``qk_norm``, per head over ``d_k``): HybridNorm's
+        QKV-norm (Zhuo et al. 2025, arXiv 2503.04598). Needs ``qk_norm``.
     io_norms : add ``ln_q``, ``ln_kv``, ``ln_out`` (norms over ``d_model`` of kind ``io_norm_kind``).
-    io_norm_kind : ``"layer"``, ``"rms"``, ``"scale"`` or ``"dyt"``; None (default) means ``"layer"``.
+    io_norm_kind : ``"layer"``, ``"rms"``, ``"scale"``, ``"dyt"`` or ``"derf"``; None (default) means ``"layer"``.
         Only with ``io_norms=True`` (an ArgumentError otherwise: it would have no effect).
     causal : position ``i`` attends to ``j <= i`` only.
     qk_gain, v_gain, o_gain : Xavier gains of the projections (DeepNorm: ``beta`` for v and o, 1 for q, k).
@@ -391,11 +398,16 @@ class MultiHeadAttention(Module):
         self.o = Linear(d, d, gain=kw["o_gain"], **lin)
         self.children = {"q": self.q, "k": self.k, "v": self.v, "o": self.o}
         nkw = {**array, "eps": kw["eps"]}
-        self.q_norm = self.k_norm = self.ln_q = self.ln_kv = self.ln_out = None
+        self.q_norm = self.k_norm = self.v_norm = self.ln_q = self.ln_kv = self.ln_out = None
         if self.qk_norm is not None:
             self.q_norm = Norm(self.d_k, self.qk_norm, **nkw)
             self.k_norm = Norm(self.d_k, self.qk_norm, **nkw)
             self.children |= {"q_norm": self.q_norm, "k_norm": self.k_norm}
+        if kw["v_norm"]:
+            if self.qk_norm is None:
+                raise ArgumentError("v_norm=True needs qk_norm ('layer' or 'rms': the kind of the values' norm)")
+            self.v_norm = Norm(self.d_k, self.qk_norm, **nkw)
+            self.children["v_norm"] = self.v_norm
         self.io_norm_kind = None
         io_norm_kind = kw["io_norm_kind"]
         if io_norm_kind is not None:
@@ -450,10 +462,12 @@ class MultiHeadAttention(Module):
         k, ckp = self.k.forward(xkv)
         v, cvp = self.v.forward(xkv)
         qh, kh, vh = self._split(q), self._split(k), self._split(v)
-        cqn = ckn = None
+        cqn = ckn = cvn = None
         if self.q_norm is not None and self.k_norm is not None:
             qh, cqn = self.q_norm.forward(qh)
             kh, ckn = self.k_norm.forward(kh)
+        if self.v_norm is not None:
+            vh, cvn = self.v_norm.forward(vh)
         cdt = compute_dtype(x.dtype, self.dtype)
         scale = 1.0 / math.sqrt(self.d_k)
         qc, kc, vc = qh.astype(cdt, copy=False), kh.astype(cdt, copy=False), vh.astype(cdt, copy=False)
@@ -464,10 +478,10 @@ class MultiHeadAttention(Module):
         if self.ln_out is not None:
             o, co = self.ln_out.forward(o)
         y, cop = self.o.forward(o)
-        return y, (x.dtype, cq, ckv, cqp, ckp, cvp, cqn, ckn, qh, kh, vh, p, co, cop)
+        return y, (x.dtype, cq, ckv, cqp, ckp, cvp, (cqn, ckn, cvn), qh, kh, vh, p, co, cop)
 
     def backward(self, dy: Any, ctx: Any) -> Any:
-        xdt, cq, ckv, cqp, ckp, cvp, cqn, ckn, qh, kh, vh, p, co, cop = ctx
+        xdt, cq, ckv, cqp, ckp, cvp, (cqn, ckn, cvn), qh, kh, vh, p, co, cop = ctx
         cdt = p.dtype
         scale = 1.0 / math.sqrt(self.d_k)
         do = self.o.backward(dy, cop)
@@ -483,6 +497,8 @@ class MultiHeadAttention(Module):
         if self.q_norm is not None and self.k_norm is not None:
             dq = self.q_norm.backward(dq, cqn)
             dk = self.k_norm.backward(dk, ckn)
+        if self.v_norm is not None:
+            dv = self.v_norm.backward(dv, cvn)
         dxq = self.q.backward(self._merge(dq), cqp)
         dxkv = self.k.backward(self._merge(dk), ckp).astype(cdt) + self.v.backward(self._merge(dv), cvp)
         if self.ln_q is not None and self.ln_kv is not None:

@@ -16,6 +16,7 @@ from ._spec import OpSpec
 from .add_norm import ADD_LAYER_NORM, ADD_RMS_NORM
 from .batch_norm import SPEC as BATCH_NORM
 from .conditional_norm import CONDITIONAL_LAYER_NORM, CONDITIONAL_RMS_NORM
+from .derf import SPEC as DERF
 from .dyt import SPEC as DYT
 from .group_norm import GROUP_NORM, INSTANCE_NORM
 from .layer_norm import SPEC as LAYER_NORM
@@ -32,6 +33,7 @@ __all__ = [
     "BATCH_NORM",
     "CONDITIONAL_LAYER_NORM",
     "CONDITIONAL_RMS_NORM",
+    "DERF",
     "DYT",
     "GROUP_NORM",
     "INSTANCE_NORM",
@@ -62,6 +64,7 @@ SPECS: dict[str, OpSpec] = {
         SCALE_NORM,
         POWER_NORM,
         DYT,
+        DERF,
         ADD_LAYER_NORM,
         ADD_RMS_NORM,
         MODALITY_LAYER_NORM,

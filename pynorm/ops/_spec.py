@@ -171,10 +171,11 @@ class ColumnVariant:
 @dataclass(frozen=True)
 class ElementwiseVariant:
     """A variant of the element-wise kernel family: the function applied to each element
-    (``"signed_power"``: ``sign(x) |x|^p``; ``"tanh"``: ``tanh(alpha x)``), then the per-feature affine."""
+    (``"signed_power"``: ``sign(x) |x|^p``; ``"tanh"``: ``tanh(alpha x)``; ``"erf"``: ``erf(alpha x + shift)``), then
+    the per-feature affine."""
 
     family: ClassVar[str] = "elementwise"
-    function: Literal["signed_power", "tanh"]
+    function: Literal["signed_power", "tanh", "erf"]
 
 
 @dataclass(frozen=True)

@@ -364,7 +364,9 @@ class Function:
 
     ``option``: the option giving the function's constant ("" for none); ``scalar``: the ``"scalar"`` parameter
     giving it, learnable ("" for none); ``cuda``: its policy in ``kernels/elementwise.cu``; ``numba``: its tag's
-    choice in :mod:`pynorm.backends.numba._ew_kernels` ("" where the backend has no kernels).
+    choice in :mod:`pynorm.backends.numba._ew_kernels` ("" where the backend has no kernels); ``shift``: a second
+    learnable ``"scalar"`` parameter added to the function's argument (Derf's ``s`` in ``erf(alpha x + s)``; ""
+    for none).
     """
 
     name: str
@@ -373,6 +375,12 @@ class Function:
     scalar: str
     cuda: str
     numba: str
+    shift: str = ""
+
+    @property
+    def scalars(self) -> tuple[str, ...]:
+        """The function's learnable scalar parameters, in order."""
+        return tuple(n for n in (self.scalar, self.shift) if n)
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -384,6 +392,7 @@ FUNCTIONS: dict[str, Function] = {
     for f in (
         Function("signed_power", "sign(x) |x|^p", "p", "", "pynorm::SignedPower", "signed_power"),
         Function("tanh", "tanh(alpha x)", "", "alpha", "pynorm::Tanh", "tanh"),
+        Function("erf", "erf(alpha x + shift)", "", "alpha", "pynorm::Erf", "erf", shift="shift"),
     )
 }
 
@@ -676,11 +685,12 @@ def _check_elementwise(spec: OpSpec) -> None:
     fn = _choice(spec, FUNCTIONS, "function")
     _check_options(spec, fn.options, fn.options)
     names = spec.param_names
-    want = (*((fn.scalar,) if fn.scalar else ()), *ELEMENTWISE_PARAMS)
+    want = (*fn.scalars, *ELEMENTWISE_PARAMS)
     if tuple(n for n in want if n in names) != names:
         _fail(spec, f"the {fn.name!r} function takes the parameters {want} (in that order, each optional)")
-    if fn.scalar and (fn.scalar not in names or next(p for p in spec.params if p.name == fn.scalar).kind != "scalar"):
-        _fail(spec, f"the {fn.name!r} function takes its constant from a 'scalar' parameter {fn.scalar!r}")
+    for sc in fn.scalars:
+        if sc not in names or next(p for p in spec.params if p.name == sc).kind != "scalar":
+            _fail(spec, f"the {fn.name!r} function takes its constant from a 'scalar' parameter {sc!r}")
     if spec.inputs:
         _fail(spec, "the element-wise family reads no inputs besides x")
     required = ("x", *names)

@@ -189,6 +189,7 @@ class EwFwdArgs(_Args):
 
     x: ConstT
     alpha: ConstW
+    shift: ConstW
     weight: ConstW
     bias: ConstW
     y: OutT
@@ -206,11 +207,13 @@ class EwBwdArgs(_Args):
     dy: ConstT
     x: ConstT
     alpha: ConstW
+    shift: ConstW
     weight: ConstW
     dx: OutT
     part_w: OutAcc
     part_b: OutAcc
     part_a: OutAcc
+    part_s: OutAcc
     rows: LongLong
     hidden: Int
     rows_per_chunk: LongLong

@@ -1,11 +1,11 @@
 """The element-wise family on the GPU: host launchers of ``kernels/elementwise.cu`` for every op of the family.
 
 :data:`OP_IMPLS` maps each op of :data:`pynorm.ops.SPECS` whose family is ``"elementwise"`` (the
-signed-power PowerNorm, DyT) to an :class:`ElementwiseOp`: ``forward(x2d, *params, out=None, **options)
+signed-power PowerNorm, DyT, Derf) to an :class:`ElementwiseOp`: ``forward(x2d, *params, out=None, **options)
 -> (y, ctx)`` and ``backward(dy2d, ctx, dx_out=None) -> grads``, with the ctx dataclass and gradient
 tuple of the op's spec (the reference's) holding CuPy arrays. The op's function is the kernels'
-``Fn`` policy (:func:`._loader.variant_args`); its learnable scalar, if any, is the parameter
-named ``alpha``, and ``p`` the option of that name (0 otherwise).
+``Fn`` policy (:func:`._loader.variant_args`); its learnable scalars, if any, are the parameters
+named ``alpha`` and ``shift``, and ``p`` the option of that name (0 otherwise).
 
 Differences from the reference, by design: values are computed in float32 (float64 when x or a
 parameter is float64; PowerNorm's ``pow`` in float64 for float32 data); parameter gradients are
@@ -53,7 +53,7 @@ class ElementwiseOp:
         options = {**self.spec.defaults(), **options}
         plan = self._plan(x.dtype, named)
         x = _host.contiguous(x)
-        a, w, b = (
+        a, sh, w, b = (
             _host.prepare_param(named.get(n), plan.acc if c else None) for n, c in zip(_SLOTS, plan.casts, strict=True)
         )
         y = out if out is not None else _host.empty((rows, hidden), x.dtype)
@@ -61,7 +61,7 @@ class ElementwiseOp:
             k = get_kernel(_FILE, "ew_fwd", (plan.T, plan.W, *self.variant))
             chunks, tiles, rpc = _launch.chunk_grid(rows, hidden, x.dtype.itemsize, _host.device_limits())
             vec = _launch.can_vectorize(hidden, x.dtype.itemsize, (x.data.ptr, y.data.ptr))
-            args = EwFwdArgs(x, a, w, b, y, rows, hidden, rpc, kernel_args(self.spec, options).constant, vec)
+            args = EwFwdArgs(x, a, sh, w, b, y, rows, hidden, rpc, kernel_args(self.spec, options).constant, vec)
             _host.launch(k, (chunks, tiles), _launch.DEFS["APPLY_THREADS"], args.pack())
         values = {"x": x, **named, **options}
         return y, self.spec.ctx(**{n: values[n] for n in self.ctx_fields})
@@ -77,7 +77,7 @@ class ElementwiseOp:
         x = _host.contiguous(ctx.x)
         dy = _host.contiguous(dy)
         rows, hidden = (int(d) for d in x.shape)
-        a, w, _ = (
+        a, sh, w, _ = (
             _host.prepare_param(named.get(n), plan.acc if c else None) for n, c in zip(_SLOTS, plan.casts, strict=True)
         )
         dx = dx_out if dx_out is not None else _host.empty((rows, hidden), x.dtype)
@@ -93,7 +93,7 @@ class ElementwiseOp:
             parts = {n: part(n) for n in _SLOTS}
             vec = _launch.can_vectorize(hidden, x.dtype.itemsize, (x.data.ptr, dy.data.ptr, dx.data.ptr))
             args = EwBwdArgs(
-                dy, x, a, w, dx, parts["weight"], parts["bias"], parts["alpha"], rows, hidden, rpc,
+                dy, x, a, sh, w, dx, parts["weight"], parts["bias"], parts["alpha"], parts["shift"], rows, hidden, rpc,
                 kernel_args(self.spec, ctx).constant, vec,
             )  # fmt: skip
             _host.launch(k, (chunks, tiles), _launch.DEFS["APPLY_THREADS"], args.pack())
@@ -102,7 +102,7 @@ class ElementwiseOp:
             p = named[n]
             if p is None:
                 grads[n] = None
-            elif n == "alpha":
+            elif n in ("alpha", "shift"):
                 grads[n] = _host.reduce_scalar(parts[n], chunks, hidden, p.dtype, plan.acc)
             else:
                 grads[n] = _host.reduce_partials(parts[n], chunks, hidden, p.dtype, plan.acc)

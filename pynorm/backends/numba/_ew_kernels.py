@@ -22,6 +22,11 @@ Functions:
 * ``"tanh"``: :math:`f = \tanh(\alpha v)`, :math:`f' = \alpha\,\operatorname{sech}^2(\alpha v)` with
   :math:`\operatorname{sech}^2 z = 4s/(1+s)^2`, :math:`s = e^{-2|z|}` (full relative accuracy where tanh
   saturates, as the reference).
+* ``"erf"``: :math:`f = \operatorname{erf}(\alpha v + s)`, :math:`f' = \alpha\,\tfrac{2}{\sqrt\pi}
+  e^{-z^2}`; its scalar ``a`` is the pair ``(alpha, s)`` and its term of the scalars' gradient the pair
+  ``(v e G, e G)`` (``dalpha``'s, ``dshift``'s), added to a partial of two rows per block (:func:`_add_term`).
+  The fast tags evaluate erf and the exponential in float64 arithmetic without libm (:func:`._vmath.erf_d`,
+  <= 1 ulp of the float32 result); float64 storage keeps libm's ``erf`` and ``exp``.
 
 Values are computed in the *function math type*: float32 for float16/bfloat16 storage, float64 for
 float32/float64 (:func:`fcast`; the transcendental functions cost the same either way, and float64 keeps
@@ -64,6 +69,8 @@ def fcast(a, v):  # type: ignore[no-untyped-def]
 
 @overload(fcast)
 def _fcast_ol(a, v):  # type: ignore[no-untyped-def]
+    if isinstance(v, types.BaseTuple):  # a function with two scalars (Derf's alpha, shift)
+        return lambda a, v: (fcast(a, v[0]), fcast(a, v[1]))
     if a.dtype in (types.int16, types.uint16):
         return lambda a, v: np.float32(v)
     return lambda a, v: np.float64(v)
@@ -273,6 +280,141 @@ def _tanh_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
     return impl
 
 
+def _erf_value(fn, v, a):  # type: ignore[no-untyped-def]
+    raise RuntimeError(JIT_ONLY)
+
+
+def _erf_grad(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_erf_value, jit_options=INLINED)
+def _erf_value_ol(fn, v, a):  # type: ignore[no-untyped-def]
+    if not _fast(fn):
+        return lambda fn, v, a: math.erf(a[0] * v + a[1])
+    return lambda fn, v, a: vm.erf_d(np.float64(a[0]) * np.float64(v) + np.float64(a[1]))
+
+
+@overload(_erf_grad, jit_options=INLINED)
+def _erf_grad_ol(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+    if not _fast(fn):
+
+        def exact(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+            z = a[0] * v + a[1]
+            ge = g * (1.1283791670955126 * math.exp(-(z * z)))
+            return a[0] * ge, math.erf(z), (ge * v, ge)
+
+        return exact
+
+    def impl(fn, v, g, a, big):  # type: ignore[no-untyped-def]
+        x = np.float64(v)
+        z = np.float64(a[0]) * x + np.float64(a[1])
+        f, e = vm.erf_and_prime_d(z)  # one exponential for both
+        ge = np.float64(g) * e
+        return np.float64(a[0]) * ge, f, (ge * x, ge)
+
+    return impl
+
+
+def _add_term(par, j, t):  # type: ignore[no-untyped-def]
+    """``par[j] += t`` for one scalar's term, ``par[0][j] += t[0]; par[1][j] += t[1]`` for a pair (two scalars:
+    ``par`` a pair of partial rows)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_add_term, jit_options=INLINED)
+def _add_term_ol(par, j, t):  # type: ignore[no-untyped-def]
+    if isinstance(t, types.BaseTuple):
+
+        def pair(par, j, t):  # type: ignore[no-untyped-def]
+            par[0][j] += t[0]
+            par[1][j] += t[1]
+
+        return pair
+    if isinstance(par, types.BaseTuple):  # a placeholder's term (a loop the pair's tags never run)
+
+        def first(par, j, t):  # type: ignore[no-untyped-def]
+            par[0][j] += t
+
+        return first
+
+    def one(par, j, t):  # type: ignore[no-untyped-def]
+        par[j] += t
+
+    return one
+
+
+def _zero(par):  # type: ignore[no-untyped-def]
+    """``par[:] = 0`` for a partial row, or for both rows of a pair."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_zero, jit_options=INLINED)
+def _zero_ol(par):  # type: ignore[no-untyped-def]
+    if isinstance(par, types.BaseTuple):
+
+        def pair(par):  # type: ignore[no-untyped-def]
+            par[0][:] = 0
+            par[1][:] = 0
+
+        return pair
+
+    def one(par):  # type: ignore[no-untyped-def]
+        par[:] = 0
+
+    return one
+
+
+def _put_term(ts, j, t):  # type: ignore[no-untyped-def]
+    """``ts[j] = t`` into a split function's scratch row (a pair's functions are not split: its first part, never
+    run)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_put_term, jit_options=INLINED)
+def _put_term_ol(ts, j, t):  # type: ignore[no-untyped-def]
+    if isinstance(t, types.BaseTuple):
+
+        def first(ts, j, t):  # type: ignore[no-untyped-def]
+            ts[j] = t[0]
+
+        return first
+
+    def one(ts, j, t):  # type: ignore[no-untyped-def]
+        ts[j] = t
+
+    return one
+
+
+def _pseg2(a, i, lo, hi):  # type: ignore[no-untyped-def]
+    """The scalar partial's row ``a[i, lo:hi]`` (for a pair's ``(blocks, 2, H)``, the two rows ``(a[i, 0, lo:hi],
+    a[i, 1, lo:hi])``: contiguous, so that the loops adding to them vectorize), None for None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def _pseg(a, lo, hi):  # type: ignore[no-untyped-def]
+    """``a[lo:hi]`` (of both rows of a pair), None for None."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_pseg2, jit_options=INLINED)
+def _pseg2_ol(a, i, lo, hi):  # type: ignore[no-untyped-def]
+    if isinstance(a, types.NoneType):
+        return lambda a, i, lo, hi: None
+    if a.ndim == 3:
+        return lambda a, i, lo, hi: (a[i, 0, lo:hi], a[i, 1, lo:hi])
+    return lambda a, i, lo, hi: a[i, lo:hi]
+
+
+@overload(_pseg, jit_options=INLINED)
+def _pseg_ol(a, lo, hi):  # type: ignore[no-untyped-def]
+    if isinstance(a, types.NoneType):
+        return lambda a, lo, hi: None
+    if isinstance(a, types.BaseTuple):
+        return lambda a, lo, hi: (a[0][lo:hi], a[1][lo:hi])
+    return lambda a, lo, hi: a[lo:hi]
+
+
 #: each function's implementation of each piece (a new function is one more entry; ``"split"``: see :func:`_split`;
 #: ``"ahead"``: whether the forward asks the cache for its next task's input, :func:`_ahead`)
 PIECES: dict[str, dict[Any, Any]] = {
@@ -287,6 +429,11 @@ PIECES: dict[str, dict[Any, Any]] = {
         f_fix: lambda fn, v, g, a, big, dx: dx,
         "split": True,
         "ahead": lambda fn: True,
+    },
+    "erf": {
+        f_value: lambda fn, v, a: _erf_value(fn, v, a),
+        f_grad: lambda fn, v, g, a, big: _erf_grad(fn, v, g, a, big),
+        f_fix: lambda fn, v, g, a, big, dx: dx,
     },
 }
 
@@ -478,7 +625,7 @@ def ew_bwd_row(fn, xr, dyr, av, wr, big, dxr, pwr, pbr, par, fs, ts):  # type: i
             if pbr is not None:
                 pbr[j] += d
             if par is not None:
-                par[j] += r[2]
+                _add_term(par, j, r[2])
         return
     if _fused(fn):  # ... or dx (and f, the scalar's term, into scratch rows) in one pass ...
         for j in range(n):
@@ -489,7 +636,7 @@ def ew_bwd_row(fn, xr, dyr, av, wr, big, dxr, pwr, pbr, par, fs, ts):  # type: i
             if pwr is not None:
                 fs[j] = r[1]
             if par is not None:
-                ts[j] = r[2]
+                _put_term(ts, j, r[2])
         # ... and the float64 partials in another (in one loop they held float32 math to 8 lanes)
         for j in range(n):
             d = fcast(xr, ld(dyr[j]))
@@ -498,7 +645,7 @@ def ew_bwd_row(fn, xr, dyr, av, wr, big, dxr, pwr, pbr, par, fs, ts):  # type: i
             if pbr is not None:
                 pbr[j] += d
             if par is not None:
-                par[j] += ts[j]
+                _add_term(par, j, ts[j])
         return
     for j in range(n):
         d = fcast(xr, ld(dyr[j]))
@@ -518,7 +665,7 @@ def ew_bwd_row(fn, xr, dyr, av, wr, big, dxr, pwr, pbr, par, fs, ts):  # type: i
         for j in range(n):
             d = fcast(xr, ld(dyr[j]))
             g = d * wr[j] if wr is not None else d
-            par[j] += _unfused_grad(fn, fcast(xr, ld(xr[j])), g, av, big)[2]
+            _add_term(par, j, _unfused_grad(fn, fcast(xr, ld(xr[j])), g, av, big)[2])
 
 
 @jit(FM_SUM)
@@ -532,13 +679,13 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
         blk, j0, j1 = tile(t, h, EW_TILE)
         pwr = seg2(pw, blk, j0, j1)
         pbr = seg2(pb, blk, j0, j1)
-        par = seg2(pa, blk, j0, j1)
+        par = _pseg2(pa, blk, j0, j1)
         if pw is not None:
             pwr[:] = 0
         if pb is not None:
             pbr[:] = 0
         if pa is not None:
-            par[:] = 0
+            _zero(par)
         for i in range(blk * ROW_BLOCK, min(blk * ROW_BLOCK + ROW_BLOCK, rows)):
             n = min(i + 1, rows - 1)  # the next row's tile, asked of the cache piece by piece meanwhile
             for lo in range(j0, j1, PF_CHUNK):
@@ -547,7 +694,7 @@ def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[
                 prefetch(dy[n], lo, hi)
                 p0, p1 = lo - j0, hi - j0
                 ew_bwd_row(fn, x[i, lo:hi], dy[i, lo:hi], av, seg(w, lo, hi), big, dx[i, lo:hi], seg(pwr, p0, p1),
-                           seg(pbr, p0, p1), seg(par, p0, p1), fs, ts)  # fmt: skip
+                           seg(pbr, p0, p1), _pseg(par, p0, p1), fs, ts)  # fmt: skip
 
 
 @jit(FM_SUM)

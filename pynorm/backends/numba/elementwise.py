@@ -1,11 +1,11 @@
 """The element-wise family on the ``numba`` backend: every op of :data:`pynorm.ops.SPECS` whose family is
-``"elementwise"`` (the signed-power PowerNorm, DyT).
+``"elementwise"`` (the signed-power PowerNorm, DyT, Derf).
 
 :data:`OP_IMPLS` maps each such op to an :class:`ElementwiseOp`: ``forward(x2d, *params, out=None, **options)
 -> (y, ctx)`` and ``backward(dy2d, ctx, dx_out=None) -> grads``, with the reference module's contract
 (``spec.ctx``, ``spec.grads``). The spec's variant names the function (:mod:`._ew_kernels`); its scalar
-is the option ``p`` or the ``"scalar"`` parameter ``alpha``, and the per-feature ``weight``/``bias`` are the
-affine after it. Nothing here is specific to one op.
+is the option ``p`` or the ``"scalar"`` parameter ``alpha`` (with Derf's ``shift``, the pair), and the per-feature
+``weight``/``bias`` are the affine after it. Nothing here is specific to one op.
 
 Forward: ``y = w * f(x) + b`` in one parallel pass (:func:`._ew_kernels.ew_fwd`). Backward: ``dx`` and
 per-block partial sums of ``dy f(x)``, ``dy`` and the scalar's terms in one pass
@@ -91,10 +91,12 @@ class ElementwiseOp:
             return function(self.kind, fast=fast)
         return function(self.kind, exponent={0.5: "half", 1.0: "one", 2.0: "two"}.get(p, "any"), fast=fast)
 
-    def _scalar(self, named: dict[str, Any], source: Any) -> float:
-        """The function's constant: its scalar parameter's value, or its option's (:func:`kernel_args`)."""
+    def _scalar(self, named: dict[str, Any], source: Any) -> Any:
+        """The function's constant: its scalar parameter's value (a pair for a function with two, Derf's ``(alpha,
+        shift)``), or its option's (:func:`kernel_args`)."""
         if self.function.scalar:
-            return float(np.asarray(named[self.function.scalar], dtype=np.float64).reshape(-1)[0])
+            v = tuple(float(np.asarray(named[n], dtype=np.float64).reshape(-1)[0]) for n in self.function.scalars)
+            return v if len(v) > 1 else v[0]
         return float(kernel_args(self.spec, source).constant)
 
     def _setup(self, o: dict[str, Any], dtype: Any) -> _Setup:
@@ -212,6 +214,9 @@ class ElementwiseOp:
         fdt = st.fmath
         nb = blocks(rows)
         parts = {n: (common.scratch((nb, h), fdt) if named.get(n) is not None else None) for n in _SLOTS}
+        pair = None  # the two scalars' terms in one partial of two rows per block (Derf)
+        if len(self.function.scalars) == 2:
+            parts["alpha"] = pair = common.scratch((nb, 2, h), fdt)
         dx = common.output(dx_out, x.shape, x.dtype)
         if rows:
             a = st.constant if st.constant is not None else self._scalar(named, None)
@@ -221,12 +226,14 @@ class ElementwiseOp:
                 common.storage(dy), a, common.param(named.get("weight"), pdt), fmax, common.storage(dx),
                 parts["weight"], parts["bias"], parts["alpha"],
             )  # fmt: skip
+        if pair is not None:
+            parts["alpha"], parts["shift"] = (np.ascontiguousarray(pair[:, k]) for k in (0, 1))
         grads: list[Any] = []
         for n in self.spec.param_names:
             p, part = named[n], parts[n]
             if p is None or part is None:
                 grads.append(None)
-            elif n == "alpha":
+            elif n in self.function.scalars:
                 total = common.column_total(common.reduce_blocks(part, np.float64))
                 grads.append(round_to(np.asarray([total]), p.dtype).reshape(p.shape))
             else:

@@ -8,11 +8,12 @@
 //
 //   SignedPower   f(x) = sign(x) |x|^p      the signed-power "PowerNorm" (p: a hyperparameter)
 //   Tanh          f(x) = tanh(alpha x)      DyT (alpha: a learnable scalar)
+//   Erf           f(x) = erf(alpha x + s)   Derf (alpha, s: learnable scalars)
 //
 // Kernels (templates over T = x/y/dx dtype, W = parameter dtype, Fn):
 //   ew_fwd   y
-//   ew_bwd   dx = w * dy * f'(x), and per-chunk partial sums of dweight (dy * f(x)), dbias (dy)
-//            and dalpha (dy * w * df/dalpha)
+//   ew_bwd   dx = w * dy * f'(x), and per-chunk partial sums of dweight (dy * f(x)), dbias (dy),
+//            dalpha (dy * w * df/dalpha) and dshift (dy * w * df/ds)
 // Both run on a (row chunks) x (column tiles) grid: thread t of block (c, j) owns item j of
 // thread t (V consecutive columns, as in common.cuh) of every row of chunk c, so its weights are
 // loaded once and its column sums stay in registers. The partial sums are reduced in a fixed
@@ -44,8 +45,9 @@ template <typename A> __device__ __forceinline__ A clamp_abs(A v, double big) {
 }
 
 // ---------------------------------------------------------------------------
-// the function axis. value(x, a, p) = f(x); grad(x, a, p, g, da) = g * df/dx for the upstream
-// g = w * dy, with da = g * df/dalpha. M: the type the transcendental functions are evaluated in.
+// the function axis. value(x, a, s, p) = f(x); grad(x, a, s, p, g, da, ds) = g * df/dx for the upstream
+// g = w * dy, with da = g * df/dalpha and ds = g * df/ds (a: the scalar alpha when kAlpha, s: the scalar shift
+// when kShift, else 0). M: the type the transcendental functions are evaluated in.
 
 // sign(x) |x|^p. The exponent p is a double: float32 data evaluate |x|^p as exp2(p log2|x|) in
 // double (relative error ~ |p log2 x| 2^-53, far below float's; p = pi / 4 is not a float, and the
@@ -55,6 +57,7 @@ template <typename A> __device__ __forceinline__ A clamp_abs(A v, double big) {
 // finite input).
 struct SignedPower {
   static constexpr bool kAlpha = false;
+  static constexpr bool kShift = false;
 
   template <typename T, typename A> using Math = typename cond_type<(sizeof(T) >= 4), double, A>::type;
 
@@ -67,14 +70,14 @@ struct SignedPower {
       return pow(ax, static_cast<M>(q));
     }
   }
-  template <typename T, typename A> static __device__ __forceinline__ A value(A x, A, double p) {
+  template <typename T, typename A> static __device__ __forceinline__ A value(A x, A, A, double p) {
     using M = Math<T, A>;
     const M ax = fabs(static_cast<M>(x));
     return static_cast<A>(copysign(power<T>(ax, p), static_cast<M>(x)));
   }
-  template <typename T, typename A> static __device__ __forceinline__ A grad(A x, A, double p, A g, A& da) {
+  template <typename T, typename A> static __device__ __forceinline__ A grad(A x, A, A, double p, A g, A& da, A& ds) {
     using M = Math<T, A>;
-    da = A(0);
+    da = ds = A(0);
     const M ax = fabs(static_cast<M>(x));
     if (ax == M(0)) return p == 1.0 ? g : g * A(0);
     const M v = static_cast<M>(g) * (static_cast<M>(p) * power<T>(ax, p - 1.0));
@@ -95,21 +98,45 @@ struct SignedPower {
 // no cancellation anywhere (2 + m is in (1, 2]), within a few ulps, and lighter than tanh in double.
 struct Tanh {
   static constexpr bool kAlpha = true;
+  static constexpr bool kShift = false;
 
   template <typename A> static __device__ __forceinline__ A sech2(A z) {
     const A s = exp(A(-2) * fabs(z));
     const A d = A(1) + s;
     return A(4) * s / (d * d);
   }
-  template <typename T, typename A> static __device__ __forceinline__ A value(A x, A a, double) {
+  template <typename T, typename A> static __device__ __forceinline__ A value(A x, A a, A, double) {
     const A z = a * x;
     const A m = expm1(A(-2) * fabs(z));
     return copysign(-m / (A(2) + m), z);
   }
-  template <typename T, typename A> static __device__ __forceinline__ A grad(A x, A a, double, A g, A& da) {
+  template <typename T, typename A> static __device__ __forceinline__ A grad(A x, A a, A, double, A g, A& da, A& ds) {
     const A gs = g * sech2(a * x);
     da = gs * x;
+    ds = A(0);
     return a * gs;
+  }
+};
+
+// erf(alpha x + s). df/dx = alpha e, df/dalpha = x e, df/ds = e, with e = (2 / sqrt(pi)) exp(-z^2), z = alpha x + s
+// (an exponential: no cancellation, 0 only where it underflows). CUDA's erff is within 2 ulps of the exact value
+// and erf (double) within 2 ulps (CUDA C++ Programming Guide, mathematical functions appendix); expf within 2,
+// exp within 1. The CPU harness runs the C++ library's erf/exp instead.
+struct Erf {
+  static constexpr bool kAlpha = true;
+  static constexpr bool kShift = true;
+
+  template <typename A> static __device__ __forceinline__ A slope(A z) {
+    return A(1.1283791670955125738961589031215452) * exp(-(z * z));
+  }
+  template <typename T, typename A> static __device__ __forceinline__ A value(A x, A a, A s, double) {
+    return erf(a * x + s);
+  }
+  template <typename T, typename A> static __device__ __forceinline__ A grad(A x, A a, A s, double, A g, A& da, A& ds) {
+    const A ge = g * slope(a * x + s);
+    da = ge * x;
+    ds = ge;
+    return a * ge;
   }
 };
 
@@ -121,14 +148,16 @@ __device__ __forceinline__ void chunk_rows(long long R, long long rows_per_chunk
 
 template <typename T, typename W, class Fn>
 __global__ void __launch_bounds__(PYNORM_APPLY_THREADS, 1)
-ew_fwd(const T* __restrict__ x, const W* __restrict__ alpha, const W* __restrict__ weight, const W* __restrict__ bias,
-       T* __restrict__ y, long long rows, int hidden, long long rows_per_chunk, double p, int vec) {
+ew_fwd(const T* __restrict__ x, const W* __restrict__ alpha, const W* __restrict__ shift, const W* __restrict__ weight,
+       const W* __restrict__ bias, T* __restrict__ y, long long rows, int hidden, long long rows_per_chunk, double p,
+       int vec) {
   using A = acc_t<T, W>;
   constexpr int V = vec_n<T>();
   const int H = hidden;
   const bool vm = vec != 0;
   const int b = item_base<T>(threadIdx.x, blockIdx.y, blockDim.x);
   const A a = Fn::kAlpha ? to_acc<A>(alpha[0]) : A(0);
+  const A sh = Fn::kShift ? to_acc<A>(shift[0]) : A(0);
   A wv[V], bv[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) {
@@ -144,7 +173,7 @@ ew_fwd(const T* __restrict__ x, const W* __restrict__ alpha, const W* __restrict
     Vec<T> o;
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      A v = Fn::template value<T>(to_acc<A>(xi.v[e]), a, p);
+      A v = Fn::template value<T>(to_acc<A>(xi.v[e]), a, sh, p);
       if (weight != nullptr) v = v * wv[e];
       if (bias != nullptr) v = v + bv[e];
       o.v[e] = Conv<T>::from(v);
@@ -155,22 +184,23 @@ ew_fwd(const T* __restrict__ x, const W* __restrict__ alpha, const W* __restrict
 
 template <typename T, typename W, class Fn>
 __global__ void __launch_bounds__(PYNORM_APPLY_THREADS, 1)
-ew_bwd(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ alpha, const W* __restrict__ weight,
-       T* __restrict__ dx, acc_t<T, W>* __restrict__ part_w, acc_t<T, W>* __restrict__ part_b,
-       acc_t<T, W>* __restrict__ part_a, long long rows, int hidden, long long rows_per_chunk, double p,
-       int vec) {
+ew_bwd(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ alpha, const W* __restrict__ shift,
+       const W* __restrict__ weight, T* __restrict__ dx, acc_t<T, W>* __restrict__ part_w,
+       acc_t<T, W>* __restrict__ part_b, acc_t<T, W>* __restrict__ part_a, acc_t<T, W>* __restrict__ part_s,
+       long long rows, int hidden, long long rows_per_chunk, double p, int vec) {
   using A = acc_t<T, W>;
   constexpr int V = vec_n<T>();
   const int H = hidden;
   const bool vm = vec != 0;
   const int b = item_base<T>(threadIdx.x, blockIdx.y, blockDim.x);
   const A a = Fn::kAlpha ? to_acc<A>(alpha[0]) : A(0);
-  A wv[V], aw[V], ab[V], aa[V];
+  const A sh = Fn::kShift ? to_acc<A>(shift[0]) : A(0);
+  A wv[V], aw[V], ab[V], aa[V], sa[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) {
     const int i = b + e;
     wv[e] = i < H ? eff_weight<A>(weight, i, A(0)) : A(0);
-    aw[e] = ab[e] = aa[e] = A(0);
+    aw[e] = ab[e] = aa[e] = sa[e] = A(0);
   }
   long long j0, j1;
   chunk_rows(rows, rows_per_chunk, j0, j1);
@@ -185,11 +215,12 @@ ew_bwd(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ 
       if (b + e < H) {
         const A xv = to_acc<A>(xi.v[e]);
         const A dv = to_acc<A>(di.v[e]);
-        A da;
-        v = Fn::template grad<T>(xv, a, p, dv * wv[e], da);
-        if (part_w != nullptr) aw[e] += dv * Fn::template value<T>(xv, a, p);
+        A da, ds;
+        v = Fn::template grad<T>(xv, a, sh, p, dv * wv[e], da, ds);
+        if (part_w != nullptr) aw[e] += dv * Fn::template value<T>(xv, a, sh, p);
         ab[e] += dv;
         aa[e] += da;
+        sa[e] += ds;
       }
       o.v[e] = Conv<T>::from(v);
     }
@@ -198,6 +229,7 @@ ew_bwd(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ 
   store_column_partial(part_w, aw, b, H);
   store_column_partial(part_b, ab, b, H);
   if (Fn::kAlpha) store_column_partial(part_a, aa, b, H);
+  if (Fn::kShift) store_column_partial(part_s, sa, b, H);
 }
 
 }  // namespace pynorm

@@ -1,40 +1,21 @@
 """FP8 / FP4 quantized outputs: :class:`QuantSpec`, :func:`quantize` and :func:`dequantize` on every backend.
 
 A norm with ``quantize=QuantSpec(...)`` (``layer_norm``, ``rms_norm``, ``add_layer_norm``, ``add_rms_norm``)
-computes its float ``y`` on its backend, then that backend's quantizer quantizes it (:func:`quantize_on`): the
+computes its float ``y`` on its backend, then that backend's quantizer quantizes it
+(:func:`pynorm.ops.fp_quant.quantize_on`): the
 reference's (:mod:`pynorm.reference.fp_quant`, the definition), numba's, or the CUDA kernels'; given the same
 ``y`` they return bitwise the same codes and scales. See ``docs/norms/quantized_outputs.md``.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from ._validate import as_array
 from .errors import ArgumentError
-from .ops.fp_quant import FORMATS, Quantized, QuantSpec, check_quant_spec
+from .ops.fp_quant import FORMATS, Quantized, QuantSpec, check_quant_spec, quantize_on, quantizer_module
 
 __all__ = ["FORMATS", "QuantSpec", "Quantized", "dequantize", "quantize", "quantize_on"]
-
-#: backend name -> the module holding its quantizer (``quantize(y, spec, axis)``, ``dequantize(q)``)
-QUANTIZERS = {
-    "numpy": "pynorm.reference.fp_quant",
-    "numba": "pynorm.backends.numba.fp_quant",
-    "cupy": "pynorm.backends.cupy.fp_quant",
-}
-
-
-def _module(backend: str | None, y: Any) -> Any:
-    if backend is None or backend not in QUANTIZERS:
-        backend = "cupy" if type(y).__module__.startswith("cupy") else "numpy"
-    return importlib.import_module(QUANTIZERS[backend])
-
-
-def quantize_on(backend: str | None, y: Any, spec: QuantSpec, axis: int = -1) -> Quantized:
-    """``y`` quantized by ``spec`` with the quantizer of ``backend`` (a backend without its own: the reference's
-    for NumPy arrays)."""
-    return _module(backend, y).quantize(y, spec, axis)  # type: ignore[no-any-return]
 
 
 def quantize(y: Any, spec: QuantSpec | str, *, axis: int = -1, backend: str | None = None) -> Quantized:
@@ -70,4 +51,4 @@ def dequantize(q: Quantized, *, backend: str | None = None) -> Any:
     """The float32 values a :class:`Quantized` stands for (``codes`` decoded times their scales), in its shape."""
     if not isinstance(q, Quantized):
         raise ArgumentError(f"q must be a pynorm.Quantized, got {type(q).__name__}")
-    return _module(backend, q.codes).dequantize(q)
+    return quantizer_module(backend, q.codes).dequantize(q)

@@ -16,6 +16,7 @@ documentation in ``docs/norms/quantized_outputs.md``.
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -243,7 +244,7 @@ def check_quant_spec(v: Any, name: str) -> QuantSpec | None:
 
 
 #: the ``quantize=`` option of the norms with a quantized output mode (public only: the backend computes ``y``, the
-#: quantizer of the same backend quantizes it, :func:`pynorm.fpquant.quantize`)
+#: quantizer of the same backend quantizes it, :func:`quantize_on`)
 QUANTIZE_OPTION_DOC = (
     "None (a float y), or a pynorm.QuantSpec (or a format name): y quantized to FP8 / MXFP8 / MXFP4 / NVFP4, "
     "returned as a pynorm.Quantized"
@@ -257,12 +258,32 @@ QUANTIZE = Option("quantize", None, check_quant_spec, QUANTIZE_OPTION_DOC, to_ba
 QUANTIZE_RESULT_DOC = "``y`` (x's shape and dtype), or a ``pynorm.Quantized`` of ``y`` when ``quantize`` is given"
 
 
+#: backend name -> the module holding its quantizer (``quantize(y, spec, axis)``, ``dequantize(q)``), loaded by its
+#: import path when first used (as the registry loads a backend's package: these are the layers above the specs)
+QUANTIZERS = {
+    "numpy": "pynorm.reference.fp_quant",
+    "numba": "pynorm.backends.numba.fp_quant",
+    "cupy": "pynorm.backends.cupy.fp_quant",
+}
+
+
+def quantizer_module(backend: str | None, y: Any) -> Any:
+    """The quantizer module of ``backend`` (:data:`QUANTIZERS`; a backend without its own, or None: the CUDA kernels'
+    for a CuPy array, else the reference's)."""
+    if backend is None or backend not in QUANTIZERS:
+        backend = "cupy" if type(y).__module__.startswith("cupy") else "numpy"
+    return importlib.import_module(QUANTIZERS[backend])
+
+
+def quantize_on(backend: str | None, y: Any, spec: QuantSpec, axis: int = -1) -> Quantized:
+    """``y`` quantized by ``spec`` with the quantizer of ``backend`` (:func:`quantizer_module`)."""
+    return quantizer_module(backend, y).quantize(y, spec, axis)  # type: ignore[no-any-return]
+
+
 def quantize_result(outs: tuple[Any, ...], ctx: Any, options: Any) -> Any:
     """The result of a norm with the ``quantize=`` option: its outputs, the first (``y``) quantized on the backend
     that computed it when the option is given (a :class:`Quantized`)."""
     spec = options.get("quantize")
     if spec is not None:
-        from ..fpquant import quantize_on
-
         outs = (quantize_on(ctx.backend, outs[0], spec, ctx.axis), *outs[1:])
     return outs if len(outs) > 1 else outs[0]

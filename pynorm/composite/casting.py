@@ -84,9 +84,11 @@ class Casting:
         return o
 
     def _options(self, source: Any) -> dict[str, Any]:
-        """The op's options (``casting`` set to ``"fp32"``) read from a ctx or a dict."""
+        """The op's options that reach a backend (``casting`` set to ``"fp32"``) read from a ctx or a dict (an option
+        of the public functions only, such as ``quantize``, is in neither)."""
         get = source.get if isinstance(source, dict) else lambda n: getattr(source, n)
-        return {o.name: get(o.name) for o in self.norm.spec.options if o.name != "casting"} | {"casting": "fp32"}
+        names = [o.name for o in self.norm.spec.options if o.to_backend and o.name != "casting"]
+        return {n: get(n) for n in names} | {"casting": "fp32"}
 
     def _w_e(self, weight: Any, offset: float) -> Any:
         """``rnd_W(w + o)``: the weight itself for ``o = 0``."""

@@ -66,7 +66,14 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MODS = {name: (IMPLS[name], REF[name]) for name in MATRIX_OPS}
 _PARAMS = {name: ops.SPECS[name].param_names for name in MATRIX_OPS}
 #: every op's test cases (its spec's), with each option spelled out
-CONVENTIONS = {name: [{**ops.SPECS[name].defaults(), **case} for case in ops.SPECS[name].cases] for name in MATRIX_OPS}
+#: each op's conventions as its backend modules take them (the options that reach a backend: not ``quantize``)
+CONVENTIONS = {
+    name: [
+        {k: v for k, v in {**ops.SPECS[name].defaults(), **case}.items() if k in ops.SPECS[name].backend_options}
+        for case in ops.SPECS[name].cases
+    ]
+    for name in MATRIX_OPS
+}
 
 
 # ---------------------------------------------------------------------------

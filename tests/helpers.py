@@ -201,8 +201,9 @@ def assert_close_scaled(actual: Any, expected: Any, scale: Any, rtol: float, wha
 
 
 def load_example(path: Any, module: str) -> Any:
-    """The module of a docs example file (``docs/examples/<name>.py``), imported under ``module`` (kept in
-    ``sys.modules``, as a statistic's record names its pieces by module; the caller deletes it)."""
+    """The module of a Python file outside the package (a docs example ``docs/examples/<name>.py``, a docs or bench
+    script), imported under ``module`` (kept in ``sys.modules``, as a statistic's record names its pieces by module;
+    the caller deletes it where it must)."""
     import importlib.util
     import sys
 

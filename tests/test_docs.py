@@ -193,18 +193,11 @@ def test_every_figure_shown_exists() -> None:
     assert not missing, missing
 
 
-def _load(path: Path, name: str) -> object:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_figures_script_writes_every_figure(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    figures = _load(DOCS / "figures.py", "pynorm_docs_figures")
+    from .helpers import load_example  # (not at the top: this file also runs as a script)
+
+    figures = load_example(DOCS / "figures.py", "pynorm_docs_figures")
     assert figures.main([str(tmp_path)]) == 0  # type: ignore[attr-defined]
     for name in figures.FIGURES:  # type: ignore[attr-defined]
         assert (tmp_path / f"{name}.png").stat().st_size > 5000, name
@@ -213,7 +206,9 @@ def test_figures_script_writes_every_figure(tmp_path: Path) -> None:
 
 def test_benchmark_page_is_the_chart_scripts_output() -> None:
     """docs/benchmarks.md holds bench/chart.py's output for the committed run: machine, loads, every table."""
-    chart = _load(ROOT / "bench" / "chart.py", "pynorm_bench_chart")
+    from .helpers import load_example  # (not at the top: this file also runs as a script)
+
+    chart = load_example(ROOT / "bench" / "chart.py", "pynorm_bench_chart")
     runs = chart.load()  # type: ignore[attr-defined]
     page = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
     assert chart.machine_line(runs["shapes"]) in page  # type: ignore[attr-defined]
@@ -246,7 +241,9 @@ def test_the_readme_command_is_what_ci_runs() -> None:
 def test_the_griffe_extension_converts_rest() -> None:
     """docs/griffe_rst.py turns the docstrings' reST into Markdown the site renders (math, roles, examples)."""
     pytest.importorskip("griffe")
-    ext = _load(DOCS / "griffe_rst.py", "pynorm_docs_griffe_rst")
+    from .helpers import load_example  # (not at the top: this file also runs as a script)
+
+    ext = load_example(DOCS / "griffe_rst.py", "pynorm_docs_griffe_rst")
     text = "A :func:`~pynorm.layer_norm` and :math:`x^2`.\n\n.. math::\n\n    a = 1\n\n    b = 2\n\n>>> 1 + 1\n2\n"
     assert ext.convert(text).split("\n") == [  # type: ignore[attr-defined]
         "A `layer_norm` and $x^2$.",

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import errors, functional
 from ._api import add_op, remove_op
+from ._plan import Plan, plan
 from ._registry import (
     Backend,
     BackendInfo,
@@ -33,6 +34,7 @@ __all__ = [
     *errors.__all__,
     "Backend",
     "BackendInfo",
+    "Plan",
     "QuantSpec",
     "Quantized",
     "__version__",
@@ -42,6 +44,7 @@ __all__ = [
     "get_num_threads",
     "list_backends",
     "list_ops",
+    "plan",
     "quantize",
     "register_backend",
     "remove_op",

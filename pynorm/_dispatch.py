@@ -179,6 +179,20 @@ def forward(
         _recheck(spec, plan, x, inputs, params, out, plan.y_shape)
         return _run(spec, plan, x, tuple(inputs), tuple(params), out, backend)
     given, out_given = (x, *inputs, *params), out
+    plan, x, ins, ps, out = new_plan(spec, x, params, axis, out, options, inputs, key is not None)
+    _keep(key, plan, given)
+    if plan.family is not None:
+        return _run(spec, plan, x, ins, ps, out, backend)
+    return _returned(spec, _run(spec, plan, x, ins, ps, out, backend), given, out_given)
+
+
+def new_plan(
+    spec: OpSpec, x: Any, params: tuple[Any, ...], axis: Any, out: Any, options: Mapping[str, Any],
+    inputs: tuple[Any, ...], keyed: bool,
+) -> tuple[Any, Any, tuple[Any, ...], tuple[Any, ...], Any]:  # fmt: skip
+    """Validate a call of ``spec`` (an op of the ``"rows"`` layout) and make its :class:`_Plan`: ``(plan, x, inputs,
+    params, out)``, the arrays as validated. ``keyed``: every array an exact ``numpy.ndarray`` (the plan's
+    :attr:`_Plan.family` is then numpy's)."""
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 1:
@@ -215,12 +229,9 @@ def forward(
         ),
         tuple(a.dtype for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
         tuple(tuple(a.shape) for si, a in zip(spec.inputs, ins, strict=True) if si.differentiable),
-        _value_checks(spec), None if key is None else ("numpy", "ndarray"),
+        _value_checks(spec), ("numpy", "ndarray") if keyed else None,
     )  # fmt: skip
-    _keep(key, plan, given)
-    if plan.family is not None:
-        return _run(spec, plan, x, ins, ps, out, backend)
-    return _returned(spec, _run(spec, plan, x, ins, ps, out, backend), given, out_given)
+    return plan, x, ins, ps, out
 
 
 def _returned(
@@ -395,6 +406,16 @@ def _run(
     run = plan.targets.get(mod)
     if run is None:  # what runs the plan's options on mod (:func:`_target`), kept for the plan's next call
         run = plan.targets[mod] = _target(mod, plan.to_backend)
+    return execute(spec, plan, name, run, x, ins, ps, out)
+
+
+def execute(
+    spec: OpSpec, plan: _Plan, name: str, run: Any, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...], out: Any,
+    with_ctx: bool = True,
+) -> tuple[Any, Context]:  # fmt: skip
+    """Flatten, call the backend ``name``'s runner ``run`` (:func:`_target`) and wrap its ctx, for arguments
+    ``plan`` holds for. ``with_ctx`` False (a runner that builds none, for an op whose result needs none: a
+    :class:`pynorm.Plan`'s call): ``(result, None)``."""
     rows, h = plan.rows, plan.h
     if plan.flat:  # (every input and parameter present reaches the backend as it is: a small call's microseconds)
         flat: Any = (*ins, *ps)
@@ -423,6 +444,8 @@ def _run(
         first = out if out is not None else (res if res.shape == plan.y_shape else res.reshape(plan.y_shape))
         more = ()
         shaped = (first,)
+    if not with_ctx:
+        return (shaped if len(spec.outputs) > 1 else first), None  # type: ignore[return-value]
     base = plan.ctx_base
     if not base:  # (the fields the plan's key fixes, made once)
         base.update({
@@ -480,6 +503,18 @@ def _forward_channels(
         _recheck(spec, plan, x, inputs, params, out, plan.x_shape)
         return _run_channels(spec, plan, x, tuple(inputs), tuple(params), out, backend)
     given, out_given = (x, *inputs, *params), out
+    plan, x, ins, ps, out = new_channel_plan(spec, x, params, backend, out, options, inputs, key is not None)
+    _keep(key, plan, given)
+    if plan.family is not None:
+        return _run_channels(spec, plan, x, ins, ps, out, backend)
+    return _returned(spec, _run_channels(spec, plan, x, ins, ps, out, backend), given, out_given)
+
+
+def new_channel_plan(
+    spec: OpSpec, x: Any, params: tuple[Any, ...], backend: str | None, out: Any, options: Mapping[str, Any],
+    inputs: tuple[Any, ...], keyed: bool,
+) -> tuple[Any, Any, tuple[Any, ...], tuple[Any, ...], Any]:  # fmt: skip
+    """:func:`new_plan` for an op of the ``"channels"`` layout: its :class:`_ChannelPlan`."""
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 2:
@@ -503,12 +538,9 @@ def _forward_channels(
         tuple(x.shape), ax, c, opts, {k: opts[k] for k in spec.backend_options},
         tuple(n for n, a in zip(("x", *arrays), (x, *ins, *ps), strict=True) if a is not None),
         tuple(None if p is None else tuple(p.shape) for p in ps),
-        _value_checks(spec), None if key is None else ("numpy", "ndarray"),
+        _value_checks(spec), ("numpy", "ndarray") if keyed else None,
     )  # fmt: skip
-    _keep(key, plan, given)
-    if plan.family is not None:
-        return _run_channels(spec, plan, x, ins, ps, out, backend)
-    return _returned(spec, _run_channels(spec, plan, x, ins, ps, out, backend), given, out_given)
+    return plan, x, ins, ps, out
 
 
 @dataclass(frozen=True)
@@ -540,6 +572,14 @@ def _run_channels(
     run = plan.targets.get(mod)
     if run is None:
         run = plan.targets[mod] = _target(mod, plan.to_backend)
+    return execute_channels(spec, plan, name, run, x, ins, ps, out)
+
+
+def execute_channels(
+    spec: OpSpec, plan: _ChannelPlan, name: str, run: Any, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...],
+    out: Any,
+) -> tuple[Any, Context]:  # fmt: skip
+    """:func:`execute` for an op of the ``"channels"`` layout."""
     ax, x_shape = plan.axis, plan.x_shape
     direct = out is not None and ax == 1
     res, inner = run(_to_channels(x, ax), *ins, *ps, out=out.reshape(x_shape[0], plan.channels, -1) if direct else None)

@@ -12,7 +12,8 @@ function -- and no two packages of one layer import each other):
 5   ``_dispatch``: validate, resolve, flatten, call a backend, reduce gradients
 6   ``backends``: the fast backends' kernels and host code
 7   ``composite``: ops over other ops (casting policies, conditional norms, fused Linear)
-8   ``_api``, ``functional``: the public functions made from the specs; ``fpquant``: FP8/FP4 ``quantize``/``dequantize``
+8   ``_api``, ``functional``: the public functions made from the specs; ``fpquant``: FP8/FP4 ``quantize`` and
+    ``dequantize``; ``_plan``: bound calls (``pynorm.plan``)
 9   ``pynorm`` (the package), ``layers``, ``deepnorm``, ``optim``
 10  ``blocks``, ``dask``, ``jax``, ``oracle``, ``_stub``, ``testing`` (it runs the oracle: ``assert_matches_reference``)
 11  ``demo``, ``benchmark``, ``warmup``, ``__main__``
@@ -33,9 +34,9 @@ ROOT = Path(pynorm.__file__).resolve().parent
 
 LAYERS: dict[str, int] = {
     "errors": 0, "_dtypes": 0, "ops": 1, "reference": 2, "_measure": 2, "_registry": 3, "_validate": 4, "_dispatch": 5,
-    "backends": 6, "composite": 7, "_api": 8, "functional": 8, "fpquant": 8, "": 9, "layers": 9, "testing": 10,
-    "blocks": 10, "deepnorm": 9, "dask": 10, "oracle": 10, "_stub": 10, "demo": 11, "benchmark": 11, "bench": 11,
-    "__main__": 11, "optim": 9, "jax": 10, "warmup": 11,
+    "backends": 6, "composite": 7, "_api": 8, "functional": 8, "fpquant": 8, "_plan": 8, "": 9, "layers": 9,
+    "testing": 10, "blocks": 10, "deepnorm": 9, "dask": 10, "oracle": 10, "_stub": 10, "demo": 11, "benchmark": 11,
+    "bench": 11, "__main__": 11, "optim": 9, "jax": 10, "warmup": 11,
 }  # fmt: skip
 
 

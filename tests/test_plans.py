@@ -313,3 +313,200 @@ def test_a_channels_op_reuses_its_plan_with_the_full_paths_results(op: str, opts
     fwd(x, w, b, backend=backend.name, out=out, **run, **opts)
     with pytest.raises(ArgumentError, match="out"):
         fwd(x, w, b, backend=backend.name, out=x, **run, **opts)
+
+
+# ---------------------------------------------------------------------------
+# pynorm.plan: bound calls
+
+
+def _outputs(r: Any) -> tuple[Any, ...]:
+    if isinstance(r, tuple):
+        return r
+    if isinstance(r, pynorm.Quantized):
+        return (r.codes, r.scales)
+    return (r,)
+
+
+def _assert_same_result(got: Any, want: Any, what: str) -> None:
+    g, w = _outputs(got), _outputs(want)
+    assert len(g) == len(w), what
+    for a, e in zip(g, w, strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape and np.array_equal(a, e, equal_nan=True), what
+
+
+def _grads_equal(g1: Any, g2: Any, what: str) -> None:
+    for a, e in zip(g1, g2, strict=True):
+        assert (a is None) == (e is None), what
+        if a is not None:
+            assert a.dtype == e.dtype and np.array_equal(a, e, equal_nan=True), what
+
+
+@pytest.mark.parametrize("op", sorted(pynorm.list_ops()))
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_a_bound_plan_gives_the_ops_own_results(op: str, dt: str, backend: Any) -> None:
+    """Every op: ``p(...)``, ``p.forward(...)`` and ``p.backward(...)`` are bitwise ``pynorm.<op>``'s, on three
+    calls with new values each (a plan reads the values at each call), for two input shapes."""
+    from pynorm import _registry
+
+    from .helpers import CHANNEL_OPS, OPS, make_args
+    from .helpers import dtype as dtype_of
+
+    served = _registry.get_backend(backend.name)
+    if (served.array_module, served.array_type) != ("numpy", "ndarray"):
+        pytest.skip(f"pynorm.plan takes numpy.ndarray arrays; {backend.name} serves other arrays")
+    if op not in _registry.backend_ops(backend.name):
+        pytest.skip(f"{backend.name} does not serve {op}")
+    spec = OPS.get(op) or CHANNEL_OPS[op]
+    if dt not in spec.spec.x_dtypes:
+        pytest.skip(f"{op} takes no {dt} x")
+    rng = np.random.default_rng(11)
+    fn, fwd, bwd = (getattr(pynorm, f"{op}{s}") for s in ("", "_forward", "_backward"))
+    opts: dict[str, Any] = {"group_norm": {"num_groups": 2}, "batch_norm": {"training": True}}.get(op, {})
+    for shape in ((3, 4, 16), (1, 8)) if spec.spec.layout == "rows" else ((2, 4, 3), (1, 4, 5, 2)):
+        arrays = make_args(spec, shape, -1 if spec.spec.layout == "rows" else 1, dtype_of(dt), rng)
+        names = (*spec.spec.input_names, *spec.spec.param_names)
+        keyword = {i.name for i in spec.spec.inputs if i.keyword}
+        args = [a for n, a in zip(names, arrays, strict=True) if n not in keyword]
+        opts.update({n: a for n, a in zip(names, arrays, strict=True) if n in keyword})
+        xdt = dtype_of(dt)
+        x = (rng.standard_normal(shape) * 3).astype(xdt)
+        p = pynorm.plan(op, x, *args, backend=backend.name, **opts)
+        kw = {n: opts[n] for n in keyword}
+        assert p.op == op and p.backend == backend.name
+        for step in range(3):
+            if step:  # new values, same kinds
+                x = (rng.standard_normal(shape) * (step + 2)).astype(xdt)
+                for a in (*args, *kw.values()):
+                    if a is not None and a.dtype.kind == "f" and not a.flags.writeable:
+                        continue
+                    if a is not None and a.dtype.kind == "f":
+                        a[...] = (rng.standard_normal(a.shape) + 1).astype(a.dtype)
+            what = f"{op} {dt} {shape} step {step}"
+            _assert_same_result(p(x, *args, **kw), fn(x, *args, backend=backend.name, **opts), what)
+            got, ctx = p.forward(x, *args, **kw)
+            want, wctx = fwd(x, *args, backend=backend.name, **opts)
+            _assert_same_result(got, want, what)
+            y = _outputs(want)[0]
+            if op == "quant_layer_norm" or not np.issubdtype(y.dtype, np.floating):
+                continue
+            dy = rng.standard_normal(y.shape).astype(y.dtype)
+            _grads_equal(p.backward(dy, ctx), bwd(dy, wctx), what)
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (4, 8), (2, 3, 64)])
+def test_a_bound_plans_short_path_is_the_full_paths_bits(
+    shape: tuple[int, ...], backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """The plan's shortest call (numba: the serial row kernel called directly) on ordinary rows, rows the slow path
+    finishes (huge and tiny values), ``out=``, a parameter updated in place between calls, a 16-bit x."""
+    if backend.name != "numba":
+        pytest.skip("the short path is the numba backend's")
+    from pynorm.backends.numba import _threads
+
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", _threads.DEFAULT_SERIAL_THRESHOLD)  # (the tests' default: 0)
+    rng = np.random.default_rng(12)
+    for dt in (np.float32, np.float16):
+        x = rng.standard_normal(shape).astype(dt)
+        w = rng.standard_normal(shape[-1]).astype(dt)
+        b = rng.standard_normal(shape[-1]).astype(dt)
+        p = pynorm.plan("layer_norm", x, w, b, eps=1e-5)
+        for step in range(4):
+            x[...] = rng.standard_normal(shape).astype(dt)
+            if step == 2:
+                x[0] *= 3e3 if dt == np.float16 else 3e37  # a row the fast sums cannot hold: the slow path
+                x.reshape(-1, shape[-1])[-1] *= 1e-7 if dt == np.float16 else 1e-40
+            w *= dt(1.5)  # in place: the plan reads the values at each call
+            want = pynorm.layer_norm(x, w, b, eps=1e-5)
+            _assert_same_result(p(x, w, b), want, f"{dt} step {step}")
+            out = np.empty_like(x)
+            assert p(x, w, b, out=out) is out
+            _assert_same_result(out, want, f"{dt} step {step} out")
+        assert p._fast is not None  # (the short path was taken)
+    r = pynorm.plan("rms_norm", x, w)
+    for _ in range(2):
+        _assert_same_result(r(x, w), pynorm.rms_norm(x, w), "rms_norm")
+
+
+def test_a_bound_plan_takes_the_paths_forced_on_it() -> None:
+    """A test switch of the numba paths (``_paths.forced``) sends a plan's calls down the general path, which
+    takes the forced path: the switch reaches plans too."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _paths
+
+    x = np.random.default_rng(13).standard_normal((4, 256)).astype(np.float32)
+    p = pynorm.plan("layer_norm", x, backend="numba")
+    want = p(x)
+    p(x)
+    with _paths.forced("split"), _paths.recording() as taken:
+        got = p(x)
+    assert "split" in taken and np.array_equal(got, want)
+    with _paths.forced("slow"), _paths.recording() as taken:
+        p(x)
+    assert "slow" in taken
+
+
+def test_a_bound_plan_rejects_arrays_of_another_kind() -> None:
+    x = np.ones((4, 8), np.float32)
+    w = np.ones(8, np.float32)
+    p = pynorm.plan("layer_norm", x, w, backend="numpy")
+    with pytest.raises(pynorm.DTypeError, match=r"x: this layer_norm plan was made for a float32 array of shape"):
+        p(x.astype(np.float64), w)
+    with pytest.raises(ShapeError, match=r"x: .* got a float32 array of shape \(3, 8\)"):
+        p(x[:3], w)
+    with pytest.raises(ShapeError, match=r"x: .*C-contiguous, got .*strides"):
+        p(np.ones((8, 8), np.float32)[::2], w)
+    with pytest.raises(ShapeError, match=r"weight: .* got absent \(None\)"):
+        p(x)
+    with pytest.raises(ShapeError, match=r"bias: this layer_norm plan was made for absent \(None\)"):
+        p(x, w, w)
+    with pytest.raises(pynorm.ArrayTypeError, match=r"x: .* got a builtins.list"):
+        p(x.tolist(), w)
+    ro = x.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ShapeError, match="read-only"):
+        p(ro, w)
+    with pytest.raises(pynorm.ArrayTypeError, match="pynorm.plan takes numpy.ndarray arguments"):
+        pynorm.plan("layer_norm", x.tolist())
+    with pytest.raises(pynorm.ArrayTypeError, match="native byte order"):
+        pynorm.plan("layer_norm", x.astype(">f4"))
+    with pytest.raises(TypeError, match="takes no out="):
+        pynorm.plan("layer_norm", x, out=x)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'epsilon'"):
+        pynorm.plan("layer_norm", x, epsilon=1e-5)
+    with pytest.raises(pynorm.UnknownOpError, match="unknown op 'layer_nrom'"):
+        pynorm.plan("layer_nrom", x)
+    with pytest.raises(ArgumentError, match="eps"):
+        pynorm.plan("layer_norm", x, eps=-1.0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gamma'"):
+        p(x, gamma=w)
+
+
+def test_a_bound_plan_checks_values_and_out_on_every_call() -> None:
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    w = np.ones((3, 4), np.float32)
+    ids = np.array([0, 1, 2, 0, 1, 2])
+    p = pynorm.plan("modality_layer_norm", x, ids, w)
+    p(x, ids, w)
+    p(x, modality_ids=ids, weight=w)  # by keyword, as the op's forward takes them
+    bad = ids.copy()
+    bad[3] = 7
+    with pytest.raises(ArgumentError, match=r"modality_ids must hold values in \[0, 3\)"):
+        p(x, bad, w)
+    with pytest.raises(ArgumentError, match="out must not overlap"):
+        p(x, ids, w, out=x)
+    with pytest.raises(ShapeError, match="out"):
+        p(x, ids, w, out=np.empty((6, 5), np.float32))
+    a = np.array([0.5], np.float32)
+    d = pynorm.plan("dyt", x, a)
+    with pytest.raises(ArgumentError, match="alpha must be finite"):
+        d(x, np.array([np.inf], np.float32))
+
+
+def test_a_bound_plan_keeps_its_backend_and_options() -> None:
+    x = np.ones((2, 8), np.float32)
+    with pynorm.use_backend("numpy"):
+        p = pynorm.plan("rms_norm", x, eps=1e-3)
+    assert p.backend == "numpy" and p.options["eps"] == 1e-3
+    assert "rms_norm on numpy" in repr(p)
+    assert np.array_equal(p(x), pynorm.rms_norm(x, eps=1e-3, backend="numpy"))

@@ -106,18 +106,35 @@ class PlanForward:
     ``op.forward_setup(x, args, out, None, run)``, which keeps what the plan's first call finds for the next:
     :attr:`setup` (what the op reads of the options and dtypes) and :attr:`entry`, the row kernel's compiled entry
     point (:class:`._threads.EntryMemo`). The plan's key fixes the options and every array's dtype, shape, strides,
-    writability and alignment (:func:`pynorm._dispatch._plan_key`), so both hold for every call it serves."""
+    writability and alignment (:func:`pynorm._dispatch._plan_key`), so both hold for every call it serves.
 
-    __slots__ = ("entry", "op", "options", "setup")
+    :attr:`ctx` False (a :class:`pynorm.Plan`'s call for the outputs alone): the op builds no ctx (None in its
+    place) -- the microsecond of an inference call that no backward follows."""
 
-    def __init__(self, op: Any, options: dict[str, Any]) -> None:
+    __slots__ = ("ctx", "entry", "op", "options", "setup")
+
+    def __init__(self, op: Any, options: dict[str, Any], ctx: bool = True) -> None:
         self.op = op
         self.options = options
         self.setup: Any = None
         self.entry = EntryMemo()
+        self.ctx = ctx
 
     def __call__(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> tuple[Any, Any]:
         return self.op.forward_setup(x, args, out, None, self)  # type: ignore[no-any-return]
+
+    def fast(self, shape: tuple[int, int]) -> Any:
+        """The op's shortest forward for this plan's calls on ``(R, H)`` arrays of ``shape`` (its
+        ``fast_forward``: ``run(x, *args, out=None)`` -> the outputs, or None for a call it leaves to the general
+        path), once a first call has found the setup and entry point; None where the op has none."""
+        make = getattr(self.op, "fast_forward", None)
+        return None if make is None or self.setup is None else make(self, shape)
+
+    def without_ctx(self) -> PlanForward:
+        """This runner building no ctx (:attr:`ctx` False), sharing its setup and entry point."""
+        lean = PlanForward(self.op, self.options, ctx=False)
+        lean.setup, lean.entry = self.setup, self.entry
+        return lean
 
 
 def size_class(nbytes: int) -> int:

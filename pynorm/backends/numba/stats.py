@@ -331,6 +331,8 @@ class StatsOp(_Op):
                 self.stat, (src, pro), (w, b, tab), st.conventions, sink if ys is None else ys, (aux, rstd),
                 ys is not None and use_stream(ys), entry,
             )  # fmt: skip
+        if plan is not None and not plan.ctx:
+            return ((y, h), None) if self.residual else (y, None)
         values = st.ctx_static.copy()
         for f, i in st.ctx_args:
             values[f] = args[i]
@@ -338,6 +340,40 @@ class StatsOp(_Op):
         values.update(self.statistic.ctx_values(rstd, mean=aux, floor=(aux != 0.0) if self.statistic.floor else None))
         ctx = filled(self.ctx_type, values)
         return ((y, h), ctx) if self.residual else (y, ctx)
+
+    def fast_forward(self, plan: common.PlanForward, shape: tuple[int, int]) -> Any:
+        """A :class:`pynorm.Plan`'s shortest call for ``(R, H)`` arrays of ``shape``: ``run(x, *args, out=None)``
+        -> ``y`` (no ctx), or None where the plan's calls take more than :meth:`forward_setup`'s serial plain path
+        (a residual prologue, a call the thread pool takes, a test switch of :mod:`._paths` on). Made from
+        ``plan``'s first call (its setup and the row kernel's entry point): the same kernel and arguments as
+        :meth:`forward_setup` and :func:`forward_rows`, so the same bits; what it skips is re-deciding what the
+        plan fixed (the setup's lookup, the path, the streaming stores, the ctx). It returns None for a call that
+        must take the general path after all (a test switch turned on since)."""
+        rows, hidden = shape
+        st, memo = plan.setup, plan.entry
+        if (
+            st is None or memo.entry is None or self.residual or st.h_dtype is not None
+            or rows * hidden >= _threads.serial_threshold() or not rows or _forcing()
+        ):  # fmt: skip
+            return None
+        entry, stat, cv, pick, prepare = memo.entry, self.stat, st.conventions, self._pick, self.affine.prepare
+        offset, mdt, aux_needed = st.kargs.weight_offset, st.math_dtype, self.statistic.aux
+        output, storage, empty = common.output, common.storage, np.empty
+
+        def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> np.ndarray | None:
+            if _forcing():
+                return None
+            weight, bias, ids, _ = pick((*args, None))
+            y = output(out, shape, x.dtype)
+            rs = (empty(rows) if aux_needed else None, empty(rows))
+            aff = prepare(weight, bias, ids, offset, mdt, hidden, narrow=x.dtype.itemsize == 2)
+            rw = (storage(x), None)
+            ys = storage(y)
+            if entry(stat, rw, aff, cv, ys, rs, None, 0, rows):  # rows left for the slow path
+                kernels.fwd_slow(stat, rw, aff, cv, ys, rs)
+            return y
+
+        return run
 
     def takes_sink(self, x: np.ndarray) -> bool:
         """Whether a forward of ``x`` with a ``sink`` runs as fast as without one: a sink takes whole rows, so not
@@ -448,6 +484,14 @@ def _channel(table: Any) -> bool:
 
 def _segments(rows: int, hidden: int) -> int:
     return rows * -(-hidden // SPLIT_SEG)
+
+
+def _forcing() -> bool:
+    """Whether a test switch of :mod:`._paths` is on (or a test records the paths calls take)."""
+    return (
+        FORCE_SPLIT or _paths.FORCE_SPLIT or _paths.FORCE_SLOW or _paths.SERIAL_OVERRIDE is not None
+        or _paths._record is not None
+    )  # fmt: skip
 
 
 def forward_rows(

@@ -171,28 +171,31 @@ def forward(
     inputs: tuple[Any, ...] = (),
 ) -> tuple[Any, Context]:
     """Validate, dispatch and run ``spec``'s forward; ``(y, ctx)`` (``((y, h, ...), ctx)`` for an op of
-    several outputs), in ``x``'s shape, or ``(spec.result(outputs, ctx, options), ctx)``."""
-    if spec.layout == "channels":
-        return _forward_channels(spec, x, params, backend, out, options, inputs)
-    key, plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))
+    several outputs), in ``x``'s shape, or ``(spec.result(outputs, ctx, options), ctx)``. An op of the
+    ``"channels"`` layout takes ``x`` of ``(N, C, *spatial)`` (or channels last; the backends see ``(N, C, S)``)."""
+    channels = spec.layout == "channels"
+    # (the channel axis is an option: the key's axis is a constant for the channel ops)
+    key, plan = _lookup(_plan_key(spec, x, inputs, params, 0 if channels else axis, backend, out, options))
+    run = _run_channels if channels else _run
     if plan is not None:  # the same call shape as before: only what depends on the values is checked again
-        _recheck(spec, plan, x, inputs, params, out, plan.y_shape)
-        return _run(spec, plan, x, tuple(inputs), tuple(params), out, backend)
+        _recheck(spec, plan, x, inputs, params, out, plan.x_shape if channels else plan.y_shape)
+        return run(spec, plan, x, tuple(inputs), tuple(params), out, backend)  # type: ignore[operator]
     given, out_given = (x, *inputs, *params), out
-    plan, x, ins, ps, out = new_plan(spec, x, params, axis, out, options, inputs, key is not None)
+    make = new_channel_plan if channels else new_plan
+    plan, x, ins, ps, out = make(spec, x, params, axis, backend, out, options, inputs, key is not None)
     _keep(key, plan, given)
     if plan.family is not None:
-        return _run(spec, plan, x, ins, ps, out, backend)
-    return _returned(spec, _run(spec, plan, x, ins, ps, out, backend), given, out_given)
+        return run(spec, plan, x, ins, ps, out, backend)  # type: ignore[operator]
+    return _returned(spec, run(spec, plan, x, ins, ps, out, backend), given, out_given)  # type: ignore[operator]
 
 
 def new_plan(
-    spec: OpSpec, x: Any, params: tuple[Any, ...], axis: Any, out: Any, options: Mapping[str, Any],
-    inputs: tuple[Any, ...], keyed: bool,
+    spec: OpSpec, x: Any, params: tuple[Any, ...], axis: Any, backend: str | None, out: Any,
+    options: Mapping[str, Any], inputs: tuple[Any, ...], keyed: bool,
 ) -> tuple[Any, Any, tuple[Any, ...], tuple[Any, ...], Any]:  # fmt: skip
     """Validate a call of ``spec`` (an op of the ``"rows"`` layout) and make its :class:`_Plan`: ``(plan, x, inputs,
     params, out)``, the arrays as validated. ``keyed``: every array an exact ``numpy.ndarray`` (the plan's
-    :attr:`_Plan.family` is then numpy's)."""
+    :attr:`_Plan.family` is then numpy's). ``backend`` is resolved when the plan runs."""
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 1:
@@ -490,31 +493,12 @@ def _from_channels(a3: Array, shape: tuple[int, ...], axis: int) -> Array:
     return a if axis == 1 else xp_of(a).moveaxis(a, 1, axis)
 
 
-def _forward_channels(
-    spec: OpSpec, x: Any, params: tuple[Any, ...], backend: str | None, out: Any, options: Mapping[str, Any],
-    inputs: tuple[Any, ...],
-) -> tuple[Any, Context]:  # fmt: skip
-    """:func:`forward` for an op of the ``"channels"`` layout: ``x`` of ``(N, C, *spatial)`` (or channels last),
-    the backends see ``(N, C, S)``. A repeated call shape reuses its plan (:class:`_ChannelPlan`), as
-    :func:`forward` does."""
-    # (the channel axis is an option: the key's axis is a constant)
-    key, plan = _lookup(_plan_key(spec, x, inputs, params, 0, backend, out, options))
-    if plan is not None:
-        _recheck(spec, plan, x, inputs, params, out, plan.x_shape)
-        return _run_channels(spec, plan, x, tuple(inputs), tuple(params), out, backend)
-    given, out_given = (x, *inputs, *params), out
-    plan, x, ins, ps, out = new_channel_plan(spec, x, params, backend, out, options, inputs, key is not None)
-    _keep(key, plan, given)
-    if plan.family is not None:
-        return _run_channels(spec, plan, x, ins, ps, out, backend)
-    return _returned(spec, _run_channels(spec, plan, x, ins, ps, out, backend), given, out_given)
-
-
 def new_channel_plan(
-    spec: OpSpec, x: Any, params: tuple[Any, ...], backend: str | None, out: Any, options: Mapping[str, Any],
-    inputs: tuple[Any, ...], keyed: bool,
+    spec: OpSpec, x: Any, params: tuple[Any, ...], axis: Any, backend: str | None, out: Any,
+    options: Mapping[str, Any], inputs: tuple[Any, ...], keyed: bool,
 ) -> tuple[Any, Any, tuple[Any, ...], tuple[Any, ...], Any]:  # fmt: skip
-    """:func:`new_plan` for an op of the ``"channels"`` layout: its :class:`_ChannelPlan`."""
+    """:func:`new_plan` for an op of the ``"channels"`` layout (``axis`` unused: its channel axis is an option):
+    its :class:`_ChannelPlan`."""
     x = as_array(x, "x")
     check_float_dtype(x, "x", spec.x_dtypes)
     if x.ndim < 2:

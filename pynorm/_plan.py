@@ -100,12 +100,8 @@ class Plan:
         self._n_in = len(spec.inputs)
         self._kinds = tuple(_kind(v) for v in (x, *inputs, *params))
         backend = a["backend"]
-        if spec.layout == "channels":
-            self._p, x, inputs, params, _ = _dispatch.new_channel_plan(
-                spec, x, params, backend, None, options, inputs, True
-            )
-        else:
-            self._p, x, inputs, params, _ = _dispatch.new_plan(spec, x, params, a["axis"], None, options, inputs, True)
+        make = _dispatch.new_channel_plan if spec.layout == "channels" else _dispatch.new_plan
+        self._p, x, inputs, params, _ = make(spec, x, params, a.get("axis"), backend, None, options, inputs, True)
         self.options = dict(self._p.options)
         self.backend, mod = _registry.resolve_family(spec.name, ("numpy", "ndarray"), self._p.present_names, backend)
         self._run = _dispatch._target(mod, self._p.to_backend)

@@ -255,10 +255,11 @@ def test_size_sweep_runs_every_cell_in_its_own_process(tmp_path: Path) -> None:
     ]
     for c in data["cells"]:
         assert not c["errors"], c["errors"]
-        assert set(c["t"]) == {"copy", "pynorm:fwd", "pynorm:fwdbwd"} and all(v > 0 for v in c["t"].values())
+        assert set(c["t"]) == {"copy", "pynorm:fwd", "pynorm:fwdbwd", "pynorm:plan_fwd", "pynorm:plan_fwdbwd"}
+        assert all(v > 0 for v in c["t"].values())
         assert c["bytes"] == 4 * c["rows"] * 64
     assert data["meta"]["rounds"] == 2 and data["meta"]["threads"] == 2 and data["summary"] == {}
-    assert "group_norm" in proc.stdout and "fwdbwd (us)" in proc.stdout
+    assert "group_norm" in proc.stdout and "fwdbwd (us;" in proc.stdout
 
 
 def test_size_sweep_summary_is_the_geometric_mean_of_the_best_peer() -> None:
@@ -275,6 +276,10 @@ def test_size_sweep_summary_is_the_geometric_mean_of_the_best_peer() -> None:
     assert s["fwd"]["pynorm_at_least_as_fast_as_best_peer"] == 1 and s["fwd"]["cells"] == 2
     assert s["fwd"]["pynorm_at_least_as_fast_as_torch"] == 1 and s["fwd"]["cells_with_torch"] == 1
     assert math.isclose(s["fwdbwd"]["geomean_best_peer_over_pynorm"], math.sqrt(3.0 * 4.0))
+    assert "plan_fwd" not in s  # (no plan times in these cells)
+    cells[0]["t"]["pynorm:plan_fwd"] = 0.5  # the plan's call against the same peers
+    s2 = sizes.summary(cells)
+    assert s2["plan_fwd"]["cells"] == 1 and math.isclose(s2["plan_fwd"]["geomean_best_peer_over_pynorm"], 2.0)
     assert "1.41" in sizes.text({"meta": {"threads": 2, "cpu": "x", "rounds": 1, "loadavg_before": [0.0],
                                           "loadavg_after": [0.0], "unavailable": {}}, "cells": cells,
                                  "summary": s})  # fmt: skip

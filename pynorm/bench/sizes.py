@@ -116,7 +116,24 @@ def _pynorm_calls(op: str, d: dict[str, np.ndarray]) -> dict[str, Callable[[], A
             y, ctx = fwd()
             return y, pynorm.group_norm_backward(dy, ctx)
 
-    return {"fwd": fwd, "fwdbwd": fwdbwd}
+    return {"fwd": fwd, "fwdbwd": fwdbwd, **_plan_calls(op, d)}
+
+
+def _plan_calls(op: str, d: dict[str, np.ndarray]) -> dict[str, Callable[[], Any]]:
+    """The same calls through a bound plan (``pynorm.plan``): ``plan_fwd`` the outputs alone (a decode step's
+    call), ``plan_fwdbwd`` the plan's forward (with its ctx) then its backward."""
+    import pynorm
+
+    x, w, b, dy = d["x"], d["w"], d["b"], d["dy"]
+    args: tuple[Any, ...] = {"layer_norm": (w, b), "rms_norm": (w,), "add_rms_norm": (d.get("r"), w)}.get(op, (w, b))
+    opts: dict[str, Any] = {"num_groups": GROUPS} if op == "group_norm" else {}
+    p = pynorm.plan(op, x, *args, eps=EPS, backend="numba", **opts)
+
+    def fwdbwd() -> Any:
+        y, ctx = p.forward(x, *args)
+        return y, p.backward(dy, ctx)
+
+    return {"plan_fwd": lambda: p(x, *args), "plan_fwdbwd": fwdbwd}
 
 
 def _torch_fns(op: str, h: int) -> Callable[..., Any]:
@@ -475,19 +492,21 @@ def _best_peer(cell: dict[str, Any], phase: str) -> tuple[str, float] | None:
 
 def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
     """Per phase: the geometric mean over the cells of the fastest peer's time over pynorm's, and how many cells
-    pynorm is at least as fast as that peer (and, for the forward + backward, as eager PyTorch)."""
+    pynorm is at least as fast as that peer (and, for the forward + backward, as eager PyTorch); the same for
+    pynorm's calls through a bound plan (``plan_fwd``, ``plan_fwdbwd``)."""
     out: dict[str, Any] = {}
-    for phase in PHASES:
+    for phase in (*PHASES, *(f"plan_{p}" for p in PHASES)):
+        mine_key, peer_phase = f"pynorm:{phase}", phase.removeprefix("plan_")
         ratios, wins, n, torch_wins, torch_n = [], 0, 0, 0, 0
         for c in cells:
-            mine = c["t"].get(f"pynorm:{phase}")
-            best = _best_peer(c, phase)
+            mine = c["t"].get(mine_key)
+            best = _best_peer(c, peer_phase)
             if mine is None or best is None:
                 continue
             ratios.append(best[1] / mine)
             n += 1
             wins += best[1] >= mine
-            tt = c["t"].get(f"torch:{phase}")
+            tt = c["t"].get(f"torch:{peer_phase}")
             if tt is not None:
                 torch_n += 1
                 torch_wins += tt >= mine
@@ -507,20 +526,26 @@ def text(data: dict[str, Any]) -> str:
              f"load {m['loadavg_before'][0]:.2f} before, {m['loadavg_after'][0]:.2f} after"]  # fmt: skip
     for lib, why in m["unavailable"].items():
         lines.append(f"  (no {lib}: {why})")
-    libs = ["pynorm", *PEERS]
+    libs = ["pynorm", "pynorm:plan", *PEERS]
+
+    def key(lib: str, phase: str) -> str:
+        return f"pynorm:plan_{phase}" if lib == "pynorm:plan" else f"{lib}:{phase}"
+
     for phase in PHASES:
-        lines.append(f"\n{phase} (us)")
+        lines.append(f"\n{phase} (us; pynorm:plan: the call through pynorm.plan)")
         head = f"{'op':13s} {'rows x H':>11s} {'copy':>8s} " + " ".join(f"{lib:>13s}" for lib in libs)
-        lines.append(head + "  best peer / pynorm")
+        lines.append(head + "  best peer / pynorm, / pynorm:plan")
         for c in data["cells"]:
             t = c["t"]
             if f"pynorm:{phase}" not in t:
                 continue
             vals = " ".join(
-                f"{t[f'{lib}:{phase}'] * 1e6:13.1f}" if f"{lib}:{phase}" in t else f"{'-':>13s}" for lib in libs
+                f"{t[key(lib, phase)] * 1e6:13.1f}" if key(lib, phase) in t else f"{'-':>13s}" for lib in libs
             )
             best = _best_peer(c, phase)
             ratio = f"{best[1] / t[f'pynorm:{phase}']:6.2f} ({best[0]})" if best else ""
+            if best and key("pynorm:plan", phase) in t:
+                ratio += f" {best[1] / t[key('pynorm:plan', phase)]:6.2f}"
             copy = f"{t['copy'] * 1e6:8.1f}" if "copy" in t else f"{'-':>8s}"
             lines.append(f"{c['op']:13s} {c['rows']:>5d}x{c['hidden']:<5d} {copy} {vals}  {ratio}")
     for phase, s in data["summary"].items():
@@ -533,7 +558,10 @@ def text(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_STYLE: dict[str, dict[str, Any]] = {"copy": {"color": "grey", "ls": "--"}, "pynorm": {"color": "black", "lw": 2}}
+_STYLE: dict[str, dict[str, Any]] = {
+    "copy": {"color": "grey", "ls": "--"}, "pynorm": {"color": "black", "lw": 2},
+    "pynorm:plan": {"color": "black", "lw": 1, "ls": ":"},
+}  # fmt: skip
 
 
 def chart(data: dict[str, Any], path: Path) -> bool:
@@ -551,8 +579,8 @@ def chart(data: dict[str, Any], path: Path) -> bool:
         cs = sorted((c for c in data["cells"] if c["op"] == op), key=lambda c: c["bytes"])
         for i, phase in enumerate(PHASES):
             ax = axes[i][j]
-            for lib in ["copy", "pynorm", *PEERS]:
-                key = "copy" if lib == "copy" else f"{lib}:{phase}"
+            for lib in ["copy", "pynorm", "pynorm:plan", *PEERS]:
+                key = {"copy": "copy", "pynorm:plan": f"pynorm:plan_{phase}"}.get(lib, f"{lib}:{phase}")
                 pts = [(c["bytes"], c["t"][key] * 1e6) for c in cs if key in c["t"]]
                 if pts:
                     xs, ys = zip(*pts, strict=True)

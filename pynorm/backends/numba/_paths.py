@@ -6,16 +6,18 @@ a row with the statistic's pieces (:mod:`._rowstats`), and every path but ``slow
 plain path for the same row (the slow path is the float64, exactly scaled and compensated arithmetic of rows
 the fast sums cannot hold: within the reference's tolerance, not the fast path's bits):
 
-================  =================================================================================================
-``plain``         forward: whole rows per thread (:func:`._stats_kernels.fwd`)
-``split``         few wide rows cut into segments across threads (:mod:`._split_kernels`), forward and backward
-``stream``        float32 outputs of at least :data:`._layout.STREAM_MIN_BYTES` written by streaming stores
-``slow``          rows the fast sums cannot hold (huge, tiny, non-finite): float64 after power-of-two scaling
-``fused``         backward: ``dx`` and the parameter partials in one pass by row blocks (many rows)
-``rows``          backward: ``dx`` by rows, then the partials by column tiles (few rows of many elements)
-``serial``        one thread (calls below :data:`._threads.SERIAL_THRESHOLD` elements)
-``pool``          the spans on the pool's threads
-================  =================================================================================================
+====================  =================================================================================================
+``plain``             forward: whole rows per thread (:func:`._stats_kernels.fwd`)
+``split``             few wide rows cut into segments across threads (:mod:`._split_kernels`), forward and backward
+``stream``            float32 outputs of at least :data:`._layout.STREAM_MIN_BYTES` written by streaming stores
+``slow``              rows the fast sums cannot hold (huge, tiny, non-finite): float64 after power-of-two scaling
+``fused``             backward: ``dx`` and the parameter partials in one pass by row blocks (many rows)
+``rows``              backward: ``dx`` by rows, then the partials by column tiles (few rows of many elements)
+``serial``            one thread (calls below :data:`._threads.SERIAL_THRESHOLD` elements)
+``pool``              the spans on the pool's threads
+``quantize``          ``quantize=``: each row quantized in the forward's output pass (:mod:`._io`'s FP quantize sink)
+``quantize_after``    ``quantize=`` on few wide rows (the split kernels): ``y`` stored, then quantized
+====================  =================================================================================================
 
 :func:`recording` collects the paths calls take (``note`` is one ``is None`` test when nothing records);
 :func:`forced` lowers each chosen path's threshold so that a small call takes it -- a test switch, for the generic
@@ -42,6 +44,8 @@ PATHS = {
     "rows": "backward: dx by rows, then the partials by column tiles",
     "serial": "the call on one thread",
     "pool": "the call's spans on the pool's threads",
+    "quantize": "quantize=: each row quantized in the forward's output pass (the FP quantize sink)",
+    "quantize_after": "quantize= on few wide rows (split kernels): y stored, then quantized by a second pass",
 }
 
 #: test switches (:func:`forced`): every row of every call finished by the slow path; every call that can take the

@@ -6,18 +6,20 @@ a row with the statistic's pieces (:mod:`._rowstats`), and every path but ``slow
 plain path for the same row (the slow path is the float64, exactly scaled and compensated arithmetic of rows
 the fast sums cannot hold: within the reference's tolerance, not the fast path's bits):
 
-====================  =================================================================================================
-``plain``             forward: whole rows per thread (:func:`._stats_kernels.fwd`)
-``split``             few wide rows cut into segments across threads (:mod:`._split_kernels`), forward and backward
-``stream``            float32 outputs of at least :data:`._layout.STREAM_MIN_BYTES` written by streaming stores
-``slow``              rows the fast sums cannot hold (huge, tiny, non-finite): float64 after power-of-two scaling
-``fused``             backward: ``dx`` and the parameter partials in one pass by row blocks (many rows)
-``rows``              backward: ``dx`` by rows, then the partials by column tiles (few rows of many elements)
-``serial``            one thread (calls below :data:`._threads.SERIAL_THRESHOLD` elements)
-``pool``              the spans on the pool's threads
-``quantize``          ``quantize=``: each row quantized in the forward's output pass (:mod:`._io`'s FP quantize sink)
-``quantize_after``    ``quantize=`` on few wide rows (the split kernels): ``y`` stored, then quantized
-====================  =================================================================================================
+================  =================================================================================================
+``plain``         forward: whole rows per thread (:func:`._stats_kernels.fwd`)
+``split``         few wide rows cut into segments across threads (:mod:`._split_kernels`), forward and backward
+``stream``        float32 outputs of at least :data:`._layout.STREAM_MIN_BYTES` written by streaming stores
+``slow``          rows the fast sums cannot hold (huge, tiny, non-finite): float64 after power-of-two scaling
+``fused``         backward: ``dx`` and the parameter partials in one pass by row blocks (many rows)
+``rows``          backward: ``dx`` by rows, then the partials by column tiles (few rows of many elements)
+``serial``        one thread (calls below :data:`._threads.SERIAL_THRESHOLD` elements)
+``pool``          the spans on the pool's threads
+================  =================================================================================================
+
+A forward with ``quantize=`` also records where its quantized output was made (:data:`EPILOGUES`): ``quantize``,
+each row quantized in the forward's output pass (:mod:`._io`'s FP quantize sink), or ``quantize_after``, few wide
+rows (the split kernels) whose ``y`` is stored and then quantized.
 
 :func:`recording` collects the paths calls take (``note`` is one ``is None`` test when nothing records);
 :func:`forced` lowers each chosen path's threshold so that a small call takes it -- a test switch, for the generic
@@ -32,7 +34,7 @@ from contextlib import contextmanager
 
 from . import _layout
 
-__all__ = ["FORCE_SLOW", "FORCE_SPLIT", "PATHS", "SERIAL_OVERRIDE", "forced", "note", "recording"]
+__all__ = ["EPILOGUES", "FORCE_SLOW", "FORCE_SPLIT", "PATHS", "SERIAL_OVERRIDE", "forced", "note", "recording"]
 
 #: every path, with a line of what it is
 PATHS = {
@@ -44,6 +46,10 @@ PATHS = {
     "rows": "backward: dx by rows, then the partials by column tiles",
     "serial": "the call on one thread",
     "pool": "the call's spans on the pool's threads",
+}
+
+#: where a forward's ``quantize=`` output is made (recorded as the paths are; chosen by the option, not forced)
+EPILOGUES = {
     "quantize": "quantize=: each row quantized in the forward's output pass (the FP quantize sink)",
     "quantize_after": "quantize= on few wide rows (split kernels): y stored, then quantized by a second pass",
 }
@@ -58,14 +64,16 @@ _record: set[str] | None = None
 
 
 def note(path: str) -> None:
-    """Record that a call took ``path`` (nothing unless :func:`recording` is active)."""
+    """Record that a call took ``path`` (a key of :data:`PATHS` or :data:`EPILOGUES`; nothing unless
+    :func:`recording` is active)."""
     if _record is not None:
         _record.add(path)
 
 
 @contextmanager
 def recording() -> Iterator[set[str]]:
-    """``with recording() as taken:``: the paths the calls in the block took (a set of :data:`PATHS` keys)."""
+    """``with recording() as taken:``: the paths the calls in the block took (a set of :data:`PATHS` and
+    :data:`EPILOGUES` keys)."""
     global _record
     outer, _record = _record, set()
     try:

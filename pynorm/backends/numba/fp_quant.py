@@ -28,6 +28,7 @@ scales is the reference's integer layout code.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ from ...ops.fp_quant import ELEMENTS, Element, Quantized, QuantSpec
 from ...reference import fp_quant as ref
 from . import _common as common
 from ._cache import jit
-from ._storage import _bits_f32, _f32_bits
+from ._storage import _bits_f32, _f32_bits, fma
 from ._threads import launch
 
 __all__ = ["dequantize", "fpq_rows", "fpq_scratch", "fpq_take", "quantize", "quantize_norm"]
@@ -50,14 +51,19 @@ _U = np.uint32
 
 
 def _element(el: Element, saturate: bool) -> tuple[np.int32, ...]:
-    """The constants of :func:`_encode` for ``el`` (int32): ``(23 - mbits, emin + 127, emax + 128, max_code, sign
-    bit, over, nan, 2^mbits, emax, mt)`` -- ``over`` the code of a value beyond the largest finite one
-    (``max_code`` when saturating), ``mt`` the largest finite value's mantissa bits in float32 position (the MX
-    ceil rule's test)."""
+    """The constants of :func:`_encode` for ``el`` (int32): ``(23 - mbits, bits of 2^emin, bits of 2^(23 - mbits),
+    ((emin + 127) + (23 - mbits)) << mbits, first overflowing magnitude, sign bit, over, nan, emax, mt)`` -- the
+    first overflowing magnitude the smallest float32 bits that round beyond the largest finite value (above the
+    midpoint to the next binade's value, or at it where the largest value's last mantissa bit is odd: the tie goes
+    to even), ``over`` the code of such a value (``max_code`` when saturating), ``mt`` the largest finite value's
+    mantissa bits in float32 position (the MX ceil rule's test)."""
     over = el.max_code if saturate or el.over_code is None else el.over_code
     mt = (el.max_code & ((1 << el.mbits) - 1)) << (23 - el.mbits)
-    vals = (23 - el.mbits, el.emin + 127, el.emax + 128, el.max_code, 1 << (el.nbits - 1), over, el.nan_code or 0,
-            1 << el.mbits, el.emax, mt)  # fmt: skip
+    off = 23 - el.mbits
+    mid = np.float32(el.fmax + math.ldexp(1.0, el.emax - el.mbits - 1)).view(np.uint32)
+    first = int(mid) + (0 if el.max_code & 1 else 1)
+    vals = ((off, (el.emin + 127) << 23, off << 23, (el.emin + 127 + off) << el.mbits, first, 1 << (el.nbits - 1),
+             over, el.nan_code or 0, el.emax, mt))  # fmt: skip
     return tuple(_I(v) for v in vals)
 
 
@@ -67,25 +73,27 @@ _E4M3_TABLE = ref.decode(np.arange(256, dtype=np.uint8), ELEMENTS["e4m3"])
 
 
 @jit(inline="always")
-def _encode(v, el):  # type: ignore[no-untyped-def]
-    """The code of the float32 ``v`` in the element format of ``el`` (:func:`_element`): the reference's
-    :func:`~pynorm.reference.fp_quant.encode`, branch-free in 32-bit lanes.
+def _encode(v, sb, el):  # type: ignore[no-untyped-def]
+    """The code of the float32 ``v`` in the element format of ``el`` (:func:`_element`), with the sign of the bits
+    ``sb`` (``v``'s own, or those of the value ``v`` is the quotient or product of by a positive scale: its sign
+    also where ``v`` underflows): the reference's :func:`~pynorm.reference.fp_quant.encode`, branch-free in
+    32-bit lanes.
 
     With ``te = max(e, emin)`` (``e``: the exponent of ``|v|``), the element format's spacing at ``|v|`` is
     ``2^(te - mbits)``; adding ``M = 2^(te - mbits + 23)`` puts ``|v| < 2^(te + 1)`` in ``M``'s binade, whose
     float32 spacing that is, so the IEEE sum rounds ``|v|`` to the format, ties to even (``M``'s mantissa is 0:
     even sums are even codes), and ``bits(sum) - bits(M)`` is the rounded magnitude in units of the spacing -- a
-    normal value's implicit bit included, a carry into the next binade included. Exponents beyond ``emax + 1``
-    are clamped (such values exceed the largest finite value whatever their rounding); NaN is selected last."""
-    off, e0, cap, max_code, sign_bit, over, nan, unit = el[0], el[1], el[2], el[3], el[4], el[5], el[6], el[7]
-    b = _I(_f32_bits(v))
-    a = _I(b & _I(0x7FFFFFFF))
-    tb = min(max(_I(a >> _I(23)), e0), cap)
-    mb = _I(_I(tb + off) << _I(23))
+    normal value's implicit bit included, a carry into the next binade included; the code adds the binade,
+    ``(te - emin) << mbits``. Magnitudes from the first overflowing one on are ``over`` whatever the sum gave;
+    NaN is selected last."""
+    off, e0s, offs, base, first = el[0], el[1], el[2], el[3], el[4]
+    sign_bit, over, nan = el[5], el[6], el[7]
+    a = _I(_I(_f32_bits(v)) & _I(0x7FFFFFFF))
+    mb = _I(_I(max(a, e0s) & _I(0x7F800000)) + offs)
     k = _I(_I(_f32_bits(_bits_f32(_U(a)) + _bits_f32(_U(mb)))) - mb)
-    code = _I(_I(_I(tb - e0) * unit) + k)
-    code = over if code > max_code else code
-    code = _I(code | sign_bit) if b < _I(0) else code
+    code = _I(_I(k + _I(mb >> _I(off & _I(31)))) - base)  # (a shift known below 32: it stays 32-bit)
+    code = over if a >= first else code
+    code = _I(code | sign_bit) if _I(sb) < _I(0) else code
     return np.uint8(nan if a > _I(0x7F800000) else code)
 
 
@@ -99,12 +107,39 @@ def _amax(ub, j0, j1):  # type: ignore[no-untyped-def]
     return _I(m)
 
 
+#: how :func:`_codes` scales: divides, multiplies (MX: by a power of two), or divides through the reciprocal
+_DIV, _MUL, _RCP = 0, 1, 2
+#: the range of divisors (and of quotients) in which :data:`_RCP` is the IEEE quotient's bits (:func:`_rcp_safe`)
+_RCP_LO, _RCP_HI = np.float32(2.0**-60), np.float32(2.0**60)
+
+
 @jit(inline="always")
-def _codes(yr, cb, s, j0, j1, el, divide):  # type: ignore[no-untyped-def]
-    """``cb[j0:j1]`` = the codes of ``yr / s`` (``divide``) or ``yr * s``, one IEEE float32 operation each."""
+def _codes(yr, cb, s, r, j0, j1, el, op):  # type: ignore[no-untyped-def]
+    """``cb[j0:j1]`` = the codes of ``yr / s`` (``op`` :data:`_DIV`, or :data:`_RCP`: the same quotient's float32
+    by its reciprocal ``r = 1 / s``, :func:`_rcp_safe`) or of ``yr * s`` (:data:`_MUL`), each one IEEE float32
+    result. ``op`` is a constant at the call sites."""
     for j in range(j0, j1):
         u = np.uint64(j)  # (unsigned: no negative-index wraparound in the vector loop)
-        cb[u] = _encode(yr[u] / s if divide else yr[u] * s, el)
+        x = yr[u]
+        if op == _MUL:
+            v = x * s
+        elif op == _DIV:
+            v = x / s
+        else:
+            q = x * r
+            v = fma(fma(-q, s, x), r, q)
+        cb[u] = _encode(v, _f32_bits(x), el)
+
+
+@jit(inline="always")
+def _rcp_safe(ab, s):  # type: ignore[no-untyped-def]
+    """Whether the quotients ``x / s`` of a block of largest magnitude bits ``ab`` may be computed as
+    ``q = x r``, ``q' = q + (x - s q) r`` (two FMAs, ``r = 1 / s`` correctly rounded): Markstein's theorem makes
+    ``q'`` the correctly rounded quotient when nothing overflows or underflows, which holds for ``s`` in
+    ``[2^-60, 2^60]`` and quotients below ``2^60`` -- every quotient at least ``2^-20`` (smaller ones encode as
+    zeros, and :func:`_encode` takes their sign from ``x``) has ``x >= 2^-80``, so ``x - s q`` is normal. Not for
+    a block holding an infinity (``inf - s q`` is NaN)."""
+    return s >= _RCP_LO and s <= _RCP_HI and ab < _I(0x7F800000) and _bits_f32(_U(ab)) <= s * _RCP_HI
 
 
 @jit(inline="always")
@@ -130,7 +165,7 @@ def _mx_scale(ab, el, ceil):  # type: ignore[no-untyped-def]
 def _nv_scale(ab, g):  # type: ignore[no-untyped-def]
     """``(E4M3 code, the divisor S)`` of an NVFP4 block maximum's bits ``ab`` (``S`` 0 where not positive finite)."""
     t = (_bits_f32(_U(ab)) / np.float32(6.0)) / g
-    sb = _encode(t, _E4)
+    sb = _encode(t, _f32_bits(t), _E4)
     big = _E4M3_TABLE[sb] * g
     return sb, (big if big > 0 and big < np.inf else np.float32(0))
 
@@ -159,12 +194,12 @@ def _maxima16(ub, t4, m16, n):  # type: ignore[no-untyped-def]
 
 
 @jit(inline="always")
-def _blocked(yr, ub, scratch, sci, g, el, ceil, block, kind):  # type: ignore[no-untyped-def]
-    """One row of an MX (``kind`` MX, ``block`` 32) or NVFP4 (16) format into ``scratch[0]``: the blocks' maxima,
+def _blocked(yr, ub, row, scratch, sci, g, el, ceil, block, kind):  # type: ignore[no-untyped-def]
+    """One row of an MX (``kind`` MX, ``block`` 32) or NVFP4 (16) format into ``row``: the blocks' maxima,
     their scale codes (``sci``) and scale factors, then the codes; blocks without a usable scale get codes 0.
     ``block`` and ``kind`` are constants at the call sites (the loops over a block's elements are one vector
-    operation)."""
-    row, t4, m16, am, sv = scratch
+    operation); an NVFP4 row divides through the reciprocals where every block allows it (:func:`_rcp_safe`)."""
+    t4, m16, am, sv, rv = scratch[1], scratch[2], scratch[3], scratch[4], scratch[5]
     h = yr.shape[0]
     nb = sci.shape[0]
     full = h // block
@@ -179,18 +214,27 @@ def _blocked(yr, ub, scratch, sci, g, el, ceil, block, kind):  # type: ignore[no
     if nb > full:
         am[full] = _amax(ub, full * block, h)
     bad = False
+    safe = True
     for k in range(nb):
+        ak = _I(am[k])
         if kind == MX:
-            c, f = _mx_scale(_I(am[k]), el, ceil)
+            c, f = _mx_scale(ak, el, ceil)
         else:
-            c, f = _nv_scale(_I(am[k]), g)
+            c, f = _nv_scale(ak, g)
+            rv[k] = np.float32(1.0) / f
+            safe = safe & _rcp_safe(ak, f)
         sci[k] = c
         sv[k] = f
         bad = bad | (f == 0)
-    for k in range(full):
-        _codes(yr, row, sv[k], k * block, k * block + block, el, kind == NVFP4)
+    op = _MUL if kind == MX else _DIV
+    if kind == NVFP4 and safe:
+        for k in range(full):
+            _codes(yr, row, sv[k], rv[k], k * block, k * block + block, el, _RCP)
+    else:
+        for k in range(full):
+            _codes(yr, row, sv[k], sv[k], k * block, k * block + block, el, op)
     if nb > full:
-        _codes(yr, row, sv[full], full * block, h, el, kind == NVFP4)
+        _codes(yr, row, sv[full], sv[full], full * block, h, el, op)
     if bad:
         for k in range(nb):
             if sv[k] == 0:
@@ -199,12 +243,8 @@ def _blocked(yr, ub, scratch, sci, g, el, ceil, block, kind):  # type: ignore[no
 
 @jit(inline="always")
 def _store(row, out, pack):  # type: ignore[no-untyped-def]
-    """A row's codes into its output row: as they are, or packed two a byte (``pack`` 1: the even code in the low
-    nibble, 2: in the high one)."""
-    if pack == 0:
-        for j in range(out.shape[0]):
-            out[j] = row[j]
-        return
+    """A row's 4-bit codes packed two a byte into its output row (``pack`` 1: the even code in the low nibble, 2: in
+    the high one)."""
     lo_shift = 0 if pack == 1 else 4
     hi_shift = 4 - lo_shift
     for k in range(out.shape[0]):
@@ -217,7 +257,7 @@ def fpq_scratch(h, q):  # type: ignore[no-untyped-def]
     for packing), maxima of 4 and of 16 elements, the blocks' maxima and scale factors."""
     nb = (h + q[2] - 1) // q[2]
     return (np.zeros(h + 1, dtype=np.uint8), np.empty(h // 4, dtype=np.uint32), np.empty(h // 16, dtype=np.uint32),
-            np.empty(nb, dtype=np.uint32), np.empty(nb, dtype=np.float32))  # fmt: skip
+            np.empty(nb, dtype=np.uint32), np.empty(nb, dtype=np.float32), np.empty(nb, dtype=np.float32))  # fmt: skip
 
 
 @jit()
@@ -236,26 +276,39 @@ def fpq_take(yr, i, q, out, amax, scratch):  # type: ignore[no-untyped-def]
     if amax.shape[0] > 0:
         amax[i] = _amax(ub, 0, yr.shape[0])
         return
-    kind, el, block, s_tensor, fmax, ceil, g, pack = q
-    codes, sf, sc = out
-    row = scratch[0]
+    pack = q[7]
+    if pack:
+        _row_codes(yr, ub, i, q, out, scratch[0], scratch)
+        _store(scratch[0], out[0][i], pack)
+    else:  # (unpacked codes go to their row at once)
+        _row_codes(yr, ub, i, q, out, out[0][i], scratch)
+
+
+@jit()
+def _row_codes(yr, ub, i, q, out, row, scratch):  # type: ignore[no-untyped-def]
+    """Row ``i``'s codes into ``row`` and its scales into ``out`` (:func:`fpq_take`)."""
+    kind, el, block, s_tensor, fmax, ceil, g = q[0], q[1], q[2], q[3], q[4], q[5], q[6]
+    sf, sc = out[1], out[2]
     h = yr.shape[0]
     if kind == SCALED:
         for k in range((h + block - 1) // block):
             j0 = k * block
             j1 = min(j0 + block, h)
+            ab = _amax(ub, j0, j1)
             s = s_tensor
             if s == 0:
-                s = _bits_f32(_U(_amax(ub, j0, j1))) / fmax
+                s = _bits_f32(_U(ab)) / fmax
                 if not (s > 0 and s < np.inf):
                     s = np.float32(1.0)
             sf[i, k] = s
-            _codes(yr, row, s, j0, j1, el, True)
+            if _rcp_safe(ab, s):
+                _codes(yr, row, s, np.float32(1.0) / s, j0, j1, el, _RCP)
+            else:
+                _codes(yr, row, s, s, j0, j1, el, _DIV)
     elif kind == MX:
-        _blocked(yr, ub, scratch, sc[i], g, el, ceil, 32, MX)
+        _blocked(yr, ub, row, scratch, sc[i], g, el, ceil, 32, MX)
     else:
-        _blocked(yr, ub, scratch, sc[i], g, el, ceil, 16, NVFP4)
-    _store(row, codes[i], pack)
+        _blocked(yr, ub, row, scratch, sc[i], g, el, ceil, 16, NVFP4)
 
 
 @jit()

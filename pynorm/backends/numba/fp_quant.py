@@ -11,9 +11,10 @@ scaled and encoded, FP4 packed); two callers run it on rows:
   (:func:`quantize_norm`, what ``quantize=`` on ``layer_norm``/``rms_norm``/``add_*`` runs on this backend).
 
 The element loop is IEEE float32 arithmetic and 32-bit integer operations only (compiled without fastmath), so
-it vectorizes 16 lanes wide (AVX-512): each value scaled by one IEEE operation -- a division by the FP8 or NVFP4
-scale, a multiplication by the MX block's power of two (exact where the quotient is, and rounded once where it is
-not, so the same float32 as the reference's ``ldexp``) -- then encoded by :func:`_encode`: the magnitude rounded
+it vectorizes 16 lanes wide (AVX-512): each value scaled -- divided by the FP8 or NVFP4 scale (through its
+correctly rounded reciprocal and two FMAs where Markstein's theorem makes that the IEEE quotient,
+:func:`_rcp_safe`; else a division), multiplied by the MX block's power of two (the same float32 as the
+reference's ``ldexp``: one rounding of the exact product) -- then encoded by :func:`_encode`: the magnitude rounded
 to the element format's spacing by one float32 addition of a power of two (round to nearest even is the FPU's own),
 the code read off the sum's bits. Block sizes of the MX (32) and NVFP4 (16) formats are constants of their loops
 (one vector operation per block, no remainder loop); each row's block maxima and scales are computed first, then

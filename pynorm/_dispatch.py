@@ -68,6 +68,8 @@ class Context:
     array_family : ``(module, class)`` of the arrays forward ran on (``("numpy", "ndarray")``).
     y_shape : shape of the first output (None: ``x_shape``; a fused norm + Linear's ``(..., N)``).
     input_shapes : shape of each differentiable extra input, in order (a ``cond``'s gradient has its shape).
+    served : the public-only options the backend's op served itself (:attr:`pynorm.ops.Option.offered`;
+        ``("quantize",)``: ``y`` quantized in the norm's output pass), the others applied after it.
     returners : None, or for arguments read through DLPack (a PyTorch tensor, a JAX array), one function per
         gradient of the backward (``dx``, the differentiable inputs', the parameters') giving it back as its
         argument's own array type (None where that argument was a NumPy or CuPy array):
@@ -87,6 +89,7 @@ class Context:
     y_shape: tuple[int, ...] | None = None
     input_shapes: tuple[tuple[int, ...], ...] = ()
     returners: tuple[Any, ...] | None = None
+    served: tuple[str, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -338,6 +341,8 @@ class _Plan:
     family: tuple[str, str] | None
     #: per op module the plan ran on, the forward that runs its options there (:func:`_target`)
     targets: dict[Any, Any] = field(default_factory=dict)
+    #: per op module, the offered public-only options it serves (:func:`_served_target`; absent: none)
+    served: dict[Any, tuple[str, ...]] = field(default_factory=dict)
     #: the :class:`Context` fields its key fixes (every field but the backend's name, its ctx and the later
     #: outputs' dtypes), filled by the plan's first call
     ctx_base: dict[str, Any] = field(default_factory=dict)
@@ -408,17 +413,17 @@ def _run(
         name, mod = _registry.resolve(spec.name, present, plan.present_names, backend)
     run = plan.targets.get(mod)
     if run is None:  # what runs the plan's options on mod (:func:`_target`), kept for the plan's next call
-        run = plan.targets[mod] = _target(mod, plan.to_backend)
-    return execute(spec, plan, name, run, x, ins, ps, out)
+        run = _served_target(spec, mod, plan)
+    return execute(spec, plan, name, run, x, ins, ps, out, plan.served.get(mod, ()))
 
 
 def execute(
     spec: OpSpec, plan: _Plan, name: str, run: Any, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...], out: Any,
-    with_ctx: bool = True,
+    served: tuple[str, ...] = (), with_ctx: bool = True,
 ) -> tuple[Any, Context]:  # fmt: skip
-    """Flatten, call the backend ``name``'s runner ``run`` (:func:`_target`) and wrap its ctx, for arguments
-    ``plan`` holds for. ``with_ctx`` False (a runner that builds none, for an op whose result needs none: a
-    :class:`pynorm.Plan`'s call): ``(result, None)``."""
+    """Flatten, call the backend ``name``'s runner ``run`` (:func:`_served_target`: ``served``, the offered options
+    it serves) and wrap its ctx, for arguments ``plan`` holds for. ``with_ctx`` False (a runner that builds none,
+    for an op whose result needs none: a :class:`pynorm.Plan`'s call): ``(result, None)``."""
     rows, h = plan.rows, plan.h
     if plan.flat:  # (every input and parameter present reaches the backend as it is: a small call's microseconds)
         flat: Any = (*ins, *ps)
@@ -439,12 +444,16 @@ def execute(
     x_shape = tuple(x.shape)
     if len(spec.outputs) > 1:
         shaped = tuple(
+            o if (i == 0 and served) else
             out if (i == 0 and out is not None) else o.reshape(plan.y_shape if i == 0 else x_shape)
             for i, o in enumerate(res)
-        )
+        )  # fmt: skip
         first, more = shaped[0], tuple(o.dtype for o in shaped[1:])
     else:
-        first = out if out is not None else (res if res.shape == plan.y_shape else res.reshape(plan.y_shape))
+        if served:  # (the result of the served options, shaped by the result hook)
+            first = res
+        else:
+            first = out if out is not None else (res if res.shape == plan.y_shape else res.reshape(plan.y_shape))
         more = ()
         shaped = (first,)
     if not with_ctx:
@@ -459,10 +468,29 @@ def execute(
         })  # fmt: skip
     values = base.copy()
     values["backend"], values["inner"], values["output_dtypes"] = name, inner, more
+    if served:
+        values["served"] = served
     ctx = filled(Context, values)
     if spec.result is not None:
         return spec.result(shaped, ctx, plan.options), ctx
     return (shaped if len(spec.outputs) > 1 else first), ctx
+
+
+def _served_target(spec: OpSpec, mod: Any, plan: _Plan) -> Any:
+    """The runner of ``plan`` on the op module ``mod``, kept in :attr:`_Plan.targets`: the public-only options
+    offered to backends (:attr:`pynorm.ops.Option.offered`) that ``mod`` serves itself (its
+    ``serves_option(name, options)``, the plan's options; none for an op without it) join the options it binds
+    (:func:`_target`) and are kept in :attr:`_Plan.served`."""
+    ask = getattr(mod, "serves_option", None)
+    served = tuple(
+        o.name for o in spec.options
+        if o.offered and ask is not None and plan.options.get(o.name) is not None and ask(o.name, plan.options)
+    )  # fmt: skip
+    if served:
+        plan.served[mod] = served
+    options = {**plan.to_backend, **{n: plan.options[n] for n in served}} if served else plan.to_backend
+    run = plan.targets[mod] = _target(mod, options)
+    return run
 
 
 def _target(mod: Any, options: Mapping[str, Any]) -> Any:

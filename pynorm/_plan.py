@@ -69,7 +69,7 @@ class Plan:
     """
 
     __slots__ = (
-        "_by_position", "_fast", "_kinds", "_lean", "_n_in", "_names", "_p", "_run", "_spec",
+        "_by_position", "_fast", "_kinds", "_lean", "_n_in", "_names", "_p", "_run", "_served", "_spec",
         "backend", "op", "options",
     )  # fmt: skip
 
@@ -104,7 +104,12 @@ class Plan:
         self._p, x, inputs, params, _ = make(spec, x, params, a.get("axis"), backend, None, options, inputs, True)
         self.options = dict(self._p.options)
         self.backend, mod = _registry.resolve_family(spec.name, ("numpy", "ndarray"), self._p.present_names, backend)
-        self._run = _dispatch._target(mod, self._p.to_backend)
+        self._run = (
+            _dispatch._served_target(spec, mod, self._p)
+            if spec.layout == "rows"
+            else _dispatch._target(mod, self._p.to_backend)
+        )
+        self._served = self._p.served.get(mod, ()) if spec.layout == "rows" else ()
         lean = getattr(self._run, "without_ctx", None)
         # the outputs alone, without a ctx: where the backend's runner can skip it and the result is the outputs
         # (no result function, or the norms' quantize= result without a quantize= option)
@@ -202,7 +207,7 @@ class Plan:
     def _forward(self, x: Any, ins: tuple[Any, ...], ps: tuple[Any, ...], out: Any) -> tuple[Any, Any]:
         if self._spec.layout == "channels":
             return _dispatch.execute_channels(self._spec, self._p, self.backend, self._run, x, ins, ps, out)
-        return _dispatch.execute(self._spec, self._p, self.backend, self._run, x, ins, ps, out)
+        return _dispatch.execute(self._spec, self._p, self.backend, self._run, x, ins, ps, out, self._served)
 
     def backward(self, dy: Any, ctx: Any, *, dx_out: Any = None, **upstream: Any) -> Any:
         """``pynorm.<op>_backward(dy, ctx, ..., dx_out=dx_out)``: the gradients (the op's own backward)."""

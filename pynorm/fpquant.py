@@ -1,10 +1,11 @@
 """FP8 / FP4 quantized outputs: :class:`QuantSpec`, :func:`quantize` and :func:`dequantize` on every backend.
 
 A norm with ``quantize=QuantSpec(...)`` (``layer_norm``, ``rms_norm``, ``add_layer_norm``, ``add_rms_norm``)
-computes its float ``y`` on its backend, then that backend's quantizer quantizes it
-(:func:`pynorm.ops.fp_quant.quantize_on`): the
-reference's (:mod:`pynorm.reference.fp_quant`, the definition), numba's, or the CUDA kernels'; given the same
-``y`` they return bitwise the same codes and scales. See ``docs/norms/quantized_outputs.md``.
+is quantized where its backend's op serves the option (numba: each row in the norm's output pass,
+``ctx.served == ("quantize",)``), else its float ``y`` is computed on its backend and that backend's quantizer
+quantizes it (:func:`pynorm.ops.fp_quant.quantize_on`): the reference's (:mod:`pynorm.reference.fp_quant`, the
+definition), numba's, or the CUDA kernels'; given the same ``y`` they return bitwise the same codes and scales.
+See ``docs/norms/quantized_outputs.md``.
 """
 
 from __future__ import annotations

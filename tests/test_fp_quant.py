@@ -358,3 +358,151 @@ def test_layer_forward_takes_quantize_per_call() -> None:
     assert np.array_equal(q.codes, ref.quantize(q.y, QuantSpec("mxfp8_e5m2")).codes)
     _, ctx2 = layer.forward(x)
     assert np.array_equal(layer.backward(np.ones_like(x), ctx), layer.backward(np.ones_like(x), ctx2))
+
+
+# ---------------------------------------------------------------------------- the fused epilogue (numba)
+
+#: every format and scaling of the fused path (its sink computes each row's scales itself, or -- a per-tensor scale,
+#: NVFP4's computed global scale -- after a first pass of the rows' amax)
+_FUSED_SPECS = [
+    *_SPECS,
+    QuantSpec("fp8_e5m2", overflow="nan", keep_y=True),
+    QuantSpec("fp8_e4m3", scaling="group", group_size=24, keep_y=True),
+    QuantSpec("fp8_e5m2", scaling="tensor", scale=3.0),
+    QuantSpec("mxfp8_e4m3", scale_rule="ceil", overflow="nan", scale_dtype="float32"),
+    QuantSpec("mxfp4", nibble_order="high_first", scale_rule="ceil"),
+    QuantSpec("nvfp4", scale_layout="swizzled", keep_y=True),
+    QuantSpec("nvfp4", global_scale=1e-30),
+]
+
+
+def _norm_args(op: str, x: np.ndarray, rng: np.random.Generator) -> list[Any]:
+    h = x.shape[-1]
+    w = (1 + 0.5 * rng.standard_normal(h)).astype(x.dtype)
+    args: list[Any] = [x]
+    if op.startswith("add_"):
+        args.append((rng.standard_normal(x.shape) * 0.5).astype(x.dtype))
+    return args + [w] * (2 if "layer" in op else 1)
+
+
+def _hard_x(dt: Any, rng: np.random.Generator, shape: tuple[int, int] = (7, 72)) -> np.ndarray:
+    """Rows of a norm's input whose ``y`` holds the quantizer's hard cases: ordinary, constant (y = 0 or the bias),
+    a huge value among tiny ones, an infinity (a NaN row), a large common offset, tiny magnitudes."""
+    x = rng.standard_normal((max(shape[0], 7), shape[1])) * 2
+    x[1] = 3.0
+    x[2] = 1e-3
+    x[2, 5] = 60.0
+    x[3, 4] = np.inf
+    x[4] += 1e3
+    x[5] *= 1e-30 if dt == np.float64 else 1e-3
+    return x[: shape[0]].astype(dt)
+
+
+def _assert_same_quantized(got: Any, want: Any, spec: QuantSpec) -> None:
+    assert np.array_equal(got.codes, want.codes), spec
+    gs, ws = np.asarray(got.scales), np.asarray(want.scales)
+    assert gs.shape == ws.shape and gs.dtype == ws.dtype, spec
+    assert np.array_equal(gs.reshape(-1).view(np.uint8), ws.reshape(-1).view(np.uint8)), spec
+    assert (got.global_scale is None) == (want.global_scale is None), spec
+    if want.global_scale is not None:
+        assert np.float32(got.global_scale).view(np.uint32) == np.float32(want.global_scale).view(np.uint32), spec
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+@pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16", "float64"])
+def test_fused_epilogue_is_bitwise_the_second_pass(op: str, dt: str) -> None:
+    """numba's ``quantize=`` quantizes each row in the norm's output pass (``ctx.served``, path ``"quantize"``): codes
+    and scales bitwise the reference quantizer's and numba's second pass on the norm's own ``y`` (every format and
+    scaling, every dtype, hard rows), a kept ``y`` bitwise the norm's, the residual sum and the backward unchanged."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _paths
+    from pynorm.backends.numba import fp_quant as nq
+
+    rng = np.random.default_rng(11)
+    dtype = ml_dtypes.bfloat16 if dt == "bfloat16" else np.dtype(dt)
+    x = _hard_x(dtype, rng).reshape(7, 2, 36)
+    args = _norm_args(op, x, rng)
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    plain, pctx = fwd(*args, backend="numba", axis=1)
+    y = plain[0] if op.startswith("add_") else plain
+    for spec in _FUSED_SPECS:
+        with _paths.recording() as taken:
+            res, ctx = fwd(*args, quantize=spec, backend="numba", axis=1)
+        assert ctx.served == ("quantize",) and "quantize" in taken and "quantize_after" not in taken
+        q = res[0] if op.startswith("add_") else res
+        assert isinstance(q, pynorm.Quantized) and q.shape == x.shape
+        want = ref.quantize(y, spec, axis=1)
+        _assert_same_quantized(q, want, spec)
+        _assert_same_quantized(q, nq.quantize(y, spec, axis=1), spec)
+        if spec.keep_y:
+            assert q.y.dtype == y.dtype and np.array_equal(q.y.view(np.uint8), y.view(np.uint8)), spec
+        else:
+            assert q.y is None
+        if op.startswith("add_"):
+            assert np.array_equal(res[1].view(np.uint8), plain[1].view(np.uint8))
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    for a, b in zip(bwd(dy, ctx), bwd(dy, pctx), strict=True):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_layer_norm"])
+def test_fused_epilogue_split_path_quantizes_after(op: str) -> None:
+    """Few wide rows take the split kernels, which cut rows across threads: there ``y`` is stored and quantized by
+    numba's second pass (path ``"quantize_after"``), the same bits; ``out=`` receives ``y`` (the norm's)."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _paths
+
+    rng = np.random.default_rng(12)
+    x = _hard_x(np.float32, rng, (3, 2 * 4096 + 40))
+    args = _norm_args(op, x, rng)
+    fwd = getattr(pynorm, f"{op}_forward")
+    plain, _ = fwd(*args, backend="numba")
+    y = plain[0] if op.startswith("add_") else plain
+    for spec in (QuantSpec("nvfp4"), QuantSpec("fp8_e4m3", scaling="group", group_size=100), QuantSpec("mxfp4")):
+        want = ref.quantize(y, spec)
+        with _paths.forced("split"), _paths.recording() as taken:
+            res, ctx = fwd(*args, quantize=spec, backend="numba")
+        assert {"split", "quantize_after"} <= taken and "quantize" not in taken and ctx.served == ("quantize",)
+        _assert_same_quantized(res[0] if op.startswith("add_") else res, want, spec)
+        with _paths.recording() as taken:
+            out = np.empty_like(y)
+            res, _ = fwd(*args, quantize=spec, backend="numba", out=out)
+        assert "quantize" in taken and np.array_equal(out, y, equal_nan=True)
+        _assert_same_quantized(res[0] if op.startswith("add_") else res, want, spec)
+
+
+def test_unserved_quantize_is_a_second_pass() -> None:
+    """Where the backend's op does not serve ``quantize=`` -- the reference backend, a casting policy on numba -- the
+    dispatcher quantizes the returned ``y`` (``ctx.served`` empty), by the same rules."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    spec = QuantSpec("mxfp8_e4m3")
+    q, ctx = pynorm.rms_norm_forward(x, w, quantize=spec, backend="numpy")
+    assert ctx.served == () and np.array_equal(q.codes, ref.quantize(pynorm.rms_norm(x, w), spec).codes)
+    pytest.importorskip("numba")
+    for casting, served in (("llama", ()), ("fp32", ("quantize",))):
+        q, ctx = pynorm.rms_norm_forward(x, w, quantize=spec, backend="numba", casting=casting)
+        y = pynorm.rms_norm(x, w, backend="numba", casting=casting)
+        assert ctx.served == served and np.array_equal(q.codes, ref.quantize(y, spec).codes)
+
+
+def test_numba_encoder_on_random_bits() -> None:
+    """numba's element encoder (one float32 addition rounds to the format) against the reference on random float32
+    bit patterns, divided by exact and inexact scales (the reciprocal path and the division), every FP8 overflow
+    rule; the block formats on the same bits."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import fp_quant as nq
+
+    rng = np.random.default_rng(14)
+    y = rng.integers(0, 2**32, (64, 1024), dtype=np.uint64).astype(np.uint32).view(np.float32)
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        for overflow in ("saturate", "nan"):
+            for s in (1.0, 0.37, 2.0**-100, 2.0**100, 3e-39):
+                spec = QuantSpec(fmt, scaling="tensor", scale=s, overflow=overflow)
+                assert np.array_equal(nq.quantize(y, spec).codes, ref.quantize(y, spec).codes), spec
+    finite = np.where(np.isfinite(y), y, np.float32(1.0))
+    for spec in (QuantSpec("fp8_e4m3"), QuantSpec("mxfp4"), QuantSpec("mxfp8_e5m2", scale_rule="ceil"),
+                 QuantSpec("nvfp4"), QuantSpec("nvfp4", global_scale=1e-3)):  # fmt: skip
+        for a in (y, finite):
+            _assert_same_quantized(nq.quantize(a, spec), ref.quantize(a, spec), spec)

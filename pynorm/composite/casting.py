@@ -233,6 +233,12 @@ class Composed:
         pick = getattr(self.impl, "forward_for", None)
         return functools.partial(self.impl.forward, **options) if pick is None else pick(options)
 
+    def serves_option(self, name: str, options: Any) -> bool:
+        """The implementation's :meth:`~pynorm.backends.numba.stats.StatsOp.serves_option` for the default
+        ``casting`` (a policy's forward serves no public-only option: the dispatcher applies them after it)."""
+        pick = getattr(self.impl, "serves_option", None)
+        return options.get(CASTING, DEFAULT) == DEFAULT and pick is not None and bool(pick(name, options))
+
     def backward(self, dy: Any, ctx: Any, dx_out: Any = None, **upstream: Any) -> Any:
         if getattr(ctx, CASTING, DEFAULT) == DEFAULT:
             return self.impl.backward(dy, ctx, dx_out=dx_out, **upstream)

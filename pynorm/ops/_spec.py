@@ -128,6 +128,10 @@ class Option:
 
     ``to_backend``: False for an option of the public functions only, which shapes what they return
     (``return_norm``) or how the dispatcher reads ``x`` (``channel_axis``) and never reaches a backend.
+    ``offered``: such an option that a backend's op may serve itself (``quantize``: codes made in the norm's
+    output pass, not by a second pass over ``y``): the dispatcher asks the op (``serves_option(name, options)``),
+    passes the option to the ops that say yes and names it in the call's ``Context.served``; the op's
+    :attr:`OpSpec.result` hook applies the options not served to the outputs.
     ``annotation``: its type in the signatures (default: the default's type). A ``default`` of
     :data:`REQUIRED`: the caller must give it.
     """
@@ -138,6 +142,7 @@ class Option:
     doc: str = ""
     to_backend: bool = True
     annotation: str = ""
+    offered: bool = False
 
 
 @dataclass(frozen=True)

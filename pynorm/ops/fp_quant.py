@@ -36,6 +36,7 @@ __all__ = [
     "QuantSpec",
     "Quantized",
     "check_quant_spec",
+    "in_shape",
     "quantize_result",
 ]
 
@@ -243,8 +244,9 @@ def check_quant_spec(v: Any, name: str) -> QuantSpec | None:
     raise ArgumentTypeError(f"{name} must be None, a pynorm.QuantSpec or a format name, got {type(v).__name__}")
 
 
-#: the ``quantize=`` option of the norms with a quantized output mode (public only: the backend computes ``y``, the
-#: quantizer of the same backend quantizes it, :func:`quantize_on`)
+#: the ``quantize=`` option of the norms with a quantized output mode (public only, offered to the backends: an op
+#: that serves it quantizes each row in the norm's output pass; else the backend computes ``y`` and the quantizer of
+#: the same backend quantizes it, :func:`quantize_on`; ``Context.served`` says which)
 QUANTIZE_OPTION_DOC = (
     "None (a float y), or a pynorm.QuantSpec (or a format name): y quantized to FP8 / MXFP8 / MXFP4 / NVFP4, "
     "returned as a pynorm.Quantized"
@@ -252,7 +254,9 @@ QUANTIZE_OPTION_DOC = (
 
 
 #: the ``quantize=`` option (see :data:`QUANTIZE_OPTION_DOC`)
-QUANTIZE = Option("quantize", None, check_quant_spec, QUANTIZE_OPTION_DOC, to_backend=False, annotation="Any")
+QUANTIZE = Option(
+    "quantize", None, check_quant_spec, QUANTIZE_OPTION_DOC, to_backend=False, annotation="Any", offered=True
+)
 
 #: what a norm with the ``quantize=`` option returns, for its docstring
 QUANTIZE_RESULT_DOC = "``y`` (x's shape and dtype), or a ``pynorm.Quantized`` of ``y`` when ``quantize`` is given"
@@ -280,10 +284,38 @@ def quantize_on(backend: str | None, y: Any, spec: QuantSpec, axis: int = -1) ->
     return quantizer_module(backend, y).quantize(y, spec, axis)  # type: ignore[no-any-return]
 
 
+def in_shape(q: Quantized, shape: tuple[int, ...], axis: int) -> Quantized:
+    """``q`` of ``(R, .)`` codes and scales (row-major block scales ``(R, blocks)``, FP8 group scales
+    ``(R, groups)``, row scales ``(R,)``, a tensor scale of one element; a swizzled layout is flat) for a ``y`` of
+    ``shape`` whose rows are the dims before ``axis``: codes ``(*rows, .)``, scales per the scaling
+    (:class:`Quantized`), ``y`` (when kept) in ``shape``."""
+    spec, fmt = q.spec, q.spec.fmt
+    lead = tuple(shape[: axis % len(shape)])
+    codes = q.codes.reshape(*lead, q.codes.shape[-1])
+    scales = q.scales
+    if fmt.kind == "scaled":
+        if spec.scale is not None or spec.scaling == "tensor":
+            scales = scales.reshape(())
+        elif spec.scaling == "row":
+            scales = scales.reshape(lead)
+        else:
+            scales = scales.reshape(*lead, scales.shape[-1])
+    elif spec.scale_layout == "row_major":
+        scales = scales.reshape(*lead, scales.shape[-1])
+    y = None if q.y is None else q.y.reshape(shape)
+    return q._replace(codes=codes, scales=scales, y=y, shape=tuple(shape))
+
+
 def quantize_result(outs: tuple[Any, ...], ctx: Any, options: Any) -> Any:
-    """The result of a norm with the ``quantize=`` option: its outputs, the first (``y``) quantized on the backend
-    that computed it when the option is given (a :class:`Quantized`)."""
+    """The result of a norm with the ``quantize=`` option: its outputs, the first (``y``) quantized when the option
+    is given (a :class:`Quantized`) -- by the backend's op in its output pass where it served the option
+    (``"quantize" in ctx.served``: a :class:`Quantized` of the rows, shaped here), else by the quantizer of the
+    backend that computed ``y`` (a second pass)."""
     spec = options.get("quantize")
     if spec is not None:
-        outs = (quantize_on(ctx.backend, outs[0], spec, ctx.axis), *outs[1:])
+        if "quantize" in ctx.served:
+            first = in_shape(outs[0], ctx.x_shape, ctx.axis)
+        else:
+            first = quantize_on(ctx.backend, outs[0], spec, ctx.axis)
+        outs = (first, *outs[1:])
     return outs if len(outs) > 1 else outs[0]

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ops.fp_quant import ELEMENTS, Element, Quantized, QuantSpec
+from ..ops.fp_quant import ELEMENTS, Element, Quantized, QuantSpec, in_shape
 
 __all__ = [
     "NVFP4_GLOBAL",
@@ -334,20 +334,10 @@ def quantized(
     xp: Any = np,
 ) -> Quantized:  # fmt: skip
     """The :class:`Quantized` of ``(R, .)`` results in the spec's layout for a ``y`` of ``shape`` whose rows are the
-    leading dims ``lead``: codes ``(*lead, .)``, scales per the scaling (:class:`~pynorm.ops.fp_quant.Quantized`)."""
-    fmt = spec.fmt
-    codes = codes.reshape(*lead, codes.shape[1])
-    if fmt.kind == "scaled":
-        if spec.scale is not None or spec.scaling == "tensor":
-            scales = scales.reshape(())
-        elif spec.scaling == "row":
-            scales = scales.reshape(lead)
-        else:
-            scales = scales.reshape(*lead, scales.shape[1])
-    elif spec.scale_layout == "row_major":
-        scales = scales.reshape(*lead, scales.shape[1])
+    leading dims ``lead``: codes ``(*lead, .)``, scales per the scaling (:func:`~pynorm.ops.fp_quant.in_shape`)."""
     gs = None if g is None else xp.asarray(np.float32(g)).reshape(())
-    return Quantized(codes, scales, gs, y if spec.keep_y else None, spec, tuple(shape))
+    q = Quantized(codes, scales, gs, y if spec.keep_y else None, spec, tuple(shape))
+    return in_shape(q, tuple(shape), len(lead))
 
 
 def rows_of(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int, int]:

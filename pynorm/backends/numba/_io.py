@@ -56,6 +56,7 @@ from ._cache import INLINED, jit
 from ._ew_kernels import ew_elem, ew_row, fcast
 from ._quant_kernels import quantize_row
 from ._storage import JIT_ONLY, fma, ld, st, st_exact, stv
+from .fp_quant import fpq_scratch, fpq_take
 
 __all__ = [
     "aff_add",
@@ -333,6 +334,37 @@ overload(put, jit_options={"fastmath": False, "error_model": "numpy"})(_put_make
 overload(put_exact, jit_options={"fastmath": False, "error_model": "numpy"})(_put_make(st_exact))
 
 
+def _fp_sink(y):  # type: ignore[no-untyped-def]
+    """Whether the numba type of a forward's sink is the FP quantize sink ``(keep, q, out, amax)``."""
+    return isinstance(y, types.BaseTuple) and len(y) == 4
+
+
+@jit(inline="always")
+def _fp_row(y, i, buf):  # type: ignore[no-untyped-def]
+    """Where the forward writes row ``i`` for the FP quantize sink: ``keep[i]`` where ``y`` is kept, else the scratch
+    row ``buf[0]``."""
+    return y[0][i] if y[0].shape[0] > 0 else buf[0]
+
+
+def _as_f32(row, tmp):  # type: ignore[no-untyped-def]
+    """A storage row as float32 values: itself (float32), or converted into ``tmp`` (16-bit: exactly; float64:
+    rounded once, as NumPy's ``astype``)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_as_f32, jit_options={"fastmath": False, "error_model": "numpy"})
+def _as_f32_ol(row, tmp):  # type: ignore[no-untyped-def]
+    if row.dtype == types.float32:
+        return lambda row, tmp: row
+
+    def convert(row, tmp):  # type: ignore[no-untyped-def]
+        for j in range(row.shape[0]):
+            tmp[j] = np.float32(ld(row[j]))
+        return tmp
+
+    return convert
+
+
 def _ew_sink(y):  # type: ignore[no-untyped-def]
     """Whether the numba type of a forward's sink is the element-wise sink ``(fn, a, w, b, y)``."""
     return isinstance(y, types.BaseTuple) and len(y) == 5
@@ -356,6 +388,8 @@ def _yfast_ol(y, i, buf):  # type: ignore[no-untyped-def]
         return lambda y, i, buf: y[i]
     if _ew_sink16(y):
         return lambda y, i, buf: (y[0], y[1], y[2], y[3], y[4][i], buf)
+    if _fp_sink(y):
+        return lambda y, i, buf: _fp_row(y, i, buf)
     return lambda y, i, buf: buf
 
 
@@ -401,6 +435,9 @@ def _yscratch_ol(y, h):  # type: ignore[no-untyped-def]
         return lambda y, h: None
     if _ew_sink(y):
         return lambda y, h: np.empty(h, y[4].dtype)
+    if _fp_sink(y):
+        n = 0 if y[0].dtype == types.float32 else 1
+        return lambda y, h: (np.empty(h, y[0].dtype), np.empty(n * h, np.float32), fpq_scratch(h, y[1]))
     return lambda y, h: np.empty(h, y[6].dtype)
 
 
@@ -413,6 +450,8 @@ def yrow(y, i, buf):  # type: ignore[no-untyped-def]
 def _yrow_ol(y, i, buf):  # type: ignore[no-untyped-def]
     if isinstance(y, types.Array):
         return lambda y, i, buf: y[i]
+    if _fp_sink(y):
+        return lambda y, i, buf: _fp_row(y, i, buf)
     return lambda y, i, buf: buf
 
 
@@ -427,4 +466,6 @@ def _ydone_ol(y, i, buf):  # type: ignore[no-untyped-def]
         return lambda y, i, buf: None
     if _ew_sink(y):
         return lambda y, i, buf: ew_row(y[0], buf, y[1], y[2], y[3], y[4][i])
+    if _fp_sink(y):
+        return lambda y, i, buf: fpq_take(_as_f32(_fp_row(y, i, buf), buf[1]), i, y[1], y[2], y[3], buf[2])
     return lambda y, i, buf: quantize_row(buf, i, y[0], y[1], y[2], y[3], y[4], y[5])

@@ -17,6 +17,10 @@ the fast sums cannot hold: within the reference's tolerance, not the fast path's
 ``pool``          the spans on the pool's threads
 ================  =================================================================================================
 
+A forward with ``quantize=`` also records where its quantized output was made (:data:`EPILOGUES`): ``quantize``,
+each row quantized in the forward's output pass (:mod:`._io`'s FP quantize sink), or ``quantize_after``, few wide
+rows (the split kernels) whose ``y`` is stored and then quantized.
+
 :func:`recording` collects the paths calls take (``note`` is one ``is None`` test when nothing records);
 :func:`forced` lowers each chosen path's threshold so that a small call takes it -- a test switch, for the generic
 suites (``tests/test_paths.py``) to reach every path of every op at small sizes. Neither is meant for production
@@ -30,7 +34,7 @@ from contextlib import contextmanager
 
 from . import _layout
 
-__all__ = ["FORCE_SLOW", "FORCE_SPLIT", "PATHS", "SERIAL_OVERRIDE", "forced", "note", "recording"]
+__all__ = ["EPILOGUES", "FORCE_SLOW", "FORCE_SPLIT", "PATHS", "SERIAL_OVERRIDE", "forced", "note", "recording"]
 
 #: every path, with a line of what it is
 PATHS = {
@@ -44,6 +48,12 @@ PATHS = {
     "pool": "the call's spans on the pool's threads",
 }
 
+#: where a forward's ``quantize=`` output is made (recorded as the paths are; chosen by the option, not forced)
+EPILOGUES = {
+    "quantize": "quantize=: each row quantized in the forward's output pass (the FP quantize sink)",
+    "quantize_after": "quantize= on few wide rows (split kernels): y stored, then quantized by a second pass",
+}
+
 #: test switches (:func:`forced`): every row of every call finished by the slow path; every call that can take the
 #: split kernels taking them; the one-thread threshold in place of :data:`._threads.SERIAL_THRESHOLD` (None: that)
 FORCE_SLOW = False
@@ -54,14 +64,16 @@ _record: set[str] | None = None
 
 
 def note(path: str) -> None:
-    """Record that a call took ``path`` (nothing unless :func:`recording` is active)."""
+    """Record that a call took ``path`` (a key of :data:`PATHS` or :data:`EPILOGUES`; nothing unless
+    :func:`recording` is active)."""
     if _record is not None:
         _record.add(path)
 
 
 @contextmanager
 def recording() -> Iterator[set[str]]:
-    """``with recording() as taken:``: the paths the calls in the block took (a set of :data:`PATHS` keys)."""
+    """``with recording() as taken:``: the paths the calls in the block took (a set of :data:`PATHS` and
+    :data:`EPILOGUES` keys)."""
     global _record
     outer, _record = _record, set()
     try:

@@ -50,7 +50,7 @@ from ...ops._spec import filled
 from ...ops.families import AFFINES, affine_of, kernel_args, prologue_of, statistic_of
 from .._spec import param_names, prologue_input_names
 from . import _common as common
-from . import _paths, _threads
+from . import _paths, _threads, fp_quant
 from . import _stats_kernels as kernels
 from ._args import Affine, Conventions, Grad, Partials, RowStats, plain
 from ._layout import CHUNK, SPLIT_SEG, blocks, tiles, use_fused, use_stream
@@ -296,7 +296,37 @@ class StatsOp(_Op):
         options: dict[str, Any] | common.PlanForward,
     ) -> tuple[Any, Any]:  # fmt: skip
         """:meth:`forward` for ``options``, or a plan's calls (``options`` its :class:`._common.PlanForward`: the
-        setup and the row kernel's entry point found once)."""
+        setup and the row kernel's entry point found once). With the ``quantize`` option (:meth:`serves_option`),
+        ``y`` is a :class:`pynorm.Quantized` of the ``(R, H)`` rows (:func:`.fp_quant.quantize_norm`)."""
+        spec = (options.options if isinstance(options, common.PlanForward) else options).get(_QUANTIZE)
+        if spec is not None and sink is None:
+            return self._quantized(x, args, out, spec, options)
+        return self._forward(x, args, out, sink, options)
+
+    def serves_option(self, name: str, options: Any) -> bool:
+        """Whether this op serves the public-only option ``name`` of a call with ``options`` itself
+        (:attr:`pynorm.ops.Option.offered`): the ``quantize`` option of the norms with a quantized output -- each
+        row quantized in the forward's output pass (:mod:`._io`'s FP quantize sink), or, for few wide rows (the
+        split kernels), ``y`` quantized after it."""
+        return name == _QUANTIZE and _QUANTIZE in self._options and options.get(name) is not None
+
+    def _quantized(
+        self, x: np.ndarray, args: tuple[Any, ...], out: np.ndarray | None, spec: Any,
+        options: dict[str, Any] | common.PlanForward,
+    ) -> tuple[Any, Any]:  # fmt: skip
+        """The forward with ``y`` quantized by ``spec``: in the rows' output pass where they take a sink
+        (:meth:`takes_sink`), else the second pass over the stored ``y`` (paths ``"quantize"`` and ``"split"``)."""
+        fuse = self.takes_sink(x)
+        _paths.note("quantize" if fuse else "quantize_after")
+        q, res, ctx = fp_quant.quantize_norm(
+            lambda o, sink: self._forward(x, args, o, sink, options), x.shape, x.dtype, spec, out, fuse
+        )
+        return ((q, *res[1:]) if self.residual else q), ctx
+
+    def _forward(
+        self, x: np.ndarray, args: tuple[Any, ...], out: np.ndarray | None, sink: tuple[Any, ...] | None,
+        options: dict[str, Any] | common.PlanForward,
+    ) -> tuple[Any, Any]:  # fmt: skip
         if len(args) != len(self._index):
             self._arguments(args)  # (raises the TypeError)
         weight, bias, ids, residual = self._pick((*args, None))
@@ -447,6 +477,9 @@ class StatsOp(_Op):
             grads.append(None if part is None or param is None else self.affine.reduce(part, param, layout))
         return self.grads(dx, *([dres] if self.residual else []), *grads)
 
+
+#: the public-only option a :class:`StatsOp` serves (:meth:`StatsOp.serves_option`)
+_QUANTIZE = "quantize"
 
 #: tests set this True: every call takes the split kernels (:func:`split_rows`), whatever its shape
 FORCE_SPLIT = False

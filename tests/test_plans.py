@@ -320,10 +320,10 @@ def test_a_channels_op_reuses_its_plan_with_the_full_paths_results(op: str, opts
 
 
 def _outputs(r: Any) -> tuple[Any, ...]:
+    if isinstance(r, pynorm.Quantized):  # (a named tuple)
+        return tuple(np.asarray(a) for a in (r.codes, r.scales, r.global_scale, r.y) if a is not None)
     if isinstance(r, tuple):
-        return r
-    if isinstance(r, pynorm.Quantized):
-        return (r.codes, r.scales)
+        return tuple(a for o in r for a in _outputs(o))
     return (r,)
 
 
@@ -510,3 +510,24 @@ def test_a_bound_plan_keeps_its_backend_and_options() -> None:
     assert p.backend == "numpy" and p.options["eps"] == 1e-3
     assert "rms_norm on numpy" in repr(p)
     assert np.array_equal(p(x), pynorm.rms_norm(x, eps=1e-3, backend="numpy"))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp4", "nvfp4"])
+def test_a_bound_plan_quantizes_as_the_op_does(fmt: str, backend: Any) -> None:
+    """``quantize=`` bound in a plan: the op's own codes and scales (fused in the norm's output pass on numba, the
+    second pass elsewhere), and the ctx says which."""
+    from pynorm import _registry
+
+    served = _registry.get_backend(backend.name)
+    if (served.array_module, served.array_type) != ("numpy", "ndarray"):
+        pytest.skip(f"pynorm.plan takes numpy.ndarray arrays; {backend.name} serves other arrays")
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(64)).astype(np.float32)
+    p = pynorm.plan("rms_norm", x, w, quantize=fmt, backend=backend.name)
+    for _ in range(2):
+        x[...] = rng.standard_normal((5, 64)).astype(np.float32)
+        _assert_same_result(p(x, w), pynorm.rms_norm(x, w, quantize=fmt, backend=backend.name), fmt)
+        q, ctx = p.forward(x, w)
+        _assert_same_result(q, pynorm.rms_norm(x, w, quantize=fmt, backend=backend.name), fmt)
+        assert ctx.served == (("quantize",) if backend.name == "numba" else ())

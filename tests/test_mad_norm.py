@@ -3,6 +3,11 @@ backward needs a row sum of its own (``sum sign(x - mean)``) -- is its record, i
 reference in one file. Added with :func:`pynorm.add_op`, it runs pynorm's generic suites on the backend under test
 (numpy and numba: every launch path forced, batch-invariant rows; the cupy backend declines it, its record naming
 no CUDA policy), with no kernel file touched.
+
+On numba the generic suites run the example in float32 and float16 (:data:`NUMBA_DTYPES`): its kernels compile
+per dtype and per path, and bfloat16 and float64 -- the same generated code over other storage and math types,
+which the built-in statistics run in every dtype -- would add about two minutes of compilation to CI. The numpy
+backend runs all four dtypes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,19 @@ def example() -> Iterator[ModuleType]:
         del helpers.OPS[OP]
         mod.remove()
         del sys.modules[MODULE]
+
+
+#: the dtypes the generic suites run the example in on numba (see the module doc)
+NUMBA_DTYPES = ("float32", "float16")
+
+
+@pytest.fixture(autouse=True)
+def _numba_dtypes(request, monkeypatch) -> None:
+    """On numba, the generic suites' dtypes narrowed to :data:`NUMBA_DTYPES` (they read ``test_backends.DTYPES``
+    when they run)."""
+    backend = request.getfixturevalue("backend") if "backend" in request.fixturenames else None
+    if backend is not None and backend.name == "numba":
+        monkeypatch.setattr(test_backends, "DTYPES", NUMBA_DTYPES)
 
 
 def _on(backend) -> None:

@@ -238,6 +238,41 @@ def _assert_reference(spec: Any, got: dict[str, Any], want: dict[str, Any], dt: 
         assert_close_scaled(got[k], want[k], scale, rtol * 8, what=f"{what}, {k} against the reference")
 
 
+#: the CUDA backend's launch choices forced (``PYNORM_CUPY_<NAME>``, :func:`pynorm.backends.cupy._host.forced`): the
+#: backward fused in registers or split across blocks, a forward row's overflow kept in shared or global memory
+CUDA_PATHS = [("BACKWARD", "fused"), ("BACKWARD", "split"), ("OVERFLOW", "smem"), ("OVERFLOW", "global")]
+#: the ops whose CUDA rows are recomputed under each forced path: a centred and an uncentred statistic, with and
+#: without the residual prologue (every op's paths against the reference: tests/test_cupy_backend.py)
+CUDA_PATH_OPS = ["layer_norm", "rms_norm", "add_layer_norm"]
+
+
+@pytest.mark.parametrize(("name", "value"), CUDA_PATHS, ids=lambda v: str(v))
+@pytest.mark.parametrize("op", CUDA_PATH_OPS)
+def test_cuda_rows_do_not_depend_on_the_batch_on_each_forced_path(
+    backend: Any, op: str, name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """On each forced CUDA launch path, a row's outputs are bitwise the same alone, in a sub-batch and in the whole
+    batch (no reduction order may follow a grid shape chosen from the batch's rows)."""
+    if backend.name != "cupy":
+        pytest.skip("the CUDA backend's launch paths")
+    from pynorm.backends.cupy import _host
+
+    monkeypatch.setenv(f"PYNORM_CUPY_{name}", value)
+    asked: list[Any] = []  # (the launches read the switch: the path is the forced one)
+    real = _host.forced
+    monkeypatch.setattr(_host, "forced", lambda n: asked.append((n, real(n))) or real(n))
+    spec = OPS[op]
+    shape = (37, 24)
+    x, args, dy, ups = _data(spec, shape, np.float32, seed=5)
+    args, per_row = _split(spec, shape[0], args)
+    whole = _per_row(spec, backend, x, args, dy, ups)
+    for lo, n in SUBSETS:
+        hi = shape[0] if n is None else lo + n
+        sub = _per_row(spec, backend, x[lo:hi], _subset_args(args, per_row, lo, hi), dy[lo:hi], _rows(ups, lo, hi))
+        _assert_same(sub, _rows(whole, lo, hi), f"{op} on cupy, {name}={value}: rows {lo}:{hi} alone", op)
+    assert (name, value) in asked, f"{op}: no launch read PYNORM_CUPY_{name} (asked: {sorted(set(asked))})"
+
+
 def test_forced_rejects_unknown_paths() -> None:
     paths = _numba_paths()
     with pytest.raises(ValueError, match="unknown path"), paths.forced("nope"):

@@ -6,7 +6,8 @@ the row is computed alone, in a batch of any size, or at any position in it. On 
 a batch are also recomputed under every launch path (:mod:`pynorm.backends.numba._paths`, forced at small sizes):
 whichever path a batch size selects, the bits are the plain path's (the slow path, float64 arithmetic for rows the
 fast sums cannot hold, is checked against the reference instead); and a path that no call of an op takes is a
-failure naming the op and the path.
+failure naming the op and the path. On the CUDA backend each launch choice (the backward fused or split, a row's
+overflow in shared or global memory) is forced in turn and the batch-invariance check repeated under it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import _dispatch, _registry
-from ._validate import as_array
+from ._validate import as_array, check_out
 from .errors import ArrayTypeError, DTypeError, ShapeError, UnknownOpError
 from .ops import SPECS, OpSpec
 from .ops.fp_quant import quantize_result
@@ -174,8 +174,6 @@ class Plan:
         y_shape = p.x_shape if self._spec.layout == "channels" else p.y_shape
         out = as_array(out, "out")
         dt = self._spec.dtypes_of_outputs(x.dtype, p.options)[0]
-        from ._validate import check_out
-
         return check_out(out, "out", x, tuple(a for a in (x, *ins, *ps) if a is not None), y_shape, dt)
 
     def __call__(self, x: Any, *args: Any, out: Any = None, **kw: Any) -> Any:

@@ -118,13 +118,20 @@ def test_rows_do_not_depend_on_the_batch(backend: Any, op: str, dt: str) -> None
         pytest.skip("the CUDA execution harness checks float32 rows only (CI time); float16 rows run on a GPU")
     spec = OPS[op]
     for shape in SHAPES.get(backend.name, SHAPES["numpy"]):
-        x, args, dy, ups = _data(spec, shape, dtype(dt), seed=shape[1])
-        args, per_row = _split(spec, shape[0], args)
-        whole = _per_row(spec, backend, x, args, dy, ups)
-        for lo, n in SUBSETS:
-            hi = shape[0] if n is None else lo + n
-            sub = _per_row(spec, backend, x[lo:hi], _subset_args(args, per_row, lo, hi), dy[lo:hi], _rows(ups, lo, hi))
-            _assert_same(sub, _rows(whole, lo, hi), f"{op} on {backend.name}, {dt} {shape}: rows {lo}:{hi} alone", op)
+        _assert_rows_alone_are_the_batchs(spec, backend, shape, dtype(dt), shape[1], f"{op} on {backend.name}, {dt}")
+
+
+def _assert_rows_alone_are_the_batchs(
+    spec: Any, backend: Any, shape: tuple[int, int], dt: Any, seed: int, what: str
+) -> None:
+    """Every sub-batch of :data:`SUBSETS` gives bitwise the rows the whole batch gives."""
+    x, args, dy, ups = _data(spec, shape, dt, seed=seed)
+    args, per_row = _split(spec, shape[0], args)
+    whole = _per_row(spec, backend, x, args, dy, ups)
+    for lo, n in SUBSETS:
+        hi = shape[0] if n is None else lo + n
+        sub = _per_row(spec, backend, x[lo:hi], _subset_args(args, per_row, lo, hi), dy[lo:hi], _rows(ups, lo, hi))
+        _assert_same(sub, _rows(whole, lo, hi), f"{what} {shape}: rows {lo}:{hi} alone", spec.name)
 
 
 # ---------------------------------------------------------------------------
@@ -262,15 +269,7 @@ def test_cuda_rows_do_not_depend_on_the_batch_on_each_forced_path(
     asked: list[Any] = []  # (the launches read the switch: the path is the forced one)
     real = _host.forced
     monkeypatch.setattr(_host, "forced", lambda n: asked.append((n, real(n))) or real(n))
-    spec = OPS[op]
-    shape = (37, 24)
-    x, args, dy, ups = _data(spec, shape, np.float32, seed=5)
-    args, per_row = _split(spec, shape[0], args)
-    whole = _per_row(spec, backend, x, args, dy, ups)
-    for lo, n in SUBSETS:
-        hi = shape[0] if n is None else lo + n
-        sub = _per_row(spec, backend, x[lo:hi], _subset_args(args, per_row, lo, hi), dy[lo:hi], _rows(ups, lo, hi))
-        _assert_same(sub, _rows(whole, lo, hi), f"{op} on cupy, {name}={value}: rows {lo}:{hi} alone", op)
+    _assert_rows_alone_are_the_batchs(OPS[op], backend, (37, 24), np.float32, 5, f"{op} on cupy, {name}={value}")
     assert (name, value) in asked, f"{op}: no launch read PYNORM_CUPY_{name} (asked: {sorted(set(asked))})"
 
 

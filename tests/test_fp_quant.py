@@ -336,7 +336,7 @@ def test_norm_quantized_output(backend: Any, op: str) -> None:
 
 
 def test_bench_case_of_a_quantized_output() -> None:
-    from pynorm.bench.cases import make_case, op_bytes, quantized_names
+    from pynorm.bench.cases import make_case, op_bytes, pynorm_calls, quantized_names
 
     assert "rms_norm:nvfp4" in quantized_names() and "add_layer_norm:fp8_e5m2" in quantized_names()
     case = make_case("rms_norm:nvfp4", (8, 64))
@@ -346,6 +346,15 @@ def test_bench_case_of_a_quantized_output() -> None:
     assert op_bytes(case)["fwd"] == plain - 8 * 64 * 4 + 8 * 32 + 8 * 4 + 4
     with pytest.raises(KeyError):
         make_case("dyt:mxfp4", (8, 64))
+    assert make_case("rms_norm:fp8_e5m2:group", (8, 64)).required["quantize"] == QuantSpec("fp8_e5m2", scaling="group")
+    static = make_case("add_rms_norm:fp8_e4m3:tensor", (8, 64)).required["quantize"]
+    assert static.scaling == "tensor" and static.scale is not None
+    with pytest.raises(KeyError):
+        make_case("rms_norm:fp8_e4m3:column", (8, 64))
+    # the timed forward of a quantized case writes the codes only: out= would keep y as well (bytes not counted)
+    case.y[...] = np.nan
+    res = pynorm_calls(case, "numpy", buffers=True)["fwd"]()[0]
+    assert isinstance(res, pynorm.Quantized) and res.y is None and np.isnan(case.y).all()
 
 
 def test_layer_forward_takes_quantize_per_call() -> None:

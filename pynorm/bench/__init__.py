@@ -83,7 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default="", metavar="OPS",
                    help="comma-separated ops (default: layer_norm,rms_norm for the default run; every op of the numba "
                    "backend for --ops, --small and --compile); op:format times a norm with a quantized output "
-                   "(rms_norm:nvfp4; formats fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4)")  # fmt: skip
+                   "(rms_norm:nvfp4; formats fp8_e4m3, fp8_e5m2, mxfp8_e4m3, mxfp8_e5m2, mxfp4, nvfp4; an FP8 "
+                   "format per group of 128 or with a static per-tensor scale: rms_norm:fp8_e4m3:group, "
+                   "rms_norm:fp8_e4m3:tensor)")  # fmt: skip
     p.add_argument(
         "--ops",
         action="store_true",

@@ -28,8 +28,8 @@ import numpy as np
 from ..ops import REQUIRED, SPECS, OpSpec
 
 __all__ = [
-    "QUANTIZED_OPS", "TORCH_BASELINES", "Case", "TorchBaseline", "call_args", "make_case", "op_bytes", "pynorm_calls",
-    "quantized_names", "x_shape_of",
+    "QUANTIZED_OPS", "STATIC_SCALE", "TORCH_BASELINES", "Case", "TorchBaseline", "call_args", "make_case", "op_bytes",
+    "pynorm_calls", "quantized_names", "x_shape_of",
 ]  # fmt: skip
 
 #: the dtype of ``x`` in the throughput cases
@@ -100,11 +100,17 @@ def x_shape_of(spec: OpSpec, shape: tuple[int, int]) -> tuple[int, ...]:
 QUANTIZED_OPS = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
 
 
+#: the caller's per-tensor scale of an ``op:fp8_*:tensor`` case (static FP8: the codes of ``y / STATIC_SCALE``)
+STATIC_SCALE = 1 / 64
+
+
 def quantized_names() -> tuple[str, ...]:
-    """Every ``op:format`` name: the ops of :data:`QUANTIZED_OPS` with each FP8 / FP4 format's output."""
+    """Every ``op:format`` name: the ops of :data:`QUANTIZED_OPS` with each FP8 / FP4 format's output, and each FP8
+    format's other scalings (``op:format:group``, ``op:format:tensor``: :func:`make_case`)."""
     from ..ops.fp_quant import FORMATS
 
-    return tuple(f"{op}:{fmt}" for op in QUANTIZED_OPS for fmt in FORMATS)
+    fmts = [*FORMATS, *(f"{f}:{s}" for f in FORMATS if FORMATS[f].kind == "scaled" for s in ("group", "tensor"))]
+    return tuple(f"{op}:{fmt}" for op in QUANTIZED_OPS for fmt in fmts)
 
 
 def make_case(op: str, shape: tuple[int, int], seed: int = 0, dtype: Any = DTYPE) -> Case:
@@ -113,7 +119,8 @@ def make_case(op: str, shape: tuple[int, int], seed: int = 0, dtype: Any = DTYPE
     Parameters
     ----------
     op : the op's name; ``op:format`` (``rms_norm:mxfp4``, :func:`quantized_names`): the op with its output
-        quantized (``quantize=QuantSpec(format)``, FP8 per row).
+        quantized (``quantize=QuantSpec(format)``, FP8 per row); ``op:format:scaling`` an FP8 format's other scalings
+        (``rms_norm:fp8_e4m3:group``: groups of 128; ``:tensor``: the static per-tensor scale :data:`STATIC_SCALE`).
     shape : ``(rows, hidden)``; a rows-layout op normalizes the last axis, a channels-layout op reads ``x`` as
         :func:`x_shape_of` says.
     seed : the random generator's seed; equal seeds give equal arrays in every process.
@@ -141,7 +148,11 @@ def make_case(op: str, shape: tuple[int, int], seed: int = 0, dtype: Any = DTYPE
 
         if name not in QUANTIZED_OPS:
             raise KeyError(f"{name} has no quantized output mode")
-        options["quantize"] = QuantSpec(fmt)
+        fmt, _, scaling = fmt.partition(":")
+        if scaling not in ("", "row", "group", "tensor"):
+            raise KeyError(f"{op}: the scaling is row, group or tensor")
+        scale = STATIC_SCALE if scaling == "tensor" else None
+        options["quantize"] = QuantSpec(fmt, scaling=scaling or "row", scale=scale)
     args = spec.example_args(xs, axis, dt, rng, options=options)
     yshape = spec.output_shape(xs, axis, dict(zip((*spec.input_names, *spec.param_names), args, strict=True)))
     ydt = spec.dtypes_of_outputs(dt, options)[0]
@@ -200,7 +211,8 @@ def pynorm_calls(case: Case, backend: str, buffers: bool) -> dict[str, Callable[
     ----------
     case : the case.
     backend : ``"numba"`` or ``"numpy"`` (the reference).
-    buffers : pass the output buffers (``out=``, ``dx_out=``); the allocating forward is then ``fwd_alloc``.
+    buffers : pass the output buffers (``out=``, ``dx_out=``; no ``out=`` for a quantized output, which has no
+        buffer: ``out=`` would receive ``y`` besides the codes); the allocating forward is then ``fwd_alloc``.
 
     Returns
     -------
@@ -216,7 +228,7 @@ def pynorm_calls(case: Case, backend: str, buffers: bool) -> dict[str, Callable[
     x, dy = case.x, case.dy
     pos, kw = call_args(case.spec, case.args)
     fkw: dict[str, Any] = {**kw, **case.required, "backend": backend}
-    if buffers:
+    if buffers and case.options.get("quantize") is None:  # (out= of a quantized output would also keep y: written)
         fkw["out"] = case.y
     bkw: dict[str, Any] = {"dx_out": np.empty(case.shape, case.spec.grad_dtype(case.x.dtype))} if buffers else {}
     ctx = fwd_fn(x, *pos, **fkw)[1]

@@ -100,10 +100,16 @@ def test_long_rows_on_each_backward_path(backend, op, h, path, monkeypatch):
 
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_matches_reference_every_convention(backend, op):
+    """Each convention of ``op`` in every dtype, with and without its optional arguments. On numba each 16-bit
+    dtype takes the default convention and every other one of the rest (float16 the odd, bfloat16 the even): a
+    convention is compute code, the same for both 16-bit formats, whose loads and stores are the storage pieces
+    every op shares (each (convention, dtype) pair is a kernel signature of its own: ~1 s of compilation apiece)."""
     rng = np.random.default_rng(11)
     spec = OPS[op]
-    for conv in spec.conventions:
+    for i, conv in enumerate(spec.conventions):
         for dt in DTYPES:
+            if backend.name == "numba" and i and dt in ("float16", "bfloat16") and i % 2 != (dt == "float16"):
+                continue
             x = make_rows("normal", (5, 2, 33), dt, rng)
             args = make_args(spec, x.shape, 1, dtype(dt), rng, options=conv)
             _compare(backend, op, x, args, conv, 1)

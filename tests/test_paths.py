@@ -202,7 +202,9 @@ def test_every_launch_path_gives_the_plain_bits(
     one_thread = _threads.get_num_threads() < 2
     spec = OPS[op]
     taken: set[str] = set()
-    dts = ["float32", "float16"]
+    # 16-bit rows: the split and slow paths; not for the modality ops, whose rows are layer_norm's and rms_norm's
+    # statistics with a parameter table (their 16-bit paths are those ops'; each dtype compiles every path's kernels)
+    dts = ["float32"] if op.startswith("modality_") else ["float32", "float16"]
     for dt in dts:
         for shape in [(37, 24), (5, 2100)]:
             x, args, dy, ups = _data(spec, shape, dtype(dt), seed=7 + shape[1])

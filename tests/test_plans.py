@@ -183,7 +183,7 @@ def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeyp
             return (x, np.array([0.7], dtype), wb[0], wb[1])
         return (x, rng.standard_normal(h).astype(dtype))
 
-    for dtype in (np.float32, np.float64, np.float16):
+    for dtype in (np.float32, np.float16):  # (another dtype: its own key and runner)
         x = rng.standard_normal((4, h)).astype(dtype)
         a = args(dtype, x)
         _dispatch._PLANS.clear()
@@ -218,7 +218,7 @@ def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeyp
         ("layer_norm", [{}, {"eps": 0.5}, {"eps_mode": "std"}, {"correction": 1}, {"weight_offset": 1.0}]),
         ("rms_norm", [{}, {"eps": 0.25}, {"weight_offset": 1.0}]),
         ("add_layer_norm", [{}, {"alpha": 2.0}, {"eps": 0.5}]),
-        ("power_norm", [{}, {"p": 1.0}, {"p": 2.0}, {"p": 0.3}]),
+        ("power_norm", [{}, {"p": 0.3}]),  # (each p class compiles kernels of its own: test_backends)
     ],
 )
 def test_numba_backward_setup_is_kept_per_ctx_options_and_dtypes(op: str, variants: list[dict[str, Any]]) -> None:

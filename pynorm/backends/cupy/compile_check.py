@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import _launch, _loader
 
@@ -145,8 +146,30 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
 #: names), keyed by everything the compilation reads -- NVRTC's version, the file name, the source, the name
 #: expressions, the architecture and the options -- so that a second process asking for the same compilation
 #: reads it instead (the CI's kernels env compiles every instantiation for sm_80 and sm_90; the CPU harness's
-#: env then needs the sm_90 ones' register counts again). Unset: no cache.
+#: env then needs the sm_90 ones' register counts again). The installed kernels directory, which the sources'
+#: ``#line`` directives and NVRTC's log name, is keyed and kept as :data:`_KERNELS_TOKEN` (two environments that
+#: install the package in different places share one compilation; its log names the reader's directory). Unset:
+#: no cache.
 CACHE_ENV = "PYNORM_NVRTC_CACHE_DIR"
+#: what the installed kernels directory is in a cache key and a cached log
+_KERNELS_TOKEN = "<pynorm-kernels>"
+
+
+def _kernels_prefix() -> str | None:
+    """The installed kernels directory as the ``#line`` directives write it (with the trailing slash), or None
+    where the package is not a directory."""
+    d = _loader.kernel_dir()
+    return f"{d.as_posix()}/" if isinstance(d, Path) else None
+
+
+def _tokenized(text: str) -> str:
+    prefix = _kernels_prefix()
+    return text.replace(prefix, f"{_KERNELS_TOKEN}/") if prefix else text
+
+
+def _untokenized(text: str) -> str:
+    prefix = _kernels_prefix()
+    return text.replace(f"{_KERNELS_TOKEN}/", prefix) if prefix else text
 
 
 def _nvrtc_version() -> str:
@@ -159,7 +182,7 @@ def _cache_path(filename: str, source: str, names: Sequence[str], opts: Sequence
     d = os.environ.get(CACHE_ENV)
     if not d:
         return None
-    parts = [_nvrtc_version(), filename, source, *names, "\1", *opts]
+    parts = [_nvrtc_version(), filename, _tokenized(source), *names, "\1", *opts]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
     return os.path.join(d, f"nvrtc-{key}.json")
 
@@ -173,7 +196,7 @@ def _nvrtc_compile(
     if path is not None and os.path.exists(path):
         with open(path) as f:
             c = json.load(f)
-        return c["ok"], c["status"], c["log"], c["lowered"]
+        return c["ok"], c["status"], _untokenized(c["log"]), c["lowered"]
     from cuda.bindings import nvrtc
 
     (prog,) = _check(nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], []), "nvrtcCreateProgram")
@@ -197,7 +220,7 @@ def _nvrtc_compile(
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"ok": ok, "status": status.name, "log": log, "lowered": lowered}, f)
+            json.dump({"ok": ok, "status": status.name, "log": _tokenized(log), "lowered": lowered}, f)
         os.replace(tmp, path)
     return ok, status.name, log, lowered
 

@@ -184,33 +184,37 @@ def test_nvrtc_cache_serves_the_same_compilation_only(tmp_path, monkeypatch):
 @needs_nvrtc
 def test_nvrtc_cache_is_shared_by_installs_in_other_directories(tmp_path, monkeypatch):
     """Two environments with the package installed in different directories (CI's kernels and cuda_cpu envs) ask
-    for the same kernel file: its ``#line`` directives name each one's own directory, yet the second reads the
-    first's compilation -- NVRTC not called -- and its log (a warning here) names its own directory."""
+    for the same kernel file: its ``#line`` directives and the headers' ``-I`` option name each one's own
+    directory, yet the second reads the first's compilation -- NVRTC not called -- and its log (a warning here)
+    names its own directory."""
     from cuda.bindings import nvrtc
 
     from pynorm.backends.cupy import _loader
 
-    src = '#include "probe.cuh"\n#warning probe\ntemplate <typename T> __global__ void ok(T* y) { *y = T(2); }\n'
-    dirs = []
+    src = '#include "probe.cuh"\n#include <probe_lib.h>\n#warning probe\n__global__ void ok(float* y) { *y = TWO; }\n'
+    roots = []
     for d in ("env_a", "env_b"):
-        k = tmp_path / d / "kernels"
-        k.mkdir(parents=True)
-        (k / "probe.cu").write_text(src)
-        (k / "probe.cuh").write_text("#pragma once\n")
-        dirs.append(k)
+        root = tmp_path / d
+        (root / "pynorm" / "kernels").mkdir(parents=True)
+        (root / "include").mkdir()
+        (root / "pynorm" / "kernels" / "probe.cu").write_text(src)
+        (root / "pynorm" / "kernels" / "probe.cuh").write_text("#pragma once\n")
+        (root / "include" / "probe_lib.h").write_text("#define TWO 2.0f\n")
+        roots.append(root)
     monkeypatch.setenv(cc.CACHE_ENV, str(tmp_path / "cache"))
     logs = []
-    for i, k in enumerate(dirs):
-        monkeypatch.setattr(_loader, "kernel_dir", lambda k=k: k)
+    for i, root in enumerate(roots):
+        monkeypatch.setattr(cc, "_install_root", lambda root=root: root.as_posix())
+        monkeypatch.setattr(_loader, "kernel_dir", lambda root=root: root / "pynorm" / "kernels")
         assembled = _loader.assemble("probe.cu")
-        assert f'#line 1 "{k.as_posix()}/probe.cu"' in assembled
+        assert f'#line 1 "{root.as_posix()}/pynorm/kernels/probe.cu"' in assembled
         if i:
             monkeypatch.setattr(nvrtc, "nvrtcCompileProgram", lambda *a: pytest.fail("compiled again"))
-        res = cc.compile_source(assembled, ["ok<float>"], "sm_90", filename="probe.cu")
+        res = cc.compile_source(assembled, ["ok"], "sm_90", filename="probe.cu", options=[f"-I{root}/include"])
         assert res.kernels and res.kernels[0].registers >= 0
         logs.append(res.log)
     assert len(list((tmp_path / "cache").glob("nvrtc-*.json"))) == 1
-    assert str(dirs[0]) in logs[0] and str(dirs[1]) in logs[1] and str(dirs[0]) not in logs[1]
+    assert str(roots[0]) in logs[0] and str(roots[1]) in logs[1] and str(roots[0]) not in logs[1]
 
 
 @needs_nvrtc

@@ -146,30 +146,26 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
 #: names), keyed by everything the compilation reads -- NVRTC's version, the file name, the source, the name
 #: expressions, the architecture and the options -- so that a second process asking for the same compilation
 #: reads it instead (the CI's kernels env compiles every instantiation for sm_80 and sm_90; the CPU harness's
-#: env then needs the sm_90 ones' register counts again). The installed kernels directory, which the sources'
-#: ``#line`` directives and NVRTC's log name, is keyed and kept as :data:`_KERNELS_TOKEN` (two environments that
-#: install the package in different places share one compilation; its log names the reader's directory). Unset:
-#: no cache.
+#: env then needs the sm_90 ones' register counts again). The directory the package is installed in, which the
+#: sources' ``#line`` directives, the CUDA headers' ``-I`` option and NVRTC's log name, is keyed and kept as
+#: :data:`_ROOT_TOKEN`: two environments that install the package in different places (CI's kernels and cuda_cpu
+#: venvs) share one compilation, and its log names the reader's directories. Unset: no cache.
 CACHE_ENV = "PYNORM_NVRTC_CACHE_DIR"
-#: what the installed kernels directory is in a cache key and a cached log
-_KERNELS_TOKEN = "<pynorm-kernels>"
+#: what :func:`_install_root` is in a cache key and a cached log
+_ROOT_TOKEN = "<pynorm-install-root>"
 
 
-def _kernels_prefix() -> str | None:
-    """The installed kernels directory as the ``#line`` directives write it (with the trailing slash), or None
-    where the package is not a directory."""
-    d = _loader.kernel_dir()
-    return f"{d.as_posix()}/" if isinstance(d, Path) else None
+def _install_root() -> str:
+    """The directory the ``pynorm`` package is installed in (a venv's site-packages; a source tree's root)."""
+    return Path(_loader.__file__).parents[3].as_posix()
 
 
 def _tokenized(text: str) -> str:
-    prefix = _kernels_prefix()
-    return text.replace(prefix, f"{_KERNELS_TOKEN}/") if prefix else text
+    return text.replace(f"{_install_root()}/", f"{_ROOT_TOKEN}/")
 
 
 def _untokenized(text: str) -> str:
-    prefix = _kernels_prefix()
-    return text.replace(f"{_KERNELS_TOKEN}/", prefix) if prefix else text
+    return text.replace(f"{_ROOT_TOKEN}/", f"{_install_root()}/")
 
 
 def _nvrtc_version() -> str:
@@ -182,7 +178,7 @@ def _cache_path(filename: str, source: str, names: Sequence[str], opts: Sequence
     d = os.environ.get(CACHE_ENV)
     if not d:
         return None
-    parts = [_nvrtc_version(), filename, _tokenized(source), *names, "\1", *opts]
+    parts = [_nvrtc_version(), filename, _tokenized(source), *names, "\1", *(_tokenized(o) for o in opts)]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
     return os.path.join(d, f"nvrtc-{key}.json")
 

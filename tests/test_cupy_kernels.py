@@ -204,13 +204,13 @@ def test_nvrtc_cache_is_shared_by_installs_in_other_directories(tmp_path, monkey
     monkeypatch.setenv(cc.CACHE_ENV, str(tmp_path / "cache"))
     logs = []
     for i, root in enumerate(roots):
-        monkeypatch.setattr(cc, "_install_root", lambda root=root: root.as_posix())
+        monkeypatch.setattr(_loader, "cuda_include_dir", lambda root=root: (root / "include").as_posix())
         monkeypatch.setattr(_loader, "kernel_dir", lambda root=root: root / "pynorm" / "kernels")
         assembled = _loader.assemble("probe.cu")
         assert f'#line 1 "{root.as_posix()}/pynorm/kernels/probe.cu"' in assembled
         if i:
             monkeypatch.setattr(nvrtc, "nvrtcCompileProgram", lambda *a: pytest.fail("compiled again"))
-        res = cc.compile_source(assembled, ["ok"], "sm_90", filename="probe.cu", options=[f"-I{root}/include"])
+        res = cc.compile_source(assembled, ["ok"], "sm_90", filename="probe.cu")
         assert res.kernels and res.kernels[0].registers >= 0
         logs.append(res.log)
     assert len(list((tmp_path / "cache").glob("nvrtc-*.json"))) == 1

@@ -22,6 +22,7 @@ The same entry points serve the tests: :func:`check_file`, :func:`compile_source
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -146,26 +147,45 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
 #: names), keyed by everything the compilation reads -- NVRTC's version, the file name, the source, the name
 #: expressions, the architecture and the options -- so that a second process asking for the same compilation
 #: reads it instead (the CI's kernels env compiles every instantiation for sm_80 and sm_90; the CPU harness's
-#: env then needs the sm_90 ones' register counts again). The directory the package is installed in, which the
-#: sources' ``#line`` directives, the CUDA headers' ``-I`` option and NVRTC's log name, is keyed and kept as
-#: :data:`_ROOT_TOKEN`: two environments that install the package in different places (CI's kernels and cuda_cpu
-#: venvs) share one compilation, and its log names the reader's directories. Unset: no cache.
+#: env then needs the sm_90 ones' register counts again). The two directories an environment's install decides --
+#: the kernels directory (the sources' ``#line`` directives) and the CUDA headers' (the ``-I`` option) -- are keyed
+#: and kept as tokens (:func:`_tokens`; the headers' with a fingerprint of their contents): two environments that
+#: install the package and the headers in different places (CI's kernels and cuda_cpu venvs) share one
+#: compilation, and a log read from the cache names the reader's directories. Unset: no cache.
 CACHE_ENV = "PYNORM_NVRTC_CACHE_DIR"
-#: what :func:`_install_root` is in a cache key and a cached log
-_ROOT_TOKEN = "<pynorm-install-root>"
 
 
-def _install_root() -> str:
-    """The directory the ``pynorm`` package is installed in (a venv's site-packages; a source tree's root)."""
-    return Path(_loader.__file__).parents[3].as_posix()
+@functools.lru_cache(maxsize=8)
+def _headers_fingerprint(d: str) -> str:
+    h = hashlib.sha256()
+    for name in ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp", "cuda_fp8.h", "cuda_fp4.h"):
+        p = Path(d) / name
+        h.update(p.read_bytes() if p.exists() else b"-")
+    return h.hexdigest()[:16]
+
+
+def _tokens() -> list[tuple[str, str]]:
+    """``(directory, token)`` pairs: the installed kernels directory and the CUDA headers' directory."""
+    out = []
+    k = _loader.kernel_dir()
+    if isinstance(k, Path):
+        out.append((f"{k.as_posix()}/", "<pynorm-kernels>/"))
+    inc = _loader.cuda_include_dir()
+    if inc:
+        out.append((inc, f"<cuda-include {_headers_fingerprint(inc)}>"))
+    return out
 
 
 def _tokenized(text: str) -> str:
-    return text.replace(f"{_install_root()}/", f"{_ROOT_TOKEN}/")
+    for d, token in _tokens():
+        text = text.replace(d, token)
+    return text
 
 
 def _untokenized(text: str) -> str:
-    return text.replace(f"{_ROOT_TOKEN}/", f"{_install_root()}/")
+    for d, token in _tokens():
+        text = text.replace(token, d)
+    return text
 
 
 def _nvrtc_version() -> str:

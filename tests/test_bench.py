@@ -434,3 +434,26 @@ def test_bitwise_record_reads_the_older_layout_and_bfloat16() -> None:
         rec = bw.record_entry(h)
         assert rec[""].dtype == np.uint16
         assert bw.compare_entry(h.copy(), _member(rec)) is None
+
+
+def test_compile_cost_charges_each_signature_to_the_tests_that_need_it(tmp_path: Path) -> None:
+    """``bench/compile_cost.py``'s report from its two runs' records: top-level compilations only (a kernel's
+    callees compile inside it), the slowest of a signature's compilations across workers, and a test function's
+    unique cost made of the signatures no other test function launches."""
+    cc = _bench_script("compile_cost")
+    a, b, c = ("k.fwd", "(float32,)"), ("k.fwd", "(float64,)"), ("k.bwd", "(float32,)")
+    recs = [
+        {"kernel": a[0], "sig": a[1], "s": 2.0, "depth": 0, "test": "t.py::one[x]"},
+        {"kernel": "k._inner", "sig": "()", "s": 1.5, "depth": 1, "test": "t.py::one[x]"},
+        {"kernel": b[0], "sig": b[1], "s": 3.0, "depth": 0, "test": "t.py::one[y]"},
+        {"kernel": c[0], "sig": c[1], "s": 5.0, "depth": 0, "test": "t.py::two"},
+    ]
+    (tmp_path / "compile-gw0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    again = {**recs[0], "s": 2.5}  # the other worker compiled it too: its slower time counts, once
+    (tmp_path / "compile-gw1.jsonl").write_text(json.dumps(again) + "\n")
+    needs = {"t.py::one[x]": [a, c], "t.py::one[y]": [b], "t.py::two": [c]}
+    (tmp_path / "need-gw0.json").write_text(json.dumps(needs))
+    out = cc.report(tmp_path)
+    assert out.splitlines()[0].startswith("3 top-level signatures compiled (5 compilations with their callees): 10 s")
+    unique = {ln.split()[1]: float(ln.split()[0]) for ln in out.split("unique compile cost)\n")[1].splitlines()}
+    assert unique == {"t.py::one": 5.5}  # a (2.5) and b (3.0); c is needed by both test functions

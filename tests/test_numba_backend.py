@@ -53,6 +53,16 @@ SHAPES = [(0, 5), (1, 1), (3, 1), (2, 3), (7, 33), (5, 9000), (_layout.FUSED_MIN
 COLS_SHAPE = (9, 4000)  # few rows, many elements: the column-tile path
 
 
+#: the rows path of the backward by shape at small sizes: these tests reach it with inputs below the serial
+#: threshold, which now take the fused path (:data:`pynorm.backends.numba._layout.FUSED_MAX_SMALL`)
+ROWS_PATH_BELOW = 1 << 15
+
+
+@pytest.fixture(autouse=True)
+def _rows_path_at_small_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_layout, "FUSED_MAX_SMALL", ROWS_PATH_BELOW)
+
+
 def test_shapes_cover_both_backward_paths() -> None:
     assert not _layout.use_fused(5, 9000) and not _layout.use_fused(*COLS_SHAPE)
     assert _layout.use_fused(7, 33) and _layout.use_fused(_layout.FUSED_MIN_ROWS + 3, 1)

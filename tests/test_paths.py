@@ -309,3 +309,22 @@ def test_wide_rows_at_the_real_thresholds(numba_backend: Any, op: str) -> None:
     finally:
         _threads.SERIAL_THRESHOLD = saved
         _threads.set_num_threads(threads)
+
+
+def test_backward_path_by_shape(numba_backend: Any) -> None:
+    """The backward's path at the real thresholds: inputs below the serial threshold (a call on one thread) take the
+    fused path at every row count -- it measured 10-23 % faster than the rows path there -- and the rows path is
+    left to fewer than :data:`~pynorm.backends.numba._layout.FUSED_MIN_ROWS` rows of more elements (a call the pool
+    shares by rows)."""
+    import pynorm
+    from pynorm.backends.numba import _layout, _threads
+
+    assert _layout.FUSED_MAX_SMALL == _threads.DEFAULT_SERIAL_THRESHOLD
+    paths = _numba_paths()
+    rng = np.random.default_rng(0)
+    for shape, path in [((4, 4096), "fused"), ((100, 4096), "fused"), ((127, 8192), "fused"), ((96, 16384), "rows")]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        _, ctx = pynorm.layer_norm_forward(x, np.ones(shape[1], np.float32), backend="numba")
+        with paths.recording() as seen:
+            pynorm.layer_norm_backward(x, ctx)
+        assert path in seen, f"a {shape} backward took {sorted(seen)}, not the {path} path"

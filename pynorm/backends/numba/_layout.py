@@ -33,10 +33,14 @@ CHUNK = 1024
 ROW_BLOCK = 32
 #: columns per task of the reductions over blocks and of the column-parallel gradient kernels.
 COL_TILE = 256
-#: below this many rows the backward computes dx by rows, then dweight/dbias by column tiles
-#: (unless the whole input is smaller than :data:`FUSED_MAX_SMALL` elements: one fused pass is then cheapest).
+#: below this many rows the backward computes dx by rows, then dweight/dbias by column tiles, where the input has
+#: at least :data:`FUSED_MAX_SMALL` elements; smaller inputs take the fused path at every row count. The rows path
+#: is for calls that run on several threads with too few row blocks to share (a fused row block is 32 rows): a call
+#: below :data:`._threads.SERIAL_THRESHOLD` elements runs on one thread, where the fused path (dx and the partials
+#: in one pass over the rows) is 10-23 % faster than the rows path at every row count from 4 to 127 (LayerNorm and
+#: RMSNorm float32, H = 1024-8192, 1 and 2 threads, AVX-512; docs/numba.md).
 FUSED_MIN_ROWS = 4 * ROW_BLOCK
-FUSED_MAX_SMALL = 1 << 15
+FUSED_MAX_SMALL = 1 << 20
 
 #: columns per segment of a row split across threads (:mod:`._split_kernels`; a multiple of :data:`CHUNK`)
 SPLIT_SEG = 4 * CHUNK

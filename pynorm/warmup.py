@@ -25,9 +25,9 @@ import numpy as np
 __all__ = ["main", "run_one", "warmup"]
 
 #: the shapes each op of the "rows" layout runs on: the launch paths the numba kernels choose by shape (small
-#: calls, the backward's row path under 128 rows, streaming stores of large float32 outputs, rows split across
-#: threads), so that a first call of any shape finds its kernels compiled
-SHAPES = ((4, 64), (64, 1024), (4096, 1024), (2, 1 << 19))
+#: calls, the backward's row path under 128 rows of 2^20 elements or more, streaming stores of large float32 outputs,
+#: rows split across threads), so that a first call of any shape finds its kernels compiled
+SHAPES = ((4, 64), (64, 1 << 14), (4096, 1024), (2, 1 << 19))
 
 #: the dtypes by default (every float dtype an op takes; int8 is quant_layer_norm's only)
 DTYPES = ("float16", "bfloat16", "float32", "float64")

@@ -5,8 +5,10 @@ later processes: ``docs/numba.md``). ``warmup`` runs each chosen op's forward an
 of each chosen dtype, so that a pipeline's first real call loads them from the cache instead; ``--jobs`` runs the
 ops in that many processes (the compiler holds a lock per process: processes are what runs compilations side
 by side), ``--read-only`` also compiles the signatures of read-only inputs, which :mod:`pynorm.jax`'s callbacks
-pass. The options are each op's defaults (its first test case for an op with a required option): another
-``casting`` or ``eps_mode`` compiles its own kernels on first use.
+pass, and ``--quantize`` the fused FP8/FP4 quantize epilogue of the ops that offer ``quantize=``
+(``docs/norms/quantized_outputs.md``: one compilation per op and dtype serves every format and scaling). The
+options are each op's defaults (its first test case for an op with a required option): another ``casting`` or
+``eps_mode`` compiles its own kernels on first use.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main", "run_one", "warmup"]
+__all__ = ["main", "quantizes", "run_one", "warmup"]
 
 #: the shapes each op of the "rows" layout runs on: the launch paths the numba kernels choose by shape (small
 #: calls, the backward's row path under 128 rows of 2^20 elements or more, streaming stores of large float32 outputs,
@@ -41,9 +43,22 @@ def _dtype(name: str) -> Any:
     return np.dtype(name)
 
 
-def run_one(op: str, dtype: str, read_only: bool = False) -> float:
+#: the format a ``--quantize`` warmup runs: the fused epilogue's kernels take the format and the scaling at run time
+#: (one compilation serves FP8, MXFP8, MXFP4, NVFP4 and every scaling), so any one covers them
+QUANTIZE_FORMAT = "nvfp4"
+
+
+def quantizes(op: str) -> bool:
+    """Whether ``op`` offers the fused quantize epilogue (``quantize=``, :data:`pynorm.ops.fp_quant` formats)."""
+    from pynorm.ops import SPECS
+
+    return any(o.name == "quantize" and o.offered for o in SPECS[op].options)
+
+
+def run_one(op: str, dtype: str, read_only: bool = False, quantize: bool = False) -> float:
     """Run op ``op``'s forward and backward on the numba backend on ``dtype`` inputs of each of :data:`SHAPES`
-    (read-only arrays too with ``read_only``); the seconds it took (its compilations, or the cache's loads)."""
+    (read-only arrays too with ``read_only``; with ``quantize``, for an op that :func:`quantizes`, its forward
+    with a quantized output too); the seconds it took (its compilations, or the cache's loads)."""
     import pynorm
     from pynorm.ops import SPECS
 
@@ -72,13 +87,16 @@ def run_one(op: str, dtype: str, read_only: bool = False) -> float:
             *given, d = arrays
             _, ctx = fwd(given[0], *given[1:], backend="numba", **opts)
             bwd(d, ctx)
+            if quantize and quantizes(op):
+                fwd(given[0], *given[1:], backend="numba", quantize=QUANTIZE_FORMAT, **opts)
     return time.perf_counter() - t0
 
 
 def warmup(ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: int = 1, read_only: bool = False,
-           out: Any = None) -> int:  # fmt: skip
+           out: Any = None, quantize: bool = False) -> int:  # fmt: skip
     """Compile ``ops`` x ``dtypes`` (the pairs an op takes) in ``jobs`` processes, one progress line per pair on
-    ``out`` (default stdout). Returns 0, or 1 if a pair failed (its error printed)."""
+    ``out`` (default stdout); ``read_only``, ``quantize``: as :func:`run_one`. Returns 0, or 1 if a pair failed
+    (its error printed)."""
     from pynorm.ops import SPECS
 
     out = out or sys.stdout
@@ -96,14 +114,14 @@ def warmup(ops: tuple[str, ...], dtypes: tuple[str, ...], jobs: int = 1, read_on
     if jobs <= 1:
         for k, (op, dt) in enumerate(tasks, 1):
             try:
-                line(k, op, dt, f"{run_one(op, dt, read_only):.1f} s")
+                line(k, op, dt, f"{run_one(op, dt, read_only, quantize):.1f} s")
             except Exception as exc:  # reported, the others still compile
                 failed += 1
                 line(k, op, dt, f"FAILED: {type(exc).__name__}: {exc}")
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(run_one, op, dt, read_only): (op, dt) for op, dt in tasks}
+            futures = {pool.submit(run_one, op, dt, read_only, quantize): (op, dt) for op, dt in tasks}
             for k, fut in enumerate(as_completed(futures), 1):
                 op, dt = futures[fut]
                 try:
@@ -139,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="processes compiling side by side (default 1)")
     p.add_argument("--read-only", action="store_true", help="also the signatures of read-only inputs "
                    "(what pynorm.jax passes)")  # fmt: skip
+    p.add_argument("--quantize", action="store_true", help="also the fused FP8/FP4 quantize epilogue of the "
+                   "ops that offer quantize= (one compilation per op and dtype serves every format)")  # fmt: skip
     a = p.parse_args(argv)
     reason = _registry.unavailable_reason("numba")
     if reason is not None:
@@ -153,4 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--dtypes must name some of {', '.join(DTYPES)}, int8; got {a.dtypes!r}")
     if a.jobs < 1:
         p.error("--jobs must be at least 1")
-    return warmup(ops, dtypes, a.jobs, a.read_only)
+    if a.quantize and not any(quantizes(op) for op in ops):
+        p.error(f"--quantize: none of {', '.join(ops)} offers quantize= (those that do: "
+                f"{', '.join(op for op in SPECS if quantizes(op))})")  # fmt: skip
+    return warmup(ops, dtypes, a.jobs, a.read_only, quantize=a.quantize)

@@ -239,14 +239,14 @@ def _source(spec: OpSpec, kind: str, dask: bool = False) -> str:
     call = (
         f"_forward(_SPEC, x, ({params}), axis={axis}, backend=backend, out=out, options={{{opts}}}, inputs=({inputs}))"
     )
-    return head + f"    return {call}{'[0]' if kind == 'call' else ''}\n"
+    return head + f"    return {call}\n"  # (the call's function: _dispatch.call, the result alone)
 
 
 def _compile(
     spec: OpSpec, kind: str, module: str, impl: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 ) -> Callable[..., Any]:
     src = _source(spec, kind, dask=impl is not None)
-    fwd, bwd = impl or (_dispatch.forward, _dispatch.backward)
+    fwd, bwd = impl or (_dispatch.call if kind == "call" else _dispatch.forward, _dispatch.backward)
     ns: dict[str, Any] = {"_SPEC": spec, "_forward": fwd, "_backward": bwd}
     for name, default, _ in _keywords(spec):
         ns[f"_d_{name}"] = default

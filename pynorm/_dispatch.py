@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ from ._validate import (
 from .errors import ArrayTypeError, ContextError, DTypeError, ShapeError
 from .ops import OpSpec
 from .ops._spec import filled
+from .ops.fp_quant import quantize_result
 
 __all__ = ["FLOAT_DTYPES", "Context", "backward", "check_axis", "forward"]
 
@@ -179,6 +181,9 @@ def forward(
     channels = spec.layout == "channels"
     # (the channel axis is an option: the key's axis is a constant for the channel ops)
     key, plan = _lookup(_plan_key(spec, x, inputs, params, 0 if channels else axis, backend, out, options))
+    if key is None and _scalars(params, inputs):  # (as validation reads them: a call shape with its plan)
+        params, inputs = _as_arrays(params), _as_arrays(inputs)
+        key, plan = _lookup(_plan_key(spec, x, inputs, params, 0 if channels else axis, backend, out, options))
     run = _run_channels if channels else _run
     if plan is not None:  # the same call shape as before: only what depends on the values is checked again
         _recheck(spec, plan, x, inputs, params, out, plan.x_shape if channels else plan.y_shape)
@@ -190,6 +195,87 @@ def forward(
     if plan.family is not None:
         return run(spec, plan, x, ins, ps, out, backend)  # type: ignore[operator]
     return _returned(spec, run(spec, plan, x, ins, ps, out, backend), given, out_given)  # type: ignore[operator]
+
+
+def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: str | None, out: Any,
+         options: Mapping[str, Any], inputs: tuple[Any, ...] = ()) -> Any:  # fmt: skip
+    """``pynorm.<op>``: :func:`forward`'s result without its ctx. A call shape seen before, on ``numpy.ndarray``
+    arguments, of an op whose result is its outputs, runs the backend's runner that builds no ctx
+    (:func:`result_only`): what a :class:`pynorm.Plan`'s call runs, the same bits as :func:`forward`'s."""
+    if spec.layout == "rows" and outputs_alone(spec, options):
+        key, plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))
+        if key is None and _scalars(params, inputs):
+            params, inputs = _as_arrays(params), _as_arrays(inputs)
+            plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))[1]
+        if plan is not None and plan.family is not None:
+            _recheck(spec, plan, x, inputs, params, out, plan.y_shape)
+            name, mod = _registry.resolve_family(spec.name, plan.family, plan.present_names, backend)
+            calls = plan.calls.get(mod)
+            if calls is None:
+                run = plan.targets.get(mod)
+                calls = plan.calls[mod] = Calls(run if run is not None else _served_target(spec, mod, plan))
+            return result_only(spec, plan, name, calls, x, inputs, params, out)
+    return forward(spec, x, params, axis=axis, backend=backend, out=out, options=options, inputs=inputs)[0]
+
+
+def _scalars(params: tuple[Any, ...], inputs: tuple[Any, ...]) -> bool:
+    """Whether a parameter or input is a Python or NumPy scalar (a call made with ``alpha=0.5``)."""
+    return any(isinstance(a, (numbers.Number, np.generic)) and not isinstance(a, bool) for a in (*params, *inputs))
+
+
+def _as_arrays(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``arrays`` with each Python or NumPy scalar as the NumPy array validation reads it as
+    (:func:`pynorm._validate.as_array`: ``numpy.asarray``, so that the call has a key and a plan: a DyT call with
+    ``alpha=0.5``, 1 x 4096, took 100 us on the full path every time, 21 us with its plan)."""
+    return tuple(
+        np.asarray(a) if isinstance(a, (numbers.Number, np.generic)) and not isinstance(a, bool) else a for a in arrays
+    )
+
+
+def outputs_alone(spec: OpSpec, options: Mapping[str, Any]) -> bool:
+    """Whether a call of ``spec`` with ``options`` returns its outputs as the backend gives them: no result
+    function, or the norms' ``quantize=`` result without a ``quantize=`` option (then none is served either)."""
+    return spec.result is None or (spec.result is quantize_result and options.get("quantize") is None)
+
+
+class Calls:
+    """How a plan's calls for the result alone run on one op module: :attr:`run`, the plan's runner there
+    (:func:`_served_target`); :attr:`lean`, the same building no ctx (its ``without_ctx()``: numba's
+    :class:`pynorm.backends.numba._common.PlanForward`; None where the backend has none, then the call is
+    :func:`execute`'s with a ctx, dropped); :attr:`fast`, the backend's shortest call for the plan's shape (its
+    ``fast(shape)``, looked for after a first call of :attr:`lean` found the setup and entry point; it may return
+    None for a call it leaves to :attr:`lean`). For a result that is the outputs: no ``spec.result`` to apply,
+    no served option (the norms' ``quantize=`` None)."""
+
+    __slots__ = ("fast", "lean", "run")
+
+    def __init__(self, run: Any) -> None:
+        make = getattr(run, "without_ctx", None)
+        self.run, self.lean, self.fast = run, (None if make is None else make()), None
+
+
+def result_only(
+    spec: OpSpec, plan: _Plan, name: str, calls: Calls, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...],
+    out: Any,
+) -> Any:  # fmt: skip
+    """The result of a call that ``plan`` holds for (on the backend ``name``) through ``calls``, without a ctx:
+    ``calls.fast`` where it takes the call, else ``calls.lean`` through :func:`execute` (its first call makes
+    ``calls.fast`` for an op of one output whose inputs and parameters reach the backend as they are)."""
+    fast = calls.fast
+    if fast is not None:
+        shape = (plan.rows, plan.h)
+        y = fast(x if x.shape == shape else x.reshape(shape), *ins, *ps,
+                 out=None if out is None else out.reshape(shape))  # fmt: skip
+        if y is not None:
+            return out if out is not None else (y if y.shape == plan.y_shape else y.reshape(plan.y_shape))
+    lean = calls.lean
+    if lean is None:
+        return execute(spec, plan, name, calls.run, x, ins, ps, out)[0]
+    result = execute(spec, plan, name, lean, x, ins, ps, out, with_ctx=False)[0]
+    if fast is None and plan.flat and len(spec.outputs) == 1:
+        make = getattr(lean, "fast", None)
+        calls.fast = None if make is None else make((plan.rows, plan.h))
+    return result
 
 
 def new_plan(
@@ -343,6 +429,8 @@ class _Plan:
     targets: dict[Any, Any] = field(default_factory=dict)
     #: per op module, the offered public-only options it serves (:func:`_served_target`; absent: none)
     served: dict[Any, tuple[str, ...]] = field(default_factory=dict)
+    #: per op module, the runners of its calls for the result alone (:func:`call`)
+    calls: dict[Any, Calls] = field(default_factory=dict)
     #: the :class:`Context` fields its key fixes (every field but the backend's name, its ctx and the later
     #: outputs' dtypes), filled by the plan's first call
     ctx_base: dict[str, Any] = field(default_factory=dict)
@@ -376,8 +464,8 @@ def _plan_key(
     spec: OpSpec, x: Any, inputs: tuple[Any, ...], params: tuple[Any, ...], axis: Any, backend: str | None, out: Any,
     options: Mapping[str, Any],
 ) -> tuple[Any, ...] | None:  # fmt: skip
-    """The key of a call's plan, one flat tuple: the op, ``axis``, ``backend``, the options (names with values,
-    and the values' types), then for each array argument in order None (absent) or an exact ``numpy.ndarray``'s
+    """The key of a call's plan, one flat tuple: the op, ``axis``, ``backend``, the options (their number, names,
+    values, and the values' types), then for each array argument in order None (absent) or an exact ``numpy.ndarray``'s
     dtype, shape, strides and flags (:attr:`numpy.ndarray.flags` ``.num``: writability and alignment among them).
     None -- no plan -- for anything else (a list, a DLPack exporter, a Python number, a CuPy array: the full path
     every time); an unhashable option value makes a key whose lookup raises TypeError (the caller then takes the
@@ -391,7 +479,8 @@ def _plan_key(
     run into each other."""
     if type(axis) is not int:
         return None
-    key: list[Any] = [spec.name, axis, backend, len(options), *options.items(), *map(type, options.values())]
+    values = options.values()
+    key: list[Any] = [spec.name, axis, backend, len(options), *options, *values, *map(type, values)]
     for a in (x, *inputs, *params, out):
         if a is None:
             key.append(None)
@@ -489,19 +578,24 @@ def _served_target(spec: OpSpec, mod: Any, plan: _Plan) -> Any:
     if served:
         plan.served[mod] = served
     options = {**plan.to_backend, **{n: plan.options[n] for n in served}} if served else plan.to_backend
-    run = plan.targets[mod] = _target(mod, options)
+    run = plan.targets[mod] = _target(mod, options, plan.family is not None)
     return run
 
 
-def _target(mod: Any, options: Mapping[str, Any]) -> Any:
+def _target(mod: Any, options: Mapping[str, Any], kept: bool = True) -> Any:
     """What runs ``options`` on the op module ``mod``, a callable ``run(x, *inputs_and_params, out=None)`` with
     the options bound: ``mod.forward_for(options)`` where the module has one (an implementation with policies
     composed around it names the one its options take, :class:`pynorm.composite.casting.Composed`; numba's
     statistics and element-wise ops a runner that keeps what the plan's first call found,
     :class:`pynorm.backends.numba._common.PlanForward`), else ``mod.forward`` with the options bound. It may
     depend on the options only: a plan keeps it for its module, and its key fixes everything else a runner may
-    keep (dtypes, shapes, strides, writability, alignment)."""
-    pick = getattr(mod, "forward_for", None)
+    keep (dtypes, shapes, strides, writability, alignment).
+
+    ``kept`` False (a plan made for one call: its arguments have no key, :func:`_plan_key`): ``mod.forward`` with
+    the options bound, always. A runner that keeps what its first call finds makes that call dearer (numba's
+    entry point is found by typing every argument once more: a DyT call, 1 x 4096, with a list for ``alpha``
+    took 101 us with it, 56 without)."""
+    pick = getattr(mod, "forward_for", None) if kept else None
     return functools.partial(mod.forward, **options) if pick is None else pick(options)
 
 
@@ -583,7 +677,7 @@ def _run_channels(
         name, mod = _registry.resolve(spec.name, present, plan.present_names, backend)
     run = plan.targets.get(mod)
     if run is None:
-        run = plan.targets[mod] = _target(mod, plan.to_backend)
+        run = plan.targets[mod] = _target(mod, plan.to_backend, plan.family is not None)
     return execute_channels(spec, plan, name, run, x, ins, ps, out)
 
 

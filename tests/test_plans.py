@@ -10,7 +10,8 @@ import pytest
 
 import pynorm
 from pynorm import _dispatch
-from pynorm.errors import ArgumentError, ShapeError
+from pynorm.errors import ArgumentError, ArrayTypeError, ShapeError
+from pynorm.ops import SPECS
 
 
 def test_a_repeated_call_reuses_its_plan_and_gives_the_same_result() -> None:
@@ -75,7 +76,6 @@ def test_the_backend_is_resolved_on_every_call() -> None:
 def test_a_call_that_cannot_have_a_plan_takes_the_full_path() -> None:
     _dispatch._PLANS.clear()
     pynorm.layer_norm([[1.0, 2.0, 3.0]], backend="numpy")  # a list
-    pynorm.quant_layer_norm(np.ones((2, 4), np.int8), x_scale=0.5, backend="numpy")  # a Python number
     big = np.random.default_rng(4).standard_normal((2, 4)).astype(">f4")  # read as a native copy every time
     y1 = pynorm.layer_norm(big, backend="numpy")
     assert not _dispatch._PLANS
@@ -93,6 +93,35 @@ def test_a_call_that_cannot_have_a_plan_takes_the_full_path() -> None:
         _dispatch._PLANS.clear()
     with pytest.raises(ShapeError):
         pynorm.layer_norm(np.ones((2, 0)), backend="numpy")
+
+
+def test_a_number_for_a_parameter_is_read_as_its_array_and_the_call_has_a_plan(backend: Any) -> None:
+    """``alpha=0.5`` (a Python or NumPy scalar) is ``numpy.asarray(0.5)``, as validation reads it: the call shape
+    has a plan (its key the array's), the value is read at each call, its checks run at each call, and the
+    result is the array's."""
+    _dispatch._PLANS.clear()
+    x = np.random.default_rng(5).standard_normal((3, 16)).astype(np.float32)
+    y = pynorm.dyt(x, 0.5, backend=backend.name)
+    assert len(_dispatch._PLANS) == 1
+    for _ in range(2):
+        assert np.array_equal(pynorm.dyt(x, 0.5, backend=backend.name), y)
+        assert np.array_equal(pynorm.dyt_forward(x, 0.5, backend=backend.name)[0], y)
+    assert np.array_equal(pynorm.dyt(x, np.asarray(0.5), backend=backend.name), y)  # the same plan
+    assert len(_dispatch._PLANS) == 1
+    assert np.array_equal(pynorm.dyt(x, 0.25, backend=backend.name), pynorm.dyt(x, np.asarray(0.25),
+                          backend=backend.name))  # fmt: skip
+    assert not np.array_equal(pynorm.dyt(x, 0.25, backend=backend.name), y)
+    assert np.array_equal(pynorm.dyt(x, np.float32(0.5), backend=backend.name),
+                          pynorm.dyt(x, np.array(0.5, np.float32), backend=backend.name))  # fmt: skip
+    assert len(_dispatch._PLANS) == 2  # (a float32 alpha: a plan of its own)
+    with pytest.raises(ArgumentError, match="alpha must be finite"):
+        pynorm.dyt(x, float("inf"), backend=backend.name)
+    with pytest.raises(ArrayTypeError, match="alpha must be an array"):
+        pynorm.dyt(x, True, backend=backend.name)  # type: ignore[arg-type]
+    q = np.arange(8, dtype=np.int8).reshape(2, 4)
+    want = pynorm.quant_layer_norm(q, x_scale=np.asarray(0.5), backend=backend.name)
+    for _ in range(2):
+        assert np.array_equal(pynorm.quant_layer_norm(q, x_scale=0.5, backend=backend.name), want)
 
 
 def test_every_ctx_type_can_be_filled_without_its_init() -> None:
@@ -397,8 +426,10 @@ def test_a_bound_plan_gives_the_ops_own_results(op: str, dt: str, backend: Any) 
 def test_a_bound_plans_short_path_is_the_full_paths_bits(
     shape: tuple[int, ...], backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # fmt: skip
-    """The plan's shortest call (numba: the serial row kernel called directly) on ordinary rows, rows the slow path
-    finishes (huge and tiny values), ``out=``, a parameter updated in place between calls, a 16-bit x."""
+    """The plan's shortest call (numba: the serial row kernel called directly), also what a repeated
+    ``pynorm.layer_norm`` call takes, gives the bits of the full path (``layer_norm_forward``'s, with its ctx) on
+    ordinary rows, rows the slow path finishes (huge and tiny values), ``out=``, a parameter updated in place
+    between calls, a 16-bit x."""
     if backend.name != "numba":
         pytest.skip("the short path is the numba backend's")
     from pynorm.backends.numba import _threads
@@ -416,15 +447,23 @@ def test_a_bound_plans_short_path_is_the_full_paths_bits(
                 x[0] *= 3e3 if dt == np.float16 else 3e37  # a row the fast sums cannot hold: the slow path
                 x.reshape(-1, shape[-1])[-1] *= 1e-7 if dt == np.float16 else 1e-40
             w *= dt(1.5)  # in place: the plan reads the values at each call
-            want = pynorm.layer_norm(x, w, b, eps=1e-5)
+            want = pynorm.layer_norm_forward(x, w, b, eps=1e-5)[0]
             _assert_same_result(p(x, w, b), want, f"{dt} step {step}")
+            _assert_same_result(pynorm.layer_norm(x, w, b, eps=1e-5), want, f"{dt} step {step} pynorm.layer_norm")
             out = np.empty_like(x)
             assert p(x, w, b, out=out) is out
             _assert_same_result(out, want, f"{dt} step {step} out")
-        assert p._fast is not None  # (the short path was taken)
+            out2 = np.empty_like(x)
+            assert pynorm.layer_norm(x, w, b, eps=1e-5, out=out2) is out2
+            _assert_same_result(out2, want, f"{dt} step {step} pynorm.layer_norm out")
+        assert p._calls is not None and p._calls.fast is not None  # (the short path was taken)
+        options = {**{o.name: o.default for o in SPECS["layer_norm"].options}, "eps": 1e-5}
+        kept = _dispatch._PLANS[_dispatch._plan_key(SPECS["layer_norm"], x, (), (w, b), -1, None, None, options)]
+        assert any(c.fast is not None for c in kept.calls.values())  # (and by pynorm.layer_norm's)
     r = pynorm.plan("rms_norm", x, w)
     for _ in range(2):
-        _assert_same_result(r(x, w), pynorm.rms_norm(x, w), "rms_norm")
+        _assert_same_result(r(x, w), pynorm.rms_norm_forward(x, w)[0], "rms_norm")
+        _assert_same_result(pynorm.rms_norm(x, w), pynorm.rms_norm_forward(x, w)[0], "rms_norm")
 
 
 def test_a_bound_plan_takes_the_paths_forced_on_it() -> None:

@@ -60,7 +60,11 @@ def test_env_variable(monkeypatch):
     assert pynorm.rms_norm_forward(np.ones((2, 3), np.float32))[1].backend == "numpy"
     monkeypatch.setenv("PYNORM_BACKEND", "nope")
     with pytest.raises(UnknownBackendError, match="nope"):
-        pynorm.rms_norm(np.ones((2, 3), np.float32))
+        pynorm.rms_norm(np.ones((2, 3), np.float32))  # (a call shape seen before: read on every call all the same)
+    monkeypatch.delenv("PYNORM_BACKEND")
+    assert pynorm.rms_norm_forward(np.ones((2, 3), np.float32))[1].backend == _numpy_backends()[0]
+    monkeypatch.setenv("PYNORM_BACKEND", "")  # (empty: unset)
+    assert pynorm.rms_norm_forward(np.ones((2, 3), np.float32))[1].backend == _numpy_backends()[0]
 
 
 def test_env_variable_for_another_array_type_is_ignored(monkeypatch):

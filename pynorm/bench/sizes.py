@@ -5,8 +5,11 @@ MiB. The sweep times every cell -- rows in :data:`ROWS` x hidden sizes in :data:
 :data:`QUICK_ROWS` x :data:`QUICK_HIDDEN`), float32, the ops of :data:`OPS`, forward and forward + backward --
 for each library in a process of its own:
 
-* ``pynorm``: the ``numba`` backend (the process also times the same-size copy, ``np.copyto`` of ``x``: the
-  floor of a call that reads and writes its rows once);
+* ``pynorm``: the ``numba`` backend, its forward the result alone (``pynorm.layer_norm(...)``, no ctx: what an
+  inference step calls, as the peers' forward runs without autograd), its forward + backward
+  ``layer_norm_forward`` then ``layer_norm_backward``; the same through ``pynorm.plan`` (``pynorm:plan``); the
+  process also times the same-size copy, ``np.copyto`` of ``x``: the floor of a call that reads and writes its
+  rows once;
 * ``torch``: PyTorch eager (``F.layer_norm``, ``F.rms_norm``, ``x + r`` then ``F.rms_norm``, ``F.group_norm``),
   autograd for the backward;
 * ``torch_compile``: the same functions through ``torch.compile`` (inductor, ``dynamic=True``: one compilation per
@@ -78,45 +81,27 @@ def _data(op: str, rows: int, h: int) -> dict[str, np.ndarray]:
     return d
 
 
+def _args(op: str, d: dict[str, np.ndarray]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """An op's arrays after ``x`` (its forward's positional order) and its options."""
+    args = {"rms_norm": (d["w"],), "add_rms_norm": (d.get("r"), d["w"])}.get(op, (d["w"], d["b"]))
+    return args, {"eps": EPS, **({"num_groups": GROUPS} if op == "group_norm" else {})}
+
+
 def _pynorm_calls(op: str, d: dict[str, np.ndarray]) -> dict[str, Callable[[], Any]]:
+    """``fwd``: the result alone (``pynorm.<op>``, what an inference step calls; the peers' forward is theirs
+    without autograd); ``fwdbwd``: ``pynorm.<op>_forward`` (with its ctx), then its backward; then the same
+    through a bound plan (:func:`_plan_calls`)."""
     import pynorm
 
-    x, w, b, dy = d["x"], d["w"], d["b"], d["dy"]
-    if op == "layer_norm":
+    x, dy = d["x"], d["dy"]
+    args, opts = _args(op, d)
+    call, forward, backward = (getattr(pynorm, n) for n in (op, f"{op}_forward", f"{op}_backward"))
 
-        def fwd() -> Any:
-            return pynorm.layer_norm_forward(x, w, b, eps=EPS, backend="numba")
+    def fwdbwd() -> Any:
+        y, ctx = forward(x, *args, backend="numba", **opts)
+        return y, backward(dy, ctx)
 
-        def fwdbwd() -> Any:
-            y, ctx = fwd()
-            return y, pynorm.layer_norm_backward(dy, ctx)
-    elif op == "rms_norm":
-
-        def fwd() -> Any:
-            return pynorm.rms_norm_forward(x, w, eps=EPS, backend="numba")
-
-        def fwdbwd() -> Any:
-            y, ctx = fwd()
-            return y, pynorm.rms_norm_backward(dy, ctx)
-    elif op == "add_rms_norm":
-        r = d["r"]
-
-        def fwd() -> Any:
-            return pynorm.add_rms_norm_forward(x, r, w, eps=EPS, backend="numba")
-
-        def fwdbwd() -> Any:
-            yh, ctx = fwd()
-            return yh, pynorm.add_rms_norm_backward(dy, ctx)
-    else:
-
-        def fwd() -> Any:
-            return pynorm.group_norm_forward(x, w, b, num_groups=GROUPS, eps=EPS, backend="numba")
-
-        def fwdbwd() -> Any:
-            y, ctx = fwd()
-            return y, pynorm.group_norm_backward(dy, ctx)
-
-    return {"fwd": fwd, "fwdbwd": fwdbwd, **_plan_calls(op, d)}
+    return {"fwd": lambda: call(x, *args, backend="numba", **opts), "fwdbwd": fwdbwd, **_plan_calls(op, d)}
 
 
 def _plan_calls(op: str, d: dict[str, np.ndarray]) -> dict[str, Callable[[], Any]]:
@@ -124,10 +109,9 @@ def _plan_calls(op: str, d: dict[str, np.ndarray]) -> dict[str, Callable[[], Any
     call), ``plan_fwdbwd`` the plan's forward (with its ctx) then its backward."""
     import pynorm
 
-    x, w, b, dy = d["x"], d["w"], d["b"], d["dy"]
-    args: tuple[Any, ...] = {"layer_norm": (w, b), "rms_norm": (w,), "add_rms_norm": (d.get("r"), w)}.get(op, (w, b))
-    opts: dict[str, Any] = {"num_groups": GROUPS} if op == "group_norm" else {}
-    p = pynorm.plan(op, x, *args, eps=EPS, backend="numba", **opts)
+    x, dy = d["x"], d["dy"]
+    args, opts = _args(op, d)
+    p = pynorm.plan(op, x, *args, backend="numba", **opts)
 
     def fwdbwd() -> Any:
         y, ctx = p.forward(x, *args)

@@ -180,6 +180,8 @@ def forward(
     ``"channels"`` layout takes ``x`` of ``(N, C, *spatial)`` (or channels last; the backends see ``(N, C, S)``)."""
     channels = spec.layout == "channels"
     # (the channel axis is an option: the key's axis is a constant for the channel ops)
+    if spec.scalar_params and _scalars(params, ()):  # (DyT's alpha=0.5: its array before the key)
+        params = _as_arrays(params)
     key, plan = _lookup(_plan_key(spec, x, inputs, params, 0 if channels else axis, backend, out, options))
     if key is None and _scalars(params, inputs):  # (as validation reads them: a call shape with its plan)
         params, inputs = _as_arrays(params), _as_arrays(inputs)
@@ -203,6 +205,8 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
     arguments, of an op whose result is its outputs, runs the backend's runner that builds no ctx
     (:func:`result_only`): what a :class:`pynorm.Plan`'s call runs, the same bits as :func:`forward`'s."""
     if spec.layout == "rows" and outputs_alone(spec, options):
+        if spec.scalar_params and _scalars(params, ()):  # (DyT's alpha=0.5: its array before the key)
+            params = _as_arrays(params)
         key, plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))
         if key is None and _scalars(params, inputs):
             params, inputs = _as_arrays(params), _as_arrays(inputs)
@@ -218,18 +222,24 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
     return forward(spec, x, params, axis=axis, backend=backend, out=out, options=options, inputs=inputs)[0]
 
 
+def _number(a: Any) -> bool:
+    """Whether ``a`` is a Python or NumPy scalar that validation reads as an array (not a bool)."""
+    t = type(a)
+    if t is float or t is int:  # (the common case first: isinstance against an ABC costs 0.3 us)
+        return True
+    return t is not np.ndarray and isinstance(a, (numbers.Number, np.generic)) and t is not bool
+
+
 def _scalars(params: tuple[Any, ...], inputs: tuple[Any, ...]) -> bool:
     """Whether a parameter or input is a Python or NumPy scalar (a call made with ``alpha=0.5``)."""
-    return any(isinstance(a, (numbers.Number, np.generic)) and not isinstance(a, bool) for a in (*params, *inputs))
+    return any(a is not None and _number(a) for a in (*params, *inputs))
 
 
 def _as_arrays(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
     """``arrays`` with each Python or NumPy scalar as the NumPy array validation reads it as
     (:func:`pynorm._validate.as_array`: ``numpy.asarray``, so that the call has a key and a plan: a DyT call with
     ``alpha=0.5``, 1 x 4096, took 100 us on the full path every time, 21 us with its plan)."""
-    return tuple(
-        np.asarray(a) if isinstance(a, (numbers.Number, np.generic)) and not isinstance(a, bool) else a for a in arrays
-    )
+    return tuple(np.asarray(a) if a is not None and _number(a) else a for a in arrays)
 
 
 def outputs_alone(spec: OpSpec, options: Mapping[str, Any]) -> bool:
@@ -260,19 +270,19 @@ def result_only(
 ) -> Any:  # fmt: skip
     """The result of a call that ``plan`` holds for (on the backend ``name``) through ``calls``, without a ctx:
     ``calls.fast`` where it takes the call, else ``calls.lean`` through :func:`execute` (its first call makes
-    ``calls.fast`` for an op of one output whose inputs and parameters reach the backend as they are)."""
+    ``calls.fast`` for an op of one output)."""
     fast = calls.fast
     if fast is not None:
         shape = (plan.rows, plan.h)
-        y = fast(x if x.shape == shape else x.reshape(shape), *ins, *ps,
-                 out=None if out is None else out.reshape(shape))  # fmt: skip
+        args = (*ins, *ps) if plan.flat else _flat_arrays(spec, plan, ins, ps)
+        y = fast(x if x.shape == shape else x.reshape(shape), *args, out=None if out is None else out.reshape(shape))
         if y is not None:
             return out if out is not None else (y if y.shape == plan.y_shape else y.reshape(plan.y_shape))
     lean = calls.lean
     if lean is None:
         return execute(spec, plan, name, calls.run, x, ins, ps, out)[0]
     result = execute(spec, plan, name, lean, x, ins, ps, out, with_ctx=False)[0]
-    if fast is None and plan.flat and len(spec.outputs) == 1:
+    if fast is None and len(spec.outputs) == 1:
         make = getattr(lean, "fast", None)
         calls.fast = None if make is None else make((plan.rows, plan.h))
     return result
@@ -514,18 +524,8 @@ def execute(
     it serves) and wrap its ctx, for arguments ``plan`` holds for. ``with_ctx`` False (a runner that builds none,
     for an op whose result needs none: a :class:`pynorm.Plan`'s call): ``(result, None)``."""
     rows, h = plan.rows, plan.h
-    if plan.flat:  # (every input and parameter present reaches the backend as it is: a small call's microseconds)
-        flat: Any = (*ins, *ps)
-    else:
-        flat = [
-            a if a is None or a.shape == f else (a.reshape(f) if f is not None else _flat_input(si.kind, a, rows, h))
-            for si, a, f in zip(spec.inputs, ins, plan.input_flat, strict=True)
-        ] + [
-            p
-            if p is None or p.shape == f
-            else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, plan.norm_shape))
-            for sp, p, f in zip(spec.params, ps, plan.param_flat, strict=True)
-        ]
+    # (every input and parameter present reaching the backend as it is: a small call's microseconds)
+    flat = (*ins, *ps) if plan.flat else _flat_arrays(spec, plan, ins, ps)
     res, inner = run(
         x if x.shape == (rows, h) else x.reshape(rows, h), *flat,
         out=None if out is None else out.reshape(rows, plan.y_h),
@@ -563,6 +563,18 @@ def execute(
     if spec.result is not None:
         return spec.result(shaped, ctx, plan.options), ctx
     return (shaped if len(spec.outputs) > 1 else first), ctx
+
+
+def _flat_arrays(spec: OpSpec, plan: _Plan, ins: tuple[Any, ...], ps: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The inputs and parameters of a call ``plan`` holds for as the backend takes them (:attr:`_Plan.input_flat`,
+    :attr:`_Plan.param_flat`)."""
+    rows, h, norm = plan.rows, plan.h, plan.norm_shape
+    return (
+        *(a if a is None or a.shape == f else (a.reshape(f) if f is not None else _flat_input(si.kind, a, rows, h))
+          for si, a, f in zip(spec.inputs, ins, plan.input_flat, strict=True)),
+        *(p if p is None or p.shape == f else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, norm))
+          for sp, p, f in zip(spec.params, ps, plan.param_flat, strict=True)),
+    )  # fmt: skip
 
 
 def _served_target(spec: OpSpec, mod: Any, plan: _Plan) -> Any:

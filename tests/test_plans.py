@@ -464,6 +464,28 @@ def test_a_bound_plans_short_path_is_the_full_paths_bits(
     for _ in range(2):
         _assert_same_result(r(x, w), pynorm.rms_norm_forward(x, w)[0], "rms_norm")
         _assert_same_result(pynorm.rms_norm(x, w), pynorm.rms_norm_forward(x, w)[0], "rms_norm")
+    for dt in (np.float32, np.float16):  # (an element-wise op: its own shortest call, a number for its scalars)
+        x = rng.standard_normal(shape).astype(dt)
+        w, b = (rng.standard_normal(shape[-1]).astype(dt) for _ in range(2))
+        _dispatch._PLANS.clear()
+        for step in range(4):
+            x[...] = rng.standard_normal(shape).astype(dt)
+            alpha = 0.5 + step  # (a new value each call: read at each call)
+            for op, scalars in (("dyt", (alpha,)), ("derf", (alpha, 0.25 * step))):
+                want = getattr(pynorm, f"{op}_forward")(x, *scalars, w, b)[0]
+                _assert_same_result(getattr(pynorm, op)(x, *scalars, w, b), want, f"{op} {dt} step {step}")
+                out = np.empty_like(x)
+                assert getattr(pynorm, op)(x, *scalars, w, b, out=out) is out
+                _assert_same_result(out, want, f"{op} {dt} step {step} out")
+        # (each op with and without out=: a call shape each, each taking its shortest call)
+        assert sum(c.fast is not None for pl in _dispatch._PLANS.values() for c in pl.calls.values()) == 4
+    for dt in (np.float32, np.float16):  # (the residual prologue: its kernel called through the plan's entry point)
+        x, res = (rng.standard_normal(shape).astype(dt) for _ in range(2))
+        w = rng.standard_normal(shape[-1]).astype(dt)
+        for step in range(3):
+            x[...] = rng.standard_normal(shape).astype(dt)
+            want = pynorm.add_rms_norm_forward(x, res, w)[0]
+            _assert_same_result(pynorm.add_rms_norm(x, res, w), want, f"add_rms_norm {dt} step {step}")
 
 
 def test_a_bound_plan_takes_the_paths_forced_on_it() -> None:

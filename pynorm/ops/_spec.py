@@ -303,6 +303,12 @@ class OpSpec:
         return tuple(p.name for p in self.params)
 
     @functools.cached_property
+    def scalar_params(self) -> bool:
+        """Whether a parameter is of the ``"scalar"`` kind (DyT's ``alpha``: often given as a Python number, which
+        the dispatcher reads as its array before it makes the call's key)."""
+        return any(p.kind == "scalar" for p in self.params)
+
+    @functools.cached_property
     def input_names(self) -> tuple[str, ...]:
         return tuple(i.name for i in self.inputs)
 

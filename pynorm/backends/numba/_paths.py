@@ -34,7 +34,9 @@ from contextlib import contextmanager
 
 from . import _layout
 
-__all__ = ["EPILOGUES", "FORCE_SLOW", "FORCE_SPLIT", "PATHS", "SERIAL_OVERRIDE", "forced", "note", "recording"]
+__all__ = [
+    "EPILOGUES", "FORCE_SLOW", "FORCE_SPLIT", "PATHS", "SERIAL_OVERRIDE", "forced", "note", "recording", "switched",
+]  # fmt: skip
 
 #: every path, with a line of what it is
 PATHS = {
@@ -61,6 +63,12 @@ FORCE_SPLIT = False
 SERIAL_OVERRIDE: int | None = None
 
 _record: set[str] | None = None
+
+
+def switched() -> bool:
+    """Whether a switch of this module is on or a :func:`recording` is active: then a call must take the general
+    path, which honours them (the plans' direct kernel calls, ``fast_forward``, step aside)."""
+    return FORCE_SLOW or FORCE_SPLIT or SERIAL_OVERRIDE is not None or _record is not None
 
 
 def note(path: str) -> None:

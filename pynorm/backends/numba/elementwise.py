@@ -29,6 +29,7 @@ from .._spec import EW_SLOTS as _SLOTS
 from .._spec import check_ew_slots
 from . import _common as common
 from . import _ew_kernels as kernels
+from . import _paths, _threads
 from ._layout import EW_TILE, blocks, tiles
 from ._threads import launch
 from ._variant import function
@@ -165,6 +166,31 @@ class ElementwiseOp:
         values.update(named)
         values["x"] = x
         return y, filled(self.spec.ctx, {f: values[f] for f in self._fields})
+
+    def fast_forward(self, plan: common.PlanForward, shape: tuple[int, int]) -> Any:
+        """A plan's shortest call for ``(R, H)`` arrays of ``shape`` (:meth:`.stats.StatsOp.fast_forward`'s
+        counterpart): ``run(x, *params, out=None)`` -> ``y``, the kernel's entry point called directly with
+        :meth:`forward_setup`'s arguments (the same bits), or None where the plan's calls take the pool or a test
+        switch of :mod:`._paths` is on (then ``run`` returns None too, for the general path)."""
+        rows, h = shape
+        st, memo = plan.setup, plan.entry
+        if st is None or memo.entry is None or not rows or rows * h >= _threads.serial_threshold() or _paths.switched():
+            return None
+        entry, tag, pdt, const, names = memo.entry, st.tag, st.param_dtype, st.constant, self.spec.param_names
+        iw, ib = (names.index(n) if n in names else None for n in ("weight", "bias"))
+        tasks, scalar, output, storage = rows * tiles(h, EW_TILE), self._scalar, common.output, common.storage
+
+        def run(x: np.ndarray, *params: Any, out: np.ndarray | None = None) -> np.ndarray | None:
+            if _paths.switched():
+                return None
+            y = output(out, shape, x.dtype)
+            w = _row_param(None if iw is None else params[iw], pdt)
+            b = _row_param(None if ib is None else params[ib], pdt)
+            a = const if const is not None else scalar(dict(zip(names, params, strict=True)), None)
+            entry(tag, storage(x), a, w, b, storage(y), 0, tasks)
+            return y
+
+        return run
 
     def sink(
         self, shape: tuple[int, int], dtype: Any, weight: Any, bias: Any, *, out: np.ndarray | None = None,

@@ -356,7 +356,7 @@ class StatsOp(_Op):
                     launch(kernels.prologue_rows, rows * hidden, rows, pro, src)
                     src, pro = h.astype(np.float64), None
             ys = common.storage(y) if y is not None else None
-            entry = plan.entry if plan is not None and pro is None and sink is None else None
+            entry = plan.entry if plan is not None and sink is None else None
             forward_rows(
                 self.stat, (src, pro), (w, b, tab), st.conventions, sink if ys is None else ys, (aux, rstd),
                 ys is not None and use_stream(ys), entry,
@@ -521,10 +521,7 @@ def _segments(rows: int, hidden: int) -> int:
 
 def _forcing() -> bool:
     """Whether a test switch of :mod:`._paths` is on (or a test records the paths calls take)."""
-    return (
-        FORCE_SPLIT or _paths.FORCE_SPLIT or _paths.FORCE_SLOW or _paths.SERIAL_OVERRIDE is not None
-        or _paths._record is not None
-    )  # fmt: skip
+    return FORCE_SPLIT or _paths.switched()
 
 
 def forward_rows(

@@ -248,31 +248,72 @@ def _assert_reference(spec: Any, got: dict[str, Any], want: dict[str, Any], dt: 
         assert_close_scaled(got[k], want[k], scale, rtol * 8, what=f"{what}, {k} against the reference")
 
 
-#: the CUDA backend's launch choices forced (``PYNORM_CUPY_<NAME>``, :func:`pynorm.backends.cupy._host.forced`): the
-#: backward fused in registers or split across blocks, a forward row's overflow kept in shared or global memory
-CUDA_PATHS = [("BACKWARD", "fused"), ("BACKWARD", "split"), ("OVERFLOW", "smem"), ("OVERFLOW", "global")]
-#: the ops whose CUDA rows are recomputed under each forced path: a centred and an uncentred statistic, with and
-#: without the residual prologue (every op's paths against the reference: tests/test_cupy_backend.py)
-CUDA_PATH_OPS = ["layer_norm", "rms_norm", "add_layer_norm"]
+#: the CUDA backend's launch choices (``PYNORM_CUPY_<NAME>``, :func:`pynorm.backends.cupy._host.forced`) and their
+#: values: the backward fused in registers or split across blocks, a forward row's overflow in shared or global memory
+CUDA_PATHS = {"BACKWARD": ("fused", "split"), "OVERFLOW": ("smem", "global")}
+_BOTH, _FORWARD = ("BACKWARD", "OVERFLOW"), ("OVERFLOW",)
+#: the choices each op's calls make, for every op of the rows layout the CUDA backend serves: the statistics ops (and
+#: the composites on them) both; those with a parameter table or a conditioning projection only the forward's
+#: (their backward always splits across blocks); the element-wise ops none (one launch shape, no choice). What an
+#: op's calls read is checked against this table (a new op needs its line here, a changed launch a changed line).
+CUDA_CHOICES = {
+    **dict.fromkeys(["add_layer_norm", "add_rms_norm", "layer_norm", "layer_norm_linear", "quant_layer_norm",
+                     "rms_norm", "rms_norm_linear", "scale_norm"], _BOTH),
+    **dict.fromkeys(["conditional_layer_norm", "conditional_rms_norm", "modality_layer_norm", "modality_rms_norm"],
+                    _FORWARD),
+    **dict.fromkeys(["derf", "dyt", "power_norm"], ()),
+}  # fmt: skip
+#: every (op, choice, value) cell: each forced, each op's rows recomputed under it
+CUDA_CELLS = [(op, n, v) for op, names in sorted(CUDA_CHOICES.items()) for n in names for v in CUDA_PATHS[n]]
 
 
-@pytest.mark.parametrize(("name", "value"), CUDA_PATHS, ids=lambda v: str(v))
-@pytest.mark.parametrize("op", CUDA_PATH_OPS)
-def test_cuda_rows_do_not_depend_on_the_batch_on_each_forced_path(
-    backend: Any, op: str, name: str, value: str, monkeypatch: pytest.MonkeyPatch
-) -> None:  # fmt: skip
-    """On each forced CUDA launch path, a row's outputs are bitwise the same alone, in a sub-batch and in the whole
-    batch (no reduction order may follow a grid shape chosen from the batch's rows)."""
+def _cuda_host(backend: Any) -> Any:
     if backend.name != "cupy":
         pytest.skip("the CUDA backend's launch paths")
     from pynorm.backends.cupy import _host
 
+    return _host
+
+
+@pytest.mark.parametrize(("op", "name", "value"), CUDA_CELLS, ids=lambda v: str(v))
+def test_cuda_rows_do_not_depend_on_the_batch_on_each_forced_path(
+    backend: Any, op: str, name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """On each forced CUDA launch path of each op, a row's outputs are bitwise the same alone, in a sub-batch and in
+    the whole batch (no reduction order may follow a grid shape chosen from the batch's rows), and the whole batch's
+    within the fast backends' tolerance of the reference."""
+    host = _cuda_host(backend)
     monkeypatch.setenv(f"PYNORM_CUPY_{name}", value)
     asked: list[Any] = []  # (the launches read the switch: the path is the forced one)
-    real = _host.forced
-    monkeypatch.setattr(_host, "forced", lambda n: asked.append((n, real(n))) or real(n))
-    _assert_rows_alone_are_the_batchs(OPS[op], backend, (37, 24), np.float32, 5, f"{op} on cupy, {name}={value}")
+    real = host.forced
+    monkeypatch.setattr(host, "forced", lambda n: asked.append((n, real(n))) or real(n))
+    spec, shape, what = OPS[op], (37, 24), f"{op} on cupy, {name}={value}"
+    _assert_rows_alone_are_the_batchs(spec, backend, shape, np.float32, 5, what)
     assert (name, value) in asked, f"{op}: no launch read PYNORM_CUPY_{name} (asked: {sorted(set(asked))})"
+    x, args, dy, ups = _data(spec, shape, np.float32, seed=5)
+    got, ref = _per_row(spec, backend, x, args, dy, ups), _per_row(spec, _reference(), x, args, dy, ups)
+    keys = [k for k in ref if not k.startswith("ctx.")]  # (outputs and gradients; the ctx's fields are the backend's)
+    _assert_reference(spec, {k: got[k] for k in keys}, {k: ref[k] for k in keys}, "float32", x, what)
+
+
+def test_every_cuda_op_makes_the_launch_choices_of_the_table(backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each op of the rows layout the CUDA backend serves reads exactly the launch choices :data:`CUDA_CHOICES` gives
+    it (so every (op, choice, value) cell is forced by the test above, and none is left out unseen)."""
+    host = _cuda_host(backend)
+    from pynorm import _registry
+
+    served = sorted(op for op in _registry.backend_ops("cupy") if op in OPS)
+    assert sorted(CUDA_CHOICES) == served, "CUDA_CHOICES in tests/test_paths.py must name every op cupy serves"
+    real = host.forced
+    for op in served:
+        asked: set[str] = set()
+        monkeypatch.setattr(host, "forced", lambda n, asked=asked: asked.add(n) or real(n))
+        x, args, dy, ups = _data(OPS[op], (5, 24), np.float32, seed=1)
+        _per_row(OPS[op], backend, x, args, dy, ups)
+        assert asked == set(CUDA_CHOICES[op]), (
+            f"{op}: its CUDA launches read the choices {sorted(asked)}, CUDA_CHOICES in tests/test_paths.py says "
+            f"{sorted(CUDA_CHOICES[op])}"
+        )
 
 
 def test_forced_rejects_unknown_paths() -> None:

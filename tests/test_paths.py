@@ -235,6 +235,64 @@ def test_every_launch_path_gives_the_plain_bits(
         assert not missing, f"{op}: no call took the numba path(s) {sorted(missing)} ({paths.PATHS})"
 
 
+#: the channel ops' numba paths (GroupNorm, InstanceNorm: the statistics kernels with the channel source, or the table
+#: source below ``TABLE_BELOW_S`` positions per channel): every path but ``split`` (a row is one sample's group,
+#: never cut across threads); the channel source's backward is always the fused one (its partials per row and
+#: channel), the table source's both
+CHANNEL_PATH_SETS = [c for c in PATH_SETS if "split" not in c]
+
+
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm"])
+def test_every_launch_path_of_the_channel_ops_gives_the_plain_bits(numba_backend: Any, op: str) -> None:
+    """Each path forced on a sub-batch (samples 1 to N): per sample, ``y``, ``dx`` and the ctx's statistics bitwise
+    the plain path's rows of the whole batch (the slow path: within the reference's tolerance), on both channel
+    sources; and every path of :data:`CHANNEL_PATH_SETS` taken by some call."""
+    import pynorm
+    from pynorm.backends.numba import _threads
+    from pynorm.backends.numba.stats import TABLE_BELOW_S
+
+    paths = _numba_paths()
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    kw = {"num_groups": 4} if op == "group_norm" else {}
+    rng = np.random.default_rng(17)
+    taken: set[str] = set()
+
+    def run(backend: str, x: Any, dy: Any, w: Any, b: Any) -> dict[str, Any]:
+        y, ctx = fwd(x, w, b, backend=backend, **kw)
+        dx = bwd(dy, ctx)[0]
+        return {"y": y, "dx": dx, "mean": ctx.inner.mean, "rstd": ctx.inner.rstd}
+
+    for s in (16, 2):  # (the channel source; the table source)
+        assert (s < TABLE_BELOW_S) == (s == 2)
+        x = (rng.standard_normal((6, 8, s)) * 2 + 0.5).astype(np.float32)
+        x[3, :2] = 1.5  # (a constant group)
+        dy = rng.standard_normal(x.shape).astype(np.float32)
+        w, b = (rng.standard_normal(8).astype(np.float32) for _ in range(2))
+        with paths.forced("serial"):
+            plain = run("numba", x, dy, w, b)
+        ref = run("numpy", x, dy, w, b)
+        groups = len(plain["mean"]) // x.shape[0]
+        for chosen in CHANNEL_PATH_SETS:
+            with paths.forced(*chosen), paths.recording() as seen:
+                got = run("numba", x[1:], dy[1:], w, b)
+            taken |= seen
+            what = f"{op} on numba, path {'+'.join(chosen)}, S = {s}, samples 1:"
+            missing = set(chosen) - seen - ({"rows"} if s >= TABLE_BELOW_S else set())
+            if _threads.get_num_threads() < 2:
+                missing.discard("pool")
+            assert not missing, f"{what}: forced path(s) {sorted(missing)} not taken (took {sorted(seen)})"
+            for k in got:
+                lo = groups if k in ("mean", "rstd") else 1  # (the statistics: one per sample's group)
+                if "slow" in chosen:
+                    want = np.asarray(ref[k][lo:], np.float64)
+                    scale = np.max(np.abs(want).reshape(len(want), -1), axis=1).reshape(-1, *[1] * (want.ndim - 1))
+                    assert_close_scaled(got[k], want, scale + 1e-30, BACKEND_RTOL["float32"] * 8, what=f"{what}, {k}")
+                else:
+                    assert_bitwise(got[k], plain[k][lo:], f"{what}, {k}")
+    missing = set(paths.PATHS) - {"split"} - taken - ({"pool"} if _threads.get_num_threads() < 2 else set())
+    assert not missing, f"{op}: no call took the numba path(s) {sorted(missing)}"
+
+
 def _reference() -> Any:
     return _make_backend("numpy")
 

@@ -525,3 +525,42 @@ def test_matches_hugging_face_modules_in_torch(dt: str) -> None:
         assert _ulps(got, want, d).max() <= 2, policy
         if policy != "gemma":
             assert _frac_equal(pynorm.rms_norm(xn, wn, backend="numpy"), want) < 0.8, policy
+
+
+@pytest.mark.parametrize("policy", ["llama", "t5", "apex"])  # (the policies whose forward or backward is one pass)
+def test_numba_casting_policies_give_the_same_bits_on_every_launch_path(policy: str) -> None:
+    """A casting policy's forward and backward on numba, each launch path forced (``_paths.forced``: the split
+    kernels, whose rows take no sink, run the policy's two kernels -- the norm's ``q`` stored, then the identity's
+    affine -- and the row-then-column-tile backward its three), bitwise the unforced call's: the one-pass forward and
+    backward (``Casting._fused``, ``_fused_backward``) and the kernels it fuses give the same bits on every path
+    (``dweight``/``dbias``: the row-tile backward adds the rows in another order, to rounding)."""
+    pytest.importorskip("numba")
+    from pynorm import _registry
+    from pynorm.backends.numba import _paths
+
+    for dt in ("float32", "bfloat16"):
+        data = _data(dt, rows=37, h=300, seed=3)
+        x, dy = data["x"], data["dy"]
+        for op, params in (("layer_norm", (data["w"], data["b"])), ("rms_norm", (data["w"],))):
+            fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+            casting = _registry.op_module("numba", op).policies
+            y0, ctx0 = fwd(x, *params, casting=policy, weight_offset=1.0, backend="numba")
+            g0 = bwd(dy, ctx0)
+            # (16-bit rows: the two paths that change the kernels; streaming stores are for float32 outputs)
+            chosen_sets = [("split",), ("rows",)]
+            if dt == "float32":
+                chosen_sets += [("split", "rows"), ("pool", "fused"), ("stream", "fused"), ("stream", "rows")]
+            for chosen in chosen_sets:
+                with _paths.forced(*chosen):
+                    if "split" in chosen:
+                        assert not casting._fused(x), "a split forward must take the two kernels"
+                    if "rows" in chosen:
+                        assert not casting._fused_backward(x), "a row-tile backward must take the three kernels"
+                    y, ctx = fwd(x, *params, casting=policy, weight_offset=1.0, backend="numba")
+                    g = bwd(dy, ctx)
+                what = f"{op} {dt} casting={policy}, path {'+'.join(chosen)}"
+                assert np.array_equal(y.view(np.uint8), y0.view(np.uint8)), f"{what}: y"
+                assert np.array_equal(g.dx.view(np.uint8), g0.dx.view(np.uint8)), f"{what}: dx"
+                for name, a, b in zip(g._fields[1:], g[1:], g0[1:], strict=True):  # (the rows added in another order)
+                    scale = np.max(np.abs(np.asarray(b, F64))) + 1e-30
+                    assert_close_scaled(a, b, scale, BACKEND_RTOL[dt], what=f"{what}: {name}")

@@ -525,7 +525,7 @@ def execute(
     for an op whose result needs none: a :class:`pynorm.Plan`'s call): ``(result, None)``."""
     rows, h = plan.rows, plan.h
     # (every input and parameter present reaching the backend as it is: a small call's microseconds)
-    flat = (*ins, *ps) if plan.flat else _flat_arrays(spec, plan, ins, ps)
+    flat: Any = (*ins, *ps) if plan.flat else _flat_arrays(spec, plan, ins, ps)
     res, inner = run(
         x if x.shape == (rows, h) else x.reshape(rows, h), *flat,
         out=None if out is None else out.reshape(rows, plan.y_h),
@@ -565,16 +565,19 @@ def execute(
     return (shaped if len(spec.outputs) > 1 else first), ctx
 
 
-def _flat_arrays(spec: OpSpec, plan: _Plan, ins: tuple[Any, ...], ps: tuple[Any, ...]) -> tuple[Any, ...]:
+def _flat_arrays(spec: OpSpec, plan: _Plan, ins: tuple[Any, ...], ps: tuple[Any, ...]) -> list[Any]:
     """The inputs and parameters of a call ``plan`` holds for as the backend takes them (:attr:`_Plan.input_flat`,
     :attr:`_Plan.param_flat`)."""
     rows, h, norm = plan.rows, plan.h, plan.norm_shape
-    return (
-        *(a if a is None or a.shape == f else (a.reshape(f) if f is not None else _flat_input(si.kind, a, rows, h))
-          for si, a, f in zip(spec.inputs, ins, plan.input_flat, strict=True)),
-        *(p if p is None or p.shape == f else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, norm))
-          for sp, p, f in zip(spec.params, ps, plan.param_flat, strict=True)),
-    )  # fmt: skip
+    flat = [
+        a if a is None or a.shape == f else (a.reshape(f) if f is not None else _flat_input(si.kind, a, rows, h))
+        for si, a, f in zip(spec.inputs, ins, plan.input_flat, strict=True)
+    ]
+    flat += [
+        p if p is None or p.shape == f else (p.reshape(f) if f is not None else _flat_param(sp.kind, p, norm))
+        for sp, p, f in zip(spec.params, ps, plan.param_flat, strict=True)
+    ]
+    return flat
 
 
 def _served_target(spec: OpSpec, mod: Any, plan: _Plan) -> Any:

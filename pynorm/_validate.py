@@ -246,7 +246,13 @@ def check_param_values(spec_param: Any, p: Array, inputs: dict[str, Array]) -> N
                 f"{spec_param.index} must hold values in [0, {p.shape[0]}) (the rows of {spec_param.name}), "
                 f"got values from {int(ids.min())} to {int(ids.max())}"
             )
-    if spec_param.finite and p.size and not bool(xp_of(p).isfinite(p.astype(xp_of(p).float64)).all()):
+    if not spec_param.finite or not p.size:
+        return
+    if type(p) is np.ndarray and p.size == 1:  # (a scalar parameter, checked at every call: 0.2 us, not 1.4)
+        finite = math.isfinite(float(p.reshape(-1)[0]))
+    else:
+        finite = bool(xp_of(p).isfinite(p.astype(xp_of(p).float64)).all())
+    if not finite:
         raise ArgumentError(f"{spec_param.name} must be finite, got {p!r}")
 
 

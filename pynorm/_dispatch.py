@@ -180,10 +180,10 @@ def forward(
     ``"channels"`` layout takes ``x`` of ``(N, C, *spatial)`` (or channels last; the backends see ``(N, C, S)``)."""
     channels = spec.layout == "channels"
     # (the channel axis is an option: the key's axis is a constant for the channel ops)
-    if spec.scalar_params and _scalars(params, ()):  # (DyT's alpha=0.5: its array before the key)
+    if spec.scalar_params and _scalars(x, params, ()):  # (DyT's alpha=0.5: its array before the key)
         params = _as_arrays(params)
     key, plan = _lookup(_plan_key(spec, x, inputs, params, 0 if channels else axis, backend, out, options))
-    if key is None and _scalars(params, inputs):  # (as validation reads them: a call shape with its plan)
+    if key is None and _scalars(x, params, inputs):  # (as validation reads them: a call shape with its plan)
         params, inputs = _as_arrays(params), _as_arrays(inputs)
         key, plan = _lookup(_plan_key(spec, x, inputs, params, 0 if channels else axis, backend, out, options))
     run = _run_channels if channels else _run
@@ -205,10 +205,10 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
     arguments, of an op whose result is its outputs, runs the backend's runner that builds no ctx
     (:func:`result_only`): what a :class:`pynorm.Plan`'s call runs, the same bits as :func:`forward`'s."""
     if spec.layout == "rows" and outputs_alone(spec, options):
-        if spec.scalar_params and _scalars(params, ()):  # (DyT's alpha=0.5: its array before the key)
+        if spec.scalar_params and _scalars(x, params, ()):  # (DyT's alpha=0.5: its array before the key)
             params = _as_arrays(params)
         key, plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))
-        if key is None and _scalars(params, inputs):
+        if key is None and _scalars(x, params, inputs):
             params, inputs = _as_arrays(params), _as_arrays(inputs)
             plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))[1]
         if plan is not None and plan.family is not None:
@@ -230,9 +230,11 @@ def _number(a: Any) -> bool:
     return t is not np.ndarray and isinstance(a, (numbers.Number, np.generic)) and t is not bool
 
 
-def _scalars(params: tuple[Any, ...], inputs: tuple[Any, ...]) -> bool:
-    """Whether a parameter or input is a Python or NumPy scalar (a call made with ``alpha=0.5``)."""
-    return any(a is not None and _number(a) for a in (*params, *inputs))
+def _scalars(x: Any, params: tuple[Any, ...], inputs: tuple[Any, ...]) -> bool:
+    """Whether ``x`` is a ``numpy.ndarray`` and a parameter or input a Python or NumPy scalar (a call made with
+    ``alpha=0.5``: a NumPy array of it is what validation makes; beside another library's ``x`` it makes one of
+    that library's, so those calls are left to it)."""
+    return type(x) is np.ndarray and any(a is not None and _number(a) for a in (*params, *inputs))
 
 
 def _as_arrays(arrays: tuple[Any, ...]) -> tuple[Any, ...]:

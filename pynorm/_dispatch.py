@@ -180,12 +180,7 @@ def forward(
     ``"channels"`` layout takes ``x`` of ``(N, C, *spatial)`` (or channels last; the backends see ``(N, C, S)``)."""
     channels = spec.layout == "channels"
     # (the channel axis is an option: the key's axis is a constant for the channel ops)
-    if spec.scalar_params and _scalars(x, params, ()):  # (DyT's alpha=0.5: its array before the key)
-        params = _as_arrays(params)
-    key, plan = _lookup(_plan_key(spec, x, inputs, params, 0 if channels else axis, backend, out, options))
-    if key is None and _scalars(x, params, inputs):  # (as validation reads them: a call shape with its plan)
-        params, inputs = _as_arrays(params), _as_arrays(inputs)
-        key, plan = _lookup(_plan_key(spec, x, inputs, params, 0 if channels else axis, backend, out, options))
+    key, plan, params, inputs = _keyed(spec, x, inputs, params, 0 if channels else axis, backend, out, options)
     run = _run_channels if channels else _run
     if plan is not None:  # the same call shape as before: only what depends on the values is checked again
         _recheck(spec, plan, x, inputs, params, out, plan.x_shape if channels else plan.y_shape)
@@ -205,12 +200,7 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
     arguments, of an op whose result is its outputs, runs the backend's runner that builds no ctx
     (:func:`result_only`): what a :class:`pynorm.Plan`'s call runs, the same bits as :func:`forward`'s."""
     if spec.layout == "rows" and outputs_alone(spec, options):
-        if spec.scalar_params and _scalars(x, params, ()):  # (DyT's alpha=0.5: its array before the key)
-            params = _as_arrays(params)
-        key, plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))
-        if key is None and _scalars(x, params, inputs):
-            params, inputs = _as_arrays(params), _as_arrays(inputs)
-            plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))[1]
+        _, plan, params, inputs = _keyed(spec, x, inputs, params, axis, backend, out, options)
         if plan is not None and plan.family is not None:
             _recheck(spec, plan, x, inputs, params, out, plan.y_shape)
             name, mod = _registry.resolve_family(spec.name, plan.family, plan.present_names, backend)
@@ -220,6 +210,23 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
                 calls = plan.calls[mod] = Calls(run if run is not None else _served_target(spec, mod, plan))
             return result_only(spec, plan, name, calls, x, inputs, params, out)
     return forward(spec, x, params, axis=axis, backend=backend, out=out, options=options, inputs=inputs)[0]
+
+
+def _keyed(
+    spec: OpSpec, x: Any, inputs: tuple[Any, ...], params: tuple[Any, ...], axis: Any, backend: str | None, out: Any,
+    options: Mapping[str, Any],
+) -> tuple[tuple[Any, ...] | None, Any, tuple[Any, ...], tuple[Any, ...]]:  # fmt: skip
+    """``(key, the plan kept under it or None, params, inputs)`` of a call (:func:`_plan_key`, :func:`_lookup`),
+    with a number given for a parameter or input read as its array first (:func:`_as_arrays`), so that the call
+    shape has a plan: before the key for an op with a scalar parameter (DyT's ``alpha=0.5``), after a first
+    attempt that found no key for the others."""
+    if spec.scalar_params and _scalars(x, params, ()):
+        params = _as_arrays(params)
+    key, plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))
+    if key is None and _scalars(x, params, inputs):
+        params, inputs = _as_arrays(params), _as_arrays(inputs)
+        key, plan = _lookup(_plan_key(spec, x, inputs, params, axis, backend, out, options))
+    return key, plan, params, inputs
 
 
 def _number(a: Any) -> bool:

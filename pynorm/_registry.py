@@ -241,14 +241,22 @@ def _forget() -> None:
 _ops.on_change(_forget)
 
 
-def _memoized(key: tuple[Any, ...], compute: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
-    """``compute()`` (a ``(backend name, answer)`` pair), or its remembered value under ``key`` (see :data:`_memo`)."""
-    key = (*key, len(_backends))
-    hit = _memo.get(key)
+def _remembered(key: tuple[Any, ...]) -> tuple[str, Any] | None:
+    """The ``(backend name, answer)`` remembered under ``key`` while it holds (see :data:`_memo`), else None."""
+    hit = _memo.get((*key, len(_backends)))
     if hit is not None and _backends.get(hit[1]) is hit[0]:
         return hit[1], hit[2]
+    return None
+
+
+def _memoized(key: tuple[Any, ...], compute: Callable[[], tuple[str, Any]]) -> tuple[str, Any]:
+    """``compute()`` (a ``(backend name, answer)`` pair), or its remembered value under ``key`` (see :data:`_memo`)."""
+    hit = _remembered(key)
+    if hit is not None:
+        return hit
     name, answer = compute()
-    _memo[key] = (_backends[name], name, answer)
+    full = (*key, len(_backends))
+    _memo[full] = (_backends[name], name, answer)
     return name, answer
 
 
@@ -375,6 +383,8 @@ def resolve(
 #: names and values, which ``os.environ`` and ``putenv`` keep current), read by :func:`_env_backend`; None where
 #: the platform's ``os.environ`` has none
 _ENV_STORE: dict[Any, Any] | None = getattr(os.environ, "_data", None)
+if type(_ENV_STORE) is not dict:
+    _ENV_STORE = None
 _ENV_KEY: Any = getattr(os.environ, "encodekey", lambda k: k)(ENV_VAR)
 
 
@@ -382,8 +392,7 @@ def _env_backend() -> str | None:
     """The backend :data:`ENV_VAR` names (None: unset or empty), as ``os.environ.get`` reads it at this call: a
     change made through ``os.environ`` holds at once. Its own store's entry is read first (``os.environ.get``
     encodes the name and decodes the value: 0.7 us of a 7 us call), the value decoded only when it is set."""
-    store = _ENV_STORE
-    if store is not None and type(store) is dict and _ENV_KEY not in store:
+    if _ENV_STORE is not None and _ENV_KEY not in _ENV_STORE:
         return None
     return os.environ.get(ENV_VAR) or None
 
@@ -394,10 +403,11 @@ def resolve_family(
     """:func:`resolve` for arrays already known to be of one ``family`` (a ``(module, class)`` pair)."""
     explicit = backend if backend is not None else _current.get()
     env = None if explicit is not None else _env_backend()
-    hit = _memo.get(("resolve", explicit, env, family, op, len(_backends)))  # (:func:`_memoized`'s, inline)
-    if hit is not None and _backends.get(hit[1]) is hit[0]:
-        return hit[1], hit[2]
-    return _memoized(("resolve", explicit, env, family, op), lambda: _resolve(op, family, names, explicit, env))
+    key = ("resolve", explicit, env, family, op)
+    hit = _remembered(key)  # (before :func:`_memoized`: a repeated call makes no closure)
+    if hit is not None:
+        return hit
+    return _memoized(key, lambda: _resolve(op, family, names, explicit, env))
 
 
 def _resolve(op: str, family: tuple[str, str], names: tuple[str, ...], explicit: str | None, env: str | None) -> Any:

@@ -279,19 +279,26 @@ def result_only(
 ) -> Any:  # fmt: skip
     """The result of a call that ``plan`` holds for (on the backend ``name``) through ``calls``, without a ctx:
     ``calls.fast`` where it takes the call, else ``calls.lean`` through :func:`execute` (its first call makes
-    ``calls.fast`` for an op of one output)."""
+    ``calls.fast``). ``calls.fast`` returns an op's outputs as the backend's runner does: ``y``, or a tuple of
+    several (the residual prologue's ``(y, h)``), shaped here as :func:`execute` shapes them."""
     fast = calls.fast
     if fast is not None:
         shape = (plan.rows, plan.h)
         args = (*ins, *ps) if plan.flat else _flat_arrays(spec, plan, ins, ps)
         y = fast(x if x.shape == shape else x.reshape(shape), *args, out=None if out is None else out.reshape(shape))
         if y is not None:
+            if isinstance(y, tuple):  # (an op of several outputs: the first shaped as y, the others as x)
+                x_shape = x.shape
+                return tuple(
+                    (out if out is not None else o.reshape(plan.y_shape)) if i == 0 else o.reshape(x_shape)
+                    for i, o in enumerate(y)
+                )
             return out if out is not None else (y if y.shape == plan.y_shape else y.reshape(plan.y_shape))
     lean = calls.lean
     if lean is None:
         return execute(spec, plan, name, calls.run, x, ins, ps, out)[0]
     result = execute(spec, plan, name, lean, x, ins, ps, out, with_ctx=False)[0]
-    if fast is None and len(spec.outputs) == 1:
+    if fast is None:
         make = getattr(lean, "fast", None)
         calls.fast = None if make is None else make((plan.rows, plan.h))
     return result

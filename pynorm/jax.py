@@ -196,8 +196,29 @@ def _run_forward(spec: OpSpec, roles: tuple[tuple[str, str], ...], arrays: tuple
 # the callbacks
 
 
+class _Alias:
+    """Holds the array interface of a writable alias of a read-only host buffer, and the buffer (kept alive as
+    long as the alias is)."""
+
+    __slots__ = ("__array_interface__", "buffer")
+
+    def __init__(self, a: np.ndarray) -> None:
+        iface = dict(a.__array_interface__)
+        iface["data"] = (iface["data"][0], False)
+        self.__array_interface__, self.buffer = iface, a
+
+
 def _host(a: Any) -> np.ndarray:
-    return np.asarray(a)
+    """A callback's argument as the kernels take it. JAX hands a callback its buffers read-only, and numba compiles
+    a read-only array's kernels apart from a writable one's: every op's kernels compiled twice, once for NumPy's
+    arrays and once for JAX's (a LayerNorm forward + backward under ``jit``: 6.1 s cold after NumPy's calls had
+    compiled them). pynorm never writes an input (its tests check it for every op), so a read-only buffer is
+    handed on as a writable alias of the same memory (no copy), which the NumPy calls' kernels serve."""
+    a = np.asarray(a)
+    if a.flags.writeable or a.size == 0:
+        return a
+    alias = np.asarray(_Alias(a))
+    return alias if alias.dtype == a.dtype else alias.view(a.dtype)  # (bfloat16's interface says "|V2")
 
 
 def _rebuilt(ctx: Any, slots: dict[tuple[Any, ...], _Slot], value: Callable[[_Slot], Any]) -> Any:

@@ -4,11 +4,12 @@ The numba kernels compile on the first call of each op, direction and dtype (sec
 later processes: ``docs/numba.md``). ``warmup`` runs each chosen op's forward and backward once, on a small input
 of each chosen dtype, so that a pipeline's first real call loads them from the cache instead; ``--jobs`` runs the
 ops in that many processes (the compiler holds a lock per process: processes are what runs compilations side
-by side), ``--read-only`` also compiles the signatures of read-only inputs, which :mod:`pynorm.jax`'s callbacks
-pass, and ``--quantize`` the fused FP8/FP4 quantize epilogue of the ops that offer ``quantize=``
-(``docs/norms/quantized_outputs.md``: one compilation per op and dtype serves every format and scaling). The
-options are each op's defaults (its first test case for an op with a required option): another ``casting`` or
-``eps_mode`` compiles its own kernels on first use.
+by side), ``--read-only`` also compiles the signatures of read-only NumPy arrays (a memory-mapped file's, an
+array whose ``writeable`` flag is off; :mod:`pynorm.jax`'s callbacks need none: they hand JAX's read-only buffers
+on as writable aliases, served by the ordinary signatures), and ``--quantize`` the fused FP8/FP4 quantize epilogue
+of the ops that offer ``quantize=`` (``docs/norms/quantized_outputs.md``: one compilation per op and dtype serves
+every format and scaling). The options are each op's defaults (its first test case for an op with a required
+option): another ``casting`` or ``eps_mode`` compiles its own kernels on first use.
 """
 
 from __future__ import annotations
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32", help=f"comma-separated, of {', '.join(DTYPES)}, int8 "
                    "(default: float32)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=1, help="processes compiling side by side (default 1)")
-    p.add_argument("--read-only", action="store_true", help="also the signatures of read-only inputs "
-                   "(what pynorm.jax passes)")  # fmt: skip
+    p.add_argument("--read-only", action="store_true", help="also the signatures of read-only NumPy inputs "
+                   "(memory-mapped arrays; pynorm.jax needs none)")  # fmt: skip
     p.add_argument("--quantize", action="store_true", help="also the fused FP8/FP4 quantize epilogue of the "
                    "ops that offer quantize= (one compilation per op and dtype serves every format)")  # fmt: skip
     a = p.parse_args(argv)

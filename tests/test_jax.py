@@ -196,6 +196,51 @@ def test_backward_reuses_the_forward_statistics(monkeypatch: pytest.MonkeyPatch)
     assert calls == {"forward": 2, "backward": 2}
 
 
+def _numba_signatures() -> int:
+    """How many compiled signatures the numba backend's kernel modules hold (every dispatcher's overloads)."""
+    import importlib
+    import pkgutil
+
+    import pynorm.backends.numba as nb
+
+    n = 0
+    for info in pkgutil.iter_modules(nb.__path__):
+        mod = importlib.import_module(f"pynorm.backends.numba.{info.name}")
+        n += sum(len(v.overloads) for v in vars(mod).values() if hasattr(v, "overloads") and hasattr(v, "py_func"))
+    return n
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_a_jax_call_runs_the_kernels_numpy_calls_compiled(dt: str) -> None:
+    """JAX hands a callback read-only buffers, and numba compiles a read-only array's kernels apart: the
+    callbacks hand them on as writable aliases of the same memory (no copy), so a jitted forward + backward
+    after the same NumPy calls compiles no new kernel signature (a JAX user's second compile wall: 6.1 s for
+    LayerNorm's) -- and the inputs are not written."""
+    pytest.importorskip("numba")
+    from pynorm.jax import _host
+
+    dtype = np.dtype(bf16) if dt == "bfloat16" else np.dtype(dt)
+    ro = np.arange(6.0).astype(dtype)
+    ro.flags.writeable = False
+    alias = _host(ro)
+    assert alias.flags.writeable and alias.dtype == dtype
+    assert alias.__array_interface__["data"][0] == ro.__array_interface__["data"][0]
+    rng = np.random.default_rng(8)
+    x, w, b, dy = (rng.standard_normal(s).astype(dtype) for s in ((5, 48), (48,), (48,), (5, 48)))
+    y, ctx = pynorm.layer_norm_forward(x, w, b, backend="numba")
+    pynorm.layer_norm_backward(dy, ctx)
+    before = _numba_signatures()
+    xj, wj, bj, dyj = (jnp.asarray(a) for a in (x, w, b, dy))
+    copies = [np.array(a) for a in (xj, wj, bj, dyj)]
+    yj, vjp = jax.vjp(jax.jit(lambda *a: pj.layer_norm(*a, backend="numba")), xj, wj, bj)
+    grads = vjp(dyj)
+    jax.block_until_ready(grads)
+    assert _numba_signatures() == before
+    np.testing.assert_array_equal(np.asarray(yj), y)
+    for a, c in zip((xj, wj, bj, dyj), copies, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), c)
+
+
 def test_vmap_gives_per_example_gradients() -> None:
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((4, 6, 32)), jnp.float32)

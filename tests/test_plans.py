@@ -479,13 +479,27 @@ def test_a_bound_plans_short_path_is_the_full_paths_bits(
                 _assert_same_result(out, want, f"{op} {dt} step {step} out")
         # (each op with and without out=: a call shape each, each taking its shortest call)
         assert sum(c.fast is not None for pl in _dispatch._PLANS.values() for c in pl.calls.values()) == 4
-    for dt in (np.float32, np.float16):  # (the residual prologue: its kernel called through the plan's entry point)
+    for dt in (np.float32, np.float16):  # (the residual prologue: y and h by the shortest call too)
         x, res = (rng.standard_normal(shape).astype(dt) for _ in range(2))
-        w = rng.standard_normal(shape[-1]).astype(dt)
-        for step in range(3):
+        w, b = (rng.standard_normal(shape[-1]).astype(dt) for _ in range(2))
+        _dispatch._PLANS.clear()
+        for step in range(4):
             x[...] = rng.standard_normal(shape).astype(dt)
-            want = pynorm.add_rms_norm_forward(x, res, w)[0]
-            _assert_same_result(pynorm.add_rms_norm(x, res, w), want, f"add_rms_norm {dt} step {step}")
+            if step == 2:  # (a row the slow path finishes)
+                x[0] *= 3e3 if dt == np.float16 else 3e37
+            for op, params in (("add_rms_norm", (w,)), ("add_layer_norm", (w, b))):
+                fwd, call = getattr(pynorm, f"{op}_forward"), getattr(pynorm, op)
+                want = fwd(x, res, *params, alpha=0.5)[0]
+                got = call(x, res, *params, alpha=0.5)
+                assert isinstance(got, tuple) and len(got) == 2
+                for g, v, name in zip(got, want, ("y", "h"), strict=True):
+                    _assert_same_result(g, v, f"{op} {dt} step {step} {name}")
+                out = np.empty_like(x)
+                got = call(x, res, *params, alpha=0.5, out=out)
+                assert got[0] is out
+                _assert_same_result(out, want[0], f"{op} {dt} step {step} out")
+                _assert_same_result(got[1], want[1], f"{op} {dt} step {step} out h")
+        assert sum(c.fast is not None for pl in _dispatch._PLANS.values() for c in pl.calls.values()) == 4
 
 
 def test_a_bound_plan_takes_the_paths_forced_on_it() -> None:

@@ -373,8 +373,9 @@ class StatsOp(_Op):
 
     def fast_forward(self, plan: common.PlanForward, shape: tuple[int, int]) -> Any:
         """A :class:`pynorm.Plan`'s shortest call for ``(R, H)`` arrays of ``shape``: ``run(x, *args, out=None)``
-        -> ``y`` (no ctx), or None where the plan's calls take more than :meth:`forward_setup`'s serial plain path
-        (a residual prologue, a call the thread pool takes, a test switch of :mod:`._paths` on). Made from
+        -> ``y`` (``(y, h)`` with the residual prologue; no ctx), or None where the plan's calls take more than
+        :meth:`forward_setup`'s serial plain path (a prologue widened to float64 first, a call the thread pool
+        takes, a test switch of :mod:`._paths` on). Made from
         ``plan``'s first call (its setup and the row kernel's entry point): the same kernel and arguments as
         :meth:`forward_setup` and :func:`forward_rows`, so the same bits; what it skips is re-deciding what the
         plan fixed (the setup's lookup, the path, the streaming stores, the ctx). It returns None for a call that
@@ -382,26 +383,34 @@ class StatsOp(_Op):
         rows, hidden = shape
         st, memo = plan.setup, plan.entry
         if (
-            st is None or memo.entry is None or self.residual or st.h_dtype is not None
+            st is None or memo.entry is None or st.widen or (st.h_dtype is not None) != self.residual
             or rows * hidden >= _threads.serial_threshold() or not rows or _forcing()
         ):  # fmt: skip
             return None
         entry, stat, cv, pick, prepare = memo.entry, self.stat, st.conventions, self._pick, self.affine.prepare
         offset, mdt, aux_needed = st.kargs.weight_offset, st.math_dtype, self.statistic.aux
         output, storage, empty = common.output, common.storage, np.empty
+        hd, alpha = st.h_dtype, st.kargs.alpha
 
-        def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> np.ndarray | None:
+        def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> Any:
             if _forcing():
                 return None
-            weight, bias, ids, _ = pick((*args, None))
+            weight, bias, ids, residual = pick((*args, None))
             y = output(out, shape, x.dtype)
             rs = (empty(rows) if aux_needed else None, empty(rows))
             aff = prepare(weight, bias, ids, offset, mdt, hidden, narrow=x.dtype.itemsize == 2)
-            rw = (storage(x), None)
+            rw: tuple[Any, Any]
+            if hd is None:
+                h, rw = None, (storage(x), None)
+            elif residual is None:
+                return None
+            else:  # the residual prologue: h = x + alpha residual, written in the row kernel's pass
+                h = output(None, shape, hd)
+                rw = (storage(x), (storage(residual), alpha, storage(h)))
             ys = storage(y)
             if entry(stat, rw, aff, cv, ys, rs, None, 0, rows):  # rows left for the slow path
                 kernels.fwd_slow(stat, rw, aff, cv, ys, rs)
-            return y
+            return y if h is None else (y, h)
 
         return run
 

@@ -248,10 +248,12 @@ def test_numba_planned_calls_run_the_row_kernel_they_typed_once(op: str, monkeyp
         ("rms_norm", [{}, {"eps": 0.25}, {"weight_offset": 1.0}]),
         ("add_layer_norm", [{}, {"alpha": 2.0}, {"eps": 0.5}]),
         ("power_norm", [{}, {"p": 0.3}]),  # (each p class compiles kernels of its own: test_backends)
+        ("group_norm", [{"num_groups": 2}, {"num_groups": 4}, {"num_groups": 2, "eps": 0.5}]),  # (the table source)
     ],
 )
 def test_numba_backward_setup_is_kept_per_ctx_options_and_dtypes(op: str, variants: list[dict[str, Any]]) -> None:
-    # StatsOp._backward_setup (and ElementwiseOp's) keeps what a backward reads of the ctx's options and dtypes: a
+    # StatsOp._backward_setup (and ElementwiseOp's, ChannelOp's) keeps what a backward reads of the ctx's options and
+    # dtypes (and ChannelOp's, the shape), and _setup what a forward reads of its options and dtypes: a
     # ctx whose options or dtypes differ must never run with another's (each backward equals the one with an empty
     # memo)
     pytest.importorskip("numba")
@@ -267,6 +269,14 @@ def test_numba_backward_setup_is_kept_per_ctx_options_and_dtypes(op: str, varian
         dy = rng.standard_normal((5, 8)).astype(dtype)
         extra = (x[::-1].copy(),) if op == "add_layer_norm" else ()
         ctxs = [fwd(x, *extra, w, backend="numba", **v)[1] for v in variants]
+        ys = []
+        for v in variants:  # (and the forward's setup, kept per options and dtypes likewise where it is kept)
+            getattr(impl, "_setups", {}).clear()
+            ys.append(fwd(x, *extra, w, backend="numba", **v)[0])
+        for v, want_y in zip(variants, ys, strict=True):
+            got_y = fwd(x, *extra, w, backend="numba", **v)[0]
+            for g, e in zip(got_y if extra else (got_y,), want_y if extra else (want_y,), strict=True):
+                assert g.dtype == e.dtype and np.array_equal(g, e, equal_nan=True), v
         fresh = []
         for c in ctxs:
             impl._backward_setups.clear()

@@ -694,6 +694,23 @@ def _group_ids(rows: int, groups: int) -> np.ndarray:
     return np.ascontiguousarray(np.tile(np.arange(groups, dtype=np.int64), rows // groups))
 
 
+class _ChannelSetup(NamedTuple):
+    """What a :class:`ChannelOp` forward reads of its options, dtype and ``(N, C, S)`` alone."""
+
+    options: dict[str, Any]  # every option, the defaults filled in
+    kargs: Any  # kernel_args(spec, options)
+    conventions: tuple[Any, ...]  # the Conventions bundle, plain
+    groups: int
+    math_dtype: np.dtype[Any]
+    table: bool  # the table source (fewer than TABLE_BELOW_S positions per channel)
+    ids: tuple[np.ndarray, int] | None  # its (row -> table row, G), kept for up to _KEPT_IDS rows (else per call)
+    layout: tuple[Any, Any] | None  # a backward's: the table source's layout(ids, rows), where ids is kept
+
+
+#: the table source's row ids a channel op's setup keeps (:class:`_ChannelSetup`): up to this many rows (512 KiB)
+_KEPT_IDS = 1 << 16
+
+
 class ChannelOp(_Op):
     """An op of the statistics family with the channel affine source on this backend: ``x`` is ``(N, C, S)``
     (the dispatcher's channels layout), a row is one sample's group -- ``C / G`` channels by ``S`` positions,
@@ -710,6 +727,36 @@ class ChannelOp(_Op):
         super().__init__(spec)
         self.row = prologue_of(spec).row
         self.running = tuple(i.name for i in spec.inputs if i.kind in affine_of(spec).inputs)
+        self._setups: dict[Any, _ChannelSetup] = {}  # by options, dtype and (N, C, S) (:meth:`_setup`)
+        self._backward_setups: dict[Any, _ChannelSetup] = {}  # by the ctx's options, dtype and (N, C, S)
+        self._ctx_options = common.ctx_options(spec)
+
+    def _setup(self, options: dict[str, Any], dtype: Any, shape: tuple[int, int, int]) -> _ChannelSetup:
+        """What a forward reads of its options, dtype and shape alone (kept for the next call with the same
+        ones: a small call's microseconds -- the options' defaults, :func:`kernel_args`, the rows' table ids)."""
+        key = (tuple(options), tuple(options.values()), dtype, shape)
+        return common.cached(self._setups, key, lambda: self._make_setup(options, dtype, shape))  # type: ignore[no-any-return]
+
+    def _backward_setup(self, ctx: Any, dtype: Any, shape: tuple[int, int, int]) -> _ChannelSetup:
+        """:meth:`_setup` of a backward: what it reads of the ctx's options, the dtype and the shape alone."""
+        key = (self._ctx_options(ctx), dtype, shape)
+        return common.cached(self._backward_setups, key, lambda: self._make_setup(ctx, dtype, shape, True))  # type: ignore[no-any-return]
+
+    def _make_setup(
+        self, options: Any, dtype: Any, shape: tuple[int, int, int], backward: bool = False
+    ) -> _ChannelSetup:  # fmt: skip
+        """``options``: a forward's, or with ``backward`` the ctx."""
+        o = options if backward else self._options_of(options)
+        kargs = kernel_args(self.spec, o)
+        n, c, s = shape
+        groups = self._groups(o, c)
+        rows = n * groups
+        table = s < TABLE_BELOW_S
+        ids = (_group_ids(rows, groups), groups) if table and rows <= _KEPT_IDS else None
+        # (a backward's: the table source's partials layout of those rows too)
+        layout = AFFINE_SOURCES["table"].layout(ids, rows) if ids is not None and backward else None
+        return _ChannelSetup(o, kargs, plain(Conventions.of(kargs)), groups, common.math_dtype(dtype), table, ids,
+                             layout)  # fmt: skip
 
     def _groups(self, source: Any, c: int) -> int:
         get = source.get if isinstance(source, dict) else lambda k, d: getattr(source, k, d)
@@ -718,13 +765,13 @@ class ChannelOp(_Op):
     def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
         """Forward of the ``(N, C, S)`` array ``x`` (then the running statistics, if the spec has them, and the
         parameters): ``(y, ctx)``, or ``((y, running_mean', running_var'), ctx)`` (the reference's contract)."""
-        o, kargs, inputs, p = self._bind(args, options)
+        inputs, p = self._arguments(args)
+        st = self._setup(options, x.dtype, x.shape)
+        o, kargs, groups, mdt = st.options, st.kargs, st.groups, st.math_dtype
         run = [inputs.get(k) for k in self.running]
         given = bool(run) and run[0] is not None and not o.get(_USE_STATS, True)
         n, c, s = x.shape
-        groups = self._groups(o, c)
         rows, h = n * groups, (c // groups) * s
-        mdt = common.math_dtype(x.dtype)
         y = common.output(out, x.shape, x.dtype)
         if given:
             rm, rv = run
@@ -742,11 +789,11 @@ class ChannelOp(_Op):
                 launch(kernels.fwd_given, rows * h, rows, self.stat, xs, plain(aff), (mean, rstd), ys,
                        True if stream else None)  # fmt: skip
             else:
-                if s < TABLE_BELOW_S:  # (few positions per channel: the table source, :data:`TABLE_BELOW_S`)
-                    ids = (_group_ids(rows, groups), groups)
+                if st.table:  # (few positions per channel: the table source, :data:`TABLE_BELOW_S`)
+                    ids = st.ids if st.ids is not None else (_group_ids(rows, groups), groups)
                     aff = Affine(_as_table(p[self.weight_name], groups, s, mdt),
                                  _as_table(p.get(self.bias_name), groups, s, mdt), ids)  # fmt: skip
-                forward_rows(self.stat, (xs, None), plain(aff), plain(Conventions.of(kargs)), ys, (mean, rstd), stream)
+                forward_rows(self.stat, (xs, None), plain(aff), st.conventions, ys, (mean, rstd), stream)
         values = {**o, **p, self.row: x, **self.statistic.ctx_values(rstd, mean=mean)}
         ctx = filled(self.ctx_type, {f: values[f] for f in self._fields})
         if not run or run[0] is None or given:
@@ -768,14 +815,13 @@ class ChannelOp(_Op):
 
     def backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None) -> Any:
         """Backward: ``(dx, dweight, dbias)`` given ``dy`` (``(N, C, S)``)."""
-        kargs = kernel_args(self.spec, ctx)
         x = getattr(ctx, self.row)
         weight = getattr(ctx, self.weight_name, None)
         bias = getattr(ctx, self.bias_name, None) if self.bias_name else None
+        st = self._backward_setup(ctx, x.dtype, x.shape)
+        groups, mdt = st.groups, st.math_dtype
         n, c, s = x.shape
-        groups = self._groups(ctx, c)
         rows, h, per = n * groups, (c // groups) * s, c // groups
-        mdt = common.math_dtype(x.dtype)
         dx = common.output(dx_out, x.shape, x.dtype)
         pw = np.zeros((rows, per)) if weight is not None else None
         pb = np.zeros((rows, per)) if bias is not None else None
@@ -785,11 +831,11 @@ class ChannelOp(_Op):
             xs, dys = common.storage(x).reshape(rows, h), common.storage(dy).reshape(rows, h)
             dxs = common.storage(dx).reshape(rows, h)
             stream = use_stream(dxs)
-            if getattr(ctx, _USE_STATS, True) and s < TABLE_BELOW_S:
-                return self._table_backward(xs, dys, weight, bias, rs, kargs, dx, dxs, (n, c, s, groups), mdt, stream)
+            if getattr(ctx, _USE_STATS, True) and st.table:
+                return self._table_backward(xs, dys, weight, bias, rs, st, dx, dxs, (n, c, s), stream)
             if getattr(ctx, _USE_STATS, True):
-                backward_rows(self.stat, "fused", xs, dys, plain(aff), plain(rs), plain(Conventions.of(kargs)),
-                              (dxs, None), (pw, pb), stream)  # fmt: skip
+                backward_rows(self.stat, "fused", xs, dys, plain(aff), plain(rs), st.conventions, (dxs, None),
+                              (pw, pb), stream)  # fmt: skip
             else:
                 launch(kernels.bwd_given, rows * h, rows, self.stat, xs, dys, plain(aff), plain(rs),
                        plain(Grad(dxs, None)), plain(Partials(pw, pb)), True if stream else None)  # fmt: skip
@@ -800,22 +846,22 @@ class ChannelOp(_Op):
         return self.grads(dx, *grads)
 
     def _table_backward(
-        self, xs: Any, dys: Any, weight: Any, bias: Any, rs: RowStats, kargs: Any, dx: np.ndarray, dxs: Any,
-        dims: tuple[int, int, int, int], mdt: np.dtype[Any], stream: bool,
+        self, xs: Any, dys: Any, weight: Any, bias: Any, rs: RowStats, st: _ChannelSetup, dx: np.ndarray, dxs: Any,
+        dims: tuple[int, int, int], stream: bool,
     ) -> Any:  # fmt: skip
         """The backward of rows of fewer than :data:`TABLE_BELOW_S` positions per channel, on the table source (as
         :meth:`StatsOp.backward` runs it): ``dweight``/``dbias`` the float64 ``(G, (C / G) S)`` table gradients
         summed over each channel's ``S`` positions, rounded once."""
-        _, c, s, groups = dims
+        _, c, s = dims
+        groups, mdt = st.groups, st.math_dtype
         rows, h = xs.shape
         table = AFFINE_SOURCES["table"]
-        tab, layout = table.layout((_group_ids(rows, groups), groups), rows)
+        tab, layout = st.layout if st.layout is not None else table.layout((_group_ids(rows, groups), groups), rows)
         pdt = self._partials_dtype(mdt)
         pw, pb = table.partials(layout, h, pdt, weight), table.partials(layout, h, pdt, bias)
         backward_rows(
             self.stat, "fused" if use_fused(rows, h) else "rows", xs, dys,
-            (_as_table(weight, groups, s, mdt), None, tab), plain(rs), plain(Conventions.of(kargs)), (dxs, None),
-            (pw, pb), stream,
+            (_as_table(weight, groups, s, mdt), None, tab), plain(rs), st.conventions, (dxs, None), (pw, pb), stream,
         )  # fmt: skip
         grads: list[np.ndarray | None] = []
         for part, param in ((pw, weight), (pb, bias)):

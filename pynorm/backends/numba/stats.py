@@ -689,6 +689,13 @@ def _as_table(param: Any, groups: int, s: int, mdt: np.dtype[Any]) -> Any:
     return table if s == 1 else np.ascontiguousarray(np.repeat(table, s, axis=1))
 
 
+def _zeroed(shape: tuple[int, int]) -> np.ndarray:
+    """Float64 per-row partials set to zero, from the scratch pool (no fresh pages for a repeated call)."""
+    a = common.scratch(shape, np.float64)
+    a.fill(0.0)
+    return a
+
+
 def _group_ids(rows: int, groups: int) -> np.ndarray:
     """The table row of each row: ``i % G`` (int64)."""
     return np.ascontiguousarray(np.tile(np.arange(groups, dtype=np.int64), rows // groups))
@@ -823,16 +830,18 @@ class ChannelOp(_Op):
         n, c, s = x.shape
         rows, h, per = n * groups, (c // groups) * s, c // groups
         dx = common.output(dx_out, x.shape, x.dtype)
-        pw = np.zeros((rows, per)) if weight is not None else None
-        pb = np.zeros((rows, per)) if bias is not None else None
+        if rows and h and st.table and getattr(ctx, _USE_STATS, True):
+            xs, dys = common.storage(x).reshape(rows, h), common.storage(dy).reshape(rows, h)
+            dxs = common.storage(dx).reshape(rows, h)
+            rs = RowStats(common.stats(ctx.mean), common.stats(ctx.rstd))
+            return self._table_backward(xs, dys, weight, bias, rs, st, dx, dxs, (n, c, s), use_stream(dxs))
+        pw, pb = (_zeroed((rows, per)) if p is not None else None for p in (weight, bias))
         if rows and h:
             aff = Affine(common.param(weight, mdt), None, (groups, s, per))
             rs = RowStats(common.stats(ctx.mean), common.stats(ctx.rstd))
             xs, dys = common.storage(x).reshape(rows, h), common.storage(dy).reshape(rows, h)
             dxs = common.storage(dx).reshape(rows, h)
             stream = use_stream(dxs)
-            if getattr(ctx, _USE_STATS, True) and st.table:
-                return self._table_backward(xs, dys, weight, bias, rs, st, dx, dxs, (n, c, s), stream)
             if getattr(ctx, _USE_STATS, True):
                 backward_rows(self.stat, "fused", xs, dys, plain(aff), plain(rs), st.conventions, (dxs, None),
                               (pw, pb), stream)  # fmt: skip

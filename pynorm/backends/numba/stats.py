@@ -877,8 +877,8 @@ class ChannelOp(_Op):
             if part is None or param is None:
                 grads.append(None)
                 continue
-            full = table.reduce(part, np.empty((groups, h), np.float64), layout)
-            grads.append(round_to(full.reshape(c, s).sum(axis=1), param.dtype))
+            full = table.reduce(part, np.empty((groups, h), np.float64), layout).reshape(c, s)
+            grads.append(round_to(full[:, 0] if s == 1 else full.sum(axis=1), param.dtype))
         return self.grads(dx, *grads)
 
 

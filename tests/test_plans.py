@@ -297,6 +297,37 @@ def test_numba_backward_setup_is_kept_per_ctx_options_and_dtypes(op: str, varian
             )
 
 
+def test_numba_channel_setup_keeps_the_row_ids_of_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ChannelOp keeps the table source's row ids (and a backward's partials layout) in its setup for up to
+    # stats._KEPT_IDS rows, and makes them per call above: both give the same bits
+    pytest.importorskip("numba")
+    from pynorm import _registry
+    from pynorm.backends.numba import stats
+
+    impl = _registry.op_module("numba", "group_norm")
+    impl = getattr(impl, "impl", impl)
+    rng = np.random.default_rng(5)
+    x, dy = (rng.standard_normal((6, 16, 3)).astype(np.float32) for _ in range(2))
+    w, b = (rng.standard_normal(16).astype(np.float32) for _ in range(2))
+
+    def run() -> tuple[Any, ...]:
+        impl._setups.clear()
+        impl._backward_setups.clear()
+        y, ctx = pynorm.group_norm_forward(x, w, b, num_groups=4, backend="numba")
+        st = next(iter(impl._setups.values()))
+        return (y, *pynorm.group_norm_backward(dy, ctx)), st
+
+    kept, st = run()
+    assert st.table and st.ids is not None
+    monkeypatch.setattr(stats, "_KEPT_IDS", 0)
+    fresh, st = run()
+    assert st.table and st.ids is None
+    for a, e in zip(kept, fresh, strict=True):
+        assert a.dtype == e.dtype and np.array_equal(a, e)
+    want = pynorm.group_norm_forward(x, w, b, num_groups=4, backend="numpy")[0]
+    np.testing.assert_allclose(kept[0], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("op", "opts"),
     [

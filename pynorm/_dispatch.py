@@ -198,8 +198,19 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
          options: Mapping[str, Any], inputs: tuple[Any, ...] = ()) -> Any:  # fmt: skip
     """``pynorm.<op>``: :func:`forward`'s result without its ctx. A call shape seen before, on ``numpy.ndarray``
     arguments, of an op whose result is its outputs, runs the backend's runner that builds no ctx
-    (:func:`result_only`): what a :class:`pynorm.Plan`'s call runs, the same bits as :func:`forward`'s."""
-    if spec.layout == "rows" and outputs_alone(spec, options):
+    (:func:`result_only`): what a :class:`pynorm.Plan`'s call runs, the same bits as :func:`forward`'s. An op of
+    the ``"channels"`` layout without a result function (GroupNorm) runs the backend's ``forward_lean`` where it
+    has one (:func:`_lean_channels`), else its plan's full path."""
+    if spec.layout == "channels" and spec.result is None:
+        _, plan, params, inputs = _keyed(spec, x, inputs, params, 0, backend, out, options)
+        if plan is not None and plan.family is not None:
+            _recheck(spec, plan, x, inputs, params, out, plan.x_shape)
+            name, mod = _registry.resolve_family(spec.name, plan.family, plan.present_names, backend)
+            lean = getattr(mod, "forward_lean", None)
+            if lean is None:
+                return _run_channels(spec, plan, x, tuple(inputs), tuple(params), out, backend)[0]
+            return _lean_channels(plan, lean, x, inputs, params, out)
+    elif spec.layout == "rows" and outputs_alone(spec, options):
         _, plan, params, inputs = _keyed(spec, x, inputs, params, axis, backend, out, options)
         if plan is not None and plan.family is not None:
             _recheck(spec, plan, x, inputs, params, out, plan.y_shape)
@@ -734,6 +745,23 @@ def execute_channels(
     if spec.result is not None:
         return spec.result(shaped, ctx, plan.options), ctx
     return shaped[0], ctx
+
+
+def _lean_channels(
+    plan: _ChannelPlan, lean: Any, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...], out: Any
+) -> Any:  # fmt: skip
+    """The result of an op of the ``"channels"`` layout without a result function, through the backend's
+    ``forward_lean`` (:func:`execute_channels`' outputs, no ctx): a :func:`call` with a kept plan."""
+    ax, x_shape = plan.axis, plan.x_shape
+    direct = out is not None and ax == 1
+    res = lean(_to_channels(x, ax), *ins, *ps, out=out.reshape(x_shape[0], plan.channels, -1) if direct else None,
+               **plan.to_backend)  # fmt: skip
+    first = res[0] if isinstance(res, tuple) else res
+    y = out if direct else _from_channels(first, x_shape, ax)
+    if out is not None and not direct:
+        out[...] = y
+        y = out
+    return (y, *res[1:]) if isinstance(res, tuple) else y
 
 
 def _backward_channels(spec: OpSpec, dy: Array, ctx: Context, dx_out: Any) -> Any:

@@ -772,6 +772,16 @@ class ChannelOp(_Op):
     def forward(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> tuple[Any, Any]:
         """Forward of the ``(N, C, S)`` array ``x`` (then the running statistics, if the spec has them, and the
         parameters): ``(y, ctx)``, or ``((y, running_mean', running_var'), ctx)`` (the reference's contract)."""
+        return self._forward(x, args, out, options, True)
+
+    def forward_lean(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None, **options: Any) -> Any:
+        """:meth:`forward`'s outputs alone, building no ctx: the call for the result (``pynorm.group_norm``, a
+        call shape with a kept plan: :func:`pynorm._dispatch.call`); the same kernels and bits."""
+        return self._forward(x, args, out, options, False)[0]
+
+    def _forward(
+        self, x: np.ndarray, args: tuple[Any, ...], out: np.ndarray | None, options: dict[str, Any], with_ctx: bool
+    ) -> tuple[Any, Any]:  # fmt: skip
         inputs, p = self._arguments(args)
         st = self._setup(options, x.dtype, x.shape)
         o, kargs, groups, mdt = st.options, st.kargs, st.groups, st.math_dtype
@@ -788,21 +798,24 @@ class ChannelOp(_Op):
         else:
             mean, rstd = np.empty(rows), np.empty(rows)
         if rows and h:
-            aff = Affine(common.param(p[self.weight_name], mdt), common.param(p.get(self.bias_name), mdt),
-                         (groups, s, c // groups))  # fmt: skip
             xs, ys = common.storage(x).reshape(rows, h), common.storage(y).reshape(rows, h)
             stream = use_stream(ys)
+            if st.table and not given:  # (few positions per channel: the table source, :data:`TABLE_BELOW_S`)
+                ids = st.ids if st.ids is not None else (_group_ids(rows, groups), groups)
+                aff = Affine(_as_table(p[self.weight_name], groups, s, mdt),
+                             _as_table(p.get(self.bias_name), groups, s, mdt), ids)  # fmt: skip
+            else:
+                aff = Affine(common.param(p[self.weight_name], mdt), common.param(p.get(self.bias_name), mdt),
+                             (groups, s, c // groups))  # fmt: skip
             if given:
                 launch(kernels.fwd_given, rows * h, rows, self.stat, xs, plain(aff), (mean, rstd), ys,
                        True if stream else None)  # fmt: skip
             else:
-                if st.table:  # (few positions per channel: the table source, :data:`TABLE_BELOW_S`)
-                    ids = st.ids if st.ids is not None else (_group_ids(rows, groups), groups)
-                    aff = Affine(_as_table(p[self.weight_name], groups, s, mdt),
-                                 _as_table(p.get(self.bias_name), groups, s, mdt), ids)  # fmt: skip
                 forward_rows(self.stat, (xs, None), plain(aff), st.conventions, ys, (mean, rstd), stream)
-        values = {**o, **p, self.row: x, **self.statistic.ctx_values(rstd, mean=mean)}
-        ctx = filled(self.ctx_type, {f: values[f] for f in self._fields})
+        ctx = None
+        if with_ctx:
+            values = {**o, **p, self.row: x, **self.statistic.ctx_values(rstd, mean=mean)}
+            ctx = filled(self.ctx_type, {f: values[f] for f in self._fields})
         if not run or run[0] is None or given:
             return y, ctx
         return (y, *self._running(run, mean, rstd, n, c, s, kargs.eps, float(o[_MOMENTUM]))), ctx

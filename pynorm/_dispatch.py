@@ -201,20 +201,17 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
     (:func:`result_only`): what a :class:`pynorm.Plan`'s call runs, the same bits as :func:`forward`'s. An op of
     the ``"channels"`` layout without a result function (GroupNorm) runs the backend's ``forward_lean`` where it
     has one (:func:`_lean_channels`), else its plan's full path."""
-    if spec.layout == "channels" and spec.result is None:
-        _, plan, params, inputs = _keyed(spec, x, inputs, params, 0, backend, out, options)
+    if outputs_alone(spec, options):
+        channels = spec.layout == "channels"
+        _, plan, params, inputs = _keyed(spec, x, inputs, params, 0 if channels else axis, backend, out, options)
         if plan is not None and plan.family is not None:
-            _recheck(spec, plan, x, inputs, params, out, plan.x_shape)
+            _recheck(spec, plan, x, inputs, params, out, plan.x_shape if channels else plan.y_shape)
             name, mod = _registry.resolve_family(spec.name, plan.family, plan.present_names, backend)
-            lean = getattr(mod, "forward_lean", None)
-            if lean is None:
-                return _run_channels(spec, plan, x, tuple(inputs), tuple(params), out, backend)[0]
-            return _lean_channels(plan, lean, x, inputs, params, out)
-    elif spec.layout == "rows" and outputs_alone(spec, options):
-        _, plan, params, inputs = _keyed(spec, x, inputs, params, axis, backend, out, options)
-        if plan is not None and plan.family is not None:
-            _recheck(spec, plan, x, inputs, params, out, plan.y_shape)
-            name, mod = _registry.resolve_family(spec.name, plan.family, plan.present_names, backend)
+            if channels:
+                lean = getattr(mod, "forward_lean", None)
+                if lean is None:
+                    return _run_channels(spec, plan, x, tuple(inputs), tuple(params), out, backend)[0]
+                return _lean_channels(plan, lean, x, inputs, params, out)
             calls = plan.calls.get(mod)
             if calls is None:
                 run = plan.targets.get(mod)

@@ -326,6 +326,18 @@ def test_numba_channel_setup_keeps_the_row_ids_of_small_batches_only(monkeypatch
         assert a.dtype == e.dtype and np.array_equal(a, e)
     want = pynorm.group_norm_forward(x, w, b, num_groups=4, backend="numpy")[0]
     np.testing.assert_allclose(kept[0], want, rtol=1e-5, atol=1e-5)
+    # the setups kept keep no array of a call alive (a backward's is made from its ctx)
+    import weakref
+
+    impl._setups.clear()
+    impl._backward_setups.clear()
+    x2, w2, dy2 = (a.copy() for a in (x, w, dy))
+    y2, ctx2 = pynorm.group_norm_forward(x2, w2, b, num_groups=4, backend="numba")
+    grads2 = pynorm.group_norm_backward(dy2, ctx2)
+    assert impl._setups and impl._backward_setups
+    refs = [weakref.ref(a) for a in (x2, w2, dy2)]
+    del x2, w2, dy2, y2, ctx2, grads2
+    assert all(r() is None for r in refs)
 
 
 @pytest.mark.parametrize(

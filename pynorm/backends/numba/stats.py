@@ -704,7 +704,7 @@ def _group_ids(rows: int, groups: int) -> np.ndarray:
 class _ChannelSetup(NamedTuple):
     """What a :class:`ChannelOp` forward reads of its options, dtype and ``(N, C, S)`` alone."""
 
-    options: dict[str, Any]  # every option, the defaults filled in
+    options: dict[str, Any] | None  # a forward's every option, the defaults filled in (a backward's: None, no ctx kept)
     kargs: Any  # kernel_args(spec, options)
     conventions: tuple[Any, ...]  # the Conventions bundle, plain
     groups: int
@@ -762,8 +762,8 @@ class ChannelOp(_Op):
         ids = (_group_ids(rows, groups), groups) if table and rows <= _KEPT_IDS else None
         # (a backward's: the table source's partials layout of those rows too)
         layout = AFFINE_SOURCES["table"].layout(ids, rows) if ids is not None and backward else None
-        return _ChannelSetup(o, kargs, plain(Conventions.of(kargs)), groups, common.math_dtype(dtype), table, ids,
-                             layout)  # fmt: skip
+        return _ChannelSetup(None if backward else o, kargs, plain(Conventions.of(kargs)), groups,
+                             common.math_dtype(dtype), table, ids, layout)  # fmt: skip
 
     def _groups(self, source: Any, c: int) -> int:
         get = source.get if isinstance(source, dict) else lambda k, d: getattr(source, k, d)
@@ -785,6 +785,7 @@ class ChannelOp(_Op):
         inputs, p = self._arguments(args)
         st = self._setup(options, x.dtype, x.shape)
         o, kargs, groups, mdt = st.options, st.kargs, st.groups, st.math_dtype
+        assert o is not None  # (a forward's setup)
         run = [inputs.get(k) for k in self.running]
         given = bool(run) and run[0] is not None and not o.get(_USE_STATS, True)
         n, c, s = x.shape
@@ -843,19 +844,18 @@ class ChannelOp(_Op):
         n, c, s = x.shape
         rows, h, per = n * groups, (c // groups) * s, c // groups
         dx = common.output(dx_out, x.shape, x.dtype)
-        if rows and h and st.table and getattr(ctx, _USE_STATS, True):
+        use_stats, work = getattr(ctx, _USE_STATS, True), bool(rows and h)
+        if work:
             xs, dys = common.storage(x).reshape(rows, h), common.storage(dy).reshape(rows, h)
             dxs = common.storage(dx).reshape(rows, h)
             rs = RowStats(common.stats(ctx.mean), common.stats(ctx.rstd))
-            return self._table_backward(xs, dys, weight, bias, rs, st, dx, dxs, (n, c, s), use_stream(dxs))
-        pw, pb = (_zeroed((rows, per)) if p is not None else None for p in (weight, bias))
-        if rows and h:
-            aff = Affine(common.param(weight, mdt), None, (groups, s, per))
-            rs = RowStats(common.stats(ctx.mean), common.stats(ctx.rstd))
-            xs, dys = common.storage(x).reshape(rows, h), common.storage(dy).reshape(rows, h)
-            dxs = common.storage(dx).reshape(rows, h)
             stream = use_stream(dxs)
-            if getattr(ctx, _USE_STATS, True):
+            if use_stats and st.table:
+                return self._table_backward(xs, dys, weight, bias, rs, st, dx, dxs, (n, c, s), stream)
+        pw, pb = (_zeroed((rows, per)) if p is not None else None for p in (weight, bias))
+        if work:
+            aff = Affine(common.param(weight, mdt), None, (groups, s, per))
+            if use_stats:
                 backward_rows(self.stat, "fused", xs, dys, plain(aff), plain(rs), st.conventions, (dxs, None),
                               (pw, pb), stream)  # fmt: skip
             else:

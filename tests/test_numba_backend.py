@@ -1394,6 +1394,7 @@ def test_a_statistic_without_normalization_is_its_record_and_pieces(monkeypatch:
     record = families.Statistic(
         CENTRE_ONLY_NAME, "the row centred, not scaled", mean=True, floor=False, rules={None: 3}, correction=False,
         eps=False, normalizes=False, numba=f"{__name__}:CENTRE_ONLY",
+        rows_path=True,  # (claimed so that both backward paths run: this test is about their partials' dtype)
     )  # fmt: skip
     monkeypatch.setitem(families.STATISTICS, record.name, record)
     spec = OpSpec(

@@ -190,17 +190,16 @@ def numba_backend() -> Any:
 
 
 @pytest.mark.parametrize("op", _numba_stats_ops())
-def test_every_launch_path_gives_the_plain_bits(
-    numba_backend: Any, op: str, to_rounding: frozenset[str] = frozenset()
-) -> None:
+def test_every_launch_path_gives_the_plain_bits(numba_backend: Any, op: str) -> None:
     """Each path forced at small sizes: bitwise the plain path's rows (the slow path: the reference's values), and
-    every path of the family taken by some call of the op. ``to_rounding``: paths held to the reference's tolerance
-    instead of the plain path's bits (a caller that knows why: ``tests/test_mad_norm.py``)."""
+    every path of the family taken by some call of the op -- but the ones its statistic's record declines
+    (:func:`_declined`), which no call may take."""
     paths = _numba_paths()
     from pynorm.backends.numba import _threads
 
     one_thread = _threads.get_num_threads() < 2
     spec = OPS[op]
+    declined = _declined(op)
     taken: set[str] = set()
     # 16-bit rows: the split and slow paths; not for the modality ops, whose rows are layer_norm's and rms_norm's
     # statistics with a parameter table (their 16-bit paths are those ops'; each dtype compiles every path's kernels)
@@ -221,18 +220,30 @@ def test_every_launch_path_gives_the_plain_bits(
                                    _rows(ups, lo, hi))  # fmt: skip
                 taken |= seen
                 what = f"{op} on numba, path {'+'.join(chosen)}, {dt} {shape}, rows {lo}:{hi}"
-                missing = set(chosen) - seen - ({"stream"} if dt != "float32" else set())  # (float32 outputs only)
+                missing = set(chosen) - seen - declined - ({"stream"} if dt != "float32" else set())  # (float32 out)
                 if one_thread:
                     missing.discard("pool")  # (numba has one thread here: nothing to hand off)
                 if spec.spec.family == "stats":
                     assert not missing, f"{what}: forced path(s) {sorted(missing)} not taken (took {sorted(seen)})"
-                if "slow" in chosen or to_rounding & set(chosen):
+                    assert not seen & declined, f"{what}: took {sorted(seen & declined)}, which its statistic declines"
+                if "slow" in chosen:
                     _assert_reference(spec, got, _rows(ref, lo, hi), dt, x[lo:hi], what)
                 else:
                     _assert_same(got, _rows(plain, lo, hi), what, op)
     if spec.spec.family == "stats":
-        missing = set(paths.PATHS) - taken - ({"pool"} if one_thread else set())
+        missing = set(paths.PATHS) - taken - declined - ({"pool"} if one_thread else set())
         assert not missing, f"{op}: no call took the numba path(s) {sorted(missing)} ({paths.PATHS})"
+
+
+def _declined(op: str) -> set[str]:
+    """The numba paths the op's statistic declines: ``rows`` where its record does not claim the rows path
+    (:attr:`pynorm.ops.families.Statistic.rows_path`: the fused path at every row count instead)."""
+    from pynorm.ops.families import statistic_of
+
+    spec = OPS[op].spec
+    if spec.family != "stats":
+        return set()
+    return set() if statistic_of(spec).rows_path else {"rows"}
 
 
 #: the channel ops' numba paths (GroupNorm, InstanceNorm: the statistics kernels with the channel source, or the table

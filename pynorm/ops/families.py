@@ -121,6 +121,13 @@ class Statistic:
         :mod:`pynorm.backends.numba._rowstats` to its implementation; "" where the numba backend has none).
         numba's disk cache is stamped with the backend's own sources only: pieces kept elsewhere should give
         their statistic a name that changes with them.
+    rows_path : its numba backward may take the rows path (few rows of many elements: ``dx`` by rows, then the
+        parameter partials by column tiles), whose row loop is compiled without the partials' stores. The
+        compiler may vectorize that loop's sums in another order than the fused path's loop (which stores them),
+        so a statistic claims the path only where ``tests/test_paths.py`` holds both bitwise on every forced path
+        (the built-in statistics, on AVX2 and AVX-512). False (a new statistic's default): every row count takes
+        the fused path (its row loop one compiled loop at every batch size): batch-invariant rows by
+        construction, at the rows path's speed on few rows of 2^20 elements or more.
     """
 
     name: str
@@ -133,6 +140,7 @@ class Statistic:
     normalizes: bool = True
     cuda: str = ""
     numba: str = ""
+    rows_path: bool = False
 
     #: every statistic fills ``ctx.rstd`` (``r``; 1 for a statistic without one)
     rstd = True
@@ -206,6 +214,7 @@ STATISTICS: dict[str, Statistic] = {
             correction=True,
             cuda="pynorm::Centered",
             numba="pynorm.backends.numba._rowstats:CENTERED",
+            rows_path=True,
         ),
         Statistic(
             "mean_square",
@@ -213,6 +222,7 @@ STATISTICS: dict[str, Statistic] = {
             rules={None: R_INSIDE},
             cuda="pynorm::MeanSquare",
             numba="pynorm.backends.numba._rowstats:MEAN_SQUARE",
+            rows_path=True,
         ),
         Statistic(
             "l2",
@@ -221,6 +231,7 @@ STATISTICS: dict[str, Statistic] = {
             floor=True,
             cuda="pynorm::SumSquare",
             numba="pynorm.backends.numba._rowstats:L2",
+            rows_path=True,
         ),
     )
 }

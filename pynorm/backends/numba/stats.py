@@ -423,7 +423,8 @@ class StatsOp(_Op):
         """Whether :meth:`backward_cast` serves ``x``: the fused backward's row blocks (:func:`._layout.use_fused`),
         never split across threads (:func:`split_rows`), and no prologue."""
         rows, hidden = x.shape
-        return not self.residual and use_fused(rows, hidden) and not split_rows(blocks(rows), common.storage(x))
+        fused = backward_path(self.statistic, rows, hidden) == "fused"
+        return not self.residual and fused and not split_rows(blocks(rows), common.storage(x))
 
     def backward_cast(
         self, dy: np.ndarray, ctx: Any, source: tuple[Any, ...], partials: tuple[Any, Any],
@@ -476,7 +477,7 @@ class StatsOp(_Op):
                 ep = (None if dh is None else common.storage(dh), kargs.alpha, common.storage(dres))
             dxs = common.storage(dx)
             backward_rows(
-                self.stat, "fused" if use_fused(rows, hidden) else "rows", src, common.storage(dy),
+                self.stat, backward_path(self.statistic, rows, hidden), src, common.storage(dy),
                 (w, None, tab), (aux, common.stats(ctx.rstd)), conventions, (dxs, ep), (pw, pb),
                 ep is None and use_stream(dxs),
             )  # fmt: skip
@@ -497,6 +498,13 @@ FORCE_SPLIT = False
 #: elements (one float32 row on 2 threads, split against whole: 0.65-0.95x at 256K elements, 0.9-1.75x at 512K,
 #: 1.03-1.65x at 1M, 1.3-1.8x at 4M)
 SPLIT_MIN_WORK = 1 << 20
+
+
+def backward_path(statistic: Any, rows: int, hidden: int) -> str:
+    """The backward's path for an ``(rows, hidden)`` input of ``statistic`` (its :class:`~pynorm.ops.families.Statistic`
+    record): ``"rows"`` where :func:`._layout.use_fused` leaves the shape to it and the record claims the path
+    (``rows_path``), else ``"fused"`` -- a function of the shape and the statistic only, never of the threads."""
+    return "fused" if use_fused(rows, hidden) or not statistic.rows_path else "rows"
 
 
 def split_rows(tasks: int, x: np.ndarray) -> bool:
@@ -882,7 +890,7 @@ class ChannelOp(_Op):
         pdt = self._partials_dtype(mdt)
         pw, pb = table.partials(layout, h, pdt, weight), table.partials(layout, h, pdt, bias)
         backward_rows(
-            self.stat, "fused" if use_fused(rows, h) else "rows", xs, dys,
+            self.stat, backward_path(self.statistic, rows, h), xs, dys,
             (_as_table(weight, groups, s, mdt), None, tab), plain(rs), st.conventions, (dxs, None), (pw, pb), stream,
         )  # fmt: skip
         grads: list[np.ndarray | None] = []

@@ -235,6 +235,89 @@ def test_every_launch_path_gives_the_plain_bits(numba_backend: Any, op: str) -> 
         assert not missing, f"{op}: no call took the numba path(s) {sorted(missing)} ({paths.PATHS})"
 
 
+#: ops with a ``quantize=`` output (the FP quantize sink in the forward's body)
+QUANTIZING = {"layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"}
+
+
+def _assert_no_leak(what: str, calls: Any) -> None:
+    """numba's allocation counts balance over two rounds of ``calls()`` (after one that compiles and warms)."""
+    from numba.core.runtime import _nrt_python, rtsys
+
+    was = _nrt_python.memsys_stats_enabled()
+    _nrt_python.memsys_enable_stats()
+    try:
+        calls()
+        before = rtsys.get_allocation_stats()
+        calls()
+        calls()
+        after = rtsys.get_allocation_stats()
+    finally:
+        if not was:
+            _nrt_python.memsys_disable_stats()
+    held = (after.alloc - after.free) - (before.alloc - before.free)
+    held_mi = (after.mi_alloc - after.mi_free) - (before.mi_alloc - before.mi_free)
+    assert (held, held_mi) == (0, 0), f"{what} on numba: {held} buffers and {held_mi} memory-infos leaked in two rounds"
+
+
+#: ops with a ``quantize=`` output (the FP quantize sink in the forward's body)
+QUANTIZING = {"layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"}
+
+
+@pytest.mark.parametrize("op", [op for op in ROW_OPS if op not in BLAS_PRODUCT])
+def test_span_bodies_leak_nothing(numba_backend: Any, op: str) -> None:
+    """The span bodies compiled without reference counting (``borrowed``: :func:`pynorm.backends.numba._cache.jit`)
+    allocate nothing and keep no reference: numba's allocation counts balance over repeated calls of every op of
+    the rows layout down every path (and through the quantize sink where the op has one) -- a body handed an array
+    its callee allocated would leak it on every call."""
+    import pynorm
+
+    if op not in pynorm.list_ops() or "numba" not in pynorm.list_ops()[op]:
+        pytest.skip(f"numba does not serve {op}")
+    paths = _numba_paths()
+    spec = OPS[op]
+    cases = [((37, 24), ("serial",)), ((37, 24), ("pool", "fused"))]
+    if spec.spec.family == "stats":
+        cases += [((37, 24), ("pool", "rows")), ((5, 2100), ("split",)), ((37, 24), ("slow", "fused"))]
+
+    def calls() -> None:
+        for shape, chosen in cases:
+            x, args, dy, ups = _data(spec, shape, np.float32, seed=5)
+            with paths.forced(*chosen):
+                _per_row(spec, numba_backend, x, args, dy, ups)
+        if op in QUANTIZING:
+            x, args, _, _ = _data(spec, (37, 64), np.float32, seed=6)
+            for fmt in ("fp8_e4m3", "mxfp4"):
+                getattr(pynorm, op)(x, *args, quantize=fmt, backend="numba")
+
+    _assert_no_leak(op, calls)
+
+
+def test_span_bodies_of_the_casting_policies_and_the_channel_ops_leak_nothing(numba_backend: Any) -> None:
+    """As :func:`test_span_bodies_leak_nothing` for the casting policies' one-pass backward and the channel ops (the
+    table and the channel source, and the given statistics of an InstanceNorm with ``use_input_stats=False``)."""
+    import pynorm
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((37, 24)).astype(np.float32)
+    w, b = (1 + 0.1 * rng.standard_normal(24)).astype(np.float32), rng.standard_normal(24).astype(np.float32)
+
+    def calls() -> None:
+        for policy in ("llama", "t5", "apex"):
+            for op, args in (("layer_norm", (w, b)), ("rms_norm", (w,))):
+                _, ctx = getattr(pynorm, f"{op}_forward")(x, *args, casting=policy, backend="numba")
+                getattr(pynorm, f"{op}_backward")(x, ctx)
+        for shape in ((3, 4, 5), (2, 4, 16)):
+            xc = rng.standard_normal(shape).astype(np.float32)
+            wc, bc = np.ones(4, np.float32), np.zeros(4, np.float32)
+            _, ctx = pynorm.group_norm_forward(xc, wc, bc, num_groups=2, backend="numba")
+            pynorm.group_norm_backward(xc, ctx)
+            run = {"running_mean": np.zeros(4, np.float32), "running_var": np.ones(4, np.float32)}
+            _, ctx = pynorm.instance_norm_forward(xc, wc, bc, **run, use_input_stats=False, backend="numba")
+            pynorm.instance_norm_backward(xc, ctx)
+
+    _assert_no_leak("casting policies and channel ops", calls)
+
+
 def _declined(op: str) -> set[str]:
     """The numba paths the op's statistic declines: ``rows`` where its record does not claim the rows path
     (:attr:`pynorm.ops.families.Statistic.rows_path`: the fused path at every row count instead)."""

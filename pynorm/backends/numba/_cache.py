@@ -56,7 +56,10 @@ def _warn_once(kind: str, message: str) -> None:
         warnings.warn(message, CacheWarning, stacklevel=4)
 
 
-__all__ = ["CACHING", "FM_SUM", "INLINED", "LOG", "SOURCE_STAMP", "CacheWarning", "GuardedCache", "jit"]
+__all__ = [
+    "CACHING", "FM_SUM", "INLINED", "INLINED_VIEW", "LOG", "SOURCE_STAMP", "VIEW", "CacheWarning", "GuardedCache",
+    "jit",
+]  # fmt: skip
 
 #: where the first compilation of a kernel is announced (one WARNING line per op, direction and dtype, printed
 #: on stderr by Python's last-resort handler where logging is not configured): silence it with
@@ -102,6 +105,13 @@ INLINED: Any = {
     "fastmath": FM_SUM, "error_model": "numpy", "forceinline": True, "no_cpython_wrapper": True,
     "no_cfunc_wrapper": True,
 }  # fmt: skip
+
+#: the ``jit_options`` of an ``@overload`` piece that returns a view of its arguments (a row, a segment): compiled
+#: with reference counting whatever its caller's flags, as numba returns no view without it -- a body compiled
+#: without (``jit(..., borrowed=True)``) inherits that otherwise; its reference on a borrowed view is a null check
+VIEW: Any = {"_nrt": True}
+#: :data:`INLINED` for a piece returning a view (:data:`VIEW`)
+INLINED_VIEW: Any = {**INLINED, **VIEW}
 
 _DIR = Path(__file__).resolve().parent
 
@@ -205,7 +215,7 @@ if not CACHING:
     )
 
 
-def jit(fastmath: Any = False, inline: Any = "never", forceinline: bool = False) -> Any:
+def jit(fastmath: Any = False, inline: Any = "never", forceinline: bool = False, borrowed: bool = False) -> Any:
     """``njit`` with disk caching (see the module doc), no GIL, IEEE division (``error_model="numpy"``:
     1/0 is inf, not an exception) and an *explicit* fastmath setting.
 
@@ -216,6 +226,15 @@ def jit(fastmath: Any = False, inline: Any = "never", forceinline: bool = False)
     function), and the private helpers (names starting with ``_``, and every ``inline="always"`` piece), which
     only jitted code calls, get no Python wrapper either (``no_cpython_wrapper``): numba builds both for every
     signature of every function otherwise.
+
+    ``borrowed``: a span body (:mod:`._borrow`) compiled without numba's reference counting (``_nrt=False``): every
+    array it sees is borrowed (no memory-info), so each view it makes cost a call to ``NRT_incref``/``NRT_decref``
+    (a null check, behind a call numba keeps out of line) and nothing else -- about 16 calls a row, 30-40 ns of a
+    short row's 60-80 (RMSNorm 8192 x 32 forward). Such a body allocates nothing (numba refuses to compile an
+    allocation without reference counting: its caller, the kernel, makes its scratch and borrows it in) and returns
+    no array. The pieces it calls compile with its flags where they do not set their own (numba's inheritance):
+    a piece returning a view of its arguments sets ``_nrt`` (numba will not return a view without it), and its
+    reference on the borrowed view is again a null check.
     """
 
     def decorate(fn: Any) -> Any:
@@ -223,6 +242,8 @@ def jit(fastmath: Any = False, inline: Any = "never", forceinline: bool = False)
         options: dict[str, Any] = {"no_cfunc_wrapper": True, "no_cpython_wrapper": helper}
         if forceinline:
             options["forceinline"] = True
+        if borrowed:
+            options["_nrt"] = False
         disp = njit(
             cache=False, nogil=True, fastmath=fastmath, inline=inline, error_model="numpy",
             **options,

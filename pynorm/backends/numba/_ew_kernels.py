@@ -53,7 +53,7 @@ from numba.extending import overload
 
 from . import _vmath as vm
 from ._borrow import borrow
-from ._cache import FM_SUM, INLINED, jit
+from ._cache import FM_SUM, INLINED, INLINED_VIEW, jit
 from ._layout import EW_TILE, PF_CHUNK, ROW_BLOCK
 from ._storage import JIT_ONLY, ld, prefetch, seg, seg2, st, tile
 
@@ -397,7 +397,7 @@ def _pseg(a, lo, hi):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(_pseg2, jit_options=INLINED)
+@overload(_pseg2, jit_options=INLINED_VIEW)
 def _pseg2_ol(a, i, lo, hi):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda a, i, lo, hi: None
@@ -406,7 +406,7 @@ def _pseg2_ol(a, i, lo, hi):  # type: ignore[no-untyped-def]
     return lambda a, i, lo, hi: a[i, lo:hi]
 
 
-@overload(_pseg, jit_options=INLINED)
+@overload(_pseg, jit_options=INLINED_VIEW)
 def _pseg_ol(a, lo, hi):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda a, lo, hi: None
@@ -506,7 +506,7 @@ def ew_row_next(fn, xr, av, wr, br, yr, nx):  # type: ignore[no-untyped-def]
         _ew_loop(fn, xr[lo:hi], av, seg(wr, lo, hi), seg(br, lo, hi), yr[lo:hi])
 
 
-@jit(FM_SUM)
+@jit(FM_SUM, borrowed=True)
 def _ew_fwd_span(fn, x, a, w, b, y, t0, t1):  # type: ignore[no-untyped-def]
     """Tasks ``t0 <= t < t1`` (task ``t``: row ``t // tiles``, one column tile) of :func:`ew_fwd` (its body: see
     :func:`._stats_kernels._fwd_span`)."""
@@ -668,13 +668,12 @@ def ew_bwd_row(fn, xr, dyr, av, wr, big, dxr, pwr, pbr, par, fs, ts):  # type: i
             _add_term(par, j, _unfused_grad(fn, fcast(xr, ld(xr[j])), g, av, big)[2])
 
 
-@jit(FM_SUM)
-def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, t0, t1):  # type: ignore[no-untyped-def]
+@jit(FM_SUM, borrowed=True)
+def _ew_bwd_span(fn, x, dy, a, w, big, dx, pw, pb, pa, fs, ts, t0, t1):  # type: ignore[no-untyped-def]
     """Tasks ``t0 <= t < t1`` (task ``t``: row block ``t // tiles``, one column tile) of :func:`ew_bwd` (its body:
-    see :func:`._stats_kernels._fwd_span`)."""
+    see :func:`._stats_kernels._fwd_span`; ``fs``, ``ts``: the kernel's :func:`bwd_scratch`)."""
     rows, h = x.shape
     av = fcast(x, a)
-    fs, ts = bwd_scratch(fn, x, EW_TILE, pw, pa)
     for t in range(t0, t1):
         blk, j0, j1 = tile(t, h, EW_TILE)
         pwr = seg2(pw, blk, j0, j1)
@@ -704,4 +703,5 @@ def ew_bwd(fn, x, dy, a, w, big, dx, pw, pb, pa, lo, hi):  # type: ignore[no-unt
     ``lo <= t < hi``: task ``t`` is row block ``t // tiles`` (rows in order), one column tile of
     :data:`._layout.EW_TILE`. One loop per output (each writes one array, so that the loops vectorize); the
     partials' loops evaluate what they need of the function again."""
-    _ew_bwd_span(*borrow((fn, x, dy, a, w, big, dx, pw, pb, pa)), lo, hi)
+    fs, ts = bwd_scratch(fn, x, EW_TILE, pw, pa)
+    _ew_bwd_span(*borrow((fn, x, dy, a, w, big, dx, pw, pb, pa, fs, ts)), lo, hi)

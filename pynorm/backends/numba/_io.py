@@ -52,7 +52,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._cache import INLINED, jit
+from ._cache import INLINED, VIEW, jit
 from ._ew_kernels import ew_elem, ew_row, fcast
 from ._quant_kernels import quantize_row
 from ._storage import JIT_ONLY, fma, ld, st, st_exact, stv
@@ -115,7 +115,7 @@ def src_done(pro, x, i):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(src_row)
+@overload(src_row, jit_options=VIEW)
 def _src_row_ol(pro, x, i):  # type: ignore[no-untyped-def]
     if _none(pro):
         return lambda pro, x, i: x[i]
@@ -150,7 +150,7 @@ def channel_row(w):  # type: ignore[no-untyped-def]
     return isinstance(w, types.BaseTuple) and len(w) == 3 and not isinstance(w.types[0], types.Integer)
 
 
-@overload(arow)
+@overload(arow, jit_options=VIEW)
 def _arow_ol(p, tab, i):  # type: ignore[no-untyped-def]
     if channel(tab):
         if _none(p):
@@ -382,7 +382,7 @@ def yfast(y, i, buf):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(yfast, inline="always")
+@overload(yfast, inline="always", jit_options=VIEW)
 def _yfast_ol(y, i, buf):  # type: ignore[no-untyped-def]
     if isinstance(y, types.Array):
         return lambda y, i, buf: y[i]

@@ -346,15 +346,17 @@ def _fwd_row(stat, xr, w, b, eps, corr, mode, yr, stream):  # type: ignore[no-un
     return True, row_aux(stat, k, c, v, eps, mode), r
 
 
-@jit(FM_SUM)
-def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, i0, i1):  # type: ignore[no-untyped-def]
-    """Rows ``i0 <= i < i1`` of :func:`fwd`; returns how many it left pending.
+@jit(FM_SUM, borrowed=True)
+def _fwd_span(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, buf, i0, i1):  # type: ignore[no-untyped-def]
+    """Rows ``i0 <= i < i1`` of :func:`fwd` (``buf``: the kernel's scratch row, :func:`._io.yscratch`); returns how
+    many it left pending.
 
     Every span kernel of the backend is this pattern: the kernel borrows its arrays (:mod:`._borrow`) and hands
-    them to its body as arguments (numba prunes ``is None`` branches on arguments only).
+    them to its body as arguments (numba prunes ``is None`` branches on arguments only). A body marked
+    ``borrowed`` (:func:`._cache.jit`) compiles without reference counting and allocates nothing: its kernel makes
+    the scratch.
     """
     pending = 0
-    buf = yscratch(y, x.shape[1])
     for i in range(i0, i1):
         xr = src_row(pro, x, i)
         ok, m, r = _fwd_row(stat, xr, arow(w, tab, i), arow(b, tab, i), eps, corr, mode, yfast(y, i, buf), stream)
@@ -386,7 +388,8 @@ def fwd(stat, rows, affine, conv, y, row_stats, stream, lo, hi):  # type: ignore
     w, b, tab = affine
     eps, corr, mode = conv
     aux, rstd = row_stats
-    return _fwd_span(*borrow((stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream)), lo, hi)
+    buf = yscratch(y, x.shape[1])
+    return _fwd_span(*borrow((stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd, stream, buf)), lo, hi)
 
 
 @jit()
@@ -435,7 +438,7 @@ def _fwd_slow_rows(stat, x, pro, w, b, tab, eps, corr, mode, y, aux, rstd):  # t
             rstd[i] = r
 
 
-@jit(FM_SUM)
+@jit(FM_SUM, borrowed=True)
 def _given_span(stat, x, w, b, tab, mean, rstd, y, stream, i0, i1):  # type: ignore[no-untyped-def]
     for i in range(i0, i1):
         xr = x[i]
@@ -625,7 +628,7 @@ def _acc_slow(stat, xr, dyr, mean, r, e, c, pw, pb, blk, j0):  # type: ignore[no
 # backward kernels
 
 
-@jit(FM_SUM)
+@jit(FM_SUM, borrowed=True)
 def _bwd_blocks(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, pw, pb, scale, stream, b0, b1):  # type: ignore[no-untyped-def]
     """Row blocks ``b0 <= blk < b1`` of :func:`bwd_fused` (its body: see :func:`_fwd_span`); returns how many
     rows it left pending."""
@@ -661,7 +664,7 @@ def bwd_fused(stat, x, dy, affine, row_stats, conv, grad, partials, scale, strea
     return _bwd_blocks(*a, lo, hi)
 
 
-@jit(FM_SUM)
+@jit(FM_SUM, borrowed=True)
 def _bwd_rows_span(stat, x, dy, w, tab, mean, rstd, corr, mode, ep, dx, scale, cs, stream, i0, i1):  # type: ignore[no-untyped-def]
     """Rows ``i0 <= i < i1`` of :func:`bwd_rows` (its body: see :func:`_fwd_span`); returns how many it left
     pending."""
@@ -744,7 +747,7 @@ def _redo_blocks(stat, x, dy, tab, mean, rstd, scale, pw, pb):  # type: ignore[n
                 _acc_slow(stat, xr, dy[i], at(mean, i), rstd[i], scale[i], cr, pw, pb, slot, 0)
 
 
-@jit(FM_SUM)
+@jit(FM_SUM, borrowed=True)
 def _bwd_given_span(stat, x, dy, w, tab, mean, rstd, dx, pw, pb, stream, i0, i1):  # type: ignore[no-untyped-def]
     for i in range(i0, i1):
         xr = x[i]
@@ -866,14 +869,13 @@ def params_by_cols(stat, x, dy, table, row_stats, scale, cs, partials, lo, hi): 
 # the casting policies' backward in one pass (the element-wise identity between the norm and its affine)
 
 
-@jit(FM_SUM)
-def _cast_blocks(stat, fn, x, dy, a, w, big, mean, rstd, eps, corr, mode, dx, pw, pb, stream, b0, b1):  # type: ignore[no-untyped-def]
-    """Row blocks ``b0 <= blk < b1`` of :func:`bwd_cast` (its body: see :func:`_fwd_span`)."""
+@jit(FM_SUM, borrowed=True)
+def _cast_blocks(stat, fn, x, dy, a, w, big, mean, rstd, eps, corr, mode, dx, pw, pb, stream, scratch, b0, b1):  # type: ignore[no-untyped-def]
+    """Row blocks ``b0 <= blk < b1`` of :func:`bwd_cast` (its body: see :func:`_fwd_span`; ``scratch``: the
+    kernel's rows ``q``, ``g`` and the identity's :func:`._ew_kernels.bwd_scratch`)."""
     h = x.shape[1]
     av = fcast(x, a)
-    qb = np.empty(h, x.dtype)
-    gb = np.empty(h, x.dtype)
-    fs, ts = bwd_scratch(fn, x, h, pw, None)
+    qb, gb, fs, ts = scratch
     for blk in range(b0, b1):
         pwr = seg2(pw, blk, 0, h)
         pbr = seg2(pb, blk, 0, h)
@@ -914,4 +916,7 @@ def bwd_cast(stat, x, dy, source, row_stats, conv, dx, partials, stream, lo, hi)
     mean, rstd = row_stats
     eps, corr, mode = conv
     pw, pb = partials
-    _cast_blocks(*borrow((stat, fn, x, dy, a, w, big, mean, rstd, eps, corr, mode, dx, pw, pb, stream)), lo, hi)
+    h = x.shape[1]
+    scratch = (np.empty(h, x.dtype), np.empty(h, x.dtype), *bwd_scratch(fn, x, h, pw, None))
+    _cast_blocks(*borrow((stat, fn, x, dy, a, w, big, mean, rstd, eps, corr, mode, dx, pw, pb, stream, scratch)),
+                 lo, hi)  # fmt: skip

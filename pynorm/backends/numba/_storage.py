@@ -27,7 +27,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from ._cache import jit
+from ._cache import VIEW, jit
 
 __all__ = [
     "JIT_ONLY",
@@ -306,14 +306,14 @@ def seg2(a, i, lo, hi):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(seg)
+@overload(seg, jit_options=VIEW)
 def _seg_ol(a, lo, hi):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda a, lo, hi: None
     return lambda a, lo, hi: a[lo:hi]
 
 
-@overload(seg2)
+@overload(seg2, jit_options=VIEW)
 def _seg2_ol(a, i, lo, hi):  # type: ignore[no-untyped-def]
     if isinstance(a, types.NoneType):
         return lambda a, i, lo, hi: None
@@ -325,7 +325,7 @@ def shifted(a, j):  # type: ignore[no-untyped-def]
     raise RuntimeError(JIT_ONLY)
 
 
-@overload(shifted, inline="always")
+@overload(shifted, inline="always", jit_options=VIEW)
 def _shifted_ol(a, j):  # type: ignore[no-untyped-def]
     if isinstance(a, (types.NoneType, types.Float)):
         return lambda a, j: a

@@ -164,3 +164,66 @@ def test_with_nowhere_writable_the_kernels_compile_and_a_warm_cache_is_used(pack
     assert _run(package_copy, cache)["misses"] == 1  # warm it, writable
     warm = _run(package_copy, cache, PYNORM_TEST_READONLY=readonly, HOME=str(home))
     assert warm["hits"] == 1 and warm["misses"] == 0 and not warm["warnings"]
+
+
+# Processes saving entries of one function's cache at once: each waits at a barrier file, then saves its own keys.
+_WRITER = r"""
+import os, sys, time
+from pynorm.backends.numba import _cache
+from numba.core.caching import IndexDataCacheFile
+cls = _cache._CheckedCacheFile if sys.argv[4] == "pynorm" else IndexDataCacheFile
+f = cls(sys.argv[1], "kernel-1.py311", "stamp")
+who, n = sys.argv[2], int(sys.argv[3])
+go = os.path.join(sys.argv[1], "go")
+while not os.path.exists(go):
+    time.sleep(0.001)
+for i in range(n):
+    f.save(((f"float{who}", i), ("x86_64", "cpu")), (who, i, b"x" * 4096))
+"""
+
+
+def _race(tmp_path: Path, cls: str, writers: int = 4, n: int = 60) -> tuple[int, list[str]]:
+    """``writers`` processes save ``n`` entries each into one cache at once; the entries the index kept, and the
+    entries that load anything other than their own data."""
+    from numba.core.caching import IndexDataCacheFile
+
+    from pynorm.backends.numba import _cache
+
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(w), str(n), cls]) for w in range(writers)
+    ]
+    (tmp_path / "go").touch()
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    f = (_cache._CheckedCacheFile if cls == "pynorm" else IndexDataCacheFile)(str(tmp_path), "kernel-1.py311", "stamp")
+    kept, wrong = 0, []
+    for w in range(writers):
+        for i in range(n):
+            key = ((f"float{w}", i), ("x86_64", "cpu"))
+            if key not in f._load_index():
+                continue
+            kept += 1
+            if f.load(key) != (str(w), i, b"x" * 4096):
+                wrong.append(repr(key))
+    return kept, wrong
+
+
+def test_processes_compiling_into_one_cache_at_once_lose_no_entry_and_mix_none(tmp_path: Path) -> None:
+    """numba's own save (read the index, write it, then the data; no lock) dropped entries when processes saved
+    into one cache at once -- the pytest-xdist and dask workers -- and could name another signature's data file:
+    every entry saved under the lock is kept and loads its own data."""
+    kept, wrong = _race(tmp_path, "pynorm")
+    assert (kept, wrong) == (4 * 60, [])
+
+
+def test_an_entry_naming_another_signatures_data_is_a_miss(tmp_path: Path) -> None:
+    from pynorm.backends.numba import _cache
+
+    f = _cache._CheckedCacheFile(str(tmp_path), "kernel-1.py311", "stamp")
+    a, b = (("float32",), ("cpu",)), (("float64",), ("cpu",))
+    f.save(a, "code for float32")
+    f.save(b, "code for float64")
+    index = f._load_index()
+    index[a], index[b] = index[b], index[a]  # what numba's race left: each key naming the other's file
+    f._save_index(index)
+    with pytest.raises(ValueError, match="another signature"):
+        f.load(a)

@@ -26,12 +26,16 @@ saves guarded):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import pickle
+import re
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -256,22 +260,77 @@ def jit(fastmath: Any = False, inline: Any = "never", forceinline: bool = False,
     return decorate
 
 
+@contextlib.contextmanager
+def _dir_lock(path: str) -> Iterator[None]:
+    """An exclusive advisory lock (``flock``) on ``path``'s lock file, held by one process at a time; no lock where
+    the platform has no ``fcntl`` (Windows) or the file system refuses one."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    try:
+        fd = os.open(os.path.join(path, ".pynorm-cache.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class _CheckedCacheFile(IndexDataCacheFile):  # type: ignore[misc]
-    """numba's index + data files, each data file led by the SHA-256 of its payload: a corrupted file is an
-    error on load (then a miss), never machine code loaded from flipped bytes."""
+    """numba's index + data files, safe for processes that compile into one cache at once, and checked on load.
 
-    def _save_data(self, name: str, data: Any) -> None:
+    numba's own ``save`` reads the index, picks the first free data file name, writes the index, then the data:
+    two processes saving signatures of one function at once (pytest-xdist workers, dask workers, a pool) read the
+    same index, so the last index written drops the other's entry, and both write the same data file name, so an
+    entry may point at the *other* signature's machine code. Here a save holds a lock on the cache directory from
+    reading the index to writing it, and writes the data before the index names it; a load needs no lock (both
+    files are replaced by a rename). Each data file is led by the SHA-256 of its key and of its payload: a file
+    that is not the entry's (a cache shared where ``flock`` does not hold, another writer) or is corrupted is an
+    error on load (then a miss), never machine code loaded for another signature or from flipped bytes."""
+
+    def save(self, key: Any, data: Any) -> None:
         payload = self._dump(data)
-        with self._open_for_write(self._data_path(name)) as f:
-            f.write(hashlib.sha256(payload).digest() + payload)
+        with _dir_lock(self._cache_path):
+            overloads = self._load_index()
+            name = overloads.get(key)
+            if name is None:
+                taken = set(overloads.values())
+                name = next(n for n in map(self._data_name, itertools.count(1)) if n not in taken)
+            with self._open_for_write(self._data_path(name)) as f:
+                f.write(_key_digest(key) + hashlib.sha256(payload).digest() + payload)
+            if overloads.get(key) != name:
+                overloads[key] = name
+                self._save_index(overloads)
 
-    def _load_data(self, name: str) -> Any:
-        with open(self._data_path(name), "rb") as f:
-            blob = f.read()
-        digest, payload = blob[:32], blob[32:]
-        if len(blob) < 32 or hashlib.sha256(payload).digest() != digest:
+    def load(self, key: Any) -> Any:
+        name = self._load_index().get(key)
+        if name is None:
+            return None
+        try:
+            with open(self._data_path(name), "rb") as f:
+                blob = f.read()
+        except OSError:  # removed since the index named it
+            return None
+        kd, digest, payload = blob[:32], blob[32:64], blob[64:]
+        if len(blob) < 64 or hashlib.sha256(payload).digest() != digest:
             raise ValueError(f"checksum mismatch in {self._data_path(name)}")
+        if kd != _key_digest(key):
+            raise ValueError(f"{self._data_path(name)} holds another signature's entry than its index says")
         return pickle.loads(payload)
+
+
+def _key_digest(key: Any) -> bytes:
+    """SHA-256 of a cache key's text (its signature, the CPU's name and features, the code's hashes), with any
+    object address left out (the same key in every process)."""
+    return hashlib.sha256(re.sub(r" at 0x[0-9a-fA-F]+", "", repr(key)).encode()).digest()
 
 
 class GuardedCache(FunctionCache):  # type: ignore[misc]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,3 +143,20 @@ def _numba_spans_on_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     from pynorm.backends.numba import _threads
 
     monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", 0)
+
+
+@pytest.fixture
+def real_thresholds() -> Iterator[None]:
+    """The numba backend as a user's process runs it, for tests of behaviour at the real thresholds: the default
+    serial threshold (not the suite's 0) and two threads; both restored after the test."""
+    pytest.importorskip("numba", reason="numba is not installed: the numba backend is unavailable")
+    from pynorm.backends.numba import _threads
+
+    saved, threads = _threads.SERIAL_THRESHOLD, _threads.get_num_threads()
+    _threads.SERIAL_THRESHOLD = _threads.DEFAULT_SERIAL_THRESHOLD
+    try:
+        _threads.set_num_threads(2)
+        yield
+    finally:
+        _threads.SERIAL_THRESHOLD = saved
+        _threads.set_num_threads(threads)

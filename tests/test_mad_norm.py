@@ -144,35 +144,27 @@ def test_every_launch_path(example) -> None:
     test_paths.test_every_launch_path_gives_the_plain_bits(test_paths._make_backend("numba"), OP)
 
 
-def test_rows_do_not_depend_on_the_batch_where_the_builtins_take_the_rows_path(example) -> None:
+def test_rows_do_not_depend_on_the_batch_where_the_builtins_take_the_rows_path(example, real_thresholds) -> None:
     """At the real thresholds, a batch the built-in statistics' backward takes by the rows path (96 rows of 16384
     elements: fewer than 128 rows of 2^20 elements or more) goes down the fused path for this statistic, whose
     record does not claim the rows path (its sums loop, compiled without the partials' stores, vectorized in
     another order and gave dx within rounding, not bitwise): each row's dx is the bits of the row alone."""
-    pytest.importorskip("numba")
-    from pynorm.backends.numba import _paths, _threads
+    from pynorm.backends.numba import _paths
 
     rng = np.random.default_rng(31)
     x = (rng.standard_normal((96, 16384)) * 2 + 0.5).astype(np.float32)
     dy = rng.standard_normal(x.shape).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(x.shape[1])).astype(np.float32)
-    saved, threads = _threads.SERIAL_THRESHOLD, _threads.get_num_threads()
-    _threads.SERIAL_THRESHOLD = _threads.DEFAULT_SERIAL_THRESHOLD  # (the suite's conftest sets 0)
-    try:
-        _threads.set_num_threads(2)
 
-        def dx(lo: int, hi: int) -> np.ndarray:
-            _, ctx = pynorm.mad_norm_forward(x[lo:hi], w, backend="numba")  # type: ignore[attr-defined]
-            return pynorm.mad_norm_backward(dy[lo:hi], ctx).dx  # type: ignore[attr-defined]
+    def dx(lo: int, hi: int) -> np.ndarray:
+        _, ctx = pynorm.mad_norm_forward(x[lo:hi], w, backend="numba")  # type: ignore[attr-defined]
+        return pynorm.mad_norm_backward(dy[lo:hi], ctx).dx  # type: ignore[attr-defined]
 
-        with _paths.recording() as seen:
-            whole = dx(0, 96)
-        assert "fused" in seen and "rows" not in seen, f"the whole batch took {sorted(seen)}"
-        for lo, hi in [(0, 1), (5, 8), (40, 96)]:
-            np.testing.assert_array_equal(dx(lo, hi), whole[lo:hi], err_msg=f"rows {lo}:{hi} alone")
-    finally:
-        _threads.SERIAL_THRESHOLD = saved
-        _threads.set_num_threads(threads)
+    with _paths.recording() as seen:
+        whole = dx(0, 96)
+    assert "fused" in seen and "rows" not in seen, f"the whole batch took {sorted(seen)}"
+    for lo, hi in [(0, 1), (5, 8), (40, 96)]:
+        np.testing.assert_array_equal(dx(lo, hi), whole[lo:hi], err_msg=f"rows {lo}:{hi} alone")
 
 
 def test_the_example_runs_as_a_script() -> None:

@@ -477,31 +477,22 @@ def test_forced_rejects_unknown_paths() -> None:
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-def test_wide_rows_at_the_real_thresholds(numba_backend: Any, op: str) -> None:
+def test_wide_rows_at_the_real_thresholds(numba_backend: Any, op: str, real_thresholds: None) -> None:
     """No forcing: 64 rows of 65536 float32 elements (16 MiB: streaming stores, the pool) against 1, 3 and 32 of
     them (plain stores) -- the case a batch-dependent store path once broke; and 4 rows of 2^20 elements (the
     plain kernels on two threads) against 1 of them (fewer rows than threads: the split kernels, whose chunk sums
     are added in the plain kernels' order -- 1024 chunks a row)."""
-    from pynorm.backends.numba import _threads
-
     paths = _numba_paths()
     spec = OPS[op]
-    saved, threads = _threads.SERIAL_THRESHOLD, _threads.get_num_threads()
-    _threads.SERIAL_THRESHOLD = _threads.DEFAULT_SERIAL_THRESHOLD  # (the suite's conftest sets 0)
-    try:
-        _threads.set_num_threads(2)
-        for shape, subsets in [((64, 65536), [(0, 1), (63, 64), (5, 8), (32, 64)]), ((4, 1 << 20), [(2, 3)])]:
-            x, args, dy, ups = _data(spec, shape, np.float32, seed=3)
-            whole = _per_row(spec, numba_backend, x, args, dy, ups)
-            for lo, hi in subsets:
-                with paths.recording() as seen:
-                    sub = _per_row(spec, numba_backend, x[lo:hi], args, dy[lo:hi], ups)
-                _assert_same(sub, _rows(whole, lo, hi), f"{op}, {shape} float32, rows {lo}:{hi} alone")
-                if shape[1] == 1 << 20:
-                    assert "split" in seen, f"a row of 2^20 elements alone took {sorted(seen)}, not the split kernels"
-    finally:
-        _threads.SERIAL_THRESHOLD = saved
-        _threads.set_num_threads(threads)
+    for shape, subsets in [((64, 65536), [(0, 1), (63, 64), (5, 8), (32, 64)]), ((4, 1 << 20), [(2, 3)])]:
+        x, args, dy, ups = _data(spec, shape, np.float32, seed=3)
+        whole = _per_row(spec, numba_backend, x, args, dy, ups)
+        for lo, hi in subsets:
+            with paths.recording() as seen:
+                sub = _per_row(spec, numba_backend, x[lo:hi], args, dy[lo:hi], ups)
+            _assert_same(sub, _rows(whole, lo, hi), f"{op}, {shape} float32, rows {lo}:{hi} alone")
+            if shape[1] == 1 << 20:
+                assert "split" in seen, f"a row of 2^20 elements alone took {sorted(seen)}, not the split kernels"
 
 
 def test_backward_path_by_shape(numba_backend: Any) -> None:

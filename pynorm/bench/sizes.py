@@ -19,6 +19,10 @@ for each library in a process of its own:
 * ``ort``: ONNX Runtime's ``LayerNormalization``, ``RMSNormalization``, ``Add`` + ``RMSNormalization`` and
   ``GroupNormalization`` (forward only: it has no backward), models built with ``onnx`` with symbolic row counts.
 
+Every library's add + RMSNorm forward returns the sum ``h = x + r`` as well as ``y``, as pynorm's does: a pre-norm
+block passes ``h`` on as the residual stream (before 2026-12-07 JAX's and ONNX Runtime's returned ``y`` alone,
+which let ONNX Runtime's fused kernel skip writing ``h``: a row's output bytes halved).
+
 A library that does not import is left out and said so. Timing: per cell, in each of ``rounds`` interleaved
 rounds, every library's process takes one sample -- the median of the calls that fill :data:`SAMPLE_S` (at least
 three), each call timed alone, the results of the last :data:`KEEP` calls kept alive (as a layer stack keeps its
@@ -187,7 +191,8 @@ def _jax_calls(op: str, d: dict[str, np.ndarray]) -> dict[str, Callable[[], Any]
         v = ((g - m) ** 2).mean(-1, keepdims=True)
         return ((g - m) * jax.lax.rsqrt(v + EPS)).reshape(x.shape) * w + b
 
-    f = jax.jit(norm)
+    # add + RMSNorm's forward returns the sum too, as pynorm's and PyTorch's do (the next layer's residual stream)
+    f = jax.jit((lambda x, w, b, r: (norm(x, w, b, r), x + r)) if op == "add_rms_norm" else norm)
     r = a.get("r", a["x"])
 
     def loss(x: Any, w: Any, b: Any, r: Any, dy: Any) -> Any:
@@ -195,7 +200,7 @@ def _jax_calls(op: str, d: dict[str, np.ndarray]) -> dict[str, Callable[[], Any]
 
     g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     return {
-        "fwd": lambda: f(a["x"], a["w"], a["b"], r).block_until_ready(),
+        "fwd": lambda: jax.block_until_ready(f(a["x"], a["w"], a["b"], r)),
         "fwdbwd": lambda: jax.block_until_ready(g(a["x"], a["w"], a["b"], r, a["dy"])),
     }
 
@@ -230,7 +235,8 @@ def _ort_session(op: str, h: int, threads: int) -> Any:
         nodes = [helper.make_node("GroupNormalization", ["x", "w", "b"], ["y"], num_groups=GROUPS, epsilon=EPS)]
         opset = 21
     out_shape: list[str | int | None] = ["N", h, 1] if op == "group_norm" else ["N", h]
-    graph = helper.make_graph(nodes, op, inputs, [helper.make_tensor_value_info("y", f32, out_shape)])
+    outputs = [helper.make_tensor_value_info(n, f32, out_shape) for n in ("y", "h")[: 2 if op == "add_rms_norm" else 1]]
+    graph = helper.make_graph(nodes, op, inputs, outputs)  # add + RMSNorm: the sum is an output, as pynorm's
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 10
     so = ort.SessionOptions()

@@ -25,7 +25,7 @@ import pynorm
 
 # sum_blocks lives in _reduce.py and stores its float64 result through st_exact, defined in _storage.py
 _SCRIPT = r"""
-import json, os, tempfile, warnings
+import json, os, tempfile, time, warnings
 import numpy as np
 # PYNORM_TEST_READONLY: directories to treat as read-only (root ignores permission bits; numba probes a cache
 # directory by creating a temporary file in it)
@@ -40,9 +40,15 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import pynorm
     from pynorm.backends.numba import _cache, _reduce
-    p = np.arange(12, dtype=np.float64).reshape(3, 4)
-    out = np.empty(4)
-    _reduce.sum_blocks(p, out, 0, 1)  # every column: one tile
+    # PYNORM_TEST_DTYPES: the dtypes of p to call with (one signature each; default float64), after the file
+    # PYNORM_TEST_GO exists where it is set (processes started together)
+    _go = os.environ.get("PYNORM_TEST_GO")
+    while _go and not os.path.exists(_go):
+        time.sleep(0.001)
+    for _dt in os.environ.get("PYNORM_TEST_DTYPES", "float64").split(","):
+        p = np.arange(12, dtype=_dt).reshape(3, 4)
+        out = np.empty(4)
+        _reduce.sum_blocks(p, out, 0, 1)  # every column: one tile
 stats = _reduce.sum_blocks.stats
 print("RESULT " + json.dumps({
     "file": pynorm.__file__,
@@ -55,12 +61,21 @@ print("RESULT " + json.dumps({
 """
 
 
-def _run(root: Path, cache: Path, **env_extra: str) -> dict[str, Any]:
+def _env(root: Path, cache: Path, **env_extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CACHE")}
     env.update({"PYTHONPATH": str(root), "NUMBA_CACHE_DIR": str(cache), **env_extra})
+    return env
+
+
+def _run(root: Path, cache: Path, **env_extra: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=root
-    )
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=_env(root, cache, **env_extra),
+        timeout=600, cwd=root,
+    )  # fmt: skip
+    return _result(proc, root)
+
+
+def _result(proc: Any, root: Path) -> dict[str, Any]:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     res: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
@@ -227,3 +242,23 @@ def test_an_entry_naming_another_signatures_data_is_a_miss(tmp_path: Path) -> No
     f._save_index(index)
     with pytest.raises(ValueError, match="another signature"):
         f.load(a)
+
+
+def test_processes_compiling_one_kernel_at_once_leave_a_cache_serving_both(package_copy: Path, tmp_path: Path) -> None:
+    """The real path: two processes compile their own signatures of one kernel at the same moment into one cache;
+    a third process then loads both and compiles nothing, with no warning."""
+    cache, go = tmp_path / "cache", tmp_path / "go"
+
+    def start(dt: str) -> subprocess.Popen[str]:
+        env = _env(package_copy, cache, PYNORM_TEST_DTYPES=dt, PYNORM_TEST_GO=str(go))
+        pipe, cmd = subprocess.PIPE, [sys.executable, "-c", _SCRIPT]
+        return subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, cwd=package_copy, env=env)
+
+    procs = [start(dt) for dt in ("float64", "float32")]
+    go.touch()
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        res = _result(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), package_copy)
+        assert res["misses"] == 1 and not res["warnings"], res
+    both = _run(package_copy, cache, PYNORM_TEST_DTYPES="float64,float32")
+    assert both["hits"] == 2 and both["misses"] == 0 and not both["warnings"], both

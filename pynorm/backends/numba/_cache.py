@@ -21,7 +21,9 @@ saves guarded):
   kernel is recompiled and its entry written anew, with one :class:`CacheWarning` per process;
 * with no writable cache directory (a read-only install, ``NUMBA_CACHE_DIR`` and ``HOME`` not
   writable) the kernels still load from a warm cache there, read-only, and what is compiled in the
-  process is not saved (one :class:`CacheWarning`).
+  process is not saved (one :class:`CacheWarning`);
+* processes compiling into one cache at once keep every entry, each naming its own machine code
+  (:class:`_CheckedCacheFile`: numba's own save has no lock).
 """
 
 from __future__ import annotations

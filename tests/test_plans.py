@@ -523,6 +523,7 @@ def test_a_bound_plans_short_path_is_the_full_paths_bits(
             assert pynorm.layer_norm(x, w, b, eps=1e-5, out=out2) is out2
             _assert_same_result(out2, want, f"{dt} step {step} pynorm.layer_norm out")
         assert p._calls is not None and p._calls.fast is not None  # (the short path was taken)
+        assert bool(p._direct) == (len(shape) == 2)  # (by the plan's direct call where nothing needs reshaping)
         options = {**{o.name: o.default for o in SPECS["layer_norm"].options}, "eps": 1e-5}
         kept = _dispatch._PLANS[_dispatch._plan_key(SPECS["layer_norm"], x, (), (w, b), -1, None, None, options)]
         assert any(c.fast is not None for c in kept.calls.values())  # (and by pynorm.layer_norm's)
@@ -566,6 +567,60 @@ def test_a_bound_plans_short_path_is_the_full_paths_bits(
                 _assert_same_result(out, want[0], f"{op} {dt} step {step} out")
                 _assert_same_result(got[1], want[1], f"{op} {dt} step {step} out h")
         assert sum(c.fast is not None for pl in _dispatch._PLANS.values() for c in pl.calls.values()) == 4
+
+
+def test_a_bound_plans_direct_call_checks_what_the_general_path_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a plan calls the backend's shortest call directly (numba), an array of another kind still gets the
+    general path's error naming it, a value check still runs (DyT's finite ``alpha``; LayerNorm's rows that the
+    slow path finishes give the full path's bits), and calls from several threads at once -- which share the
+    plan's per-row scratch -- each get their own rows' result."""
+    pytest.importorskip("numba")
+    import threading
+
+    from pynorm.backends.numba import _threads
+
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", _threads.DEFAULT_SERIAL_THRESHOLD)
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w, b = (rng.standard_normal(64).astype(np.float32) for _ in range(2))
+    p = pynorm.plan("layer_norm", x, w, b, backend="numba")
+    for _ in range(2):
+        p(x, w, b)
+    assert p._direct
+    with pytest.raises(pynorm.DTypeError, match="x: this layer_norm plan was made for a float32 array"):
+        p(x.astype(np.float64), w, b)
+    with pytest.raises(ShapeError, match=r"weight: .* got absent \(None\)"):
+        p(x, None, b)
+    with pytest.raises(ShapeError, match="read-only"):
+        ro = x.copy()
+        ro.flags.writeable = False
+        p(ro, w, b)
+    a = np.array([0.5], np.float32)
+    d = pynorm.plan("dyt", x, a, backend="numba")
+    for _ in range(2):
+        d(x, a)
+    assert d._direct
+    with pytest.raises(ArgumentError, match="alpha must be finite"):
+        d(x, np.array([np.inf], np.float32))
+    xs = [rng.standard_normal((4, 64)).astype(np.float32) for _ in range(8)]
+    xs[3][1] *= 3e37  # (a row the slow path finishes, reading the per-row scratch the kernel wrote)
+    want = [pynorm.layer_norm_forward(v, w, b, backend="numba")[0] for v in xs]
+    got: dict[int, list[Any]] = {}
+    start = threading.Barrier(len(xs))
+
+    def work(i: int) -> None:
+        start.wait()
+        got[i] = [p(xs[i], w, b) for _ in range(200)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, results in got.items():
+        for r in results:
+            _assert_same_result(r, want[i], f"thread {i}")
+    assert len(got) == len(xs)
 
 
 def test_a_bound_plan_takes_the_paths_forced_on_it() -> None:

@@ -389,16 +389,30 @@ class StatsOp(_Op):
             return None
         entry, stat, cv, pick, prepare = memo.entry, self.stat, st.conventions, self._pick, self.affine.prepare
         offset, mdt, aux_needed = st.kargs.weight_offset, st.math_dtype, self.statistic.aux
-        output, storage, empty = common.output, common.storage, np.empty
+        output, storage, empty, pool = common.output, common.storage, np.empty, common.POOL
         hd, alpha = st.h_dtype, st.kargs.alpha
+        small = 8 * rows * hidden  # (below the pool's least size whatever the dtype: a plain numpy.empty)
+        # the per-row statistics no ctx keeps: scratch reused by the next call (one pair per call running at once)
+        spare: list[tuple[Any, Any]] = []
+        # the parameters as the kernel takes them are the arrays given (prepare returned them): the plan's key fixes
+        # what decides that (their dtypes and contiguity, the offset), so it holds for every call once seen
+        as_given: list[bool] = []
 
         def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> Any:
             if _forcing():
                 return None
             weight, bias, ids, residual = pick((*args, None))
-            y = output(out, shape, x.dtype)
-            rs = (empty(rows) if aux_needed else None, empty(rows))
-            aff = prepare(weight, bias, ids, offset, mdt, hidden, narrow=x.dtype.itemsize == 2)
+            if out is not None:
+                y = out
+            else:
+                y = empty(shape, x.dtype) if small < pool.min_bytes else output(None, shape, x.dtype)
+            rs = spare.pop() if spare else (empty(rows) if aux_needed else None, empty(rows))
+            if as_given:
+                aff = (weight, bias, None)
+            else:
+                aff = prepare(weight, bias, ids, offset, mdt, hidden, narrow=x.dtype.itemsize == 2)
+                if aff[0] is weight and aff[1] is bias and aff[2] is None:
+                    as_given.append(True)
             rw: tuple[Any, Any]
             if hd is None:
                 h, rw = None, (storage(x), None)
@@ -410,6 +424,7 @@ class StatsOp(_Op):
             ys = storage(y)
             if entry(stat, rw, aff, cv, ys, rs, None, 0, rows):  # rows left for the slow path
                 kernels.fwd_slow(stat, rw, aff, cv, ys, rs)
+            spare.append(rs)
             return y if h is None else (y, h)
 
         return run

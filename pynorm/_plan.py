@@ -3,8 +3,8 @@ per-call work.
 
 A repeated call of ``pynorm.<op>`` already reuses what its first call established (:mod:`pynorm._dispatch` keeps a
 plan per call shape, and a call for the result alone runs what a :class:`Plan`'s call runs), but it still builds and
-looks up that shape's key and resolves the backend on every call: 7.0 us of a decode step's 1 x 4096 LayerNorm
-(numba, AVX-512), where a :class:`Plan`'s call takes 5.6 and the kernel with its output's allocation 3.1. A
+looks up that shape's key and resolves the backend on every call: 8.2 us of a decode step's 1 x 4096 LayerNorm
+(numba, Intel Xeon with AVX-512), where a :class:`Plan`'s call takes 5.0 and the row kernel's entry point 1.4. A
 :class:`Plan` holds all of it -- the validated options, the flattening, the backend chosen when it was made and the
 compiled kernel's entry point -- and each call checks only that its arrays are of the plan's kind (type, dtype,
 shape, strides and flags, compared as one tuple) and what depends on the values (a parameter that must be finite,

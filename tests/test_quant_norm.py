@@ -345,3 +345,41 @@ def test_layer(backend):
     ref = pynorm.quant_layer_norm(_int8(np.random.default_rng(1), (4, 16)), np.ones(16, np.float32),
                                   np.zeros(16, np.float32), x_scale=0.05, quantize="row", backend="numpy")  # fmt: skip
     assert backend.to_numpy(q).tobytes() == ref[0].tobytes()
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16", "float32", "float64"])
+def test_numba_row_amax_is_numpys_on_every_storage_dtype(dt):
+    # the numba quantizers' max |y| of a row reads the values' bits in signed integer lanes: every magnitude,
+    # infinities, subnormals and -0 ordered as numpy orders the values, NaN ignored, 0 for an all-NaN or empty row
+    pytest.importorskip("numba")
+    from numba import njit
+
+    from pynorm.backends.numba._common import storage
+    from pynorm.backends.numba._quant_kernels import amax_of
+
+    @njit
+    def run(b):
+        return amax_of(b)
+
+    d = dtype(dt)
+    rng = np.random.default_rng(16)
+    tiny = float(np.finfo(np.float16).smallest_subnormal) if d == np.float16 else 1e-40 if d.itemsize == 4 else 1e-310
+    rows = [
+        rng.standard_normal(37) * 3,
+        np.array([-0.0, tiny, -tiny * 3, 0.0]),
+        np.array([np.nan, -5.0, 2.0, np.nan]),
+        np.array([1.0, -np.inf, np.nan]),
+        np.array([np.inf, -2.0]),
+        np.array([np.nan, np.nan]),
+        np.array([-0.0]),
+        np.zeros(0),
+        -np.abs(rng.standard_normal(100)) * 1e3,  # (the largest magnitude negative, many vector lanes)
+    ]
+    for r in rows:
+        with np.errstate(over="ignore"):
+            v = r.astype(d)
+        v64 = v.astype(np.float64)
+        mag = np.abs(v64[~np.isnan(v64)])
+        want = float(mag.max()) if mag.size else 0.0
+        got = run(storage(v))
+        assert got == want, (dt, r, got, want)

@@ -150,16 +150,18 @@ def amax_of(buf):  # type: ignore[no-untyped-def]
 _bits_f64 = bitcast(types.uint64, types.float64, "_bits_f64")
 
 
-def _amax_bits(unsigned, mask, inf, value):  # type: ignore[no-untyped-def]
-    """:func:`amax_of` of a row viewed as the ``unsigned`` integers, ``mask`` clearing the sign bit, ``inf`` the
-    bits of +inf, ``value`` the jitted conversion of a magnitude's bits to a float64."""
-    mask, inf, zero = unsigned(mask), unsigned(inf), unsigned(0)
+def _amax_bits(unsigned, signed, mask, inf, value):  # type: ignore[no-untyped-def]
+    """:func:`amax_of` of a row viewed as the ``signed`` integers of its width (a magnitude's bits, the sign bit
+    cleared by ``mask``, are non-negative there: LLVM vectorizes a signed maximum and comparison fully, an
+    unsigned one it did not -- 0.22 against 0.05 ns a float32 element, one core, AVX-512), ``inf`` the bits of
+    +inf, ``value`` the jitted conversion of a magnitude's bits (as the ``unsigned`` integer) to a float64."""
+    mask, inf, zero = signed(mask), signed(inf), signed(0)
 
     def impl(buf):  # type: ignore[no-untyped-def]
-        u = buf.view(unsigned)
+        u = buf.view(signed)
         m = zero
         for j in range(u.shape[0]):
-            b = u[j] & mask
+            b = signed(u[j] & mask)
             m = max(m, b if b <= inf else zero)  # (max(): a reduction LLVM vectorizes)
         return value(unsigned(m))
 
@@ -190,13 +192,13 @@ def _bf16_value(m):  # type: ignore[no-untyped-def]
 def _amax_of_ol(buf):  # type: ignore[no-untyped-def]
     dt = buf.dtype
     if dt == types.float32:
-        return _amax_bits(np.uint32, 0x7FFFFFFF, 0x7F800000, _f32_value)
+        return _amax_bits(np.uint32, np.int32, 0x7FFFFFFF, 0x7F800000, _f32_value)
     if dt == types.float64:
-        return _amax_bits(np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, _f64_value)
+        return _amax_bits(np.uint64, np.int64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, _f64_value)
     if dt == types.int16:  # float16 storage
-        return _amax_bits(np.uint16, 0x7FFF, 0x7C00, _half_value)
+        return _amax_bits(np.uint16, np.int16, 0x7FFF, 0x7C00, _half_value)
     if dt == types.uint16:  # bfloat16 storage
-        return _amax_bits(np.uint16, 0x7FFF, 0x7F80, _bf16_value)
+        return _amax_bits(np.uint16, np.int16, 0x7FFF, 0x7F80, _bf16_value)
     return None
 
 

@@ -383,3 +383,43 @@ def test_numba_row_amax_is_numpys_on_every_storage_dtype(dt):
         want = float(mag.max()) if mag.size else 0.0
         got = run(storage(v))
         assert got == want, (dt, r, got, want)
+
+
+def test_numba_int8_codes_are_the_divisions_codes_at_ties_and_every_scale():
+    # the numba int8 quantizer divides through the reciprocal and Markstein's correction where that is the IEEE
+    # quotient: its codes (and clip mask) must be rint(x / s)'s on quotients at and next to every .5 tie, for
+    # scales across the range it takes that path in and beyond it, subnormal and non-finite x included
+    pytest.importorskip("numba")
+    from numba import njit
+
+    from pynorm.backends.numba._quant_kernels import amax_of, codes
+
+    @njit
+    def run(buf, sd, qr, kr):
+        codes(buf, sd, qr, kr, True, amax_of(buf))
+
+    rng = np.random.default_rng(17)
+    ties = np.arange(-130, 131) + 0.5
+    for e in (-1070, -600, -501, -500, -499, -100, -7, 0, 3, 60, 499, 500, 501, 900):
+        for m in (1.0, 1.5, 1.0 / 3.0, 0.7071067811865476, rng.uniform(1, 2)):
+            sd = float(np.ldexp(m, e))
+            if not np.isfinite(sd) or sd == 0:
+                continue
+            q = np.concatenate([ties, rng.uniform(-200, 200, 64), [0.49999999999999994, 127.49999999999999]])
+            x = q * sd  # (rounded: quotients at, above and below the ties)
+            x = np.concatenate([x, np.nextafter(x, np.inf), np.nextafter(x, -np.inf), [5e-324, -0.0, np.nan]])
+            for extra in ([], [np.inf], [np.nan, -np.inf]):
+                buf = np.concatenate([x, extra])
+                with np.errstate(all="ignore"):
+                    t = np.rint(buf / sd)
+                    want = np.clip(np.where(np.isnan(t), 0.0, t), -127, 127).astype(np.int8)
+                qr, kr = np.empty(buf.size, np.int8), np.empty(buf.size, np.bool_)
+                run(buf, sd, qr, kr)
+                np.testing.assert_array_equal(qr, want, err_msg=f"sd={sd!r} extra={extra}")
+                np.testing.assert_array_equal(kr, ~(np.abs(t) > 127), err_msg=f"sd={sd!r} keep")
+                with np.errstate(all="ignore"):
+                    b32 = buf.astype(np.float32)
+                    t = np.rint(b32.astype(np.float64) / sd)
+                run(b32, sd, qr, kr)  # (a float32 row, read exactly)
+                want = np.clip(np.where(np.isnan(t), 0.0, t), -127, 127).astype(np.int8)
+                np.testing.assert_array_equal(qr, want, err_msg=f"sd={sd!r} float32")

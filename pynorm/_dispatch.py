@@ -271,14 +271,18 @@ class Calls:
     :class:`pynorm.backends.numba._common.PlanForward`; None where the backend has none, then the call is
     :func:`execute`'s with a ctx, dropped); :attr:`fast`, the backend's shortest call for the plan's shape (its
     ``fast(shape)``, looked for after a first call of :attr:`lean` found the setup and entry point; it may return
-    None for a call it leaves to :attr:`lean`). For a result that is the outputs: no ``spec.result`` to apply,
-    no served option (the norms' ``quantize=`` None)."""
+    None for a call it leaves to :attr:`lean`), and :attr:`direct`, whether it takes the arrays as they come.
+    For a result that is the outputs: no ``spec.result`` to apply, no served option (the norms' ``quantize=``
+    None)."""
 
-    __slots__ = ("fast", "lean", "run")
+    __slots__ = ("direct", "fast", "lean", "run")
 
     def __init__(self, run: Any) -> None:
         make = getattr(run, "without_ctx", None)
         self.run, self.lean, self.fast = run, (None if make is None else make()), None
+        #: :attr:`fast` takes the plan's calls without ``out`` as they come: the inputs and parameters in their flat
+        #: shapes, ``x`` and ``y`` of ``(R, H)`` (the plan's key fixes every shape), so nothing is reshaped
+        self.direct = False
 
 
 def result_only(
@@ -291,6 +295,10 @@ def result_only(
     several (the residual prologue's ``(y, h)``), shaped here as :func:`execute` shapes them."""
     fast = calls.fast
     if fast is not None:
+        if calls.direct and out is None:  # (the arrays as they are, and y as the backend returns it)
+            y = fast(x, *ins, *ps)
+            if y is not None:
+                return y
         shape = (plan.rows, plan.h)
         args = (*ins, *ps) if plan.flat else _flat_arrays(spec, plan, ins, ps)
         y = fast(x if x.shape == shape else x.reshape(shape), *args, out=None if out is None else out.reshape(shape))
@@ -309,6 +317,8 @@ def result_only(
     if fast is None:
         make = getattr(lean, "fast", None)
         calls.fast = None if make is None else make((plan.rows, plan.h))
+        shape = (plan.rows, plan.h)
+        calls.direct = plan.flat and x.shape == shape and plan.y_shape == shape
     return result
 
 

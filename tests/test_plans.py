@@ -527,6 +527,7 @@ def test_a_bound_plans_short_path_is_the_full_paths_bits(
         options = {**{o.name: o.default for o in SPECS["layer_norm"].options}, "eps": 1e-5}
         kept = _dispatch._PLANS[_dispatch._plan_key(SPECS["layer_norm"], x, (), (w, b), -1, None, None, options)]
         assert any(c.fast is not None for c in kept.calls.values())  # (and by pynorm.layer_norm's)
+        assert any(c.direct for c in kept.calls.values()) == (len(shape) == 2)  # (with the arrays as they come)
     r = pynorm.plan("rms_norm", x, w)
     for _ in range(2):
         _assert_same_result(r(x, w), pynorm.rms_norm_forward(x, w)[0], "rms_norm")

@@ -200,7 +200,7 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
     arguments, of an op whose result is its outputs, runs the backend's runner that builds no ctx
     (:func:`result_only`): what a :class:`pynorm.Plan`'s call runs, the same bits as :func:`forward`'s. An op of
     the ``"channels"`` layout without a result function (GroupNorm) runs the backend's ``forward_lean`` where it
-    has one (:func:`_lean_channels`), else its plan's full path."""
+    has one (:func:`channel_lean`, :func:`lean_channels`), else its plan's full path."""
     if outputs_alone(spec, options):
         channels = spec.layout == "channels"
         _, plan, params, inputs = _keyed(spec, x, inputs, params, 0 if channels else axis, backend, out, options)
@@ -208,10 +208,10 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
             _recheck(spec, plan, x, inputs, params, out, plan.x_shape if channels else plan.y_shape)
             name, mod = _registry.resolve_family(spec.name, plan.family, plan.present_names, backend)
             if channels:
-                lean = getattr(mod, "forward_lean", None)
+                lean = channel_lean(plan, mod)
                 if lean is None:
                     return _run_channels(spec, plan, x, tuple(inputs), tuple(params), out, backend)[0]
-                return _lean_channels(plan, lean, x, inputs, params, out)
+                return lean_channels(plan, lean, x, inputs, params, out)
             calls = plan.calls.get(mod)
             if calls is None:
                 run = plan.targets.get(mod)
@@ -712,6 +712,8 @@ class _ChannelPlan:
     value_checks: tuple[tuple[int, Any], ...]  # as :attr:`_Plan.value_checks`
     family: tuple[str, str] | None  # as :attr:`_Plan.family`
     targets: dict[Any, Any] = field(default_factory=dict)  # as :attr:`_Plan.targets`
+    #: per op module, the runner of its calls for the outputs alone (:func:`channel_lean`; None: it has none)
+    calls: dict[Any, Any] = field(default_factory=dict)
 
 
 def _run_channels(
@@ -754,15 +756,33 @@ def execute_channels(
     return shaped[0], ctx
 
 
-def _lean_channels(
+def channel_lean(plan: _ChannelPlan, mod: Any) -> Any:
+    """The runner of ``plan``'s calls for the outputs alone on the op module ``mod`` (an op of the ``"channels"``
+    layout without a result function), kept in the plan: ``run(x, *inputs_and_params, out=None)`` -> the
+    outputs, no ctx -- the module's ``lean_for(options)`` (numba's :meth:`ChannelOp.lean_for
+    <pynorm.backends.numba.stats.ChannelOp.lean_for>`: it keeps what the plan's first call finds), else its
+    ``forward_lean`` with the options bound; None where it has neither (then the full path)."""
+    try:
+        return plan.calls[mod]
+    except KeyError:
+        pass
+    make, lean = getattr(mod, "lean_for", None), getattr(mod, "forward_lean", None)
+    run = make(plan.to_backend) if make is not None else None
+    if run is None and lean is not None:
+        run = functools.partial(lean, **plan.to_backend)
+    plan.calls[mod] = run
+    return run
+
+
+def lean_channels(
     plan: _ChannelPlan, lean: Any, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...], out: Any
 ) -> Any:  # fmt: skip
-    """The result of an op of the ``"channels"`` layout without a result function, through the backend's
-    ``forward_lean`` (:func:`execute_channels`' outputs, no ctx): a :func:`call` with a kept plan."""
+    """The result of an op of the ``"channels"`` layout without a result function, through its runner ``lean``
+    (:func:`channel_lean`; :func:`execute_channels`' outputs, no ctx): a :func:`call` with a kept plan, a
+    :class:`pynorm.Plan`'s call."""
     ax, x_shape = plan.axis, plan.x_shape
     direct = out is not None and ax == 1
-    res = lean(_to_channels(x, ax), *ins, *ps, out=out.reshape(x_shape[0], plan.channels, -1) if direct else None,
-               **plan.to_backend)  # fmt: skip
+    res = lean(_to_channels(x, ax), *ins, *ps, out=out.reshape(x_shape[0], plan.channels, -1) if direct else None)
     first = res[0] if isinstance(res, tuple) else res
     y = out if direct else _from_channels(first, x_shape, ax)
     if out is not None and not direct:

@@ -69,7 +69,7 @@ class Plan:
     """
 
     __slots__ = (
-        "_by_position", "_calls", "_direct", "_kinds", "_n_in", "_names", "_p", "_run", "_served", "_spec",
+        "_by_position", "_calls", "_direct", "_kinds", "_lean", "_n_in", "_names", "_p", "_run", "_served", "_spec",
         "backend", "op", "options",
     )  # fmt: skip
 
@@ -114,6 +114,9 @@ class Plan:
         # plan runs (_dispatch.call)
         plain = spec.layout == "rows" and _dispatch.outputs_alone(spec, self.options)
         self._calls = _dispatch.Calls(self._run) if plain else None
+        # (an op of the channels layout whose result is its outputs: the backend's runner without a ctx, if any)
+        lean = spec.layout == "channels" and spec.result is None
+        self._lean = _dispatch.channel_lean(self._p, mod) if lean else None
         # the plan's order (inputs, then parameters) is the forward's positional order unless an input is keyword-only
         self._by_position = not any(i.keyword for i in spec.inputs)
         #: the backend's shortest call, once a first call has made it (:meth:`_make_direct`)
@@ -187,6 +190,8 @@ class Plan:
         out = self._out(out, x, ins, ps)
         calls = self._calls
         if calls is None:
+            if self._lean is not None:
+                return _dispatch.lean_channels(self._p, self._lean, x, ins, ps, out)
             return self._forward(x, ins, ps, out)[0]
         y = _dispatch.result_only(self._spec, self._p, self.backend, calls, x, ins, ps, out)
         if direct is None and calls.fast is not None:

@@ -728,3 +728,31 @@ def test_a_bound_plan_quantizes_as_the_op_does(fmt: str, backend: Any) -> None:
         q, ctx = p.forward(x, w)
         _assert_same_result(q, pynorm.rms_norm(x, w, quantize=fmt, backend=backend.name), fmt)
         assert ctx.served == (("quantize",) if backend.name == "numba" else ())
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (4, 64, 3), (2, 32, 5, 5)])
+def test_a_channel_ops_kept_runner_is_the_full_paths_bits(shape: tuple[int, ...], backend: Any) -> None:
+    """GroupNorm's calls for the result alone through a kept plan's runner (numba: its setup and the row
+    kernel's entry point kept, ``ChannelOp.lean_for``), by ``pynorm.group_norm`` and by a ``pynorm.plan``, give
+    the full path's bits call after call: few positions per channel (the table source) and many, rows the slow
+    path finishes, a read-only and a strided ``x`` (call shapes of their own), a parameter updated in place."""
+    rng = np.random.default_rng(19)
+    c = shape[1]
+    x = rng.standard_normal(shape).astype(np.float32)
+    w, b = rng.standard_normal(c).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    strided = np.zeros((*shape[:-1], 2 * shape[-1]), np.float32)[..., ::2]
+    p = pynorm.plan("group_norm", x, w, b, num_groups=8, backend=backend.name)
+    for step in range(4):
+        x[...] = rng.standard_normal(shape).astype(np.float32)
+        if step == 2:
+            x[0] *= 3e37  # (a sample whose groups the fast sums cannot hold: the slow path)
+        w *= np.float32(1.25)
+        want = pynorm.group_norm_forward(x, w, b, num_groups=8, backend=backend.name)[0]
+        _assert_same_result(pynorm.group_norm(x, w, b, num_groups=8, backend=backend.name), want, f"step {step}")
+        _assert_same_result(p(x, w, b), want, f"plan step {step}")
+        ro = x.copy()
+        ro.flags.writeable = False
+        strided[...] = x
+        for what, other in (("read-only", ro), ("strided", strided)):
+            got = pynorm.group_norm(other, w, b, num_groups=8, backend=backend.name)
+            _assert_same_result(got, want, f"step {step} {what}")

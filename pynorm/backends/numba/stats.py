@@ -39,6 +39,7 @@ tiles add fewer than 4 rows row by row, in order, so the bits are the same), one
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, NamedTuple
 
@@ -802,11 +803,29 @@ class ChannelOp(_Op):
         call shape with a kept plan: :func:`pynorm._dispatch.call`); the same kernels and bits."""
         return self._forward(x, args, out, options, False)[0]
 
+    def lean_for(self, options: dict[str, Any]) -> Callable[..., Any]:
+        """The runner of a kept plan's calls for the outputs alone (:func:`pynorm._dispatch.call`, a
+        :class:`pynorm.Plan`'s call): :meth:`forward_lean` with the plan's options, keeping the setup its first call
+        finds and the row kernel's compiled entry point (:class:`._threads.EntryMemo`, called directly by a serial
+        call) -- the plan's key fixes every argument's type. The same kernels and bits."""
+        held = common.PlanForward(self, options, ctx=False)  # (its setup and entry point)
+
+        def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> Any:
+            return self._forward(x, args, out, options, False, held)[0]
+
+        return run
+
     def _forward(
-        self, x: np.ndarray, args: tuple[Any, ...], out: np.ndarray | None, options: dict[str, Any], with_ctx: bool
+        self, x: np.ndarray, args: tuple[Any, ...], out: np.ndarray | None, options: dict[str, Any], with_ctx: bool,
+        held: common.PlanForward | None = None,
     ) -> tuple[Any, Any]:  # fmt: skip
         inputs, p = self._arguments(args)
-        st = self._setup(options, x.dtype, x.shape)
+        if held is not None and held.setup is not None:
+            st = held.setup
+        else:
+            st = self._setup(options, x.dtype, x.shape)
+            if held is not None:
+                held.setup = st
         o, kargs, groups, mdt = st.options, st.kargs, st.groups, st.math_dtype
         assert o is not None  # (a forward's setup)
         run = [inputs.get(k) for k in self.running]
@@ -835,7 +854,8 @@ class ChannelOp(_Op):
                 launch(kernels.fwd_given, rows * h, rows, self.stat, xs, plain(aff), (mean, rstd), ys,
                        True if stream else None)  # fmt: skip
             else:
-                forward_rows(self.stat, (xs, None), plain(aff), st.conventions, ys, (mean, rstd), stream)
+                memo = None if held is None else held.entry
+                forward_rows(self.stat, (xs, None), plain(aff), st.conventions, ys, (mean, rstd), stream, memo)
         ctx = None
         if with_ctx:
             values = {**o, **p, self.row: x, **self.statistic.ctx_values(rstd, mean=mean)}

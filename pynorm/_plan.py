@@ -204,7 +204,8 @@ class Plan:
         (:attr:`~pynorm._dispatch.Calls.direct`: ``x`` and ``y`` of the plan's ``(R, H)``, the plan's inputs and
         parameters in its order); it returns None for a call it leaves to the general path (arrays not of the
         plan's kinds, which that path names; ``fast`` declining). False where the plan has no such call. What it
-        skips is the general path's argument handling: 1.3 of a 1 x 4096 LayerNorm's 7.1 us."""
+        skips is the general path's argument handling (with the short forward's reused scratch, a 1 x 4096
+        LayerNorm's plan call 6.9 -> 5.0 us)."""
         p, spec, kinds, n_in = self._p, self._spec, self._kinds, self._n_in
         if not (self._by_position and self._calls is not None and self._calls.direct):
             return False

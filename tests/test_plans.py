@@ -430,10 +430,11 @@ def _assert_same_result(got: Any, want: Any, what: str) -> None:
 
 
 def _grads_equal(g1: Any, g2: Any, what: str) -> None:
+    assert type(g1) is type(g2), what
     for a, e in zip(g1, g2, strict=True):
         assert (a is None) == (e is None), what
         if a is not None:
-            assert a.dtype == e.dtype and np.array_equal(a, e, equal_nan=True), what
+            assert a.dtype == e.dtype and a.shape == e.shape and np.array_equal(a, e, equal_nan=True), what
 
 
 @pytest.mark.parametrize("op", sorted(pynorm.list_ops()))
@@ -622,6 +623,52 @@ def test_a_bound_plans_direct_call_checks_what_the_general_path_checks(monkeypat
         for r in results:
             _assert_same_result(r, want[i], f"thread {i}")
     assert len(got) == len(xs)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "add_rms_norm"])
+def test_a_bound_plans_short_backward_checks_what_the_general_path_checks(
+    op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan's backward of a ``dy`` and ctx of its own call shape goes straight to the backend's backward (the
+    general path is never entered), with the op's own gradients (also for a ctx of another call with the plan's
+    shape but other options: the backend reads them from the ctx); anything else -- ``dy`` of another shape or
+    dtype, a ctx of another op or call shape, ``dx_out``, an upstream gradient -- takes the general path, whose
+    errors name it."""
+    pytest.importorskip("numba")
+    rng = np.random.default_rng(21)
+    shape = (2, 3, 64)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w, b = (rng.standard_normal(64).astype(np.float32) for _ in range(2))
+    res = rng.standard_normal(shape).astype(np.float32)
+    args = (w, b) if op == "layer_norm" else (res, w)
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    p = pynorm.plan(op, x, *args, backend="numba")
+    _, ctx = p.forward(x, *args)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    want = bwd(dy, ctx)
+    general = _dispatch.backward
+    calls: list[Any] = []
+    monkeypatch.setattr(_dispatch, "backward", lambda *a: calls.append(a) or general(*a))
+    _grads_equal(p.backward(dy, ctx), want, "short path")
+    assert callable(p._back) and not calls
+    _, other = fwd(x, *args, eps=1e-2, backend="numba")  # the plan's shape, another eps
+    _grads_equal(p.backward(dy, other), bwd(dy, other), "another call's ctx")
+    assert not calls
+    dx = np.empty_like(x)
+    _grads_equal(p.backward(dy, ctx, dx_out=dx), want, "dx_out")
+    assert np.array_equal(dx, want[0]) and len(calls) == 1
+    if op == "add_rms_norm":
+        dh = rng.standard_normal(shape).astype(np.float32)
+        _grads_equal(p.backward(dy, ctx, dh=dh), bwd(dy, ctx, dh=dh), "upstream dh")
+    with pytest.raises(ShapeError, match=r"dy has shape \(6, 64\)"):
+        p.backward(dy.reshape(6, 64), ctx)
+    with pytest.raises(pynorm.DTypeError, match="dy has dtype float64"):
+        p.backward(dy.astype(np.float64), ctx)
+    _, small = fwd(x[:1], *((w, b) if op == "layer_norm" else (res[:1], w)), backend="numba")
+    _grads_equal(p.backward(dy[:1], small), bwd(dy[:1], small), "another shape's ctx")
+    _, rms = pynorm.rms_norm_forward(x, w, backend="numba")
+    with pytest.raises(pynorm.ContextError, match=f"produced by rms_norm_forward and cannot be used by {op}_backward"):
+        p.backward(dy, rms)
 
 
 def test_a_bound_plan_takes_the_paths_forced_on_it() -> None:

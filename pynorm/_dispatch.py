@@ -76,6 +76,8 @@ class Context:
         gradient of the backward (``dx``, the differentiable inputs', the parameters') giving it back as its
         argument's own array type (None where that argument was a NumPy or CuPy array):
         :func:`pynorm._validate.returner`.
+    plan : internal: the dispatcher's record of the call shape that made the ctx (None for a ctx made otherwise),
+        whose backward of a ``dy`` of that shape skips the checks the shape answers (:func:`_short_backward`).
     """
 
     op: str
@@ -92,6 +94,7 @@ class Context:
     input_shapes: tuple[tuple[int, ...], ...] = ()
     returners: tuple[Any, ...] | None = None
     served: tuple[str, ...] = ()
+    plan: Any = field(default=None, repr=False)
 
     @property
     def rows(self) -> int:
@@ -478,6 +481,8 @@ class _Plan:
     #: the :class:`Context` fields its key fixes (every field but the backend's name, its ctx and the later
     #: outputs' dtypes), filled by the plan's first call
     ctx_base: dict[str, Any] = field(default_factory=dict)
+    #: per backend, the short backward of its ctxs (:func:`_short_backward`; False: none)
+    backs: dict[str, Any] = field(default_factory=dict)
 
 
 def _flat_shape(kind: str, a: Array | None, lead: tuple[int, ...], norm_shape: tuple[int, ...]) -> Any:
@@ -588,6 +593,7 @@ def execute(
             "param_shapes": plan.param_shapes, "input_dtypes": plan.input_dtypes,
             "array_family": plan.family or _registry.array_family(x),
             "y_shape": None if plan.y_shape == x_shape else plan.y_shape, "input_shapes": plan.input_shapes,
+            "plan": plan,
         })  # fmt: skip
     values = base.copy()
     values["backend"], values["inner"], values["output_dtypes"] = name, inner, more
@@ -823,12 +829,65 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
     ))  # fmt: skip
 
 
+def _short_backward(spec: OpSpec, plan: _Plan, backend: str) -> Any:
+    """``back(dy, ctx)``: the backward of a ctx that ``plan``'s call shape made on ``backend`` (:attr:`Context.plan`)
+    and a ``dy`` of that shape as a numpy array, with no DLPack argument, upstream gradient or ``dx_out``: straight
+    to the backend's backward, without the checks and reshaping of :func:`_backward` that the plan's shapes answer
+    -- the same call with the same arrays, so the same bits. It returns None for a ``dy`` it leaves to
+    :func:`_backward` (whose checks name what is wrong); False where the plan has none (an output of another shape
+    than ``x``, or parameter gradients that need reshaping to their parameters' shapes).
+
+    What it skips (LayerNorm 1 x 1024 float32 on numba, one process, alternating rounds): 23.5 -> 13.3 us a
+    backward, of which the backend's own call is 12.3 and its kernel 2.6."""
+    base = plan.ctx_base
+    if base.get("y_shape") is not None or any(
+        s is not None and s != f for s, f in zip(plan.param_shapes, plan.param_flat, strict=True)
+    ):  # fmt: skip
+        return False
+    x_shape = base["x_shape"]
+    dt = spec.grad_dtype(base["x_dtype"])
+    rows_h = (plan.rows, plan.h)
+    run, grads_of = _registry.op_module(backend, spec.name).backward, spec.grads
+    none = {f"d{o}": None for o in spec.outputs[1:]}  # (no upstream gradient: None for each, as _backward passes)
+    in_shapes = plan.input_shapes
+    n_in = len(in_shapes)
+
+    def back(dy: Any, ctx: Any) -> Any:
+        if dy.shape != x_shape or dy.dtype != dt or ctx.returners is not None:
+            return None
+        flat = dy.shape == rows_h
+        g = run(dy if flat else dy.reshape(rows_h), ctx.inner, **none)
+        if flat and not n_in and type(g) is grads_of:
+            return g
+        return grads_of(
+            g[0] if flat else g[0].reshape(x_shape),
+            *(d.reshape(s) for d, s in zip(g[1 : 1 + n_in], in_shapes, strict=True)),
+            *g[1 + n_in :],
+        )  # fmt: skip
+
+    return back
+
+
 def _backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str, Any] | None) -> Any:
     op = spec.name
     if not isinstance(ctx, Context):
         raise ContextError(f"ctx must be the Context returned by {op}_forward, got {type(ctx).__name__}")
     if ctx.op != op:
         raise ContextError(f"ctx was produced by {ctx.op}_forward and cannot be used by {op}_backward")
+    plan = ctx.plan
+    if (
+        plan is not None
+        and dx_out is None
+        and type(dy) is np.ndarray
+        and not (upstream and any(g is not None for g in upstream.values()))
+    ):
+        back = plan.backs.get(ctx.backend)
+        if back is None:
+            back = plan.backs[ctx.backend] = _short_backward(spec, plan, ctx.backend)
+        if back:
+            grads = back(dy, ctx)
+            if grads is not None:
+                return grads
     dy = as_array(dy, "dy")
     if _registry.array_family(dy) != ctx.array_family:
         fam = _registry.array_family(dy)

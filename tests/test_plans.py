@@ -3,6 +3,7 @@ never the checks that depend on the values, and every argument that changes the 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -486,7 +487,10 @@ def test_a_bound_plan_gives_the_ops_own_results(op: str, dt: str, backend: Any) 
             if op == "quant_layer_norm" or not np.issubdtype(y.dtype, np.floating):
                 continue
             dy = rng.standard_normal(y.shape).astype(y.dtype)
-            _grads_equal(p.backward(dy, ctx), bwd(dy, wctx), what)
+            # (the ctx without its plan: the general path's gradients, against a plan's and the op's short one)
+            general = bwd(dy, dataclasses.replace(wctx, plan=None))
+            _grads_equal(p.backward(dy, ctx), general, what)
+            _grads_equal(bwd(dy, wctx), general, what)
 
 
 @pytest.mark.parametrize("shape", [(1, 4096), (4, 8), (2, 3, 64)])
@@ -626,14 +630,12 @@ def test_a_bound_plans_direct_call_checks_what_the_general_path_checks(monkeypat
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "add_rms_norm"])
-def test_a_bound_plans_short_backward_checks_what_the_general_path_checks(
-    op: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A plan's backward of a ``dy`` and ctx of its own call shape goes straight to the backend's backward (the
-    general path is never entered), with the op's own gradients (also for a ctx of another call with the plan's
-    shape but other options: the backend reads them from the ctx); anything else -- ``dy`` of another shape or
-    dtype, a ctx of another op or call shape, ``dx_out``, an upstream gradient -- takes the general path, whose
-    errors name it."""
+def test_the_short_backward_checks_what_the_general_path_checks(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward of a ``dy`` of its ctx's own call shape goes straight to the backend's backward (the general
+    path's checks are never entered), through a plan or the op's own function, with the general path's gradients
+    (also for a ctx of another call of the plan's shape with other options); anything else -- ``dy`` of another
+    shape or dtype, a ctx of another op, ``dx_out``, an upstream gradient -- takes the general path, whose errors
+    name it."""
     pytest.importorskip("numba")
     rng = np.random.default_rng(21)
     shape = (2, 3, 64)
@@ -645,14 +647,17 @@ def test_a_bound_plans_short_backward_checks_what_the_general_path_checks(
     p = pynorm.plan(op, x, *args, backend="numba")
     _, ctx = p.forward(x, *args)
     dy = rng.standard_normal(shape).astype(np.float32)
-    want = bwd(dy, ctx)
-    general = _dispatch.backward
+    want = bwd(dy, dataclasses.replace(ctx, plan=None))  # (a ctx without its plan: the general path)
+    general = _dispatch.as_array  # (what the general path's checks call first)
     calls: list[Any] = []
-    monkeypatch.setattr(_dispatch, "backward", lambda *a: calls.append(a) or general(*a))
-    _grads_equal(p.backward(dy, ctx), want, "short path")
-    assert callable(p._back) and not calls
+    monkeypatch.setattr(_dispatch, "as_array", lambda *a: calls.append(a) or general(*a))
+    _grads_equal(p.backward(dy, ctx), want, "short path, plan")
+    _grads_equal(bwd(dy, ctx), want, "short path, op")
+    assert callable(ctx.plan.backs["numba"]) and not calls
     _, other = fwd(x, *args, eps=1e-2, backend="numba")  # the plan's shape, another eps
-    _grads_equal(p.backward(dy, other), bwd(dy, other), "another call's ctx")
+    want_other = bwd(dy, dataclasses.replace(other, plan=None))
+    calls.clear()
+    _grads_equal(p.backward(dy, other), want_other, "another call's ctx")
     assert not calls
     dx = np.empty_like(x)
     _grads_equal(p.backward(dy, ctx, dx_out=dx), want, "dx_out")

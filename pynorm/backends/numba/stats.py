@@ -933,8 +933,11 @@ class ChannelOp(_Op):
             if part is None or param is None:
                 grads.append(None)
                 continue
+            if s == 1:  # (a channel's one position: its table sum, rounded once by the reduction itself)
+                grads.append(table.reduce(part, np.empty((groups, h), param.dtype), layout).reshape(c))
+                continue
             full = table.reduce(part, np.empty((groups, h), np.float64), layout).reshape(c, s)
-            grads.append(round_to(full[:, 0] if s == 1 else full.sum(axis=1), param.dtype))
+            grads.append(round_to(full.sum(axis=1), param.dtype))
         return self.grads(dx, *grads)
 
 

@@ -847,7 +847,9 @@ def _short_backward(spec: OpSpec, plan: _Plan, backend: str) -> Any:
     x_shape = base["x_shape"]
     dt = spec.grad_dtype(base["x_dtype"])
     rows_h = (plan.rows, plan.h)
-    run, grads_of = _registry.op_module(backend, spec.name).backward, spec.grads
+    mod = _registry.op_module(backend, spec.name)
+    pick = getattr(mod, "backward_for", None)  # (a backward that keeps what the plan's calls fix, where one exists)
+    run, grads_of = (mod.backward if pick is None else pick(plan.to_backend)), spec.grads
     none = {f"d{o}": None for o in spec.outputs[1:]}  # (no upstream gradient: None for each, as _backward passes)
     in_shapes = plan.input_shapes
     n_in = len(in_shapes)

@@ -244,6 +244,15 @@ class Composed:
             return self.impl.backward(dy, ctx, dx_out=dx_out, **upstream)
         return self.policies.backward(dy, ctx, dx_out)
 
+    def backward_for(self, options: Any) -> Any:
+        """The backward of the ctxs a call with ``options`` makes (:func:`pynorm._dispatch._short_backward`): the
+        implementation's own for the default ``casting`` (its ``backward_for``, if it has one), else
+        :meth:`backward`."""
+        pick = getattr(self.impl, "backward_for", None)
+        if options.get(CASTING, DEFAULT) != DEFAULT or pick is None:
+            return self.backward
+        return pick(options)
+
 
 def bind(op: str, backend: str, impl: Any, pieces: Any) -> Composed:
     """``impl`` (op ``op`` on ``backend``) with the casting policies composed around it, run on the backend's

@@ -676,6 +676,46 @@ def test_the_short_backward_checks_what_the_general_path_checks(op: str, monkeyp
         p.backward(dy, rms)
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_rms_norm", "add_layer_norm"])
+def test_numbas_kept_backward_is_the_general_backwards_bits(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numba's backward for a plan's ctxs (``StatsOp.backward_for``: the setup kept, outputs below the pool made
+    directly, the fused kernel's entry point kept per layout of ``dy``) gives the general backward's bits, call
+    after call: rows the slow path finishes among fast ones, ``dy`` contiguous, strided and read-only (each its own
+    entry point), outputs from the pool (a larger call); the backend's general backward never runs."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _threads, stats
+
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", _threads.DEFAULT_SERIAL_THRESHOLD)  # (the tests lower it)
+    rng = np.random.default_rng(23)
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    for shape in ((2, 3, 64), (64, 512)):  # (the second's dx is above the pool's least size)
+        h = shape[-1]
+        x = rng.standard_normal(shape).astype(np.float32)
+        x.reshape(-1, h)[1] *= np.float32(3e37)  # (a row the backward's slow path finishes)
+        w, b = (rng.standard_normal(h).astype(np.float32) for _ in range(2))
+        res = rng.standard_normal(shape).astype(np.float32)
+        args = {"layer_norm": (w, b), "rms_norm": (w,), "add_rms_norm": (res, w), "add_layer_norm": (res, w, b)}[op]
+        _, ctx = fwd(x, *args, backend="numba")
+        wide = rng.standard_normal((*shape[:-1], 2 * h)).astype(np.float32)
+        ro = rng.standard_normal(shape).astype(np.float32)
+        ro.flags.writeable = False
+        dys = [rng.standard_normal(shape).astype(np.float32), wide[..., ::2], ro]
+        wants = [bwd(dy, dataclasses.replace(ctx, plan=None)) for dy in dys]
+        general = stats.StatsOp.backward
+        calls: list[Any] = []
+
+        def spy(*a: Any, general: Any = general, calls: list[Any] = calls, **k: Any) -> Any:
+            calls.append(a)
+            return general(*a, **k)
+
+        monkeypatch.setattr(stats.StatsOp, "backward", spy)
+        for _ in range(3):
+            for dy, want in zip(dys, wants, strict=True):
+                _grads_equal(bwd(dy, ctx), want, f"{op} {shape} dy strides {dy.strides}")
+        assert not calls, f"{op} {shape}: the general backward ran"
+        monkeypatch.setattr(stats.StatsOp, "backward", general)
+
+
 def test_a_bound_plan_takes_the_paths_forced_on_it() -> None:
     """A test switch of the numba paths (``_paths.forced``) sends a plan's calls down the general path, which
     takes the forced path: the switch reaches plans too."""

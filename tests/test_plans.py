@@ -716,6 +716,56 @@ def test_numbas_kept_backward_is_the_general_backwards_bits(op: str, monkeypatch
         monkeypatch.setattr(stats.StatsOp, "backward", general)
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_rms_norm", "scale_norm", "dyt", "power_norm"])
+def test_the_short_forward_with_a_ctx_is_the_general_paths(op: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward with its ctx of a kept call shape (numba: the op's ``fast_forward(..., ctx=True)``, made by the
+    plan's first call) gives the general path's result and ctx -- every field equal, the per-row statistics new
+    arrays at each call -- and the same gradients, through a plan and the op's own function, call after call (a row
+    the slow path finishes among them)."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _paths, _threads
+
+    from .helpers import OPS, make_args
+
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", _threads.DEFAULT_SERIAL_THRESHOLD)  # (the tests lower it)
+    spec = OPS[op]
+    rng = np.random.default_rng(31)
+    shape = (2, 3, 64)
+    arrays = make_args(spec, shape, -1, np.dtype(np.float32), rng)
+    names = (*spec.spec.input_names, *spec.spec.param_names)
+    keyword = {i.name for i in spec.spec.inputs if i.keyword}
+    args = [a for n, a in zip(names, arrays, strict=True) if n not in keyword]
+    kw = {n: a for n, a in zip(names, arrays, strict=True) if n in keyword}
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    x = rng.standard_normal(shape).astype(np.float32)
+    p = pynorm.plan(op, x, *args, backend="numba", **kw)
+    seen: list[Any] = []
+    for step in range(4):
+        x[...] = rng.standard_normal(shape).astype(np.float32) * (step + 1)
+        if step == 2:
+            x[0, 1] *= np.float32(3e37)
+        with _paths.recording():  # (a recording sends every call down the general path)
+            want, wctx = fwd(x, *args, backend="numba", **kw)
+        dy = rng.standard_normal(_outputs(want)[0].shape).astype(np.float32)
+        with _paths.recording():
+            wgrads = bwd(dy, wctx)
+        for how, (got, ctx) in (("plan", p.forward(x, *args, **kw)), ("op", fwd(x, *args, backend="numba", **kw))):
+            what = f"{op} step {step} {how}"
+            _assert_same_result(got, want, what)
+            for f in dataclasses.fields(wctx.inner):
+                a, e = getattr(ctx.inner, f.name), getattr(wctx.inner, f.name)
+                if isinstance(e, np.ndarray):
+                    assert isinstance(a, np.ndarray) and a.dtype == e.dtype and a.shape == e.shape, (what, f.name)
+                    assert np.array_equal(a, e, equal_nan=True), (what, f.name)
+                    if f.name in ("rstd", "mean"):  # (the ctx's own statistics, never another call's)
+                        assert all(a is not b for b in seen), (what, f.name)
+                        seen.append(a)
+                else:
+                    assert a == e or (a != a and e != e), (what, f.name)
+            _grads_equal(bwd(dy, ctx), wgrads, what)
+    assert any(getattr(t, "_short", None) for t in p._p.targets.values()), f"{op}: the short path was never made"
+
+
 def test_a_bound_plan_takes_the_paths_forced_on_it() -> None:
     """A test switch of the numba paths (``_paths.forced``) sends a plan's calls down the general path, which
     takes the forced path: the switch reaches plans too."""

@@ -111,7 +111,7 @@ class PlanForward:
     :attr:`ctx` False (a :class:`pynorm.Plan`'s call for the outputs alone): the op builds no ctx (None in its
     place) -- the microsecond of an inference call that no backward follows."""
 
-    __slots__ = ("ctx", "entry", "op", "options", "setup")
+    __slots__ = ("_short", "ctx", "entry", "op", "options", "setup")
 
     def __init__(self, op: Any, options: dict[str, Any], ctx: bool = True) -> None:
         self.op = op
@@ -119,9 +119,21 @@ class PlanForward:
         self.setup: Any = None
         self.entry = EntryMemo()
         self.ctx = ctx
+        #: the op's shortest forward with a ctx for the plan's shape (its ``fast_forward(..., ctx=True)``), made
+        #: after a first call found the setup and entry point; False where it has none
+        self._short: Any = None
 
     def __call__(self, x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> tuple[Any, Any]:
-        return self.op.forward_setup(x, args, out, None, self)  # type: ignore[no-any-return]
+        short = self._short
+        if short and out is None:
+            result = short(x, *args)
+            if result is not None:
+                return result  # type: ignore[no-any-return]
+        result = self.op.forward_setup(x, args, out, None, self)
+        if short is None and self.ctx and self.setup is not None and self.entry.entry is not None:
+            make = getattr(self.op, "fast_forward", None)
+            self._short = (None if make is None else make(self, x.shape, ctx=True)) or False
+        return result  # type: ignore[no-any-return]
 
     def fast(self, shape: tuple[int, int]) -> Any:
         """The op's shortest forward for this plan's calls on ``(R, H)`` arrays of ``shape`` (its

@@ -167,9 +167,10 @@ class ElementwiseOp:
         values["x"] = x
         return y, filled(self.spec.ctx, {f: values[f] for f in self._fields})
 
-    def fast_forward(self, plan: common.PlanForward, shape: tuple[int, int]) -> Any:
+    def fast_forward(self, plan: common.PlanForward, shape: tuple[int, int], ctx: bool = False) -> Any:
         """A plan's shortest call for ``(R, H)`` arrays of ``shape`` (:meth:`.stats.StatsOp.fast_forward`'s
-        counterpart): ``run(x, *params, out=None)`` -> ``y``, the kernel's entry point called directly with
+        counterpart): ``run(x, *params, out=None)`` -> ``y`` (with ``ctx``: :meth:`forward`'s ``(y, ctx)``), the
+        kernel's entry point called directly with
         :meth:`forward_setup`'s arguments (the same bits), or None where the plan's calls take the pool or a test
         switch of :mod:`._paths` is on (then ``run`` returns None too, for the general path)."""
         rows, h = shape
@@ -179,8 +180,9 @@ class ElementwiseOp:
         entry, tag, pdt, const, names = memo.entry, st.tag, st.param_dtype, st.constant, self.spec.param_names
         iw, ib = (names.index(n) if n in names else None for n in ("weight", "bias"))
         tasks, scalar, output, storage = rows * tiles(h, EW_TILE), self._scalar, common.output, common.storage
+        static, fields_, ctx_type = st.ctx_static, self._fields, self.spec.ctx
 
-        def run(x: np.ndarray, *params: Any, out: np.ndarray | None = None) -> np.ndarray | None:
+        def run(x: np.ndarray, *params: Any, out: np.ndarray | None = None) -> Any:
             if _paths.switched():
                 return None
             y = output(out, shape, x.dtype)
@@ -188,6 +190,11 @@ class ElementwiseOp:
             b = _row_param(None if ib is None else params[ib], pdt)
             a = const if const is not None else scalar(dict(zip(names, params, strict=True)), None)
             entry(tag, storage(x), a, w, b, storage(y), 0, tasks)
+            if ctx:  # (as forward_setup builds it)
+                values = static.copy()
+                values.update(zip(names, params, strict=True))
+                values["x"] = x
+                return y, filled(ctx_type, {f: values[f] for f in fields_})
             return y
 
         return run

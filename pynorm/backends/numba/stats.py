@@ -372,9 +372,10 @@ class StatsOp(_Op):
         ctx = filled(self.ctx_type, values)
         return ((y, h), ctx) if self.residual else (y, ctx)
 
-    def fast_forward(self, plan: common.PlanForward, shape: tuple[int, int]) -> Any:
+    def fast_forward(self, plan: common.PlanForward, shape: tuple[int, int], ctx: bool = False) -> Any:
         """A :class:`pynorm.Plan`'s shortest call for ``(R, H)`` arrays of ``shape``: ``run(x, *args, out=None)``
-        -> ``y`` (``(y, h)`` with the residual prologue; no ctx), or None where the plan's calls take more than
+        -> ``y`` (``(y, h)`` with the residual prologue; no ctx; with ``ctx``, :meth:`forward`'s ``(result, ctx)``,
+        the per-row statistics then new arrays the ctx keeps), or None where the plan's calls take more than
         :meth:`forward_setup`'s serial plain path (a prologue widened to float64 first, a call the thread pool
         takes, a test switch of :mod:`._paths` on). Made from
         ``plan``'s first call (its setup and the row kernel's entry point): the same kernel and arguments as
@@ -398,6 +399,14 @@ class StatsOp(_Op):
         # the parameters as the kernel takes them are the arrays given (prepare returned them): the plan's key fixes
         # what decides that (their dtypes and contiguity, the offset), so it holds for every call once seen
         as_given: list[bool] = []
+        static, ctx_args, row, statistic, ctx_type = (
+            st.ctx_static,
+            st.ctx_args,
+            self.prologue.row,
+            self.statistic,
+            self.ctx_type,
+        )
+        floor, residual_op = statistic.floor, self.residual
 
         def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> Any:
             if _forcing():
@@ -407,7 +416,10 @@ class StatsOp(_Op):
                 y = out
             else:
                 y = empty(shape, x.dtype) if small < pool.min_bytes else output(None, shape, x.dtype)
-            rs = spare.pop() if spare else (empty(rows) if aux_needed else None, empty(rows))
+            if ctx:  # (the ctx keeps them)
+                rs = (empty(rows) if aux_needed else None, empty(rows))
+            else:
+                rs = spare.pop() if spare else (empty(rows) if aux_needed else None, empty(rows))
             if as_given:
                 aff = (weight, bias, None)
             else:
@@ -425,6 +437,15 @@ class StatsOp(_Op):
             ys = storage(y)
             if entry(stat, rw, aff, cv, ys, rs, None, 0, rows):  # rows left for the slow path
                 kernels.fwd_slow(stat, rw, aff, cv, ys, rs)
+            if ctx:  # (as _forward builds it)
+                values = static.copy()
+                for f, i in ctx_args:
+                    values[f] = args[i]
+                values[row] = h if residual_op else x
+                aux = rs[0]
+                values.update(statistic.ctx_values(rs[1], mean=aux, floor=(aux != 0.0) if floor else None))
+                c = filled(ctx_type, values)
+                return ((y, h), c) if residual_op else (y, c)
             spare.append(rs)
             return y if h is None else (y, h)
 

@@ -96,6 +96,17 @@ class Context:
     served: tuple[str, ...] = ()
     plan: Any = field(default=None, repr=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a pickled or copied ctx (a Dask task's result, a deepcopy) leaves :attr:`plan` behind: the dispatcher's
+        # record of its call shape holds this process's runners and compiled kernels (the copy's backward takes the
+        # general path, with the same bits)
+        state = dict(self.__dict__)
+        state.pop("plan", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     @property
     def rows(self) -> int:
         return math.prod(self.x_shape[: self.axis])

@@ -766,6 +766,25 @@ def test_the_short_forward_with_a_ctx_is_the_general_paths(op: str, monkeypatch:
     assert any(getattr(t, "_short", None) for t in p._p.targets.values()), f"{op}: the short path was never made"
 
 
+def test_a_ctx_pickles_and_copies_without_its_plan(backend: Any) -> None:
+    """A ctx crosses processes (a Dask task's result is pickled) and ``copy.deepcopy``: the dispatcher's plan it
+    carries (this process's runners and compiled kernels) stays behind, and the copy's backward -- the general
+    path -- gives the same gradients."""
+    import copy
+    import pickle
+
+    rng = np.random.default_rng(41)
+    x = backend.asarray(rng.standard_normal((2, 3, 16)).astype(np.float32))
+    w, b = (backend.asarray(rng.standard_normal(16).astype(np.float32)) for _ in range(2))
+    dy = backend.asarray(rng.standard_normal((2, 3, 16)).astype(np.float32))
+    _, ctx = pynorm.layer_norm_forward(x, w, b, backend=backend.name)
+    want = pynorm.layer_norm_backward(dy, ctx)
+    for other in (pickle.loads(pickle.dumps(ctx)), copy.deepcopy(ctx)):
+        assert other.plan is None and other.x_shape == ctx.x_shape and other.op == "layer_norm"
+        for a, e in zip(pynorm.layer_norm_backward(dy, other), want, strict=True):
+            assert np.array_equal(backend.to_numpy(a), backend.to_numpy(e))
+
+
 def test_a_bound_plan_takes_the_paths_forced_on_it() -> None:
     """A test switch of the numba paths (``_paths.forced``) sends a plan's calls down the general path, which
     takes the forced path: the switch reaches plans too."""

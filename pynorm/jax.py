@@ -237,7 +237,8 @@ def _rebuilt(ctx: Any, slots: dict[tuple[Any, ...], _Slot], value: Callable[[_Sl
             return tuple(rebuild(v, (*path, i)) for i, v in enumerate(obj))
         return obj
 
-    return dataclasses.replace(ctx, inner=rebuild(ctx.inner, ()))
+    # (plan None: a ctx with other arrays than its forward's takes the general backward, which checks them)
+    return dataclasses.replace(ctx, inner=rebuild(ctx.inner, ()), plan=None)
 
 
 def _ctx_of(layout: _Layout, arrays: tuple[np.ndarray, ...], stats: tuple[np.ndarray, ...]) -> Any:

@@ -531,8 +531,8 @@ class StatsOp(_Op):
         fused kernel with :meth:`backward`'s arguments, so the same bits, skipping the path's decisions that the
         shape answers: the setup is the first ctx's (the plan's ctxs share their options and dtypes), outputs and
         partials below the pool's least size are plain ``numpy.empty``, and the kernel's compiled entry point is
-        kept per layout of ``dy`` (:class:`EntryMemo`: the plan's key fixes the types of every other argument --
-        ``x`` and the parameters from its call, the statistics and outputs made here); every other call runs
+        kept per layout of ``dy`` and ``x`` (:class:`EntryMemo`: the plan's key fixes the types of every other
+        argument -- the parameters from its call, the statistics and outputs made here); every other call runs
         :meth:`backward`. LayerNorm 1 x 1024 float32
         (one process, alternating rounds): the backend's backward 12.4 -> 7.4 us."""
         general = self.backward
@@ -543,7 +543,7 @@ class StatsOp(_Op):
         output, storage, stats, partials, prepare = (
             common.output, common.storage, common.stats, common.block_partials, self.affine.prepare,
         )  # fmt: skip
-        memos: dict[int, EntryMemo] = {}  # by dy's flags: the kernel's entry point for dy of that layout
+        memos: dict[tuple[int, int], EntryMemo] = {}  # by dy's and x's flags: the kernel's entry point for them
         kept: list[tuple[Any, ...]] = []  # the setup: the plan's ctxs share their options and dtypes
         pool, empty = common.POOL, np.empty
         slots = tuple(n == wname for n in names)  # each gradient's partials: the weight's (True) or the bias's
@@ -577,9 +577,10 @@ class StatsOp(_Op):
             gr = (storage(dx), None if dres is None else (None, kargs.alpha, storage(dres)))
             scale = empty(rows, np.int64)
             xs, dys, aff, parts = storage(x), storage(dy), (w, None, None), (pw, pb)
-            memo = memos.get(dy.flags.num)
+            key = (dy.flags.num, x.flags.num)  # (x's too: a ctx rebuilt around other arrays keeps its plan)
+            memo = memos.get(key)
             if memo is None:
-                memo = memos[dy.flags.num] = EntryMemo()
+                memo = memos[key] = EntryMemo()
             slow = memo.call(kernels.bwd_fused, (stat, xs, dys, aff, rs, cv, gr, parts, scale, None, 0, nb))
             if slow or _paths.FORCE_SLOW:
                 _slow_rows(stat, xs, dys, aff, rs, cv, gr, parts, scale, None, slow)

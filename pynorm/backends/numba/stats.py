@@ -534,7 +534,7 @@ class StatsOp(_Op):
         kept per layout of ``dy`` and ``x`` (:class:`EntryMemo`: the plan's key fixes the types of every other
         argument -- the parameters from its call, the statistics and outputs made here); every other call runs
         :meth:`backward`. LayerNorm 1 x 1024 float32
-        (one process, alternating rounds): the backend's backward 12.4 -> 7.4 us."""
+        (one process, alternating rounds, loaded machine): the backend's backward 15.0 -> 7.7 us."""
         general = self.backward
         if self.ids_name or type(self.affine) is not _Vector:
             return general

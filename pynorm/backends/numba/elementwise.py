@@ -162,10 +162,15 @@ class ElementwiseOp:
             )  # fmt: skip
         if plan is not None and not plan.ctx:
             return y, None
+        return y, self._ctx(st, named, x)
+
+    def _ctx(self, st: _Setup, named: Any, x: np.ndarray) -> Any:
+        """The ctx of a forward with setup ``st``: its static fields, the parameters (``named``: pairs of name and
+        array) and ``x``."""
         values = st.ctx_static.copy()
         values.update(named)
         values["x"] = x
-        return y, filled(self.spec.ctx, {f: values[f] for f in self._fields})
+        return filled(self.spec.ctx, {f: values[f] for f in self._fields})
 
     def fast_forward(self, plan: common.PlanForward, shape: tuple[int, int], ctx: bool = False) -> Any:
         """A plan's shortest call for ``(R, H)`` arrays of ``shape`` (:meth:`.stats.StatsOp.fast_forward`'s
@@ -180,7 +185,6 @@ class ElementwiseOp:
         entry, tag, pdt, const, names = memo.entry, st.tag, st.param_dtype, st.constant, self.spec.param_names
         iw, ib = (names.index(n) if n in names else None for n in ("weight", "bias"))
         tasks, scalar, output, storage = rows * tiles(h, EW_TILE), self._scalar, common.output, common.storage
-        static, fields_, ctx_type = st.ctx_static, self._fields, self.spec.ctx
 
         def run(x: np.ndarray, *params: Any, out: np.ndarray | None = None) -> Any:
             if _paths.switched():
@@ -190,11 +194,8 @@ class ElementwiseOp:
             b = _row_param(None if ib is None else params[ib], pdt)
             a = const if const is not None else scalar(dict(zip(names, params, strict=True)), None)
             entry(tag, storage(x), a, w, b, storage(y), 0, tasks)
-            if ctx:  # (as forward_setup builds it)
-                values = static.copy()
-                values.update(zip(names, params, strict=True))
-                values["x"] = x
-                return y, filled(ctx_type, {f: values[f] for f in fields_})
+            if ctx:
+                return y, self._ctx(st, zip(names, params, strict=True), x)
             return y
 
         return run

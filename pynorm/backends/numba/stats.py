@@ -364,13 +364,18 @@ class StatsOp(_Op):
             )  # fmt: skip
         if plan is not None and not plan.ctx:
             return ((y, h), None) if self.residual else (y, None)
+        ctx = self._ctx(st, args, h if self.residual else x, aux, rstd)
+        return ((y, h), ctx) if self.residual else (y, ctx)
+
+    def _ctx(self, st: _Setup, args: tuple[Any, ...], row: Any, aux: Any, rstd: np.ndarray) -> Any:
+        """The ctx of a forward with setup ``st``: its static fields, the inputs and parameters it keeps (from
+        ``args``), the normalized rows ``row`` (``x``, or ``h`` with the residual prologue), the statistics."""
         values = st.ctx_static.copy()
         for f, i in st.ctx_args:
             values[f] = args[i]
-        values[self.prologue.row] = h if self.residual else x
+        values[self.prologue.row] = row
         values.update(self.statistic.ctx_values(rstd, mean=aux, floor=(aux != 0.0) if self.statistic.floor else None))
-        ctx = filled(self.ctx_type, values)
-        return ((y, h), ctx) if self.residual else (y, ctx)
+        return filled(self.ctx_type, values)
 
     def fast_forward(self, plan: common.PlanForward, shape: tuple[int, int], ctx: bool = False) -> Any:
         """A :class:`pynorm.Plan`'s shortest call for ``(R, H)`` arrays of ``shape``: ``run(x, *args, out=None)``
@@ -399,14 +404,7 @@ class StatsOp(_Op):
         # the parameters as the kernel takes them are the arrays given (prepare returned them): the plan's key fixes
         # what decides that (their dtypes and contiguity, the offset), so it holds for every call once seen
         as_given: list[bool] = []
-        static, ctx_args, row, statistic, ctx_type = (
-            st.ctx_static,
-            st.ctx_args,
-            self.prologue.row,
-            self.statistic,
-            self.ctx_type,
-        )
-        floor, residual_op = statistic.floor, self.residual
+        residual_op = self.residual
 
         def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> Any:
             if _forcing():
@@ -437,14 +435,8 @@ class StatsOp(_Op):
             ys = storage(y)
             if entry(stat, rw, aff, cv, ys, rs, None, 0, rows):  # rows left for the slow path
                 kernels.fwd_slow(stat, rw, aff, cv, ys, rs)
-            if ctx:  # (as _forward builds it)
-                values = static.copy()
-                for f, i in ctx_args:
-                    values[f] = args[i]
-                values[row] = h if residual_op else x
-                aux = rs[0]
-                values.update(statistic.ctx_values(rs[1], mean=aux, floor=(aux != 0.0) if floor else None))
-                c = filled(ctx_type, values)
+            if ctx:
+                c = self._ctx(st, args, h if residual_op else x, rs[0], rs[1])
                 return ((y, h), c) if residual_op else (y, c)
             spare.append(rs)
             return y if h is None else (y, h)
@@ -564,12 +556,13 @@ class StatsOp(_Op):
             weight = getattr(ctx, wname, None)
             bias = getattr(ctx, bname, None) if bname else None
             nb = blocks(rows)
+            dx_dtype = ctx.x_dtype if residual else x.dtype
             if 8 * rows * hidden < pool.min_bytes and 8 * nb * hidden < pool.scratch_bytes:  # (below the pool)
-                dx = empty(x.shape, ctx.x_dtype if residual else x.dtype)
+                dx = empty(x.shape, dx_dtype)
                 pw = empty((nb, hidden), pdt) if weight is not None else None
                 pb = empty((nb, hidden), pdt) if bias is not None else None
             else:
-                dx = output(None, x.shape, ctx.x_dtype if residual else x.dtype)
+                dx = output(None, x.shape, dx_dtype)
                 pw, pb = partials(rows, hidden, pdt, weight is not None), partials(rows, hidden, pdt, bias is not None)
             dres = output(None, x.shape, ctx.residual_in_dtype) if residual else None
             w = prepare(weight, None, None, kargs.weight_offset, mdt, hidden)[0]

@@ -77,7 +77,8 @@ class Context:
         argument's own array type (None where that argument was a NumPy or CuPy array):
         :func:`pynorm._validate.returner`.
     plan : internal: the dispatcher's record of the call shape that made the ctx (None for a ctx made otherwise),
-        whose backward of a ``dy`` of that shape skips the checks the shape answers (:func:`_short_backward`).
+        whose backward of a ``dy`` of that shape skips the checks the shape answers (:func:`_short_backward`,
+        :func:`_short_backward_channels`).
     """
 
     op: str
@@ -731,6 +732,8 @@ class _ChannelPlan:
     targets: dict[Any, Any] = field(default_factory=dict)  # as :attr:`_Plan.targets`
     #: per op module, the runner of its calls for the outputs alone (:func:`channel_lean`; None: it has none)
     calls: dict[Any, Any] = field(default_factory=dict)
+    ctx_base: dict[str, Any] = field(default_factory=dict)  # as :attr:`_Plan.ctx_base`
+    backs: dict[str, Any] = field(default_factory=dict)  # as :attr:`_Plan.backs` (:func:`_short_backward_channels`)
 
 
 def _run_channels(
@@ -762,11 +765,16 @@ def execute_channels(
     if out is not None and not direct:
         out[...] = y
         y = out
-    ctx = filled(Context, {
-        "op": spec.name, "backend": name, "x_shape": x_shape, "x_dtype": x.dtype, "axis": ax,
-        "param_shapes": plan.param_shapes, "inner": inner, "input_dtypes": (), "output_dtypes": (),
-        "array_family": plan.family or _registry.array_family(x), "y_shape": None, "input_shapes": (),
-    })  # fmt: skip
+    base = plan.ctx_base
+    if not base:  # (the fields the plan's key fixes, made once)
+        base.update({
+            "op": spec.name, "x_shape": x_shape, "x_dtype": x.dtype, "axis": ax, "param_shapes": plan.param_shapes,
+            "input_dtypes": (), "output_dtypes": (), "array_family": plan.family or _registry.array_family(x),
+            "y_shape": None, "input_shapes": (), "plan": plan,
+        })  # fmt: skip
+    values = base.copy()
+    values["backend"], values["inner"] = name, inner
+    ctx = filled(Context, values)
     shaped = (y, *outs[1:])
     if spec.result is not None:
         return spec.result(shaped, ctx, plan.options), ctx
@@ -882,6 +890,29 @@ def _short_backward(spec: OpSpec, plan: _Plan, backend: str) -> Any:
     return back
 
 
+def _short_backward_channels(spec: OpSpec, plan: _ChannelPlan, backend: str) -> Any:
+    """:func:`_short_backward` for an op of the ``"channels"`` layout: ``back(dy, ctx)`` runs the backend's backward
+    (its ``backward_for(options)`` where it has one) on ``dy`` in the ``(N, C, S)`` layout, as
+    :func:`_backward_channels` does without ``dx_out``, past the checks the plan's shape answers; None for a ``dy``
+    it leaves to :func:`_backward`."""
+    x_shape, ax = plan.x_shape, plan.axis
+    dt = spec.grad_dtype(plan.ctx_base["x_dtype"])
+    mod = _registry.op_module(backend, spec.name)
+    pick = getattr(mod, "backward_for", None)
+    run, grads_of = (mod.backward if pick is None else pick(plan.to_backend)), spec.grads
+    three = (x_shape[0], plan.channels, math.prod(x_shape) // (x_shape[0] * plan.channels))
+
+    def back(dy: Any, ctx: Any) -> Any:
+        if dy.shape != x_shape or dy.dtype != dt or ctx.returners is not None:
+            return None
+        plain = ax == 1 and dy.flags.c_contiguous  # (then the layout is a reshape)
+        g = run(dy.reshape(three) if plain else _to_channels(dy, ax), ctx.inner)
+        dx = g[0].reshape(x_shape) if ax == 1 else _from_channels(g[0], x_shape, ax)
+        return grads_of(dx, *g[1:])
+
+    return back
+
+
 def _backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str, Any] | None) -> Any:
     op = spec.name
     if not isinstance(ctx, Context):
@@ -897,7 +928,8 @@ def _backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[st
     ):
         back = plan.backs.get(ctx.backend)
         if back is None:
-            back = plan.backs[ctx.backend] = _short_backward(spec, plan, ctx.backend)
+            make = _short_backward_channels if spec.layout == "channels" else _short_backward
+            back = plan.backs[ctx.backend] = make(spec, plan, ctx.backend)
         if back:
             grads = back(dy, ctx)
             if grads is not None:

@@ -314,6 +314,7 @@ def test_numba_channel_setup_keeps_the_row_ids_of_small_batches_only(monkeypatch
     def run() -> tuple[Any, ...]:
         impl._setups.clear()
         impl._backward_setups.clear()
+        _dispatch._PLANS.clear()  # (a plan keeps the setup its first call found: ChannelOp.forward_for)
         y, ctx = pynorm.group_norm_forward(x, w, b, num_groups=4, backend="numba")
         st = next(iter(impl._setups.values()))
         return (y, *pynorm.group_norm_backward(dy, ctx)), st
@@ -332,6 +333,7 @@ def test_numba_channel_setup_keeps_the_row_ids_of_small_batches_only(monkeypatch
 
     impl._setups.clear()
     impl._backward_setups.clear()
+    _dispatch._PLANS.clear()
     x2, w2, dy2 = (a.copy() for a in (x, w, dy))
     y2, ctx2 = pynorm.group_norm_forward(x2, w2, b, num_groups=4, backend="numba")
     grads2 = pynorm.group_norm_backward(dy2, ctx2)
@@ -764,6 +766,85 @@ def test_the_short_forward_with_a_ctx_is_the_general_paths(op: str, monkeypatch:
                     assert a == e or (a != a and e != e), (what, f.name)
             _grads_equal(bwd(dy, ctx), wgrads, what)
     assert any(getattr(t, "_short", None) for t in p._p.targets.values()), f"{op}: the short path was never made"
+
+
+#: (op, shape, options, dtype, whether numba's lean table path serves it): GroupNorm of an (N, C) input (one
+#: position per channel), of a few positions (the table source, S < 8), of many (the channel kernels), with the
+#: channel axis last; InstanceNorm with running statistics, normalizing by the input's and by the running ones
+_CHANNEL_CASES = [
+    ("group_norm", (1, 1024), {"num_groups": 32}, "float32", True),
+    ("group_norm", (4, 64, 3), {"num_groups": 8}, "bfloat16", True),
+    ("group_norm", (2, 32, 4, 4), {"num_groups": 8}, "float32", False),
+    ("group_norm", (2, 6, 16), {"num_groups": 4, "channel_axis": -1}, "float16", True),
+    ("group_norm", (3, 64), {"num_groups": 8}, "float64", True),
+    ("instance_norm", (2, 8, 3), {}, "float32", True),
+    ("instance_norm", (2, 8, 3), {"use_input_stats": False}, "float32", False),
+]
+
+
+@pytest.mark.parametrize("case", _CHANNEL_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[3]}-{sorted(c[2])}")
+def test_the_channel_ops_short_backward_is_the_general_paths(case: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward of a channel op's ctx from a kept call shape (``_dispatch._short_backward_channels``; numba's
+    ``ChannelOp.backward_for``: the setup and entry points kept, the table source's serial path past the
+    decisions the shape answers) gives the general path's gradients bit for bit, call after call, through the op
+    and a plan: ``dy`` contiguous, strided and read-only, a row the slow path finishes among fast ones (float32);
+    the dispatcher's checks are never entered, numba's general backward never runs, and the lean path is taken
+    where it serves the shape. A ``dx_out`` or a ``dy`` of another dtype takes the general path (its errors)."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _threads, stats
+
+    from .helpers import dtype as dtype_of
+
+    op, shape, opts, dt, lean = case
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", _threads.DEFAULT_SERIAL_THRESHOLD)  # (the tests lower it)
+    rng = np.random.default_rng(43)
+    xdt = dtype_of(dt)
+    ax = opts.get("channel_axis", 1) % len(shape)
+    c = shape[ax]
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    x = rng.standard_normal(shape).astype(xdt)
+    if xdt == np.float32:
+        np.moveaxis(x, ax, 1)[0, :2] *= np.float32(3e37)  # (sample 0's first group: the backward's slow path)
+    w, b = (rng.standard_normal(c).astype(xdt) for _ in range(2))
+    run = {"running_mean": np.zeros(c, xdt), "running_var": np.ones(c, xdt)} if op == "instance_norm" else {}
+    _, ctx = fwd(x, w, b, backend="numba", **run, **opts)
+    p = pynorm.plan(op, x, w, b, backend="numba", **run, **opts)
+    _, pctx = p.forward(x, w, b, **run)
+    assert ctx.plan is not None and pctx.plan is not None
+    wide = rng.standard_normal((*shape[:-1], 2 * shape[-1])).astype(xdt)
+    ro = rng.standard_normal(shape).astype(xdt)
+    ro.flags.writeable = False
+    dys = [rng.standard_normal(shape).astype(xdt), wide[..., ::2], ro]
+    wants = [bwd(dy, dataclasses.replace(ctx, plan=None)) for dy in dys]
+    general, checks, fused = stats.ChannelOp.backward, _dispatch.as_array, stats.fused_serial
+    calls: dict[str, int] = {"general": 0, "checks": 0, "lean": 0}
+
+    def spy(name: str, f: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            calls[name] += 1
+            return f(*a, **k)
+
+        return run
+
+    monkeypatch.setattr(stats.ChannelOp, "backward", spy("general", general))
+    monkeypatch.setattr(_dispatch, "as_array", spy("checks", checks))
+    monkeypatch.setattr(stats, "fused_serial", spy("lean", fused))
+    for _ in range(3):
+        for dy, want in zip(dys, wants, strict=True):
+            what = f"{case} dy strides {dy.strides}"
+            _grads_equal(bwd(dy, ctx), want, what)
+            _grads_equal(p.backward(dy, pctx), want, what)
+    assert calls["general"] == 0 and calls["checks"] == 0, calls
+    assert (calls["lean"] > 0) == lean, calls
+    monkeypatch.setattr(stats.ChannelOp, "backward", general)
+    monkeypatch.setattr(_dispatch, "as_array", checks)
+    out = np.full(shape, np.nan, xdt)
+    got = bwd(dys[0], ctx, dx_out=out)
+    assert got.dx is out
+    _grads_equal(got, wants[0], f"{case} dx_out")
+    other = np.float64 if xdt != np.float64 else np.float32
+    with pytest.raises(pynorm.errors.DTypeError, match="dy has dtype"):
+        bwd(dys[0].astype(other), ctx)
 
 
 def test_a_ctx_pickles_and_copies_without_its_plan(backend: Any) -> None:

@@ -774,6 +774,29 @@ def test_output_pool_reuses_only_dropped_buffers() -> None:
     assert not np.shares_memory(y1, y2) and np.array_equal(y1, y2)
 
 
+def test_pool_hands_out_arrays_of_the_request_whatever_the_dtypes_spelling() -> None:
+    # the pool keeps each request's (dtype, bytes, size class) by (shape, dtype as given): the spellings of one dtype
+    # share buffers, every kind its own dtype and shape, and the memo stays bounded
+    from pynorm.backends.numba._common import _BufferPool
+
+    pool = _BufferPool(min_bytes=1 << 12, max_bytes=1 << 24, scratch_bytes=1 << 12)
+    a = pool.empty((8, 256), np.float32)
+    pa = a.__array_interface__["data"][0]
+    del a
+    for spelling in (np.dtype(np.float32), "float32", np.float32):
+        b = pool.empty((8, 256), spelling)
+        assert b.dtype == np.float32 and b.shape == (8, 256) and b.flags.c_contiguous and b.flags.writeable
+        assert b.__array_interface__["data"][0] == pa
+        del b
+    c = pool.empty((4, 256), np.float64)  # (the same bytes, another kind: the same size class)
+    assert c.dtype == np.float64 and c.shape == (4, 256) and c.__array_interface__["data"][0] == pa
+    held = pool.empty((3, 5, 7, 16), np.int64)
+    assert held.shape == (3, 5, 7, 16) and held.dtype == np.int64 and held.base is not None
+    for n in range(300):
+        pool.empty((1024 + n,), np.float32)
+    assert len(pool._kinds) <= 256
+
+
 def test_pool_size_classes() -> None:
     from pynorm.backends.numba._common import size_class
 

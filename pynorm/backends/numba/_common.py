@@ -188,6 +188,8 @@ class _BufferPool:
         self.idle_seconds = idle_seconds
         self._bufs: dict[int, list[np.ndarray]] = {}  # size class -> buffers, most recently handed out last
         self._used: dict[int, float] = {}  # id(buffer) -> when it was last handed out
+        #: (shape, dtype) of a request -> (numpy.dtype, bytes, size class)
+        self._kinds: dict[tuple[Any, Any], tuple[np.dtype[Any], int, int]] = {}
         self._lock = threading.Lock()
 
     @staticmethod
@@ -202,25 +204,34 @@ class _BufferPool:
         least = self.scratch_bytes if scratch else self.min_bytes
         if 8 * n < least:  # (no dtype here is wider than 8 bytes: a small array, without np.dtype's cost)
             return np.empty(shape, dtype)
-        dtype = np.dtype(dtype)
-        nbytes = dtype.itemsize * n
+        key = (shape, dtype)
+        kind = self._kinds.get(key)  # (the dtype, bytes and size class of a request seen before: a microsecond less)
+        if kind is None:
+            dt = np.dtype(dtype)
+            nbytes = dt.itemsize * n
+            kind = (dt, nbytes, size_class(nbytes))
+            if len(self._kinds) >= 256:
+                self._kinds.clear()
+            self._kinds[key] = kind
+        dt, nbytes, cls = kind
         if nbytes < least or self.max_bytes <= 0:
-            return np.empty(shape, dtype)
-        cls = size_class(nbytes)
+            return np.empty(shape, dt)
         now = time.monotonic()
         with self._lock:
             bufs = self._bufs.setdefault(cls, [])
-            for i in range(len(bufs) - 1, -1, -1):
-                if self._free(bufs, i):
-                    buf = bufs.pop(i)
-                    bufs.append(buf)
+            last = len(bufs) - 1
+            for i in range(last, -1, -1):
+                if sys.getrefcount(bufs[i]) <= 2:  # (:meth:`_free`, inline)
+                    buf = bufs[i]
+                    if i != last:  # (the most recently handed out last)
+                        bufs.append(bufs.pop(i))
                     self._used[id(buf)] = now
-                    return buf[:nbytes].view(dtype).reshape(shape)
+                    return np.ndarray(shape, dt, buf)  # (its base is the buffer, as a view's would be)
             self._release(now, cls)
             buf = np.empty(cls, np.uint8)
             bufs.append(buf)
             self._used[id(buf)] = now
-            return buf[:nbytes].view(dtype).reshape(shape)
+            return np.ndarray(shape, dt, buf)
 
     def _release(self, now: float, incoming: int) -> None:
         """Drop idle buffers: those idle for :attr:`idle_seconds`, then the least recently used until the idle

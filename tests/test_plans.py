@@ -942,6 +942,56 @@ def test_a_bound_plan_checks_values_and_out_on_every_call() -> None:
         d(x, np.array([np.inf], np.float32))
 
 
+def test_a_bound_plans_direct_call_takes_out_and_leaves_a_bad_one_to_the_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A plan's direct call (numba's shortest, made by its first calls) takes ``out=`` too -- the same bits --
+    and leaves every ``out`` it does not take to the general path, whose errors name it."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _threads
+
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", _threads.DEFAULT_SERIAL_THRESHOLD)  # (the tests lower it)
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    w, b = rng.standard_normal(4).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    ln = pynorm.plan("layer_norm", x, w, b, backend="numba")
+    want = ln(x, w, b)
+    ln(x, w, b)
+    assert ln._direct
+    good = np.empty_like(x)
+    for _ in range(2):
+        assert ln(x, w, b, out=good) is good and np.array_equal(good, want)
+    raw = np.empty(x.nbytes + 1, np.uint8)
+    unaligned = raw[1:].view(np.float32).reshape(x.shape)  # (not the direct call's: the general path's)
+    assert not unaligned.flags.aligned
+    assert ln(x, w, b, out=unaligned) is unaligned and np.array_equal(unaligned, want)
+    ro = np.empty_like(x)
+    ro.flags.writeable = False
+    wide = np.empty((6, 8), np.float32)
+    whole = np.empty((7, 4), np.float32)
+    for bad, error, what in (
+        (x, ArgumentError, "out must not overlap"),
+        (whole[1:], ArgumentError, None),  # (overlaps no argument: taken)
+        (np.empty((6, 5), np.float32), ShapeError, "out must have shape"),
+        (np.empty((6, 4), np.float64), ShapeError, "out must have shape"),
+        (ro, ArgumentError, "out must be writable"),
+        (wide[:, ::2], ArgumentError, "out must be C-contiguous"),
+    ):
+        if what is None:
+            assert ln(x, w, b, out=bad) is bad and np.array_equal(bad, want)
+            continue
+        with pytest.raises(error, match=what):
+            ln(x, w, b, out=bad)
+    xw = np.concatenate([x, np.zeros((1, 4), np.float32)])  # (out overlapping a parameter's memory)
+    wv = xw[-1]
+    wv[...] = w
+    lw = pynorm.plan("layer_norm", x, wv, b, backend="numba")
+    lw(x, wv, b)
+    lw(x, wv, b)
+    with pytest.raises(ArgumentError, match="out must not overlap"):
+        lw(x, wv, b, out=xw[1:])
+
+
 def test_a_bound_plan_keeps_its_backend_and_options() -> None:
     x = np.ones((2, 8), np.float32)
     with pynorm.use_backend("numpy"):

@@ -575,7 +575,7 @@ class StatsOp(_Op):
             memo = memos.get(key)
             if memo is None:
                 memo = memos[key] = EntryMemo()
-            fused_serial(memo, stat, xs, dys, aff, rs, cv, gr, parts, None)
+            fused_serial(memo, stat, xs, dys, aff, rs, cv, gr, parts, None, nb)
             grads = []
             for is_w in slots:
                 part, param = (pw, weight) if is_w else (pb, bias)
@@ -758,14 +758,15 @@ def _slow_rows(
 
 
 def fused_serial(
-    memo: EntryMemo, stat: Tag, x: Any, dy: Any, aff: Any, rs: Any, cv: Any, gr: Any, parts: Any, streaming: Any
+    memo: EntryMemo, stat: Tag, x: Any, dy: Any, aff: Any, rs: Any, cv: Any, gr: Any, parts: Any, streaming: Any,
+    nb: int,
 ) -> None:  # fmt: skip
     """:func:`backward_rows`' fused path for a serial call whose path the caller has decided (a plan's kept
-    backward: :meth:`StatsOp.backward_for`, :meth:`ChannelOp.backward_for`): the fused kernel through the plan's
-    kept entry point ``memo``, then the slow path for the rows it left -- the same kernels and arguments."""
-    rows = x.shape[0]
-    scale = np.empty(rows, np.int64)
-    slow = memo.call(kernels.bwd_fused, (stat, x, dy, aff, rs, cv, gr, parts, scale, streaming, 0, blocks(rows)))
+    backward: :meth:`StatsOp.backward_for`, :meth:`ChannelOp.backward_for`): the fused kernel over the ``nb`` row
+    blocks through the plan's kept entry point ``memo``, then the slow path for the rows it left -- the same
+    kernels and arguments."""
+    scale = np.empty(x.shape[0], np.int64)
+    slow = memo.call(kernels.bwd_fused, (stat, x, dy, aff, rs, cv, gr, parts, scale, streaming, 0, nb))
     if slow or _paths.FORCE_SLOW:
         params = parts[0] is not None or parts[1] is not None
         _slow_rows(stat, x, dy, aff, rs, cv, gr, parts if params else None, scale, None, slow)
@@ -1026,7 +1027,7 @@ class ChannelOp(_Op):
                 if not lean:
                     lean.append(self._lean_table(held.setup, ctx))
                 return result
-            _, rows, h, dims, tab, layout, pdt, st = fixed
+            _, rows, h, dims, tab, layout, pdt, st, nb = fixed
             x = getattr(ctx, row)
             weight = getattr(ctx, wname, None)
             bias = getattr(ctx, bname, None) if bname else None
@@ -1037,7 +1038,7 @@ class ChannelOp(_Op):
             aff = (_as_table(weight, st.groups, dims[2], st.math_dtype), None, tab)
             fused_serial(
                 held.entry((dys.flags.num, xs.flags.num)), stat, xs, dys, aff, (stats(ctx.mean), stats(ctx.rstd)),
-                st.conventions, (dxs, None), (pw, pb), True if use_stream(dxs) else None,
+                st.conventions, (dxs, None), (pw, pb), True if use_stream(dxs) else None, nb,
             )  # fmt: skip
             return grads_of(dx, *self._table_grads(pw, pb, weight, bias, layout, st.groups, h, dims, held))
 
@@ -1045,8 +1046,8 @@ class ChannelOp(_Op):
 
     def _lean_table(self, st: _ChannelSetup | None, ctx: Any) -> tuple[Any, ...] | None:
         """What :meth:`backward_for`'s serial table path reads of a plan's fixed setup and shape: ``(work, rows, h,
-        (N, C, S), tab, layout, partials dtype, setup)``; None where the plan's calls take another path (the channel
-        kernels, the given statistics, the rows path, the split kernels' sizes, row ids not kept)."""
+        (N, C, S), tab, layout, partials dtype, setup, row blocks)``; None where the plan's calls take another path
+        (the channel kernels, the given statistics, the rows path, the split kernels' sizes, row ids not kept)."""
         if st is None or not st.table or st.layout is None or not getattr(ctx, _USE_STATS, True):
             return None
         n, c, s = getattr(ctx, self.row).shape
@@ -1054,7 +1055,7 @@ class ChannelOp(_Op):
         if not rows or not h or rows * h >= SPLIT_MIN_WORK or backward_path(self.statistic, rows, h) != "fused":
             return None
         tab, layout = st.layout
-        return rows * h, rows, h, (n, c, s), tab, layout, self._partials_dtype(st.math_dtype), st
+        return rows * h, rows, h, (n, c, s), tab, layout, self._partials_dtype(st.math_dtype), st, blocks(rows)
 
     def _backward(self, dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None, held: _HeldBackward | None) -> Any:
         x = getattr(ctx, self.row)

@@ -669,12 +669,18 @@ def _target(mod: Any, options: Mapping[str, Any], kept: bool = True) -> Any:
 def _to_channels(a: Array, axis: int) -> Array:
     """``a`` as a C-contiguous ``(N, C, S)`` array, the channel axis ``axis`` moved to 1 (a copy only where needed)."""
     if axis == 1 and type(a) is np.ndarray and a.flags.c_contiguous:  # (a reshape: a small call's microsecond)
-        return a.reshape(a.shape[0], a.shape[1], -1)
+        return a.reshape(_three(a.shape, 1))
     xp = xp_of(a)
     if axis != 1:
         a = xp.moveaxis(a, axis, 1)
     a = xp.ascontiguousarray(a)
-    return a.reshape(a.shape[0], a.shape[1], -1)
+    return a.reshape(_three(a.shape, 1))
+
+
+def _three(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
+    """``(N, C, S)`` of an array of ``shape`` whose channel axis is ``axis`` (S counted, not inferred: an empty
+    batch has one too)."""
+    return shape[0], shape[axis], math.prod(d for i, d in enumerate(shape) if i not in (0, axis))
 
 
 def _from_channels(a3: Array, shape: tuple[int, ...], axis: int) -> Array:
@@ -763,7 +769,7 @@ def execute_channels(
     """:func:`execute` for an op of the ``"channels"`` layout."""
     ax, x_shape = plan.axis, plan.x_shape
     direct = out is not None and ax == 1
-    res, inner = run(_to_channels(x, ax), *ins, *ps, out=out.reshape(x_shape[0], plan.channels, -1) if direct else None)
+    res, inner = run(_to_channels(x, ax), *ins, *ps, out=out.reshape(_three(x_shape, ax)) if direct else None)
     outs = res if isinstance(res, tuple) else (res,)
     y = out if direct else _from_channels(outs[0], x_shape, ax)
     if out is not None and not direct:
@@ -811,7 +817,7 @@ def lean_channels(
     :class:`pynorm.Plan`'s call."""
     ax, x_shape = plan.axis, plan.x_shape
     direct = out is not None and ax == 1
-    res = lean(_to_channels(x, ax), *ins, *ps, out=out.reshape(x_shape[0], plan.channels, -1) if direct else None)
+    res = lean(_to_channels(x, ax), *ins, *ps, out=out.reshape(_three(x_shape, ax)) if direct else None)
     first = res[0] if isinstance(res, tuple) else res
     y = out if direct else _from_channels(first, x_shape, ax)
     if out is not None and not direct:
@@ -825,9 +831,9 @@ def _backward_channels(spec: OpSpec, dy: Array, ctx: Context, dx_out: Any) -> An
     if dx_out is not None:  # (it must overlap no array the ctx holds: walking them costs microseconds)
         dx_out = check_out(dx_out, "dx_out", dy, (dy, *ctx_arrays(ctx.inner)), ctx.x_shape)
     direct = dx_out is not None and ctx.axis == 1
-    n, c = ctx.x_shape[0], ctx.x_shape[ctx.axis]
     mod = _registry.op_module(ctx.backend, spec.name)
-    grads = mod.backward(_to_channels(dy, ctx.axis), ctx.inner, dx_out=dx_out.reshape(n, c, -1) if direct else None)
+    three = _three(ctx.x_shape, ctx.axis)
+    grads = mod.backward(_to_channels(dy, ctx.axis), ctx.inner, dx_out=dx_out.reshape(three) if direct else None)
     dx = dx_out if direct else _from_channels(grads[0], ctx.x_shape, ctx.axis)
     if dx_out is not None and not direct:
         dx_out[...] = dx
@@ -904,7 +910,7 @@ def _short_backward_channels(spec: OpSpec, plan: _ChannelPlan, backend: str) -> 
     mod = _registry.op_module(backend, spec.name)
     pick = getattr(mod, "backward_for", None)
     run, grads_of = (mod.backward if pick is None else pick(plan.to_backend)), spec.grads
-    three = (x_shape[0], plan.channels, math.prod(x_shape) // (x_shape[0] * plan.channels))
+    three = _three(x_shape, ax)
 
     def back(dy: Any, ctx: Any) -> Any:
         if dy.shape != x_shape or dy.dtype != dt or ctx.returners is not None:

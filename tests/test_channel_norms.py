@@ -93,6 +93,39 @@ def test_channels_last_is_the_same_numbers(backend: Any, op: str, options: dict)
     np.testing.assert_array_equal(backend.to_numpy(g2.dweight), backend.to_numpy(g1.dweight))
 
 
+@pytest.mark.parametrize(
+    "op, options, shape",
+    [
+        ("group_norm", {"num_groups": 2}, (0, 4)),
+        ("group_norm", {"num_groups": 2}, (0, 4, 3, 2)),
+        ("group_norm", {"num_groups": 2, "channel_axis": -1}, (0, 3, 4)),
+        ("instance_norm", {}, (0, 4, 3)),
+        ("batch_norm", {"training": False}, (0, 4, 3)),
+    ],
+)
+def test_an_empty_batch_gives_empty_results_and_zero_parameter_gradients(
+    backend: Any, op: str, options: dict, shape: tuple
+) -> None:  # fmt: skip
+    """``N = 0``: an empty ``y`` and ``dx`` of ``x``'s shape, parameter gradients of zeros (an empty sum), on every
+    backend and through the kept call shape (a second call)."""
+    _skip_unless(backend, op)
+    x = np.zeros(shape, np.float32)
+    w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    extra = {k: backend.asarray(v) for k, v in _running(4, np.float32).items()} if op == "batch_norm" else {}
+    f, g = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    for _ in range(2):
+        y, ctx = f(backend.asarray(x), backend.asarray(w), backend.asarray(b), backend=backend.name, **extra, **options)
+        y = y[0] if isinstance(y, tuple) else y
+        assert tuple(y.shape) == shape
+        grads = g(backend.asarray(np.zeros(shape, np.float32)), ctx)
+        assert tuple(grads.dx.shape) == shape
+        for d in (grads.dweight, grads.dbias):
+            assert np.array_equal(backend.to_numpy(d), np.zeros(4, np.float32))
+        y2 = getattr(pynorm, op)(backend.asarray(x), backend.asarray(w), backend.asarray(b), backend=backend.name,
+                                 **extra, **options)  # fmt: skip
+        assert tuple((y2[0] if isinstance(y2, tuple) else y2).shape) == shape
+
+
 def _exact_group_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, groups: int, eps: float) -> np.ndarray:
     import mpmath as mp
 
@@ -194,6 +227,11 @@ def test_inputs_are_never_written() -> None:
         ),
         (lambda x: pynorm.instance_norm(x, use_input_stats=False), ArgumentError, "use_input_stats=False"),
         (lambda x: pynorm.batch_norm(x.ravel(), training=True), ShapeError, "at least 2 dimensions"),
+        (
+            lambda x: pynorm.instance_norm(x[:0], running_mean=np.zeros(6), running_var=np.ones(6)),
+            ShapeError,
+            "needs at least one instance",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(call: Any, error: type, match: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -258,7 +259,11 @@ def _instance_arrays(
     if not options["use_input_stats"] and rm is None:
         raise ArgumentError("use_input_stats=False normalizes with running_mean and running_var: give them")
     if rm is not None and options["use_input_stats"]:
-        spatial = int(np.prod(x_shape)) // (x_shape[0] * x_shape[1]) if len(x_shape) > 1 else 1
+        if x_shape[0] == 0:
+            raise ShapeError(
+                f"updating the running statistics needs at least one instance, got x of shape {tuple(x_shape)}"
+            )
+        spatial = math.prod(x_shape[2:])
         if spatial < 2:
             raise ShapeError(
                 "updating the running statistics needs at least 2 spatial positions per instance (the unbiased "

@@ -49,7 +49,7 @@ def channel_rows(a: np.ndarray | None, n: int, groups: int, s: int) -> np.ndarra
         return None
     c = a.shape[0]
     per_group = np.repeat(a.reshape(groups, c // groups), s, axis=1)  # (G, C/G * S)
-    return np.broadcast_to(per_group[None], (n, groups, per_group.shape[1])).reshape(n * groups, -1)
+    return np.broadcast_to(per_group[None], (n, groups, per_group.shape[1])).reshape(n * groups, per_group.shape[1])
 
 
 def _grouped(x: np.ndarray, groups: int) -> np.ndarray:
@@ -59,7 +59,7 @@ def _grouped(x: np.ndarray, groups: int) -> np.ndarray:
 
 def _channel_sums(a: np.ndarray, n: int, c: int) -> np.ndarray:
     """``sum_{n, s}`` of an ``(N G, C/G * S)`` array, per channel (``(C,)``)."""
-    return a.reshape(n, c, -1).sum(axis=(0, 2))
+    return a.reshape(n, c, a.size // (n * c) if n else 0).sum(axis=(0, 2))
 
 
 def _forward(

@@ -795,6 +795,8 @@ def test_pool_hands_out_arrays_of_the_request_whatever_the_dtypes_spelling() -> 
     for n in range(300):
         pool.empty((1024 + n,), np.float32)
     assert len(pool._kinds) <= 256
+    listed = pool.empty([8, 256], np.float32)  # type: ignore[arg-type]  # (a shape as a list: served, not kept)
+    assert listed.shape == (8, 256) and listed.dtype == np.float32
 
 
 def test_pool_size_classes() -> None:

@@ -204,15 +204,19 @@ class _BufferPool:
         least = self.scratch_bytes if scratch else self.min_bytes
         if 8 * n < least:  # (no dtype here is wider than 8 bytes: a small array, without np.dtype's cost)
             return np.empty(shape, dtype)
-        key = (shape, dtype)
-        kind = self._kinds.get(key)  # (the dtype, bytes and size class of a request seen before: a microsecond less)
+        key: tuple[Any, Any] | None = (shape, dtype)
+        try:  # (the dtype, bytes and size class of a request seen before: a microsecond less)
+            kind = self._kinds.get(key)
+        except TypeError:  # (a shape given as a list)
+            key, kind = None, None
         if kind is None:
             dt = np.dtype(dtype)
             nbytes = dt.itemsize * n
             kind = (dt, nbytes, size_class(nbytes))
-            if len(self._kinds) >= 256:
-                self._kinds.clear()
-            self._kinds[key] = kind
+            if key is not None:
+                if len(self._kinds) >= 256:
+                    self._kinds.clear()
+                self._kinds[key] = kind
         dt, nbytes, cls = kind
         if nbytes < least or self.max_bytes <= 0:
             return np.empty(shape, dt)

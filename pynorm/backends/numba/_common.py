@@ -206,7 +206,7 @@ class _BufferPool:
             return np.empty(shape, dtype)
         key: tuple[Any, Any] | None = (shape, dtype)
         try:  # (the dtype, bytes and size class of a request seen before: a microsecond less)
-            kind = self._kinds.get(key)
+            kind = self._kinds.get((shape, dtype))
         except TypeError:  # (a shape given as a list)
             key, kind = None, None
         if kind is None:

@@ -858,6 +858,10 @@ def backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[str
     ))  # fmt: skip
 
 
+#: the array family of NumPy arrays (:attr:`Context.array_family`)
+_NUMPY = ("numpy", "ndarray")
+
+
 def _short_backward(spec: OpSpec, plan: _Plan, backend: str) -> Any:
     """``back(dy, ctx)``: the backward of a ctx that ``plan``'s call shape made on ``backend`` (:attr:`Context.plan`)
     and a ``dy`` of that shape as a numpy array, with no DLPack argument, upstream gradient or ``dx_out``: straight
@@ -934,6 +938,7 @@ def _backward(spec: OpSpec, dy: Any, ctx: Any, dx_out: Any, upstream: Mapping[st
         plan is not None
         and dx_out is None
         and type(dy) is np.ndarray
+        and ctx.array_family == _NUMPY  # (a CuPy forward's dy of another type: the general path names the mix)
         and not (upstream and any(g is not None for g in upstream.values()))
     ):
         back = plan.backs.get(ctx.backend)

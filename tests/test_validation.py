@@ -81,6 +81,28 @@ def test_dy_dtype_and_shape(backend, op):
         spec.backward(backend.asarray(np.ones((4, 3), np.float32)), ctx)
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm"])
+def test_a_ctx_of_other_arrays_leaves_a_numpy_dy_to_the_checks(op, backend):
+    """A ctx carries its call shape's plan, whose short backward takes a NumPy ``dy`` of that shape: not for a
+    forward that ran on another array type (CuPy), where the general path names the mix -- twice, so that the
+    second call meets the plan's kept backward too."""
+    from pynorm import _registry
+
+    served = _registry.get_backend(backend.name)
+    if (served.array_module, served.array_type) == ("numpy", "ndarray"):
+        pytest.skip(f"{backend.name} serves NumPy arrays: a NumPy dy is its own type")
+    rng = np.random.default_rng(47)
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    w, b = (rng.standard_normal(8).astype(np.float32) for _ in range(2))
+    opts = {"num_groups": 2} if op == "group_norm" else {}
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    for _ in range(2):
+        _, ctx = fwd(*(backend.asarray(a) for a in (x, w, b)), backend=backend.name, **opts)
+        with pytest.raises(pynorm.errors.ArrayTypeError, match="cannot be mixed"):
+            bwd(np.ones_like(x), ctx)
+        assert bwd(backend.asarray(np.ones_like(x)), ctx).dx.shape == x.shape
+
+
 def test_ctx_from_another_op(backend):
     _, ctx = pynorm.rms_norm_forward(_x(backend), backend=backend.name)
     with pytest.raises(ContextError, match="produced by rms_norm_forward"):

@@ -260,9 +260,7 @@ def _instance_arrays(
         raise ArgumentError("use_input_stats=False normalizes with running_mean and running_var: give them")
     if rm is not None and options["use_input_stats"]:
         if x_shape[0] == 0:
-            raise ShapeError(
-                f"updating the running statistics needs at least one instance, got x of shape {tuple(x_shape)}"
-            )
+            raise ShapeError("updating the running statistics needs at least one instance, got an empty batch (N = 0)")
         spatial = math.prod(x_shape[2:])
         if spatial < 2:
             raise ShapeError(

@@ -1022,7 +1022,9 @@ class ChannelOp(_Op):
 
         def run(dy: np.ndarray, ctx: Any, dx_out: np.ndarray | None = None) -> Any:
             fixed = lean[0] if lean else None
-            if fixed is None or dx_out is not None or fixed[0] >= _threads.serial_threshold() or _forcing():
+            if dx_out is not None:  # (the general backward: the kept entry points were found for its own dx)
+                return back(dy, ctx, dx_out, None)
+            if fixed is None or fixed[0] >= _threads.serial_threshold() or _forcing():
                 result = back(dy, ctx, dx_out, held)
                 if not lean:
                     lean.append(self._lean_table(held.setup, ctx))

@@ -992,6 +992,60 @@ def test_a_bound_plans_direct_call_takes_out_and_leaves_a_bad_one_to_the_checks(
         lw(x, wv, b, out=xw[1:])
 
 
+def test_an_unaligned_out_never_reaches_a_kept_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numba's kept runners call the compiled entry point their plan's first call found, typed for an aligned
+    output: an unaligned ``out`` (a view of a byte buffer at an odd offset) is left to the general path, through a
+    plan (its call and its forward) and the op's own call, for the statistics, element-wise and channel ops -- the
+    same bits as an aligned ``out``."""
+    pytest.importorskip("numba")
+    from pynorm.backends.numba import _common, _threads, elementwise, stats
+
+    monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", _threads.DEFAULT_SERIAL_THRESHOLD)  # (the tests lower it)
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    w, b = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    kept: list[bool] = []
+    for cls in (stats.StatsOp, elementwise.ElementwiseOp):
+        setup = cls.forward_setup
+
+        def spy(self: Any, x: Any, args: Any, out: Any, sink: Any, options: Any, _f: Any = setup) -> Any:
+            if out is not None and not out.flags.aligned:
+                kept.append(isinstance(options, _common.PlanForward))
+            return _f(self, x, args, out, sink, options)
+
+        monkeypatch.setattr(cls, "forward_setup", spy)
+    channel_forward = stats.ChannelOp._forward
+
+    def channel_spy(self: Any, x: Any, args: Any, out: Any, options: Any, with_ctx: Any, held: Any = None) -> Any:
+        if out is not None and not out.flags.aligned:
+            kept.append(held is not None)
+        return channel_forward(self, x, args, out, options, with_ctx, held)
+
+    monkeypatch.setattr(stats.ChannelOp, "_forward", channel_spy)
+    raw = np.empty(x.nbytes + 1, np.uint8)
+    unaligned = raw[1:].view(np.float32).reshape(x.shape)
+    assert not unaligned.flags.aligned
+    for op, args, opts in (
+        ("layer_norm", (w, b), {}),
+        ("dyt", (np.array([0.5], np.float32), w, b), {}),
+        ("group_norm", (w, b), {"num_groups": 2}),
+    ):
+        p = pynorm.plan(op, x, *args, backend="numba", **opts)
+        want = p(x, *args)
+        for _ in range(2):  # (the runners keep what their first calls find)
+            p(x, *args), p.forward(x, *args), getattr(pynorm, op)(x, *args, backend="numba", **opts)
+        for how in ("plan", "plan.forward", "op"):
+            unaligned[...] = np.nan
+            if how == "plan":
+                got = p(x, *args, out=unaligned)
+            elif how == "plan.forward":
+                got = p.forward(x, *args, out=unaligned)[0]
+            else:
+                got = getattr(pynorm, op)(x, *args, backend="numba", out=unaligned, **opts)
+            assert got is unaligned and np.array_equal(unaligned, want), (op, how)
+    assert kept and not any(kept), kept
+
+
 def test_a_bound_plan_keeps_its_backend_and_options() -> None:
     x = np.ones((2, 8), np.float32)
     with pynorm.use_backend("numpy"):

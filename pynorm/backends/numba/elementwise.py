@@ -187,7 +187,7 @@ class ElementwiseOp:
         tasks, scalar, output, storage = rows * tiles(h, EW_TILE), self._scalar, common.output, common.storage
 
         def run(x: np.ndarray, *params: Any, out: np.ndarray | None = None) -> Any:
-            if _paths.switched():
+            if _paths.switched() or (out is not None and not out.flags.aligned):  # (see PlanForward)
                 return None
             y = output(out, shape, x.dtype)
             w = _row_param(None if iw is None else params[iw], pdt)

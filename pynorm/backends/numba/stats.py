@@ -409,7 +409,7 @@ class StatsOp(_Op):
         residual_op = self.residual
 
         def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> Any:
-            if _forcing():
+            if _forcing() or (out is not None and not out.flags.aligned):  # (see PlanForward)
                 return None
             weight, bias, ids, residual = pick((*args, None))
             if out is not None:
@@ -923,7 +923,8 @@ class ChannelOp(_Op):
         held = common.PlanForward(self, options, ctx=False)  # (its setup and entry point)
 
         def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> Any:
-            return self._forward(x, args, out, options, False, held)[0]
+            kept = held if out is None or out.flags.aligned else None  # (see PlanForward)
+            return self._forward(x, args, out, options, False, kept)[0]
 
         return run
 
@@ -934,7 +935,8 @@ class ChannelOp(_Op):
         held = common.PlanForward(self, options, ctx=True)
 
         def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> Any:
-            return self._forward(x, args, out, options, True, held)
+            kept = held if out is None or out.flags.aligned else None  # (see PlanForward)
+            return self._forward(x, args, out, options, True, kept)
 
         return run
 

@@ -45,7 +45,7 @@ from ._validate import (
 from .errors import ArrayTypeError, ContextError, DTypeError, ShapeError
 from .ops import OpSpec
 from .ops._spec import filled
-from .ops.fp_quant import quantize_result
+from .ops.fp_quant import quantize_outputs, quantize_result
 
 __all__ = ["FLOAT_DTYPES", "Context", "backward", "check_axis", "forward"]
 
@@ -216,7 +216,7 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
     (:func:`result_only`): what a :class:`pynorm.Plan`'s call runs, the same bits as :func:`forward`'s. An op of
     the ``"channels"`` layout without a result function (GroupNorm) runs the backend's ``forward_lean`` where it
     has one (:func:`channel_lean`, :func:`lean_channels`), else its plan's full path."""
-    if outputs_alone(spec, options):
+    if without_ctx(spec, options):
         channels = spec.layout == "channels"
         _, plan, params, inputs = _keyed(spec, x, inputs, params, 0 if channels else axis, backend, out, options)
         if plan is not None and plan.family is not None:
@@ -230,7 +230,8 @@ def call(spec: OpSpec, x: Any, params: tuple[Any, ...], *, axis: Any, backend: s
             calls = plan.calls.get(mod)
             if calls is None:
                 run = plan.targets.get(mod)
-                calls = plan.calls[mod] = Calls(run if run is not None else _served_target(spec, mod, plan))
+                run = run if run is not None else _served_target(spec, mod, plan)
+                calls = plan.calls[mod] = Calls(run, plan.options.get("quantize"), plan.served.get(mod, ()))
             return result_only(spec, plan, name, calls, x, inputs, params, out)
     return forward(spec, x, params, axis=axis, backend=backend, out=out, options=options, inputs=inputs)[0]
 
@@ -280,6 +281,12 @@ def outputs_alone(spec: OpSpec, options: Mapping[str, Any]) -> bool:
     return spec.result is None or (spec.result is quantize_result and options.get("quantize") is None)
 
 
+def without_ctx(spec: OpSpec, options: Mapping[str, Any]) -> bool:
+    """Whether a call of ``spec`` with ``options`` that returns no ctx may run without one (:func:`result_only`):
+    :func:`outputs_alone`, or the norms' ``quantize=`` result, which needs only what the plan holds."""
+    return spec.result is None or spec.result is quantize_result
+
+
 class Calls:
     """How a plan's calls for the result alone run on one op module: :attr:`run`, the plan's runner there
     (:func:`_served_target`); :attr:`lean`, the same building no ctx (its ``without_ctx()``: numba's
@@ -290,11 +297,15 @@ class Calls:
     For a result that is the outputs: no ``spec.result`` to apply, no served option (the norms' ``quantize=``
     None)."""
 
-    __slots__ = ("direct", "fast", "lean", "run")
+    __slots__ = ("direct", "fast", "lean", "quantize", "run", "served")
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Any, quantize: Any = None, served: tuple[str, ...] = ()) -> None:
         make = getattr(run, "without_ctx", None)
         self.run, self.lean, self.fast = run, (None if make is None else make()), None
+        #: the ``quantize=`` option of the plan's calls (a :class:`pynorm.QuantSpec`; None: the result is the
+        #: outputs) and the options the module serves itself (:attr:`_Plan.served`): a quantized call's result is
+        #: shaped or quantized by :func:`~pynorm.ops.fp_quant.quantize_outputs`, and has no :attr:`fast`
+        self.quantize, self.served = quantize, served
         #: :attr:`fast` takes the plan's calls without ``out`` as they come: the inputs and parameters in their flat
         #: shapes, ``x`` and ``y`` of ``(R, H)`` (the plan's key fixes every shape), so nothing is reshaped
         self.direct = False
@@ -308,6 +319,8 @@ def result_only(
     ``calls.fast`` where it takes the call, else ``calls.lean`` through :func:`execute` (its first call makes
     ``calls.fast``). ``calls.fast`` returns an op's outputs as the backend's runner does: ``y``, or a tuple of
     several (the residual prologue's ``(y, h)``), shaped here as :func:`execute` shapes them."""
+    if calls.quantize is not None:
+        return _quantized_only(spec, plan, name, calls, x, ins, ps, out)
     fast = calls.fast
     if fast is not None:
         if calls.direct and out is None:  # (the arrays as they are, and y as the backend returns it)
@@ -335,6 +348,22 @@ def result_only(
         shape = (plan.rows, plan.h)
         calls.direct = plan.flat and x.shape == shape and plan.y_shape == shape
     return result
+
+
+def _quantized_only(
+    spec: OpSpec, plan: _Plan, name: str, calls: Calls, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...],
+    out: Any,
+) -> Any:  # fmt: skip
+    """:func:`result_only` of a call with ``quantize=``: the outputs of ``calls.lean`` (no ctx), the first
+    quantized as :func:`~pynorm.ops.fp_quant.quantize_result` does it with a ctx (the same bits; a decode step's
+    FP8 RMSNorm, 1 x 4096, skips the ctx's ~8 us)."""
+    lean = calls.lean
+    if lean is None:
+        return execute(spec, plan, name, calls.run, x, ins, ps, out)[0]
+    res = execute(spec, plan, name, lean, x, ins, ps, out, calls.served, with_ctx=False)[0]
+    outs = res if len(spec.outputs) > 1 else (res,)
+    outs = quantize_outputs(outs, calls.quantize, "quantize" in calls.served, tuple(x.shape), plan.axis, name)
+    return outs if len(outs) > 1 else outs[0]
 
 
 def new_plan(

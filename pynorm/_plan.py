@@ -110,10 +110,10 @@ class Plan:
             else _dispatch._target(mod, self._p.to_backend)
         )
         self._served = self._p.served.get(mod, ()) if spec.layout == "rows" else ()
-        # the outputs alone, without a ctx, where the result is the outputs: what a call of pynorm.<op> with a kept
-        # plan runs (_dispatch.call)
-        plain = spec.layout == "rows" and _dispatch.outputs_alone(spec, self.options)
-        self._calls = _dispatch.Calls(self._run) if plain else None
+        # the outputs alone, without a ctx, where the result is the outputs or their quantized form: what a call of
+        # pynorm.<op> with a kept plan runs (_dispatch.call)
+        plain = spec.layout == "rows" and _dispatch.without_ctx(spec, self.options)
+        self._calls = _dispatch.Calls(self._run, self.options.get("quantize"), self._served) if plain else None
         # (an op of the channels layout whose result is its outputs: the backend's runner without a ctx, if any)
         lean = spec.layout == "channels" and spec.result is None
         self._lean = _dispatch.channel_lean(self._p, mod) if lean else None

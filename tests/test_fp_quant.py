@@ -523,3 +523,90 @@ def test_numba_encoder_on_random_bits() -> None:
                  QuantSpec("nvfp4"), QuantSpec("nvfp4", global_scale=1e-3)):  # fmt: skip
         for a in (y, finite):
             _assert_same_quantized(nq.quantize(a, spec), ref.quantize(a, spec), spec)
+
+
+#: ``(op, x shape, axis, spec)`` of the quantized calls without a ctx: rows as given (2-D, the last axis), rows the
+#: dispatcher shapes (3-D; a 2-D x along axis 0), the amax pass first (a per-tensor scale, NVFP4's computed global
+#: scale), a kept y, a swizzled layout, the residual prologue's two outputs
+_CTXLESS_CASES = [
+    ("rms_norm", (3, 64), -1, QuantSpec("fp8_e4m3")),
+    ("rms_norm", (3, 64), -1, QuantSpec("fp8_e4m3", scaling="tensor")),
+    ("rms_norm", (3, 64), -1, QuantSpec("nvfp4", keep_y=True)),
+    ("layer_norm", (2, 3, 64), -1, QuantSpec("mxfp4", scale_layout="swizzled")),
+    ("layer_norm", (4, 48), 0, QuantSpec("fp8_e5m2", scaling="group", group_size=32)),
+    ("add_rms_norm", (3, 64), -1, QuantSpec("mxfp8_e4m3", scale_dtype="float32")),
+]
+
+
+@pytest.mark.parametrize(("op", "shape", "axis", "spec"), _CTXLESS_CASES)
+def test_a_repeated_quantized_call_builds_no_ctx_and_gives_the_forwards_bits(
+    backend: Any, op: str, shape: tuple[int, ...], axis: int, spec: QuantSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pynorm.<op>(..., quantize=)`` of a call shape seen before, and a :class:`pynorm.Plan`'s call (NumPy arrays:
+    the calls with a kept plan), run the backend's runner without a ctx (``_dispatch._quantized_only``), and give
+    the codes, scales, kept ``y`` and residual sum of the forward with a ctx and of the reference quantizer on the
+    norm's ``y``, call after call. On numba the small calls take the row kernel's kept entry points of the quantize
+    sink (its first pass of the tensor's ``amax`` too), and no ctx is built."""
+    from pynorm import _dispatch
+
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal(shape).astype(np.float32)
+    n = int(np.prod(shape[axis % len(shape) :]))
+    norm = shape[axis % len(shape) :]
+    args = [backend.asarray(x)]
+    if op.startswith("add_"):
+        args.append(backend.asarray(rng.standard_normal(shape).astype(np.float32)))
+    args += [backend.asarray((1 + 0.3 * rng.standard_normal(n)).astype(np.float32).reshape(norm))] * (
+        2 if "layer" in op else 1
+    )
+    fn, fwd = getattr(pynorm, op), getattr(pynorm, f"{op}_forward")
+    kw = {"backend": backend.name, "axis": axis}
+    plain = fn(*args, **kw)
+    y = backend.to_numpy(plain[0] if op.startswith("add_") else plain)
+    want = ref.quantize(y, spec, axis=axis)
+    with_ctx, _ = fwd(*args, quantize=spec, **kw)
+
+    def same(res: Any) -> None:
+        q = res[0] if op.startswith("add_") else res
+        for got in (q, with_ctx[0] if op.startswith("add_") else with_ctx):
+            assert isinstance(got, pynorm.Quantized) and got.shape == shape
+            for f in ("codes", "scales", "global_scale"):
+                a, b = getattr(got, f), getattr(want, f)
+                assert (a is None) == (b is None), f
+                if a is not None:
+                    a = backend.to_numpy(a)
+                    assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b), (f, spec)
+        assert (q.y is None) != spec.keep_y
+        if spec.keep_y:
+            assert np.array_equal(backend.to_numpy(q.y), y)
+        if op.startswith("add_"):
+            assert np.array_equal(backend.to_numpy(res[1]), backend.to_numpy(plain[1]))
+
+    taken: list[Any] = []
+    real = _dispatch._quantized_only
+    monkeypatch.setattr(_dispatch, "_quantized_only", lambda *a: taken.append(1) or real(*a))
+    built: list[Any] = []
+    if backend.name == "numba":
+        from pynorm.backends.numba import _threads, stats
+
+        monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", _threads.DEFAULT_SERIAL_THRESHOLD)  # (the tests lower it)
+        real_ctx = stats.StatsOp._ctx
+        monkeypatch.setattr(stats.StatsOp, "_ctx", lambda self, *a: built.append(1) or real_ctx(self, *a))
+    plan = pynorm.plan(op, *args, quantize=spec, **kw) if backend.name != "cupy" else None  # (NumPy arrays only)
+    for _ in range(3):
+        same(fn(*args, quantize=spec, **kw))
+        if plan is not None:
+            same(plan(*args))
+    if plan is not None:  # (every call after the first of pynorm.<op>, every call of the plan; CuPy arrays make no
+        assert len(taken) >= 5  # plan: their calls take the full path)
+    if backend.name == "numba":
+        assert not built
+        kept = [k for p in _dispatch._PLANS.values() if hasattr(p, "calls") for c in p.calls.values() if c.quantize
+                for k in [getattr(c.lean, "sinks", None)] if k is not None]  # fmt: skip
+        assert kept and all(m.entry is not None for m in kept[-1][: 2 if _needs_amax(spec) else 1])
+
+
+def _needs_amax(spec: QuantSpec) -> bool:
+    """Whether ``spec``'s scales need the tensor's ``amax`` first (a pass of its own)."""
+    tensor = spec.fmt.kind == "scaled" and spec.scaling == "tensor" and spec.scale is None
+    return tensor or (spec.fmt.kind == "nvfp4" and spec.global_scale is None)

@@ -37,6 +37,7 @@ __all__ = [
     "Quantized",
     "check_quant_spec",
     "in_shape",
+    "quantize_outputs",
     "quantize_result",
 ]
 
@@ -303,7 +304,7 @@ def in_shape(q: Quantized, shape: tuple[int, ...], axis: int) -> Quantized:
     elif spec.scale_layout == "row_major":
         scales = scales.reshape(*lead, scales.shape[-1])
     y = None if q.y is None else q.y.reshape(shape)
-    return q._replace(codes=codes, scales=scales, y=y, shape=tuple(shape))
+    return Quantized(codes, scales, q.global_scale, y, spec, tuple(shape))
 
 
 def quantize_result(outs: tuple[Any, ...], ctx: Any, options: Any) -> Any:
@@ -313,9 +314,19 @@ def quantize_result(outs: tuple[Any, ...], ctx: Any, options: Any) -> Any:
     backend that computed ``y`` (a second pass)."""
     spec = options.get("quantize")
     if spec is not None:
-        if "quantize" in ctx.served:
-            first = in_shape(outs[0], ctx.x_shape, ctx.axis)
-        else:
-            first = quantize_on(ctx.backend, outs[0], spec, ctx.axis)
-        outs = (first, *outs[1:])
+        outs = quantize_outputs(outs, spec, "quantize" in ctx.served, ctx.x_shape, ctx.axis, ctx.backend)
     return outs if len(outs) > 1 else outs[0]
+
+
+def quantize_outputs(
+    outs: tuple[Any, ...], spec: QuantSpec, served: bool, shape: tuple[int, ...], axis: int, backend: str
+) -> tuple[Any, ...]:  # fmt: skip
+    """:func:`quantize_result`'s outputs for a call on an ``x`` of ``shape`` (rows from ``axis``) on ``backend``:
+    the first, ``served`` (a :class:`Quantized` of the rows) shaped, or quantized by ``backend``'s quantizer."""
+    q = outs[0]
+    if not served:
+        q = quantize_on(backend, q, spec, axis)
+    elif q.shape != shape or axis % len(shape) != len(shape) - 1:
+        q = in_shape(q, shape, axis)
+    # (else an (R, H) x's rows, which the backend shaped as in_shape does: a small call's microseconds)
+    return (q, *outs[1:])

@@ -40,6 +40,7 @@ Backward: the straight-through estimator -- the gradient w.r.t. the dequantized 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -344,7 +345,7 @@ def rows_of(shape: tuple[int, ...], axis: int) -> tuple[tuple[int, ...], int, in
     """``(lead, R, H)`` of an array of ``shape`` whose rows are the dims from ``axis`` on."""
     ax = axis % len(shape)
     lead = tuple(shape[:ax])
-    return lead, int(np.prod(lead)), int(np.prod(shape[ax:]))
+    return lead, math.prod(lead), math.prod(shape[ax:])  # (math.prod: numpy.prod is ~4 us of a small call)
 
 
 def quantize(y: np.ndarray, spec: QuantSpec, axis: int = -1) -> Quantized:

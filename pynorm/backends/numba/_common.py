@@ -111,13 +111,16 @@ class PlanForward:
     :attr:`ctx` False (a :class:`pynorm.Plan`'s call for the outputs alone): the op builds no ctx (None in its
     place) -- the microsecond of an inference call that no backward follows."""
 
-    __slots__ = ("_short", "ctx", "entry", "op", "options", "setup")
+    __slots__ = ("_short", "ctx", "entry", "op", "options", "setup", "sinks")
 
     def __init__(self, op: Any, options: dict[str, Any], ctx: bool = True) -> None:
         self.op = op
         self.options = options
         self.setup: Any = None
         self.entry = EntryMemo()
+        #: the row kernel's entry points for a quantize sink (``quantize=``: the plan's options fix its spec), the
+        #: first pass of a tensor's ``amax`` and the codes' pass (their sinks' types differ), made on first use
+        self.sinks: tuple[EntryMemo, EntryMemo] | None = None
         self.ctx = ctx
         #: the op's shortest forward with a ctx for the plan's shape (its ``fast_forward(..., ctx=True)``), made
         #: after a first call found the setup and entry point; False where it has none
@@ -147,8 +150,15 @@ class PlanForward:
     def without_ctx(self) -> PlanForward:
         """This runner building no ctx (:attr:`ctx` False), sharing its setup and entry point."""
         lean = PlanForward(self.op, self.options, ctx=False)
-        lean.setup, lean.entry = self.setup, self.entry
+        lean.setup, lean.entry, lean.sinks = self.setup, self.entry, self.sinks
         return lean
+
+    def sink_entry(self, amax_pass: bool) -> EntryMemo:
+        """The :attr:`sinks` memo of the pass of a quantize sink: ``amax_pass`` the first pass of a tensor's
+        ``amax``, else the codes' pass."""
+        if self.sinks is None:
+            self.sinks = (EntryMemo(), EntryMemo())
+        return self.sinks[1 if amax_pass else 0]
 
 
 def size_class(nbytes: int) -> int:

@@ -324,15 +324,22 @@ def fpq_rows(y, q, out, amax, lo, hi):  # type: ignore[no-untyped-def]
         fpq_take(y[i], i, q, out, amax, scratch)
 
 
-class _Plan:
-    """What :func:`fpq_take` takes for ``spec`` and rows of ``h`` elements: the parameter tuple (:meth:`q`, the
-    tensor scale and global scale filled in later where they need the tensor's ``amax``) and the outputs."""
+class _Consts:
+    """What :func:`fpq_take` takes for ``spec`` and rows of ``h`` elements that the rows' count does not change,
+    computed once per ``(spec, h)`` (:func:`_consts`): the block size, the element constants (:func:`_element`),
+    the tensor scale and global scale where given, the packing, and the parameter tuple where no ``amax`` decides
+    a scale."""
 
-    def __init__(self, spec: QuantSpec, rows: int, h: int) -> None:
+    __slots__ = ("block", "ceil", "el", "fmax", "fmt", "g", "h", "kind", "nb", "needs_amax", "pack", "q", "row",
+                 "s_tensor", "scaled", "spec", "tensor")  # fmt: skip
+
+    def __init__(self, spec: QuantSpec, h: int) -> None:
         fmt = self.fmt = spec.fmt
-        self.spec, self.rows, self.h = spec, rows, h
+        self.spec, self.h = spec, h
         el = fmt.element
-        tensor = fmt.kind == "scaled" and (spec.scaling == "tensor" or spec.scale is not None)
+        self.scaled = fmt.kind == "scaled"
+        tensor = self.tensor = self.scaled and (spec.scaling == "tensor" or spec.scale is not None)
+        self.row = self.scaled and not tensor and spec.scaling == "row"
         self.block = max(fmt.block or (h if tensor else spec.block_size(h)), 1)
         self.nb = -(-h // self.block)
         self.el = _element(el, el.over_code is None or spec.overflow == "saturate")
@@ -342,39 +349,100 @@ class _Plan:
         self.s_tensor = np.float32(ref.tensor_scale(0, spec)[0]) if tensor and spec.scale is not None else _F0
         self.g = np.float32(ref.nvfp4_global(0, spec.global_scale)) if fmt.kind == "nvfp4" else np.float32(1)
         self.pack = 0 if not fmt.packed else (1 if spec.nibble_order == "low_first" else 2)
-        self.codes = np.empty((rows, -(-h // 2) if self.pack else h), dtype=np.uint8)
-        self.sf = np.empty((rows, self.nb) if fmt.kind == "scaled" else (0, 0), dtype=np.float32)
-        self.sc = np.empty((rows, self.nb) if fmt.kind != "scaled" else (0, 0), dtype=np.uint8)
+        self.ceil = spec.scale_rule == "ceil"
+        self.kind = _KINDS[fmt.kind]
+        self.q = self.params(self.s_tensor, self.g)
+
+    def params(self, s_tensor: np.float32, g: np.float32) -> tuple[Any, ...]:
+        """:func:`fpq_take`'s parameter tuple with the tensor scale ``s_tensor`` and global scale ``g``."""
+        return (self.kind, self.el, self.block, s_tensor, self.fmax, self.ceil, g, self.pack)
+
+
+#: :class:`_Consts` by ``(id(spec), h)``, each with its spec (so that the id is not another's)
+_CONSTS: dict[tuple[int, int], _Consts] = {}
+_CONSTS_MAX = 64
+
+
+def _consts(spec: QuantSpec, h: int) -> _Consts:
+    """The :class:`_Consts` of ``spec`` and rows of ``h`` elements, kept (a repeated call computes nothing: a
+    decode step's ``quantize=`` call is a few microseconds of kernel)."""
+    c = _CONSTS.get((id(spec), h))
+    if c is None or c.spec is not spec:
+        if len(_CONSTS) >= _CONSTS_MAX:
+            _CONSTS.clear()
+        c = _CONSTS[(id(spec), h)] = _Consts(spec, h)
+    return c
+
+
+class _Plan:
+    """One call's :func:`fpq_take` parameters (:meth:`q`: the kept constants, the tensor scale and global scale
+    filled in by :meth:`take_amax` where they need the tensor's ``amax``) and its outputs, ``rows`` rows of
+    ``h`` elements."""
+
+    __slots__ = ("c", "codes", "g", "out", "rows", "s_tensor", "sc", "sf")
+
+    def __init__(self, spec: QuantSpec, rows: int, h: int) -> None:
+        c = self.c = _consts(spec, h)
+        self.rows = rows
+        self.s_tensor, self.g = c.s_tensor, c.g
+        self.codes = np.empty((rows, -(-h // 2) if c.pack else h), dtype=np.uint8)
+        self.sf = np.empty((rows, c.nb) if c.scaled else (0, 0), dtype=np.float32)
+        self.sc = np.empty((rows, c.nb) if not c.scaled else (0, 0), dtype=np.uint8)
         self.out = (self.codes, self.sf, self.sc)
 
+    @property
+    def needs_amax(self) -> bool:
+        return self.c.needs_amax
+
     def q(self) -> tuple[Any, ...]:
-        return (_KINDS[self.fmt.kind], self.el, self.block, self.s_tensor, self.fmax,
-                self.spec.scale_rule == "ceil", self.g, self.pack)  # fmt: skip
+        c = self.c
+        return c.q if self.s_tensor is c.s_tensor and self.g is c.g else c.params(self.s_tensor, self.g)
 
     def take_amax(self, amax: np.ndarray) -> None:
         """The scales that need the tensor's ``amax`` from the rows' (``amax``: their bits)."""
+        c = self.c
         t = np.uint32(amax.max() if amax.size else 0).view(np.float32)
-        if self.fmt.kind == "scaled":
-            self.s_tensor = np.float32(ref.tensor_scale(t, self.spec)[0])
+        if c.scaled:
+            self.s_tensor = np.float32(ref.tensor_scale(t, c.spec)[0])
         else:
-            self.g = np.float32(ref.nvfp4_global(t, self.spec.global_scale))
+            self.g = np.float32(ref.nvfp4_global(t, c.spec.global_scale))
+
+    def scales(self) -> np.ndarray:
+        """The scales in ``(R, .)`` form and the spec's layout (:func:`pynorm.ops.fp_quant.in_shape`'s input)."""
+        c = self.c
+        if not c.scaled:
+            return ref.scales_in_layout(self.sc, c.spec)
+        if self.s_tensor != 0:
+            return np.full(1, self.s_tensor, np.float32)
+        return self.sf.reshape(self.rows) if c.row else self.sf
 
     def result(self, y: Any, shape: tuple[int, ...], lead: tuple[int, ...]) -> Quantized:
         """The :class:`Quantized` of ``y`` (None where not kept) of ``shape``, whose rows are the dims ``lead``."""
-        fmt, r = self.fmt, self.rows
-        scales: np.ndarray
-        if fmt.kind == "scaled":
-            tensor = self.s_tensor != 0
-            scales = np.full(1, self.s_tensor, np.float32) if tensor else self.sf
-            scales = scales.reshape(r) if not tensor and self.spec.scaling == "row" else scales
-        else:
-            scales = self.sc
-        g = self.g if fmt.kind == "nvfp4" else None
-        return ref.quantized(self.codes, ref.scales_in_layout(scales, self.spec), g, y, self.spec, shape, lead)
+        c = self.c
+        g = self.g if c.kind == NVFP4 else None
+        return ref.quantized(self.codes, self.scales(), g, y, c.spec, shape, lead)
+
+    def rows_result(self, y: Any) -> Quantized:
+        """:meth:`result` for an ``(R, H)`` ``y``, whose rows are its first dim: the outputs as they are."""
+        c = self.c
+        g = np.asarray(self.g).reshape(()) if c.kind == NVFP4 else None
+        scales = self.scales()
+        if c.scaled and self.s_tensor != 0:
+            scales = scales.reshape(())
+        return Quantized(self.codes, scales, g, y if c.spec.keep_y else None, c.spec, (self.rows, c.h))
 
 
 _F0 = np.float32(0)
 _NO_AMAX = np.empty(0, np.uint32)
+#: the sink's ``keep`` where no ``y`` is kept: an empty ``(0, 0)`` array of the storage dtype of ``y``'s, by dtype
+_NO_KEEP: dict[Any, np.ndarray] = {}
+
+
+def _no_keep(dtype: Any) -> np.ndarray:
+    keep = _NO_KEEP.get(dtype)
+    if keep is None:
+        keep = _NO_KEEP[dtype] = np.empty((0, 0), common.storage(np.empty(0, dtype)).dtype)
+    return keep
 
 
 def quantize(y: Any, spec: QuantSpec, axis: int = -1) -> Quantized:
@@ -413,14 +481,14 @@ def quantize_norm(
         y = res[0] if isinstance(res, tuple) else res
         return quantize(y, spec), res, ctx
     y = out if out is not None else (common.output(None, shape, dtype) if spec.keep_y else None)
-    keep = common.storage(y) if y is not None else np.empty((0, 0), common.storage(np.empty(0, dtype)).dtype)
+    keep = common.storage(y) if y is not None else _no_keep(dtype)
     if p.needs_amax:
         amax = np.zeros(r, dtype=np.uint32)
         run(None, (keep[:0], p.q(), p.out, amax))
         p.take_amax(amax)
     res, ctx = run(None, (keep, p.q(), p.out, _NO_AMAX))
     res = (y, *res[1:]) if isinstance(res, tuple) else y
-    return p.result(y, shape, (r,)), res, ctx
+    return p.rows_result(y), res, ctx
 
 
 def dequantize(q: Quantized) -> np.ndarray:

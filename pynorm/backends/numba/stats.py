@@ -359,7 +359,11 @@ class StatsOp(_Op):
                     launch(kernels.prologue_rows, rows * hidden, rows, pro, src)
                     src, pro = h.astype(np.float64), None
             ys = common.storage(y) if y is not None else None
-            entry = plan.entry if plan is not None and sink is None else None
+            entry = None
+            if plan is not None:  # (an FP quantize sink, (keep, q, out, amax): its types fixed by the plan's spec)
+                entry = (
+                    plan.entry if sink is None else (plan.sink_entry(sink[3].shape[0] > 0) if len(sink) == 4 else None)
+                )
             forward_rows(
                 self.stat, (src, pro), (w, b, tab), st.conventions, sink if ys is None else ys, (aux, rstd),
                 ys is not None and use_stream(ys), entry,
@@ -394,6 +398,7 @@ class StatsOp(_Op):
         if (
             st is None or memo.entry is None or st.widen or (st.h_dtype is not None) != self.residual
             or rows * hidden >= _threads.serial_threshold() or not rows or _forcing()
+            or plan.options.get(_QUANTIZE) is not None  # (its rows go to a sink: forward_setup's path)
         ):  # fmt: skip
             return None
         entry, stat, cv, pick, prepare = memo.entry, self.stat, st.conventions, self._pick, self.affine.prepare

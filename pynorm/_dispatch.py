@@ -354,13 +354,24 @@ def _quantized_only(
     spec: OpSpec, plan: _Plan, name: str, calls: Calls, x: Array, ins: tuple[Any, ...], ps: tuple[Any, ...],
     out: Any,
 ) -> Any:  # fmt: skip
-    """:func:`result_only` of a call with ``quantize=``: the outputs of ``calls.lean`` (no ctx), the first
-    quantized as :func:`~pynorm.ops.fp_quant.quantize_result` does it with a ctx (the same bits; a decode step's
-    FP8 RMSNorm, 1 x 4096, skips the ctx's ~8 us)."""
-    lean = calls.lean
-    if lean is None:
-        return execute(spec, plan, name, calls.run, x, ins, ps, out)[0]
-    res = execute(spec, plan, name, lean, x, ins, ps, out, calls.served, with_ctx=False)[0]
+    """:func:`result_only` of a call with ``quantize=``: the outputs of ``calls.fast`` (the backend's shortest call,
+    where it served the option and takes the call) or of ``calls.lean`` (no ctx), the first quantized as
+    :func:`~pynorm.ops.fp_quant.quantize_result` does it with a ctx -- the same bits."""
+    shape = (plan.rows, plan.h)
+    fast, res = calls.fast, None
+    if fast is not None and out is None:  # (the quantized rows, and the residual sum shaped below as execute does)
+        args = (*ins, *ps) if plan.flat else _flat_arrays(spec, plan, ins, ps)
+        res = fast(x if x.shape == shape else x.reshape(shape), *args)
+        if res is not None and len(spec.outputs) > 1:
+            res = (res[0], *(o.reshape(x.shape) for o in res[1:]))
+    if res is None:
+        lean = calls.lean
+        if lean is None:
+            return execute(spec, plan, name, calls.run, x, ins, ps, out)[0]
+        res = execute(spec, plan, name, lean, x, ins, ps, out, calls.served, with_ctx=False)[0]
+        if fast is None and "quantize" in calls.served:
+            make = getattr(lean, "fast", None)
+            calls.fast = None if make is None else make(shape)
     outs = res if len(spec.outputs) > 1 else (res,)
     outs = quantize_outputs(outs, calls.quantize, "quantize" in calls.served, tuple(x.shape), plan.axis, name)
     return outs if len(outs) > 1 else outs[0]

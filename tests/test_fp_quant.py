@@ -546,7 +546,7 @@ def test_a_repeated_quantized_call_builds_no_ctx_and_gives_the_forwards_bits(
     the calls with a kept plan), run the backend's runner without a ctx (``_dispatch._quantized_only``), and give
     the codes, scales, kept ``y`` and residual sum of the forward with a ctx and of the reference quantizer on the
     norm's ``y``, call after call. On numba the small calls take the row kernel's kept entry points of the quantize
-    sink (its first pass of the tensor's ``amax`` too), and no ctx is built."""
+    sink (its first pass of the tensor's ``amax`` too) through the op's shortest call, and no ctx is built."""
     from pynorm import _dispatch
 
     rng = np.random.default_rng(21)
@@ -599,11 +599,12 @@ def test_a_repeated_quantized_call_builds_no_ctx_and_gives_the_forwards_bits(
             same(plan(*args))
     if plan is not None:  # (every call after the first of pynorm.<op>, every call of the plan; CuPy arrays make no
         assert len(taken) >= 5  # plan: their calls take the full path)
-    if backend.name == "numba":
+    if backend.name == "numba":  # (the plans' calls: the lean runner's kept entry points, then the shortest call)
         assert not built
-        kept = [k for p in _dispatch._PLANS.values() if hasattr(p, "calls") for c in p.calls.values() if c.quantize
-                for k in [getattr(c.lean, "sinks", None)] if k is not None]  # fmt: skip
-        assert kept and all(m.entry is not None for m in kept[-1][: 2 if _needs_amax(spec) else 1])
+        calls = [c for p in _dispatch._PLANS.values() if hasattr(p, "calls") for c in p.calls.values()]
+        calls = [c for c in calls if c.quantize is spec]
+        assert calls and all(c.fast is not None for c in calls)
+        assert all(m.entry is not None for c in calls for m in c.lean.sinks[: 2 if _needs_amax(spec) else 1])
 
 
 def _needs_amax(spec: QuantSpec) -> bool:

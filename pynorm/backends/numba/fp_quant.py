@@ -42,7 +42,18 @@ from ._cache import jit
 from ._storage import _bits_f32, _f32_bits, fma
 from ._threads import launch
 
-__all__ = ["dequantize", "fpq_rows", "fpq_scratch", "fpq_take", "quantize", "quantize_norm"]
+__all__ = [
+    "NO_AMAX",
+    "QuantPlan",
+    "consts",
+    "dequantize",
+    "fpq_rows",
+    "fpq_scratch",
+    "fpq_take",
+    "no_keep",
+    "quantize",
+    "quantize_norm",
+]
 
 #: the scaling kinds of :func:`fpq_take`
 SCALED, MX, NVFP4 = 0, 1, 2
@@ -326,7 +337,7 @@ def fpq_rows(y, q, out, amax, lo, hi):  # type: ignore[no-untyped-def]
 
 class _Consts:
     """What :func:`fpq_take` takes for ``spec`` and rows of ``h`` elements that the rows' count does not change,
-    computed once per ``(spec, h)`` (:func:`_consts`): the block size, the element constants (:func:`_element`),
+    computed once per ``(spec, h)`` (:func:`consts`): the block size, the element constants (:func:`_element`),
     the tensor scale and global scale where given, the packing, and the parameter tuple where no ``amax`` decides
     a scale."""
 
@@ -363,7 +374,7 @@ _CONSTS: dict[tuple[int, int], _Consts] = {}
 _CONSTS_MAX = 64
 
 
-def _consts(spec: QuantSpec, h: int) -> _Consts:
+def consts(spec: QuantSpec, h: int) -> _Consts:
     """The :class:`_Consts` of ``spec`` and rows of ``h`` elements, kept (a repeated call computes nothing: a
     decode step's ``quantize=`` call is a few microseconds of kernel)."""
     c = _CONSTS.get((id(spec), h))
@@ -374,7 +385,7 @@ def _consts(spec: QuantSpec, h: int) -> _Consts:
     return c
 
 
-class _Plan:
+class QuantPlan:
     """One call's :func:`fpq_take` parameters (:meth:`q`: the kept constants, the tensor scale and global scale
     filled in by :meth:`take_amax` where they need the tensor's ``amax``) and its outputs, ``rows`` rows of
     ``h`` elements."""
@@ -382,7 +393,7 @@ class _Plan:
     __slots__ = ("c", "codes", "g", "out", "rows", "s_tensor", "sc", "sf")
 
     def __init__(self, spec: QuantSpec, rows: int, h: int) -> None:
-        c = self.c = _consts(spec, h)
+        c = self.c = consts(spec, h)
         self.rows = rows
         self.s_tensor, self.g = c.s_tensor, c.g
         self.codes = np.empty((rows, -(-h // 2) if c.pack else h), dtype=np.uint8)
@@ -401,11 +412,14 @@ class _Plan:
     def take_amax(self, amax: np.ndarray) -> None:
         """The scales that need the tensor's ``amax`` from the rows' (``amax``: their bits)."""
         c = self.c
-        t = np.uint32(amax.max() if amax.size else 0).view(np.float32)
-        if c.scaled:
-            self.s_tensor = np.float32(ref.tensor_scale(t, c.spec)[0])
+        m = amax.max() if amax.size > 1 else (amax[0] if amax.size else 0)  # (numpy's reduction: ~4 us)
+        t = np.uint32(m).view(np.float32)  # (finite or +inf: no float warning below)
+        if c.scaled:  # the reference's tensor_scale and nvfp4_global, as float32 scalars (their arrays cost ~8 us)
+            s = t / c.fmax
+            self.s_tensor = s if s > 0 and s < np.inf else np.float32(1)
         else:
-            self.g = np.float32(ref.nvfp4_global(t, c.spec.global_scale))
+            g = t / _NV_GLOBAL
+            self.g = g if g > 0 and g < np.inf else np.float32(1)
 
     def scales(self) -> np.ndarray:
         """The scales in ``(R, .)`` form and the spec's layout (:func:`pynorm.ops.fp_quant.in_shape`'s input)."""
@@ -433,12 +447,13 @@ class _Plan:
 
 
 _F0 = np.float32(0)
-_NO_AMAX = np.empty(0, np.uint32)
+_NV_GLOBAL = np.float32(ref.NVFP4_GLOBAL)
+NO_AMAX = np.empty(0, np.uint32)
 #: the sink's ``keep`` where no ``y`` is kept: an empty ``(0, 0)`` array of the storage dtype of ``y``'s, by dtype
 _NO_KEEP: dict[Any, np.ndarray] = {}
 
 
-def _no_keep(dtype: Any) -> np.ndarray:
+def no_keep(dtype: Any) -> np.ndarray:
     keep = _NO_KEEP.get(dtype)
     if keep is None:
         keep = _NO_KEEP[dtype] = np.empty((0, 0), common.storage(np.empty(0, dtype)).dtype)
@@ -449,15 +464,19 @@ def quantize(y: Any, spec: QuantSpec, axis: int = -1) -> Quantized:
     """``y`` quantized by ``spec`` (:func:`pynorm.reference.fp_quant.quantize`'s result, bitwise)."""
     y = np.asarray(y)
     lead, r, h = ref.rows_of(tuple(y.shape), axis)
-    with np.errstate(all="ignore"):
-        y32 = np.ascontiguousarray(y.reshape(r, h), dtype=np.float32)
-    p = _Plan(spec, r, h)
+    y32 = y.reshape(r, h)
+    if y32.dtype != np.float32 or not y32.flags.c_contiguous:
+        with np.errstate(all="ignore"):  # (a float64 y may overflow float32)
+            y32 = np.ascontiguousarray(y32, dtype=np.float32)
+    p = QuantPlan(spec, r, h)
     if r:
         if p.needs_amax:
             amax = np.zeros(r, dtype=np.uint32)
             launch(fpq_rows, y32.size, r, y32, p.q(), p.out, amax)
             p.take_amax(amax)
-        launch(fpq_rows, y32.size, r, y32, p.q(), p.out, _NO_AMAX)
+        launch(fpq_rows, y32.size, r, y32, p.q(), p.out, NO_AMAX)
+    if y.ndim == 2 and len(lead) == 1:  # (the rows as they are: a small call's microseconds)
+        return p.rows_result(y)
     return p.result(y, tuple(y.shape), lead)
 
 
@@ -475,18 +494,18 @@ def quantize_norm(
     :func:`fpq_rows` quantizes it (the second pass: few wide rows, which the split kernels cut across threads).
     ``y`` (``dtype``) is also kept where the spec asks for it or ``out`` is given: then it is the forward's own."""
     r, h = shape
-    p = _Plan(spec, r, h)
+    p = QuantPlan(spec, r, h)
     if not fuse:
         res, ctx = run(out, None)
         y = res[0] if isinstance(res, tuple) else res
         return quantize(y, spec), res, ctx
     y = out if out is not None else (common.output(None, shape, dtype) if spec.keep_y else None)
-    keep = common.storage(y) if y is not None else _no_keep(dtype)
+    keep = common.storage(y) if y is not None else no_keep(dtype)
     if p.needs_amax:
         amax = np.zeros(r, dtype=np.uint32)
         run(None, (keep[:0], p.q(), p.out, amax))
         p.take_amax(amax)
-    res, ctx = run(None, (keep, p.q(), p.out, _NO_AMAX))
+    res, ctx = run(None, (keep, p.q(), p.out, NO_AMAX))
     res = (y, *res[1:]) if isinstance(res, tuple) else y
     return p.rows_result(y), res, ctx
 

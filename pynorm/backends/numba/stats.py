@@ -392,15 +392,27 @@ class StatsOp(_Op):
         ``plan``'s first call (its setup and the row kernel's entry point): the same kernel and arguments as
         :meth:`forward_setup` and :func:`forward_rows`, so the same bits; what it skips is re-deciding what the
         plan fixed (the setup's lookup, the path, the streaming stores, the ctx). It returns None for a call that
-        must take the general path after all (a test switch turned on since)."""
+        must take the general path after all (a test switch turned on since).
+
+        With the ``quantize`` option (no ctx): ``run`` -> the :class:`pynorm.Quantized` of the rows (``(q, h)``
+        with the residual prologue), each row taken by the FP quantize sink through the plan's kept entry points
+        of it (:attr:`._common.PlanForward.sinks`; the pass of the tensor's ``amax`` first where the spec needs
+        it), as :func:`.fp_quant.quantize_norm` runs them."""
         rows, hidden = shape
         st, memo = plan.setup, plan.entry
+        spec = plan.options.get(_QUANTIZE)
+        if spec is not None:  # (the rows go to the sink: its entry points, per pass, found by a first call)
+            c = fp_quant.consts(spec, hidden)
+            sinks = plan.sinks
+            passes = () if sinks is None or ctx else (sinks[1], sinks[0]) if c.needs_amax else (sinks[0],)
+            memo = passes[-1] if passes and all(m.entry is not None for m in passes) else EntryMemo()
         if (
             st is None or memo.entry is None or st.widen or (st.h_dtype is not None) != self.residual
             or rows * hidden >= _threads.serial_threshold() or not rows or _forcing()
-            or plan.options.get(_QUANTIZE) is not None  # (its rows go to a sink: forward_setup's path)
         ):  # fmt: skip
             return None
+        if spec is not None:
+            return self._fast_quantized(plan, shape, spec)
         entry, stat, cv, pick, prepare = memo.entry, self.stat, st.conventions, self._pick, self.affine.prepare
         offset, mdt, aux_needed = st.kargs.weight_offset, st.math_dtype, self.statistic.aux
         output, storage, empty, pool = common.output, common.storage, np.empty, common.POOL
@@ -447,6 +459,53 @@ class StatsOp(_Op):
                 return ((y, h), c) if residual_op else (y, c)
             spare.append(rs)
             return y if h is None else (y, h)
+
+        return run
+
+    def _fast_quantized(self, plan: common.PlanForward, shape: tuple[int, int], spec: Any) -> Any:
+        """:meth:`fast_forward`'s call of a plan with the ``quantize`` option: the kernels, arguments and order of
+        :func:`.fp_quant.quantize_norm`'s fused path and :func:`forward_rows`' serial plain path (so the same bits),
+        without re-deciding what the plan fixed."""
+        rows, hidden = shape
+        st, sinks = plan.setup, plan.sinks
+        assert sinks is not None
+        stat, cv, pick, prepare = self.stat, st.conventions, self._pick, self.affine.prepare
+        offset, mdt, aux_needed = st.kargs.weight_offset, st.math_dtype, self.statistic.aux
+        hd, alpha = st.h_dtype, st.kargs.alpha
+        output, storage, empty, fwd_slow = common.output, common.storage, np.empty, kernels.fwd_slow
+        c = fp_quant.consts(spec, hidden)
+        first = sinks[1].entry if c.needs_amax else None
+        codes: Any = sinks[0].entry
+        keep_y = spec.keep_y
+
+        def run(x: np.ndarray, *args: Any, out: np.ndarray | None = None) -> Any:
+            if out is not None or _forcing():
+                return None
+            weight, bias, ids, residual = pick((*args, None))
+            rs = (empty(rows) if aux_needed else None, empty(rows))
+            aff = prepare(weight, bias, ids, offset, mdt, hidden, narrow=x.dtype.itemsize == 2)
+            rw: tuple[Any, Any]
+            if hd is None:
+                h, rw = None, (storage(x), None)
+            elif residual is None:
+                return None
+            else:
+                h = output(None, shape, hd)
+                rw = (storage(x), (storage(residual), alpha, storage(h)))
+            y = output(None, shape, x.dtype) if keep_y else None
+            keep = storage(y) if y is not None else fp_quant.no_keep(x.dtype)
+            p = fp_quant.QuantPlan(spec, rows, hidden)
+            if first is not None:
+                amax = np.zeros(rows, dtype=np.uint32)
+                sink = (keep[:0], p.q(), p.out, amax)
+                if first(stat, rw, aff, cv, sink, rs, None, 0, rows):  # rows left for the slow path
+                    fwd_slow(stat, rw, aff, cv, sink, rs)
+                p.take_amax(amax)
+            sink = (keep, p.q(), p.out, fp_quant.NO_AMAX)
+            if codes(stat, rw, aff, cv, sink, rs, None, 0, rows):
+                fwd_slow(stat, rw, aff, cv, sink, rs)
+            q = p.rows_result(y)
+            return q if h is None else (q, h)
 
         return run
 

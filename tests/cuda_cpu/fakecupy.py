@@ -253,6 +253,12 @@ class ndarray(np.lib.mixins.NDArrayOperatorsMixin):
             "explicitly."
         )
 
+    def __reduce__(self) -> tuple[Any, tuple[np.ndarray]]:  # (CuPy's: a pickle holds the array's host copy)
+        return array, (self.get(),)
+
+    def __deepcopy__(self, memo: Any) -> ndarray:  # (CuPy's: a device copy)
+        return self.copy()
+
     def __bool__(self) -> bool:
         return bool(self._a)
 

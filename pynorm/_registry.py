@@ -430,6 +430,31 @@ def _resolve(op: str, family: tuple[str, str], names: tuple[str, ...], explicit:
     )
 
 
+def preferred(family: tuple[str, str], among: frozenset[str]) -> str | None:
+    """The backend that ``backend=None`` picks for arrays of ``family`` among the names ``among``, for a
+    capability other than an op (``pynorm.quantize``'s quantizers), by rules 2-4 of the module doc: the innermost
+    :func:`use_backend` block's backend, ``PYNORM_BACKEND``'s for arrays of its type (either as it is: the caller
+    treats one outside ``among``), else the available one of ``among`` of highest priority that serves
+    ``family``; None where none does."""
+    explicit = _current.get()
+    if explicit is not None:
+        return explicit
+    env = _env_backend()
+    if env is not None:
+        b = get_backend(env)
+        if (b.array_module, b.array_type) == family:
+            return env
+    key = ("preferred", family, among)
+    hit = _remembered(key)
+    if hit is not None:
+        return hit[0]
+    found = [
+        b.name for b in sorted(_all().values(), key=lambda b: (-b.priority, b.name))
+        if (b.array_module, b.array_type) == family and b.name in among and unavailable_reason(b.name) is None
+    ]  # fmt: skip
+    return _memoized(key, lambda: (found[0], None))[0] if found else None
+
+
 def _check_serves(name: str, family: tuple[str, str], op: str, argname: str) -> None:
     b = get_backend(name)
     if (b.array_module, b.array_type) != family:

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _registry
 from ._validate import as_array
 from .errors import ArgumentError
-from .ops.fp_quant import FORMATS, Quantized, QuantSpec, check_quant_spec, quantize_on, quantizer_module
+from .ops.fp_quant import FORMATS, QUANTIZERS, Quantized, QuantSpec, check_quant_spec, quantize_on, quantizer_module
+
+#: the backends with a quantizer of their own (:data:`pynorm.ops.fp_quant.QUANTIZERS`)
+_QUANTIZING = frozenset(QUANTIZERS)
 
 __all__ = ["FORMATS", "QuantSpec", "Quantized", "dequantize", "quantize", "quantize_on"]
 
@@ -27,8 +31,11 @@ def quantize(y: Any, spec: QuantSpec | str, *, axis: int = -1, backend: str | No
     y : float array (NumPy or CuPy); its rows are ``y.shape[:axis]``, each of ``prod(y.shape[axis:])`` elements.
     spec : the format and its conventions (:class:`QuantSpec`).
     axis : the first dim of a row (default -1: rows along the last dim).
-    backend : ``"numpy"`` (the reference), ``"numba"`` or ``"cupy"``; None: the reference for NumPy arrays, the
-        CUDA kernels for CuPy arrays.
+    backend : ``"numpy"`` (the reference), ``"numba"`` or ``"cupy"``; None: as the norms resolve it (a
+        :func:`pynorm.use_backend` block's, ``PYNORM_BACKEND`` for arrays of its type, else the fastest available
+        for the array type: numba for NumPy arrays where it is installed, the CUDA kernels for CuPy arrays). Every
+        backend gives bitwise the reference's codes and scales; a backend without a quantizer of its own uses the
+        reference's (NumPy arrays) or the CUDA kernels' (CuPy arrays).
 
     Returns
     -------
@@ -45,6 +52,8 @@ def quantize(y: Any, spec: QuantSpec | str, *, axis: int = -1, backend: str | No
         raise ArgumentError("y must have at least 1 dimension")
     if not -arr.ndim <= axis < arr.ndim:
         raise ArgumentError(f"axis {axis} is out of range for y of {arr.ndim} dimension(s)")
+    if backend is None:
+        backend = _registry.preferred(_registry.array_family(arr), _QUANTIZING)
     return quantize_on(backend, arr, qs, axis)
 
 

@@ -612,3 +612,39 @@ def _needs_amax(spec: QuantSpec) -> bool:
     """Whether ``spec``'s scales need the tensor's ``amax`` first (a pass of its own)."""
     tensor = spec.fmt.kind == "scaled" and spec.scaling == "tensor" and spec.scale is None
     return tensor or (spec.fmt.kind == "nvfp4" and spec.global_scale is None)
+
+
+def test_quantize_without_a_backend_resolves_as_the_norms_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pynorm.quantize(y, spec)`` (``backend=None``) runs the quantizer of the backend the norms' ``backend=None``
+    picks for ``y``'s array type -- numba for NumPy arrays where it is installed, else the reference; inside
+    ``pynorm.use_backend`` that block's, with ``PYNORM_BACKEND`` set that one's -- and every one gives the
+    reference's codes and scales."""
+    import importlib
+
+    from pynorm import _registry
+
+    rng = np.random.default_rng(23)
+    y = rng.standard_normal((3, 64)).astype(np.float32)
+    spec = QuantSpec("mxfp4")
+    want = ref.quantize(y, spec)
+    ran: list[str] = []
+    for name in ("numpy", "numba"):
+        if _registry.unavailable_reason(name) is not None:
+            continue
+        mod = importlib.import_module(f"pynorm.{'reference' if name == 'numpy' else 'backends.numba'}.fp_quant")
+        real = mod.quantize
+        monkeypatch.setattr(mod, "quantize", lambda *a, _n=name, _f=real: ran.append(_n) or _f(*a))
+    fastest = "numba" if _registry.unavailable_reason("numba") is None else "numpy"
+    for context, expect in ((None, fastest), ("numpy", "numpy"), ("env", "numpy")):
+        ran.clear()
+        if context == "env":
+            monkeypatch.setenv("PYNORM_BACKEND", "numpy")
+            q = pynorm.quantize(y, spec)
+            monkeypatch.delenv("PYNORM_BACKEND")
+        elif context is not None:
+            with pynorm.use_backend(context):
+                q = pynorm.quantize(y, spec)
+        else:
+            q = pynorm.quantize(y, spec)
+        assert ran == [expect], (context, ran)
+        assert np.array_equal(q.codes, want.codes) and np.array_equal(q.scales, want.scales)

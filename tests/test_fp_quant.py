@@ -583,6 +583,9 @@ def test_a_repeated_quantized_call_builds_no_ctx_and_gives_the_forwards_bits(
         if op.startswith("add_"):
             assert np.array_equal(backend.to_numpy(res[1]), backend.to_numpy(plain[1]))
 
+    numpy_arrays = backend.name != "cupy"  # (CuPy arrays make no plan: their calls take the full path)
+    if numpy_arrays:  # (the first call of the out= call shape, which makes its plan, with a ctx)
+        fn(*args, quantize=spec, out=np.empty(shape, np.float32), **kw)
     taken: list[Any] = []
     real = _dispatch._quantized_only
     monkeypatch.setattr(_dispatch, "_quantized_only", lambda *a: taken.append(1) or real(*a))
@@ -593,13 +596,16 @@ def test_a_repeated_quantized_call_builds_no_ctx_and_gives_the_forwards_bits(
         monkeypatch.setattr(_threads, "SERIAL_THRESHOLD", _threads.DEFAULT_SERIAL_THRESHOLD)  # (the tests lower it)
         real_ctx = stats.StatsOp._ctx
         monkeypatch.setattr(stats.StatsOp, "_ctx", lambda self, *a: built.append(1) or real_ctx(self, *a))
-    plan = pynorm.plan(op, *args, quantize=spec, **kw) if backend.name != "cupy" else None  # (NumPy arrays only)
+    plan = pynorm.plan(op, *args, quantize=spec, **kw) if numpy_arrays else None
     for _ in range(3):
         same(fn(*args, quantize=spec, **kw))
         if plan is not None:
             same(plan(*args))
-    if plan is not None:  # (every call after the first of pynorm.<op>, every call of the plan; CuPy arrays make no
-        assert len(taken) >= 5  # plan: their calls take the full path)
+            o = np.full(shape, np.nan, np.float32)  # (out= receives the norm's y; a call shape of its own)
+            same(fn(*args, quantize=spec, out=o, **kw))
+            assert np.array_equal(o, y)
+    if numpy_arrays:  # (every call after the first of each call shape of pynorm.<op>, every call of the plan)
+        assert len(taken) >= 9
     if backend.name == "numba":  # (the plans' calls: the lean runner's kept entry points, then the shortest call)
         assert not built
         calls = [c for p in _dispatch._PLANS.values() if hasattr(p, "calls") for c in p.calls.values()]

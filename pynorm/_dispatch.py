@@ -361,8 +361,9 @@ def _quantized_only(
     fast, res = calls.fast, None
     if fast is not None and out is None:  # (the quantized rows, and the residual sum shaped below as execute does)
         args = (*ins, *ps) if plan.flat else _flat_arrays(spec, plan, ins, ps)
-        res = fast(x if x.shape == shape else x.reshape(shape), *args)
-        if res is not None and len(spec.outputs) > 1:
+        same = x.shape == shape
+        res = fast(x if same else x.reshape(shape), *args)
+        if res is not None and len(spec.outputs) > 1 and not same:
             res = (res[0], *(o.reshape(x.shape) for o in res[1:]))
     if res is None:
         lean = calls.lean

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _registry
 from ._validate import as_array
-from .errors import ArgumentError
+from .errors import ArgumentError, ArrayTypeError
 from .ops.fp_quant import FORMATS, QUANTIZERS, Quantized, QuantSpec, check_quant_spec, quantize_on, quantizer_module
 
 #: the backends with a quantizer of their own (:data:`pynorm.ops.fp_quant.QUANTIZERS`)
@@ -35,7 +35,9 @@ def quantize(y: Any, spec: QuantSpec | str, *, axis: int = -1, backend: str | No
         :func:`pynorm.use_backend` block's, ``PYNORM_BACKEND`` for arrays of its type, else the fastest available
         for the array type: numba for NumPy arrays where it is installed, the CUDA kernels for CuPy arrays). Every
         backend gives bitwise the reference's codes and scales; a backend without a quantizer of its own uses the
-        reference's (NumPy arrays) or the CUDA kernels' (CuPy arrays).
+        reference's (NumPy arrays) or the CUDA kernels' (CuPy arrays). An unknown backend is a
+        :class:`pynorm.errors.UnknownBackendError`, one serving other arrays than ``y``'s an
+        :class:`pynorm.errors.ArrayTypeError`.
 
     Returns
     -------
@@ -52,8 +54,13 @@ def quantize(y: Any, spec: QuantSpec | str, *, axis: int = -1, backend: str | No
         raise ArgumentError("y must have at least 1 dimension")
     if not -arr.ndim <= axis < arr.ndim:
         raise ArgumentError(f"axis {axis} is out of range for y of {arr.ndim} dimension(s)")
+    family = _registry.array_family(arr)
     if backend is None:
-        backend = _registry.preferred(_registry.array_family(arr), _QUANTIZING)
+        backend = _registry.preferred(family, _QUANTIZING)
+    if backend is not None:  # (as the norms check a backend: an unknown name, or one serving other arrays, named)
+        b = _registry.get_backend(backend)
+        if (b.array_module, b.array_type) != family:
+            raise ArrayTypeError(f"backend {backend!r} serves {b.array_type_name}, but y is {family[0]}.{family[1]}")
     return quantize_on(backend, arr, qs, axis)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pynorm
-from pynorm.errors import ArgumentError, ArgumentTypeError
+from pynorm.errors import ArgumentError, ArgumentTypeError, ArrayTypeError, UnknownBackendError
 from pynorm.ops.fp_quant import ELEMENTS, FORMATS, QuantSpec
 from pynorm.reference import fp_quant as ref
 
@@ -272,6 +272,10 @@ def test_quantize_validates() -> None:
         pynorm.rms_norm(np.ones((2, 4), np.float32), quantize=3)
     with pytest.raises(ArgumentError, match="y must be a float array"):
         pynorm.quantize(np.ones(4, np.int32), "mxfp4")
+    with pytest.raises(ArrayTypeError, match="backend 'cupy' serves cupy.ndarray, but y is numpy.ndarray"):
+        pynorm.quantize(np.ones(4, np.float32), "mxfp4", backend="cupy")
+    with pytest.raises(UnknownBackendError, match="nunba"):
+        pynorm.quantize(np.ones(4, np.float32), "mxfp4", backend="nunba")
 
 
 # ---------------------------------------------------------------------------- backends: bitwise the reference

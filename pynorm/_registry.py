@@ -455,10 +455,16 @@ def preferred(family: tuple[str, str], among: frozenset[str]) -> str | None:
     return _memoized(key, lambda: (found[0], None))[0] if found else None
 
 
-def _check_serves(name: str, family: tuple[str, str], op: str, argname: str) -> None:
+def check_family(name: str, family: tuple[str, str], argname: str) -> None:
+    """That backend ``name`` is registered (else :class:`UnknownBackendError`) and serves arrays of ``family``,
+    those of the argument ``argname`` (else :class:`ArrayTypeError`)."""
     b = get_backend(name)
     if (b.array_module, b.array_type) != family:
         raise ArrayTypeError(f"backend {name!r} serves {b.array_type_name}, but {argname} is {family[0]}.{family[1]}")
+
+
+def _check_serves(name: str, family: tuple[str, str], op: str, argname: str) -> None:
+    check_family(name, family, argname)
     reason = unavailable_reason(name)
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason}")

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _registry
 from ._validate import as_array
-from .errors import ArgumentError, ArrayTypeError
+from .errors import ArgumentError
 from .ops.fp_quant import FORMATS, QUANTIZERS, Quantized, QuantSpec, check_quant_spec, quantize_on, quantizer_module
 
 #: the backends with a quantizer of their own (:data:`pynorm.ops.fp_quant.QUANTIZERS`)
@@ -58,9 +58,7 @@ def quantize(y: Any, spec: QuantSpec | str, *, axis: int = -1, backend: str | No
     if backend is None:
         backend = _registry.preferred(family, _QUANTIZING)
     if backend is not None:  # (as the norms check a backend: an unknown name, or one serving other arrays, named)
-        b = _registry.get_backend(backend)
-        if (b.array_module, b.array_type) != family:
-            raise ArrayTypeError(f"backend {backend!r} serves {b.array_type_name}, but y is {family[0]}.{family[1]}")
+        _registry.check_family(backend, family, "y")
     return quantize_on(backend, arr, qs, axis)
 
 

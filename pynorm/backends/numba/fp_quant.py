@@ -421,6 +421,16 @@ class QuantPlan:
             g = t / _NV_GLOBAL
             self.g = g if g > 0 and g < np.inf else np.float32(1)
 
+    def passes(self, keep: np.ndarray, run: Callable[[tuple[Any, ...]], Any]) -> Any:
+        """The rows quantized: ``run(sink)`` runs one pass of the rows into the sink ``(keep, q, out, amax)``
+        (:func:`fpq_take`'s arguments and the kept ``y``, ``keep``), first the pass of the rows' ``amax`` where a
+        scale needs the tensor's (``keep`` empty there), then the codes' pass, whose result it returns."""
+        if self.c.needs_amax:
+            amax = np.zeros(self.rows, dtype=np.uint32)
+            run((keep[:0], self.q(), self.out, amax))
+            self.take_amax(amax)
+        return run((keep, self.q(), self.out, NO_AMAX))
+
     def scales(self) -> np.ndarray:
         """The scales in ``(R, .)`` form and the spec's layout (:func:`pynorm.ops.fp_quant.in_shape`'s input)."""
         c = self.c
@@ -470,11 +480,7 @@ def quantize(y: Any, spec: QuantSpec, axis: int = -1) -> Quantized:
             y32 = np.ascontiguousarray(y32, dtype=np.float32)
     p = QuantPlan(spec, r, h)
     if r:
-        if p.needs_amax:
-            amax = np.zeros(r, dtype=np.uint32)
-            launch(fpq_rows, y32.size, r, y32, p.q(), p.out, amax)
-            p.take_amax(amax)
-        launch(fpq_rows, y32.size, r, y32, p.q(), p.out, NO_AMAX)
+        p.passes(y32[:0], lambda sink: launch(fpq_rows, y32.size, r, y32, *sink[1:]))  # (its q, out, amax)
     if y.ndim == 2 and len(lead) == 1:  # (the rows as they are: a small call's microseconds)
         return p.rows_result(y)
     return p.result(y, tuple(y.shape), lead)
@@ -501,11 +507,7 @@ def quantize_norm(
         return quantize(y, spec), res, ctx
     y = out if out is not None else (common.output(None, shape, dtype) if spec.keep_y else None)
     keep = common.storage(y) if y is not None else no_keep(dtype)
-    if p.needs_amax:
-        amax = np.zeros(r, dtype=np.uint32)
-        run(None, (keep[:0], p.q(), p.out, amax))
-        p.take_amax(amax)
-    res, ctx = run(None, (keep, p.q(), p.out, NO_AMAX))
+    res, ctx = p.passes(keep, lambda sink: run(None, sink))
     res = (y, *res[1:]) if isinstance(res, tuple) else y
     return p.rows_result(y), res, ctx
 

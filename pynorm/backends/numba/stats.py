@@ -402,9 +402,9 @@ class StatsOp(_Op):
         st, memo = plan.setup, plan.entry
         spec = plan.options.get(_QUANTIZE)
         if spec is not None:  # (the rows go to the sink: its entry points, per pass, found by a first call)
-            c = fp_quant.consts(spec, hidden)
             sinks = plan.sinks
-            passes = () if sinks is None or ctx else (sinks[1], sinks[0]) if c.needs_amax else (sinks[0],)
+            needs = fp_quant.consts(spec, hidden).needs_amax
+            passes = () if sinks is None or ctx else (sinks[1], sinks[0]) if needs else (sinks[0],)
             memo = passes[-1] if passes and all(m.entry is not None for m in passes) else EntryMemo()
         if (
             st is None or memo.entry is None or st.widen or (st.h_dtype is not None) != self.residual
@@ -473,8 +473,7 @@ class StatsOp(_Op):
         offset, mdt, aux_needed = st.kargs.weight_offset, st.math_dtype, self.statistic.aux
         hd, alpha = st.h_dtype, st.kargs.alpha
         output, storage, empty, fwd_slow = common.output, common.storage, np.empty, kernels.fwd_slow
-        c = fp_quant.consts(spec, hidden)
-        first = sinks[1].entry if c.needs_amax else None
+        first: Any = sinks[1].entry  # (the amax pass's, where the spec has one)
         codes: Any = sinks[0].entry
         keep_y = spec.keep_y
 
@@ -493,17 +492,13 @@ class StatsOp(_Op):
                 h = output(None, shape, hd)
                 rw = (storage(x), (storage(residual), alpha, storage(h)))
             y = output(None, shape, x.dtype) if keep_y else None
-            keep = storage(y) if y is not None else fp_quant.no_keep(x.dtype)
+
+            def rows_into(sink: tuple[Any, ...]) -> None:
+                if (first if sink[3].shape[0] else codes)(stat, rw, aff, cv, sink, rs, None, 0, rows):
+                    fwd_slow(stat, rw, aff, cv, sink, rs)  # (rows left for the slow path)
+
             p = fp_quant.QuantPlan(spec, rows, hidden)
-            if first is not None:
-                amax = np.zeros(rows, dtype=np.uint32)
-                sink = (keep[:0], p.q(), p.out, amax)
-                if first(stat, rw, aff, cv, sink, rs, None, 0, rows):  # rows left for the slow path
-                    fwd_slow(stat, rw, aff, cv, sink, rs)
-                p.take_amax(amax)
-            sink = (keep, p.q(), p.out, fp_quant.NO_AMAX)
-            if codes(stat, rw, aff, cv, sink, rs, None, 0, rows):
-                fwd_slow(stat, rw, aff, cv, sink, rs)
+            p.passes(storage(y) if y is not None else fp_quant.no_keep(x.dtype), rows_into)
             q = p.rows_result(y)
             return q if h is None else (q, h)
 

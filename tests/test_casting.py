@@ -449,6 +449,44 @@ def test_numba_none_sums_in_any_order_only_where_that_is_exact(dt: str) -> None:
     assert sum_terms(np.zeros(5), p) == 0.0
 
 
+def test_numba_none_bfloat16_operations_round_once_in_float32() -> None:
+    """The numba "none" kernels evaluate a bfloat16 sum, difference or product in float32 and round it to
+    bfloat16 (the kernels' own rounding, ``rt``): the exact result correctly rounded (the reference's ``round_to``
+    of the float64 result, exact for these operands), for products across float32's subnormal range (where float32
+    rounds them), bfloat16 subnormal operands, and sums at every exponent difference up to 39."""
+    pytest.importorskip("numba")
+    from numba import njit
+
+    from pynorm._dtypes import round_to
+    from pynorm.backends.numba._intype_kernels import lm, rt
+
+    bf16 = dtype("bfloat16")
+
+    @njit
+    def ops(a, b, prod, add, sub):  # type: ignore[no-untyped-def]
+        for j in range(a.shape[0]):
+            u, v = lm(a, j), lm(b, j)
+            prod[j], add[j], sub[j] = rt(a, u * v), rt(a, u + v), rt(a, u - v)
+
+    mant = np.arange(128, 256, dtype=np.float64)
+    m1, m2 = (m.ravel() for m in np.meshgrid(mant, mant))
+    sub = np.arange(1, 128, dtype=np.uint16).view(bf16).astype(np.float64)  # bfloat16's subnormals
+    pairs = [(np.ldexp(m1, e1), np.ldexp(m2, e2)) for e1 in range(-140, -100, 3) for e2 in (-70, -66, -60, -10)]
+    pairs += [(np.ldexp(m1, e1), -np.ldexp(m2, e1 - d)) for e1 in (-135, -120, -7, 110) for d in range(0, 40, 3)]
+    pairs += [(np.repeat(sub, 128), np.tile(np.ldexp(mant, e), 127)) for e in (-10, -7, 0, 9)]
+    n_sub = 0
+    for a, b in pairs:
+        a16, b16 = round_to(a, bf16), round_to(b, bf16)  # (the values are bfloat16's: exact)
+        a64, b64 = a16.astype(np.float64), b16.astype(np.float64)
+        got = [np.empty(a.size, np.float32) for _ in range(3)]
+        ops(a16.view(np.uint16), b16.view(np.uint16), *got)
+        for g, exact in zip(got, (a64 * b64, a64 + b64, a64 - b64), strict=True):
+            want = round_to(exact, bf16).astype(np.float32)
+            assert np.array_equal(g.view(np.uint32), want.view(np.uint32))
+        n_sub += int(np.sum((np.abs(a64 * b64) < 2.0**-126) & (a64 * b64 != 0)))
+    assert n_sub > 100_000  # (products that float32 holds as subnormals were among them)
+
+
 @pytest.mark.parametrize("h", [8192, 8193])
 def test_numba_none_float16_rows_at_the_exact_sum_limit(h: int) -> None:
     """float16 rows of up to 8192 elements sum in any order (their float64 sums are exact), longer ones as other

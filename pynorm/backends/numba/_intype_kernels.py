@@ -11,8 +11,16 @@ storage dtype (:func:`rt`), which is the correctly rounded result in the dtype:
   to float16, which is correct rounding because ``24 >= 2 * 11 + 2`` (Figueroa, "When is double rounding
   innocuous?", SIGNUM 1995) and float32's exponent range holds every such result without underflow. The
   conversions are F16C's ``vcvtps2ph``/``vcvtph2ps``, so the loops vectorize;
-* bfloat16: in float64, rounded to odd in float32 then to bfloat16 (a product of two bfloat16 values can be a
-  float32 subnormal, where the ``2p + 2`` argument does not hold);
+* bfloat16: likewise in float32, the conversions bit operations (:func:`._storage._f32_to_bf16`: round to
+  nearest even), so the loops vectorize. Sums and differences of two bfloat16 values are rounded twice, correctly
+  by the same theorem (``24 >= 2 * 8 + 2``; float32 has bfloat16's exponent range, and a subnormal sum is a
+  multiple of ``2^-133``, exact in float32). A product has at most 16 significant bits, exact in float32 unless
+  float32 must round it below ``2^-149``; then it has no bit at ``2^-134`` or above, so it lies below
+  ``2^-134``, the midpoint between bfloat16's 0 and ``2^-133``, and float32's rounding (monotone, ``2^-134``
+  representable) reaches at most that midpoint, which bfloat16's tie to even takes to 0, as the exact product
+  rounds. Checked on 167 million operand pairs (products across the float32 subnormal range, bfloat16
+  subnormal operands, sums at exponent differences 0-39) against the float64 result rounded to odd in float32
+  then to bfloat16 (``tests/test_casting.py``);
 * float32: in float64 (``53 >= 2 * 24 + 2``); float64: itself.
 
 The per-row scalars (``sum / n``, ``rnd(v + eps)``, ``1/sqrt``, the ``std`` coefficients) are computed in float64
@@ -43,7 +51,17 @@ from numba.extending import overload
 from ._borrow import borrow
 from ._cache import jit
 from ._layout import COL_TILE
-from ._storage import JIT_ONLY, _bf16_to_f32, _f32_to_bf16, _f32_to_half, _f64_to_f32_odd, _half_to_f32, ld, st
+from ._storage import (
+    JIT_ONLY,
+    _bf16_to_f32,
+    _f32_to_bf16,
+    _f32_to_half,
+    _f64_bits,
+    _f64_to_f32_odd,
+    _half_to_f32,
+    ld,
+    st,
+)
 
 __all__ = ["EXACT_H", "PARAMS_COLS", "bwd", "fwd", "math_dtype", "params", "precision_of", "rt", "rw", "sum_terms"]
 
@@ -57,8 +75,9 @@ def precision_of(dtype: Any) -> int:
 
 
 def math_dtype(dtype: np.dtype) -> type:
-    """The math type of storage dtype ``dtype`` (float16 -> float32, else float64): the parameters' array dtype."""
-    return np.float32 if np.dtype(dtype) == np.float16 else np.float64
+    """The math type of storage dtype ``dtype`` (the 16-bit types -> float32, else float64): the parameters' array
+    dtype."""
+    return np.float32 if np.dtype(dtype).itemsize == 2 else np.float64
 
 
 def rt(a, v):  # type: ignore[no-untyped-def]
@@ -83,7 +102,7 @@ def _rt_ol(a, v):  # type: ignore[no-untyped-def]
     if a.dtype == types.float32:
         return lambda a, v: np.float64(np.float32(v))
     if a.dtype == types.uint16:
-        return lambda a, v: np.float64(_bf16_to_f32(_f32_to_bf16(_f64_to_f32_odd(v))))
+        return lambda a, v: _bf16_to_f32(_f32_to_bf16(np.float32(v)))
     if a.dtype == types.int16:
         return lambda a, v: _half_to_f32(_f32_to_half(np.float32(v)))
     return None
@@ -93,12 +112,14 @@ def _rt_ol(a, v):  # type: ignore[no-untyped-def]
 def _rw_ol(a, v):  # type: ignore[no-untyped-def]
     if a.dtype == types.int16:
         return lambda a, v: _half_to_f32(_f32_to_half(_f64_to_f32_odd(v)))
+    if a.dtype == types.uint16:
+        return lambda a, v: _bf16_to_f32(_f32_to_bf16(_f64_to_f32_odd(v)))
     return lambda a, v: rt(a, v)
 
 
 @overload(lm, inline="always")
 def _lm_ol(a, j):  # type: ignore[no-untyped-def]
-    if a.dtype == types.int16:
+    if a.dtype in (types.int16, types.uint16):
         return lambda a, j: ld(a[j])
     return lambda a, j: np.float64(ld(a[j]))
 
@@ -180,18 +201,35 @@ def _gfill(xr, dyr, we, centered, m, r, bg, bgx):  # type: ignore[no-untyped-def
         bgx[j] = np.float64(gx)
 
 
+@jit(inline="always")
+def _exponent(t):  # type: ignore[no-untyped-def]
+    """The biased exponent of the float64 ``t`` (0: zero or subnormal, 2047: inf or NaN)."""
+    return np.int64((_f64_bits(t) >> np.uint64(52)) & np.uint64(0x7FF))
+
+
 @jit()
 def _spread(t):  # type: ignore[no-untyped-def]
     """``(emax, emin)``: the largest biased float64 exponent of the terms ``t`` and the smallest of the nonzero ones
     (integer maxima: any order, vectorized)."""
     emax = 0
     emin = 4096
-    u = t.view(np.uint64)
-    for j in range(u.shape[0]):
-        e = np.int64((u[j] >> np.uint64(52)) & np.uint64(0x7FF))
+    for j in range(t.shape[0]):
+        e = _exponent(t[j])
         emax = max(emax, e)
         emin = min(emin, e if e != 0 else 4096)
     return emax, emin
+
+
+@jit(inline="always")
+def _any_order(emax, emin, n, p):  # type: ignore[no-untyped-def]
+    """Whether the float64 sum of ``n`` terms of ``p`` significant bits, of largest biased exponent ``emax`` and
+    smallest nonzero ``emin``, is exact in any order: every partial sum is a multiple of
+    ``2^(emin - bias - p + 1)`` below ``n 2^(emax - bias + 1)``, so it is exact when
+    ``(emax - emin) + ceil(log2 n) + p <= 53``. Not where a term is inf or NaN (exponent 2047)."""
+    log_n = 0
+    while (1 << log_n) < n:
+        log_n += 1
+    return emax < 2047 and (emax - emin) + log_n + p <= 53
 
 
 @jit(fastmath={"reassoc"})
@@ -214,31 +252,47 @@ def _sum_ord(t):  # type: ignore[no-untyped-def]
 
 @jit()
 def sum_terms(t, p):  # type: ignore[no-untyped-def]
-    """The float64 sum of the terms ``t`` in row order, each a value of ``p`` significant bits. Taken in any order
-    (vectorized) where that sum is exact: every partial sum is a multiple of ``2^(emin - bias - p + 1)`` below
-    ``n 2^(emax - bias + 1)``, so it is exact when ``(emax - emin) + ceil(log2 n) + p <= 53``; else in row order.
-    Non-finite terms (exponent 2047) take the ordered sum."""
-    n = t.shape[0]
+    """The float64 sum of the terms ``t`` in row order, each a value of ``p`` significant bits: taken in any order
+    (vectorized) where that sum is exact (:func:`_any_order`), else in row order."""
     emax, emin = _spread(t)
     if emax == 0:
         return 0.0
-    log_n = 0
-    while (1 << log_n) < n:
-        log_n += 1
-    if emax < 2047 and (emax - emin) + log_n + p <= 53:
+    if _any_order(emax, emin, t.shape[0], p):
         return _sum_vec(t)
     return _sum_ord(t)
 
 
+@jit(fastmath={"reassoc"})
+def _sum_spread(xr, centered, m, sq):  # type: ignore[no-untyped-def]
+    """``(sum, emax, emin)`` of a row's :func:`_term`: their sum in any order (vectorized) and :func:`_spread` of
+    the terms, in one pass (no terms stored). The sum is the row-order sum where :func:`_any_order` holds."""
+    s = 0.0
+    emax = 0
+    emin = 4096
+    for j in range(xr.shape[0]):
+        t = _term(xr, j, centered, m, sq)
+        s += t
+        e = _exponent(t)
+        emax = max(emax, e)
+        emin = min(emin, e if e != 0 else 4096)
+    return s, emax, emin
+
+
 @jit()
 def _rowsum(xr, centered, m, sq, exact, buf):  # type: ignore[no-untyped-def]
-    """A row sum of :func:`_term`: fused and in any order (``exact``: float16 rows of at most :data:`EXACT_H`), else
-    its terms written to ``buf`` then :func:`sum_terms`."""
+    """A row sum of :func:`_term` in row order: fused and in any order where that is exact -- always for
+    ``exact`` (float16 rows of at most :data:`EXACT_H`), else where the terms' spread says so (one pass,
+    :func:`_sum_spread`) --, else its terms written to ``buf`` and added in order."""
     if exact:
         return _sum_any(xr, centered, m, sq)
+    s, emax, emin = _sum_spread(xr, centered, m, sq)
+    if emax == 0:
+        return 0.0
+    if _any_order(emax, emin, xr.shape[0], precision(xr)):
+        return s
     t = buf[: xr.shape[0]]
     _fill(xr, centered, m, sq, t)
-    return sum_terms(t, precision(xr))
+    return _sum_ord(t)
 
 
 @jit()

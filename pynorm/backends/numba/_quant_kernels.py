@@ -28,7 +28,7 @@ from numba.extending import overload
 
 from ._borrow import borrow
 from ._cache import jit
-from ._storage import JIT_ONLY, _bf16_to_f32, _bits_f32, _half_to_f32, bitcast, fma, ld
+from ._storage import JIT_ONLY, _bf16_to_f32, _bits_f32, _bits_f64, _half_to_f32, fma, ld
 
 __all__ = [
     "AMAX",
@@ -176,9 +176,6 @@ def amax_of(buf):  # type: ignore[no-untyped-def]
     without the sign, and a NaN's are above infinity's, so they count as 0. Exact, so the same value in any
     order and any dtype the row's values are stored in."""
     raise RuntimeError(JIT_ONLY)
-
-
-_bits_f64 = bitcast(types.uint64, types.float64, "_bits_f64")
 
 
 def _amax_bits(unsigned, signed, mask, inf, value):  # type: ignore[no-untyped-def]

@@ -89,6 +89,8 @@ def fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
 
 
 _f32_bits = bitcast(types.float32, types.uint32, "_f32_bits")
+_f64_bits = bitcast(types.float64, types.uint64, "_f64_bits")
+_bits_f64 = bitcast(types.uint64, types.float64, "_bits_f64")
 
 
 @intrinsic

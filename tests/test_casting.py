@@ -437,13 +437,19 @@ def test_numba_none_sums_in_any_order_only_where_that_is_exact(dt: str) -> None:
 
     rng = np.random.default_rng(3)
     p = precision_of(dtype(dt))
+    math_types = (np.float64, np.float32) if dt != "float32" else (np.float64,)  # (16-bit terms: float32 scratch)
     for spread in (0, 8, 20, 40, 80):
         t = rng.standard_normal(4099) * 2.0 ** rng.integers(-spread, 1, 4099)
         t = t.astype(dtype(dt)).astype(np.float64)
-        assert sum_terms(t, p) == _ordered_sum(t), spread
+        for mt in math_types:
+            assert sum_terms(t.astype(mt), p) == _ordered_sum(t), (spread, mt)
     t = np.array([2.0**60, 1.0, -(2.0**60), 1.0] * 64)  # row order: 1.0; exactly: 128.0
     assert _ordered_sum(t) == 1.0
     assert sum_terms(t, p) == 1.0
+    if dt == "bfloat16":  # float32 terms whose smallest is subnormal there: its exponent is not that of a zero
+        t = np.array([2.0**60, 2.0**-130, -(2.0**60), 2.0**-130] * 64)  # row order: 2^-130; exactly: 2^-123
+        assert _ordered_sum(t) == 2.0**-130
+        assert sum_terms(t.astype(np.float32), p) == 2.0**-130
     t = np.array([np.inf, 1.0, -np.inf, 2.0, np.nan, 0.0])
     assert np.isnan(sum_terms(t, p))
     assert sum_terms(np.zeros(5), p) == 0.0
@@ -485,6 +491,41 @@ def test_numba_none_bfloat16_operations_round_once_in_float32() -> None:
             assert np.array_equal(g.view(np.uint32), want.view(np.uint32))
         n_sub += int(np.sum((np.abs(a64 * b64) < 2.0**-126) & (a64 * b64 != 0)))
     assert n_sub > 100_000  # (products that float32 holds as subnormals were among them)
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op", OPS)
+def test_numba_none_non_finite_values_stay_where_the_reference_has_them(op: str, dt: str) -> None:
+    """NaN and inf in x, in the weight and from overflow go through the numba "none" kernels' roundings as NaN and
+    inf (the bfloat16 rounding keeps a NaN's bits): outputs and gradients NaN and infinite where the reference's
+    are, and bitwise equal to it elsewhere on the rows without non-finite values."""
+    pytest.importorskip("numba")
+    data = _data(dt, rows=8, h=64, seed=5)
+    x, w, dy = data["x"].copy(), data["w"].copy(), data["dy"].copy()
+    big = 6e4 if dt == "float16" else 3e38
+    x[1, 3] = np.nan
+    x[2, 7] = np.inf
+    x[3, ::2], x[3, 1::2] = big, -big  # squares and sums overflow
+    x[4, 5] = -np.inf
+    w[9] = np.nan  # every row's column 9
+    dy[5, 2] = np.nan
+    params = (w, data["b"]) if op == "layer_norm" else (w,)
+    fwd, bwd = getattr(pynorm, f"{op}_forward"), getattr(pynorm, f"{op}_backward")
+    with np.errstate(all="ignore"):
+        res = {}
+        for be in ("numba", "numpy"):
+            y, ctx = fwd(x, *params, casting="none", backend=be)
+            res[be] = (y, *bwd(dy, ctx))
+    fine = np.ones(8, bool)
+    fine[[1, 2, 3, 4, 5]] = False
+    for k, (got, want) in enumerate(zip(res["numba"], res["numpy"], strict=True)):
+        g, r = np.asarray(got, F64), np.asarray(want, F64)
+        assert np.array_equal(np.isnan(g), np.isnan(r)), k
+        assert np.array_equal(np.isinf(g), np.isinf(r)), k
+        assert np.any(np.isnan(g))
+    y, y_ref = (np.asarray(res[be][0], F64)[fine][:, np.arange(64) != 9] for be in ("numba", "numpy"))
+    assert np.all(np.isfinite(y))  # (dx is NaN everywhere: the weight's NaN reaches every row's sums)
+    assert _frac_equal(y, y_ref) >= 0.99  # bitwise but where float64 sums round apart
 
 
 @pytest.mark.parametrize("h", [8192, 8193])

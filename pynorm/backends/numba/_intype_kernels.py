@@ -30,7 +30,10 @@ where the reference rounds them. Compiled with ``fastmath=False`` (nothing contr
 row sum of float16 values over at most :data:`EXACT_H` elements is *exact* in float64 -- every float16 value is
 a multiple of ``2^-24`` below ``2^16``, so such a sum is a multiple of ``2^-24`` below ``2^29``: 53 bits -- so
 any order of its additions gives the same bits, and those sums are reassociated so they vectorize
-(:func:`_sum_any`; inf and NaN propagate the same in any order). Other rows sum in row order.
+(:func:`_sum_vec`; inf and NaN propagate the same in any order). Other rows are added in row order, or in any
+order where the terms' exponents show that sum is exact (:func:`sum_terms`). Either way a row's terms are first
+written to a scratch row of the math type (float32 for the 16-bit types: the loop computing them is as wide as
+their arithmetic), then added in float64.
 
 ``centered`` selects LayerNorm (mean, centred variance, ``corr``, ``std``: eps outside the root) or
 RMSNorm (mean square); ``we``/``bt`` (the weight ``rnd(w + o)`` and the bias ``rnd(b)``, arrays of values of
@@ -54,11 +57,15 @@ from ._layout import COL_TILE
 from ._storage import (
     JIT_ONLY,
     _bf16_to_f32,
+    _bits_f32,
+    _bits_f64,
+    _f32_bits,
     _f32_to_bf16,
     _f32_to_half,
     _f64_bits,
     _f64_to_f32_odd,
     _half_to_f32,
+    _round_bf16,
     ld,
     st,
 )
@@ -102,7 +109,7 @@ def _rt_ol(a, v):  # type: ignore[no-untyped-def]
     if a.dtype == types.float32:
         return lambda a, v: np.float64(np.float32(v))
     if a.dtype == types.uint16:
-        return lambda a, v: _bf16_to_f32(_f32_to_bf16(np.float32(v)))
+        return lambda a, v: _round_bf16(np.float32(v))
     if a.dtype == types.int16:
         return lambda a, v: _half_to_f32(_f32_to_half(np.float32(v)))
     return None
@@ -137,11 +144,11 @@ def _xhat(xr, j, centered, m, r):  # type: ignore[no-untyped-def]
 
 @jit()
 def _term(xr, j, centered, m, sq):  # type: ignore[no-untyped-def]
-    """A row sum's term, as float64: ``x_j`` (the mean's), or ``rnd(d_j^2)`` (the variance's, ``sq``)."""
+    """A row sum's term, in the math type: ``x_j`` (the mean's), or ``rnd(d_j^2)`` (the variance's, ``sq``)."""
     if not sq:
-        return np.float64(lm(xr, j))
+        return lm(xr, j)
     d = _dev(xr, j, centered, m)
-    return np.float64(rt(xr, d * d))
+    return rt(xr, d * d)
 
 
 @jit()
@@ -151,27 +158,6 @@ def _gterm(xr, dyr, we, j, centered, m, r):  # type: ignore[no-untyped-def]
     if we is not None:
         g = rt(xr, g * we[j])
     return g, rt(xr, g * _xhat(xr, j, centered, m, r))
-
-
-@jit(fastmath={"reassoc"})
-def _sum_any(xr, centered, m, sq):  # type: ignore[no-untyped-def]
-    """The row sum of :func:`_term` in any order (exact sums only, see the module doc)."""
-    s = 0.0
-    for j in range(xr.shape[0]):
-        s += _term(xr, j, centered, m, sq)
-    return s
-
-
-@jit(fastmath={"reassoc"})
-def _gsums_any(xr, dyr, we, centered, m, r):  # type: ignore[no-untyped-def]
-    """``(sum g, sum rnd(g xhat))`` of a row in any order (exact sums only)."""
-    sg = 0.0
-    sgx = 0.0
-    for j in range(xr.shape[0]):
-        g, gx = _gterm(xr, dyr, we, j, centered, m, r)
-        sg += np.float64(g)
-        sgx += np.float64(gx)
-    return sg, sgx
 
 
 def precision(a):  # type: ignore[no-untyped-def]
@@ -185,39 +171,91 @@ def _precision_ol(a):  # type: ignore[no-untyped-def]
     return lambda a: bits
 
 
+def terms(xr, buf):  # type: ignore[no-untyped-def]
+    """The first ``len(xr)`` slots of the float64 scratch ``buf`` as an array of row ``xr``'s math type (a
+    16-bit row's float32 terms: the loops filling them are as wide as their arithmetic)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(terms, inline="always")
+def _terms_ol(xr, buf):  # type: ignore[no-untyped-def]
+    if xr.dtype in (types.int16, types.uint16):
+        return lambda xr, buf: buf.view(np.float32)[: xr.shape[0]]
+    return lambda xr, buf: buf[: xr.shape[0]]
+
+
 @jit()
 def _fill(xr, centered, m, sq, buf):  # type: ignore[no-untyped-def]
-    """``buf[j] = `` :func:`_term` ``(j)`` for the row (no sum: the loop vectorizes)."""
+    """``buf[j] = `` :func:`_term` ``(j)`` for the row (no sum: the loop vectorizes; ``buf`` of the math type,
+    :func:`terms`)."""
     for j in range(xr.shape[0]):
         buf[j] = _term(xr, j, centered, m, sq)
 
 
 @jit()
 def _gfill(xr, dyr, we, centered, m, r, bg, bgx):  # type: ignore[no-untyped-def]
-    """``(bg[j], bgx[j]) = `` :func:`_gterm` ``(j)`` for the row."""
+    """``(bg[j], bgx[j]) = `` :func:`_gterm` ``(j)`` for the row (``bg``, ``bgx`` of the math type)."""
     for j in range(xr.shape[0]):
-        g, gx = _gterm(xr, dyr, we, j, centered, m, r)
-        bg[j] = np.float64(g)
-        bgx[j] = np.float64(gx)
+        bg[j], bgx[j] = _gterm(xr, dyr, we, j, centered, m, r)
 
 
-@jit(inline="always")
 def _exponent(t):  # type: ignore[no-untyped-def]
-    """The biased exponent of the float64 ``t`` (0: zero or subnormal, 2047: inf or NaN)."""
-    return np.int64((_f64_bits(t) >> np.uint64(52)) & np.uint64(0x7FF))
+    """The biased float64 exponent of the float64 or float32 ``t``: 0 for zero, 2047 for inf and NaN (a float32
+    subnormal's is 874, that of 2^-149, at most its own)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(_exponent)
+def _exponent_ol(t):  # type: ignore[no-untyped-def]
+    if t == types.float64:
+        return lambda t: np.int64((_f64_bits(t) >> np.uint64(52)) & np.uint64(0x7FF))
+
+    def f32(t):  # type: ignore[no-untyped-def]
+        u = _f32_bits(t) & np.uint32(0x7FFFFFFF)
+        e = np.int32(u >> np.uint32(23))
+        e = np.int32(2047) if e == np.int32(255) else np.int32(e + np.int32(896))
+        e = (np.int32(0) if u == np.uint32(0) else np.int32(874)) if u < np.uint32(0x800000) else e
+        return e
+
+    return f32
+
+
+def _mag_range(t):  # type: ignore[no-untyped-def]
+    """``(hi, lo)``: the largest magnitude of the float64 or float32 terms ``t`` and the smallest nonzero one
+    (``t``'s dtype; NaN counts as the largest, ``lo`` is NaN where every term is 0): maxima and minima of the
+    magnitudes' bits, signed integers of the terms' width (in any order, vectorized)."""
+    raise RuntimeError(JIT_ONLY)
+
+
+def _mag_range_impl(signed, unsigned, back):  # type: ignore[no-untyped-def]
+    mask = signed(np.iinfo(signed).max)
+
+    def impl(t):  # type: ignore[no-untyped-def]
+        u = t.view(signed)
+        hi = signed(0)
+        lo = mask
+        for j in range(u.shape[0]):
+            a = signed(u[j] & mask)
+            hi = max(hi, a)
+            lo = min(lo, a if a != signed(0) else mask)
+        return back(unsigned(hi)), back(unsigned(lo))
+
+    return impl
+
+
+@overload(_mag_range)
+def _mag_range_ol(t):  # type: ignore[no-untyped-def]
+    if t.dtype == types.float64:
+        return _mag_range_impl(np.int64, np.uint64, _bits_f64)
+    return _mag_range_impl(np.int32, np.uint32, _bits_f32)
 
 
 @jit()
 def _spread(t):  # type: ignore[no-untyped-def]
-    """``(emax, emin)``: the largest biased float64 exponent of the terms ``t`` and the smallest of the nonzero ones
-    (integer maxima: any order, vectorized)."""
-    emax = 0
-    emin = 4096
-    for j in range(t.shape[0]):
-        e = _exponent(t[j])
-        emax = max(emax, e)
-        emin = min(emin, e if e != 0 else 4096)
-    return emax, emin
+    """``(emax, emin)``: the largest biased float64 exponent of the terms ``t`` (float64 or float32) and the
+    smallest of the nonzero ones, 4096 where there are none (:func:`_exponent` of :func:`_mag_range`)."""
+    hi, lo = _mag_range(t)
+    return _exponent(hi), (_exponent(lo) if lo == lo else 4096)
 
 
 @jit(inline="always")
@@ -237,16 +275,16 @@ def _sum_vec(t):  # type: ignore[no-untyped-def]
     """``sum(t)`` in any order (vectorized): :func:`_sum_ord`'s loop with ``reassoc``, for exact sums only."""
     s = 0.0
     for j in range(t.shape[0]):
-        s += t[j]
+        s += np.float64(t[j])
     return s
 
 
 @jit()
 def _sum_ord(t):  # type: ignore[no-untyped-def]
-    """``sum(t)`` in row order (the flags are the only difference from :func:`_sum_vec`)."""
+    """``sum(t)`` in row order, in float64 (the flags are the only difference from :func:`_sum_vec`)."""
     s = 0.0
     for j in range(t.shape[0]):
-        s += t[j]
+        s += np.float64(t[j])
     return s
 
 
@@ -262,37 +300,14 @@ def sum_terms(t, p):  # type: ignore[no-untyped-def]
     return _sum_ord(t)
 
 
-@jit(fastmath={"reassoc"})
-def _sum_spread(xr, centered, m, sq):  # type: ignore[no-untyped-def]
-    """``(sum, emax, emin)`` of a row's :func:`_term`: their sum in any order (vectorized) and :func:`_spread` of
-    the terms, in one pass (no terms stored). The sum is the row-order sum where :func:`_any_order` holds."""
-    s = 0.0
-    emax = 0
-    emin = 4096
-    for j in range(xr.shape[0]):
-        t = _term(xr, j, centered, m, sq)
-        s += t
-        e = _exponent(t)
-        emax = max(emax, e)
-        emin = min(emin, e if e != 0 else 4096)
-    return s, emax, emin
-
-
 @jit()
 def _rowsum(xr, centered, m, sq, exact, buf):  # type: ignore[no-untyped-def]
-    """A row sum of :func:`_term` in row order: fused and in any order where that is exact -- always for
-    ``exact`` (float16 rows of at most :data:`EXACT_H`), else where the terms' spread says so (one pass,
-    :func:`_sum_spread`) --, else its terms written to ``buf`` and added in order."""
-    if exact:
-        return _sum_any(xr, centered, m, sq)
-    s, emax, emin = _sum_spread(xr, centered, m, sq)
-    if emax == 0:
-        return 0.0
-    if _any_order(emax, emin, xr.shape[0], precision(xr)):
-        return s
-    t = buf[: xr.shape[0]]
+    """A row sum of :func:`_term` in row order: its terms written to the scratch ``buf`` (:func:`terms`), then
+    added in any order (vectorized) where that is exact -- always for ``exact`` (float16 rows of at most
+    :data:`EXACT_H`), else where the terms' spread says so (:func:`sum_terms`) --, else in row order."""
+    t = terms(xr, buf)
     _fill(xr, centered, m, sq, t)
-    return _sum_ord(t)
+    return _sum_vec(t) if exact else sum_terms(t, precision(xr))
 
 
 @jit()
@@ -353,12 +368,12 @@ def bwd(x, dy, we, centered, eps, corr, std, exact, mean, rstd, dx, lo, hi):  # 
         v = m
         if std:
             m, v, r = _stats(xr, centered, eps, corr, std, exact, bg)
+        tg, tgx = terms(xr, bg), terms(xr, bgx)
+        _gfill(xr, dyr, we, centered, m, r, tg, tgx)
         if exact:
-            sg, sgx = _gsums_any(xr, dyr, we, centered, m, r)
+            sg, sgx = _sum_vec(tg), _sum_vec(tgx)
         else:
-            _gfill(xr, dyr, we, centered, m, r, bg, bgx)
-            sg = sum_terms(bg, precision(xr))
-            sgx = sum_terms(bgx, precision(xr))
+            sg, sgx = sum_terms(tg, precision(xr)), sum_terms(tgx, precision(xr))
         gbar = rw(xr, sg / h)
         coef = rw(xr, sgx / (h - corr if centered else h))
         if std:
@@ -378,11 +393,15 @@ def bwd(x, dy, we, centered, eps, corr, std, exact, mean, rstd, dx, lo, hi):  # 
 
 
 @jit()
-def _pw_row(xr, dyr, centered, m, r, aw):  # type: ignore[no-untyped-def]
-    """``aw[j] += rnd(dy_j xhat_j)`` over a row's columns (one array written, indices from 0: the loop
-    vectorizes)."""
+def _pw_row(xr, dyr, centered, m, r, aw, buf):  # type: ignore[no-untyped-def]
+    """``aw[j] += rnd(dy_j xhat_j)`` over a row's columns: the terms into ``buf`` (:func:`terms`: their math
+    type, so that loop is as wide as their arithmetic), then added (loops writing one array, indices from 0:
+    they vectorize)."""
+    t = terms(xr, buf)
+    for j in range(t.shape[0]):
+        t[j] = rt(xr, lm(dyr, j) * _xhat(xr, j, centered, m, r))
     for j in range(aw.shape[0]):
-        aw[j] += np.float64(rt(xr, lm(dyr, j) * _xhat(xr, j, centered, m, r)))
+        aw[j] += np.float64(t[j])
 
 
 @jit()
@@ -408,9 +427,10 @@ def params(x, dy, centered, mean, rstd, pw, pb, lo, hi):  # type: ignore[no-unty
         j1 = min(j0 + PARAMS_COLS, hi * COL_TILE, h)
         aw = np.zeros(j1 - j0)
         ab = np.zeros(j1 - j0)
+        buf = np.empty(j1 - j0)
         for i in range(rows):
             if pw is not None:
-                _pw_row(x[i, j0:j1], dy[i, j0:j1], centered, rw(x, mean[i]), rw(x, rstd[i]), aw)
+                _pw_row(x[i, j0:j1], dy[i, j0:j1], centered, rw(x, mean[i]), rw(x, rstd[i]), aw, buf)
             if pb is not None:
                 _pb_row(dy[i, j0:j1], ab)
         if pw is not None:

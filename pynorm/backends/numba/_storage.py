@@ -149,6 +149,18 @@ def _f32_to_bf16(f):  # type: ignore[no-untyped-def]
 
 
 @jit()
+def _round_bf16(f):  # type: ignore[no-untyped-def]
+    """The float32 ``f`` rounded to bfloat16 (to nearest, ties to even), as a float32: the value of
+    ``_bf16_to_f32(_f32_to_bf16(f))`` in five integer operations (a loop's vectors need half those of the two
+    conversions) -- for an ``f`` whose low 16 bits are 0 if it is a NaN: every NaN of float32 arithmetic on
+    bfloat16 values is (the default NaN, or an operand's, quieted), and then its bits come back as they are,
+    which a store's :func:`_f32_to_bf16` takes as the conversions would have. (Another NaN's low bits would
+    carry into its exponent: not for other callers.)"""
+    u = _f32_bits(f)
+    return _bits_f32((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
+
+
+@jit()
 def _f64_to_f32_odd(v):  # type: ignore[no-untyped-def]
     """float64 -> float32 rounded *to odd*: a second rounding to a <= 22-bit format is then exact-correct."""
     f = np.float32(v)

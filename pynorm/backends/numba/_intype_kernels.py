@@ -142,24 +142,6 @@ def _xhat(xr, j, centered, m, r):  # type: ignore[no-untyped-def]
     return rt(xr, _dev(xr, j, centered, m) * r)
 
 
-@jit()
-def _term(xr, j, centered, m, sq):  # type: ignore[no-untyped-def]
-    """A row sum's term, in the math type: ``x_j`` (the mean's), or ``rnd(d_j^2)`` (the variance's, ``sq``)."""
-    if not sq:
-        return lm(xr, j)
-    d = _dev(xr, j, centered, m)
-    return rt(xr, d * d)
-
-
-@jit()
-def _gterm(xr, dyr, we, j, centered, m, r):  # type: ignore[no-untyped-def]
-    """``(g, rnd(g xhat))`` of element ``j``: ``g = rnd(dy we)`` (``dy`` without a weight)."""
-    g = lm(dyr, j)
-    if we is not None:
-        g = rt(xr, g * we[j])
-    return g, rt(xr, g * _xhat(xr, j, centered, m, r))
-
-
 def precision(a):  # type: ignore[no-untyped-def]
     """Significant bits of storage array ``a``'s dtype (float16 11, bfloat16 8, float32 24, float64 53)."""
     raise RuntimeError(JIT_ONLY)
@@ -185,18 +167,33 @@ def _terms_ol(xr, buf):  # type: ignore[no-untyped-def]
 
 
 @jit()
-def _fill(xr, centered, m, sq, buf):  # type: ignore[no-untyped-def]
-    """``buf[j] = `` :func:`_term` ``(j)`` for the row (no sum: the loop vectorizes; ``buf`` of the math type,
-    :func:`terms`)."""
+def _fill(xr, centered, m, sq, buf, dbuf):  # type: ignore[no-untyped-def]
+    """A row sum's terms into ``buf`` (the math type, :func:`terms`; no sum: the loop vectorizes): ``x_j`` (the
+    mean's), or ``rnd(d_j^2)`` (the variance's, ``sq``), ``d_j`` (:func:`_dev`) then also into ``dbuf`` where it
+    has the row's length (the forward's output loop reads them back)."""
+    keep = dbuf.shape[0] > 0
     for j in range(xr.shape[0]):
-        buf[j] = _term(xr, j, centered, m, sq)
+        if sq:
+            d = _dev(xr, j, centered, m)
+            if keep:
+                dbuf[j] = d
+            buf[j] = rt(xr, d * d)
+        else:
+            buf[j] = lm(xr, j)
 
 
 @jit()
-def _gfill(xr, dyr, we, centered, m, r, bg, bgx):  # type: ignore[no-untyped-def]
-    """``(bg[j], bgx[j]) = `` :func:`_gterm` ``(j)`` for the row (``bg``, ``bgx`` of the math type)."""
+def _gfill(xr, dyr, we, centered, m, r, bg, bgx, bxh):  # type: ignore[no-untyped-def]
+    """``bg[j] = g = rnd(dy_j we_j)`` (``dy`` without a weight), ``bgx[j] = rnd(g xhat_j)``, ``bxh[j] = xhat_j``
+    for the row (arrays of the math type: the final loop of :func:`bwd` reads ``g`` and ``xhat`` back)."""
     for j in range(xr.shape[0]):
-        bg[j], bgx[j] = _gterm(xr, dyr, we, j, centered, m, r)
+        g = lm(dyr, j)
+        if we is not None:
+            g = rt(xr, g * we[j])
+        xh = _xhat(xr, j, centered, m, r)
+        bg[j] = g
+        bgx[j] = rt(xr, g * xh)
+        bxh[j] = xh
 
 
 def _exponent(t):  # type: ignore[no-untyped-def]
@@ -301,25 +298,26 @@ def sum_terms(t, p):  # type: ignore[no-untyped-def]
 
 
 @jit()
-def _rowsum(xr, centered, m, sq, exact, buf):  # type: ignore[no-untyped-def]
-    """A row sum of :func:`_term` in row order: its terms written to the scratch ``buf`` (:func:`terms`), then
-    added in any order (vectorized) where that is exact -- always for ``exact`` (float16 rows of at most
+def _rowsum(xr, centered, m, sq, exact, buf, dbuf):  # type: ignore[no-untyped-def]
+    """A row sum in row order: its terms written to the scratch ``buf`` (:func:`terms`, :func:`_fill`: ``dbuf``),
+    then added in any order (vectorized) where that is exact -- always for ``exact`` (float16 rows of at most
     :data:`EXACT_H`), else where the terms' spread says so (:func:`sum_terms`) --, else in row order."""
     t = terms(xr, buf)
-    _fill(xr, centered, m, sq, t)
+    _fill(xr, centered, m, sq, t, dbuf)
     return _sum_vec(t) if exact else sum_terms(t, precision(xr))
 
 
 @jit()
-def _stats(xr, centered, eps, corr, std, exact, buf):  # type: ignore[no-untyped-def]
-    """``(m, v, r)`` of one row in the math type: mean (0 for RMSNorm), variance or mean square, ``r``."""
+def _stats(xr, centered, eps, corr, std, exact, buf, dbuf):  # type: ignore[no-untyped-def]
+    """``(m, v, r)`` of one row in the math type: mean (0 for RMSNorm), variance or mean square, ``r``; the
+    deviations ``d_j`` kept in ``dbuf`` where it has the row's length (:func:`_fill`)."""
     h = xr.shape[0]
     m = rw(xr, 0.0)
     if centered:
-        m = rw(xr, _rowsum(xr, centered, m, False, exact, buf) / h)
-        v = rw(xr, _rowsum(xr, centered, m, True, exact, buf) / (h - corr))
+        m = rw(xr, _rowsum(xr, centered, m, False, exact, buf, dbuf) / h)
+        v = rw(xr, _rowsum(xr, centered, m, True, exact, buf, dbuf) / (h - corr))
     else:
-        v = rw(xr, _rowsum(xr, centered, m, True, exact, buf) / h)
+        v = rw(xr, _rowsum(xr, centered, m, True, exact, buf, dbuf) / h)
     v64 = np.float64(v)
     if std:
         r = rw(xr, 1.0 / np.float64(rw(xr, np.float64(rw(xr, math.sqrt(v64))) + eps)))
@@ -334,19 +332,30 @@ def fwd(x, we, bt, centered, eps, corr, std, exact, y, mean, rstd, lo, hi):  # t
     row sums may be reassociated)."""
     x, y, mean, rstd = borrow((x, y, mean, rstd))  # (we/bt: optional, indexed only)
     buf = np.empty(x.shape[1])
+    dbuf = np.empty(x.shape[1] if centered else 0)
     for i in range(lo, hi):
         xr = x[i]
         yr = y[i]
-        m, _, r = _stats(xr, centered, eps, corr, std, exact, buf)
-        for j in range(xr.shape[0]):
-            t = _xhat(xr, j, centered, m, r)
-            if we is not None:
-                t = rt(xr, t * we[j])
-            if bt is not None:
-                t = rt(xr, t + bt[j])
-            st(yr, j, t)
+        d = terms(xr, dbuf)  # (LayerNorm's d_j as the variance's pass rounded them; RMSNorm's are x's)
+        m, _, r = _stats(xr, centered, eps, corr, std, exact, buf, d)
+        if centered:
+            for j in range(xr.shape[0]):
+                _affine(xr, yr, j, rt(xr, d[j] * r), we, bt)
+        else:
+            for j in range(xr.shape[0]):
+                _affine(xr, yr, j, rt(xr, lm(xr, j) * r), we, bt)
         mean[i] = m
         rstd[i] = r
+
+
+@jit()
+def _affine(xr, yr, j, t, we, bt):  # type: ignore[no-untyped-def]
+    """``y_j = rnd(rnd(xhat_j we_j) + bt_j)`` stored (``t``: ``xhat_j``; no weight, no bias: skipped)."""
+    if we is not None:
+        t = rt(xr, t * we[j])
+    if bt is not None:
+        t = rt(xr, t + bt[j])
+    st(yr, j, t)
 
 
 @jit()
@@ -358,6 +367,7 @@ def bwd(x, dy, we, centered, eps, corr, std, exact, mean, rstd, dx, lo, hi):  # 
     x, dy, mean, rstd, dx = borrow((x, dy, mean, rstd, dx))  # (we: optional, indexed only)
     bg = np.empty(x.shape[1])
     bgx = np.empty(x.shape[1])
+    bxh = np.empty(x.shape[1])
     for i in range(lo, hi):
         xr = x[i]
         dyr = dy[i]
@@ -367,9 +377,9 @@ def bwd(x, dy, we, centered, eps, corr, std, exact, mean, rstd, dx, lo, hi):  # 
         r = rw(xr, rstd[i])
         v = m
         if std:
-            m, v, r = _stats(xr, centered, eps, corr, std, exact, bg)
-        tg, tgx = terms(xr, bg), terms(xr, bgx)
-        _gfill(xr, dyr, we, centered, m, r, tg, tgx)
+            m, v, r = _stats(xr, centered, eps, corr, std, exact, bg, terms(xr, bxh)[:0])
+        tg, tgx, txh = terms(xr, bg), terms(xr, bgx), terms(xr, bxh)
+        _gfill(xr, dyr, we, centered, m, r, tg, tgx, txh)
         if exact:
             sg, sgx = _sum_vec(tg), _sum_vec(tgx)
         else:
@@ -380,11 +390,9 @@ def bwd(x, dy, we, centered, eps, corr, std, exact, mean, rstd, dx, lo, hi):  # 
             s = rw(xr, math.sqrt(np.float64(v)))
             sr = np.float64(rw(xr, np.float64(s) * np.float64(r)))
             coef = rw(xr, np.float64(coef) / sr) if s > 0 else rw(xr, 0.0)
-        for j in range(h):
-            g = lm(dyr, j)
-            if we is not None:
-                g = rt(xr, g * we[j])
-            tx = rt(xr, _xhat(xr, j, centered, m, r) * coef)
+        for j in range(h):  # (g and xhat as _gfill computed them)
+            g = tg[j]
+            tx = rt(xr, txh[j] * coef)
             if centered:
                 t = rt(xr, r * rt(xr, rt(xr, g - gbar) - tx))
             else:

@@ -11,16 +11,16 @@ storage dtype (:func:`rt`), which is the correctly rounded result in the dtype:
   to float16, which is correct rounding because ``24 >= 2 * 11 + 2`` (Figueroa, "When is double rounding
   innocuous?", SIGNUM 1995) and float32's exponent range holds every such result without underflow. The
   conversions are F16C's ``vcvtps2ph``/``vcvtph2ps``, so the loops vectorize;
-* bfloat16: likewise in float32, the conversions bit operations (:func:`._storage._f32_to_bf16`: round to
-  nearest even), so the loops vectorize. Sums and differences of two bfloat16 values are rounded twice, correctly
-  by the same theorem (``24 >= 2 * 8 + 2``; float32 has bfloat16's exponent range, and a subnormal sum is a
-  multiple of ``2^-133``, exact in float32). A product has at most 16 significant bits, exact in float32 unless
-  float32 must round it below ``2^-149``; then it has no bit at ``2^-134`` or above, so it lies below
-  ``2^-134``, the midpoint between bfloat16's 0 and ``2^-133``, and float32's rounding (monotone, ``2^-134``
-  representable) reaches at most that midpoint, which bfloat16's tie to even takes to 0, as the exact product
-  rounds. Checked on 167 million operand pairs (products across the float32 subnormal range, bfloat16
-  subnormal operands, sums at exponent differences 0-39) against the float64 result rounded to odd in float32
-  then to bfloat16 (``tests/test_casting.py``);
+* bfloat16: likewise in float32, the rounding five integer operations (:func:`._storage._round_bf16`: to nearest
+  even; a NaN of this arithmetic comes back as it is), so the loops vectorize. Sums and differences of two bfloat16
+  values are rounded twice, correctly by the same theorem (``24 >= 2 * 8 + 2``; float32 has bfloat16's exponent
+  range, and a subnormal sum is a multiple of ``2^-133``, exact in float32). A product has at most 16 significant
+  bits, exact in float32 unless float32 must round it below ``2^-149``; then it has no bit at ``2^-134`` or above,
+  so it lies below ``2^-134``, the midpoint between bfloat16's 0 and ``2^-133``, and float32's rounding (monotone,
+  ``2^-134`` representable) reaches at most that midpoint, which bfloat16's tie to even takes to 0, as the exact
+  product rounds. Checked on 167 million operand pairs (products across the float32 subnormal range, bfloat16
+  subnormal operands, sums at exponent differences 0-39) against the float64 result rounded to odd in float32 then
+  to bfloat16 (and the kernels' own rounding on 1.9 million of them in ``tests/test_casting.py``);
 * float32: in float64 (``53 >= 2 * 24 + 2``); float64: itself.
 
 The per-row scalars (``sum / n``, ``rnd(v + eps)``, ``1/sqrt``, the ``std`` coefficients) are computed in float64

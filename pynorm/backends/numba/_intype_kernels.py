@@ -59,7 +59,6 @@ from ._storage import (
     _bf16_to_f32,
     _bits_f32,
     _bits_f64,
-    _f32_bits,
     _f32_to_bf16,
     _f32_to_half,
     _f64_bits,
@@ -196,25 +195,10 @@ def _gfill(xr, dyr, we, centered, m, r, bg, bgx, bxh):  # type: ignore[no-untype
         bxh[j] = xh
 
 
+@jit(inline="always")
 def _exponent(t):  # type: ignore[no-untyped-def]
-    """The biased float64 exponent of the float64 or float32 ``t``: 0 for zero, 2047 for inf and NaN (a float32
-    subnormal's is 874, that of 2^-149, at most its own)."""
-    raise RuntimeError(JIT_ONLY)
-
-
-@overload(_exponent)
-def _exponent_ol(t):  # type: ignore[no-untyped-def]
-    if t == types.float64:
-        return lambda t: np.int64((_f64_bits(t) >> np.uint64(52)) & np.uint64(0x7FF))
-
-    def f32(t):  # type: ignore[no-untyped-def]
-        u = _f32_bits(t) & np.uint32(0x7FFFFFFF)
-        e = np.int32(u >> np.uint32(23))
-        e = np.int32(2047) if e == np.int32(255) else np.int32(e + np.int32(896))
-        e = (np.int32(0) if u == np.uint32(0) else np.int32(874)) if u < np.uint32(0x800000) else e
-        return e
-
-    return f32
+    """The biased float64 exponent of the float64 ``t`` (0: zero, 2047: inf or NaN)."""
+    return np.int64((_f64_bits(t) >> np.uint64(52)) & np.uint64(0x7FF))
 
 
 def _mag_range(t):  # type: ignore[no-untyped-def]
@@ -250,9 +234,9 @@ def _mag_range_ol(t):  # type: ignore[no-untyped-def]
 @jit()
 def _spread(t):  # type: ignore[no-untyped-def]
     """``(emax, emin)``: the largest biased float64 exponent of the terms ``t`` (float64 or float32) and the
-    smallest of the nonzero ones, 4096 where there are none (:func:`_exponent` of :func:`_mag_range`)."""
-    hi, lo = _mag_range(t)
-    return _exponent(hi), (_exponent(lo) if lo == lo else 4096)
+    smallest of the nonzero ones, 4096 where there are none (:func:`_exponent` of :func:`_mag_range`'s two)."""
+    hi, lo = _mag_range(t)  # (float32 terms: their float64 values, exact, subnormals normal there)
+    return _exponent(np.float64(hi)), (_exponent(np.float64(lo)) if lo == lo else 4096)
 
 
 @jit(inline="always")

@@ -20,7 +20,8 @@ storage dtype (:func:`rt`), which is the correctly rounded result in the dtype:
   ``2^-134`` representable) reaches at most that midpoint, which bfloat16's tie to even takes to 0, as the exact
   product rounds. Checked on 167 million operand pairs (products across the float32 subnormal range, bfloat16
   subnormal operands, sums at exponent differences 0-39) against the float64 result rounded to odd in float32 then
-  to bfloat16 (and the kernels' own rounding on 1.9 million of them in ``tests/test_casting.py``);
+  to bfloat16 (and the kernels' own rounding on 1.9 million of them in ``tests/test_casting.py``). An output,
+  already rounded, is stored as its float32 bits' high half (:func:`put`; not rounded a second time);
 * float32: in float64 (``53 >= 2 * 24 + 2``); float64: itself.
 
 The per-row scalars (``sum / n``, ``rnd(v + eps)``, ``1/sqrt``, the ``std`` coefficients) are computed in float64
@@ -59,6 +60,7 @@ from ._storage import (
     _bf16_to_f32,
     _bits_f32,
     _bits_f64,
+    _f32_bits,
     _f32_to_bf16,
     _f32_to_half,
     _f64_bits,
@@ -121,6 +123,30 @@ def _rw_ol(a, v):  # type: ignore[no-untyped-def]
     if a.dtype == types.uint16:
         return lambda a, v: _bf16_to_f32(_f32_to_bf16(_f64_to_f32_odd(v)))
     return lambda a, v: rt(a, v)
+
+
+def put(a, j, v):  # type: ignore[no-untyped-def]
+    """``a[j] = v`` for a ``v`` that :func:`rt` rounded (a value of ``a``'s dtype, any NaN quiet with zero low
+    bits): what :func:`._storage.st` stores, without rounding again -- bfloat16's bits are ``v``'s high half,
+    float16's one exact conversion."""
+    raise RuntimeError(JIT_ONLY)
+
+
+@overload(put, inline="always")
+def _put_ol(a, j, v):  # type: ignore[no-untyped-def]
+    if a.dtype == types.uint16:
+
+        def bf16(a, j, v):  # type: ignore[no-untyped-def]
+            a[j] = np.uint16(_f32_bits(np.float32(v)) >> np.uint32(16))
+
+        return bf16
+    if a.dtype == types.int16:
+
+        def f16(a, j, v):  # type: ignore[no-untyped-def]
+            a[j] = _f32_to_half(np.float32(v))
+
+        return f16
+    return lambda a, j, v: st(a, j, v)
 
 
 @overload(lm, inline="always")
@@ -339,7 +365,7 @@ def _affine(xr, yr, j, t, we, bt):  # type: ignore[no-untyped-def]
         t = rt(xr, t * we[j])
     if bt is not None:
         t = rt(xr, t + bt[j])
-    st(yr, j, t)
+    put(yr, j, t)
 
 
 @jit()
@@ -381,7 +407,7 @@ def bwd(x, dy, we, centered, eps, corr, std, exact, mean, rstd, dx, lo, hi):  # 
                 t = rt(xr, r * rt(xr, rt(xr, g - gbar) - tx))
             else:
                 t = rt(xr, r * rt(xr, g - tx))
-            st(dxr, j, t)
+            put(dxr, j, t)
 
 
 @jit()

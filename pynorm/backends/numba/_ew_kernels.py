@@ -113,7 +113,7 @@ def _power_at_zero(fn, p):  # type: ignore[no-untyped-def]
 @overload(_power_at_zero, jit_options=_PIECE)
 def _power_at_zero_ol(fn, p):  # type: ignore[no-untyped-def]
     if _exponent(fn) == "one":
-        return lambda fn, p: p - p + 1.0
+        return lambda fn, p: p - p + np.float32(1.0)  # (in p's type: float32 for the fast tags of 16-bit storage)
     return lambda fn, p: p - p
 
 
@@ -137,7 +137,7 @@ def _power_deriv_ol(fn, t, p):  # type: ignore[no-untyped-def]
     if _fast(fn):
         return {
             "half": lambda fn, t, p: np.float32(0.5) / math.sqrt(np.float32(t)),
-            "one": lambda fn, t, p: p - p + 1.0,
+            "one": lambda fn, t, p: p - p + np.float32(1.0),
             "two": lambda fn, t, p: t + t,
         }.get(_exponent(fn), lambda fn, t, p: p * vm.pow_d(np.float64(t), p - 1.0))
     return {
@@ -154,6 +154,13 @@ def _saturate(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
 
 @overload(_saturate, jit_options=_PIECE)
 def _saturate_ol(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
+    if _fast(fn) and dx == types.float32:  # 16-bit storage: big is a float32 value, the clip in float32 exact
+
+        def f32(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
+            b = np.float32(big)
+            return b if dx > b else (-b if dx < -b else dx)
+
+        return f32
     if _fast(fn):  # float64 (or float32 with a float32 dtype's big) arithmetic: the clip is the reference's
         return lambda fn, dx, deriv, big: big if dx > big else (-big if dx < -big else dx)
     # an infinite p t^(p-1) (float64 subnormals with small p) is flagged by the returned NaN / inf and redone

@@ -154,14 +154,14 @@ def _saturate(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
 
 @overload(_saturate, jit_options=_PIECE)
 def _saturate_ol(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
-    if _fast(fn) and dx == types.float32:  # 16-bit storage: big is a float32 value, the clip in float32 exact
+    if _fast(fn):  # the clip is the reference's, in dx's type (float32 for 16-bit storage, whose big is a float32)
+        if dx == types.float32:
 
-        def f32(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
-            b = np.float32(big)
-            return b if dx > b else (-b if dx < -b else dx)
+            def f32(fn, dx, deriv, big):  # type: ignore[no-untyped-def]
+                b = np.float32(big)
+                return b if dx > b else (-b if dx < -b else dx)
 
-        return f32
-    if _fast(fn):  # float64 (or float32 with a float32 dtype's big) arithmetic: the clip is the reference's
+            return f32
         return lambda fn, dx, deriv, big: big if dx > big else (-big if dx < -big else dx)
     # an infinite p t^(p-1) (float64 subnormals with small p) is flagged by the returned NaN / inf and redone
     # by _spow_exact

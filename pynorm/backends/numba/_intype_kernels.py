@@ -127,8 +127,8 @@ def _rw_ol(a, v):  # type: ignore[no-untyped-def]
 
 def put(a, j, v):  # type: ignore[no-untyped-def]
     """``a[j] = v`` for a ``v`` that :func:`rt` rounded (a value of ``a``'s dtype, any NaN quiet with zero low
-    bits): what :func:`._storage.st` stores, without rounding again -- bfloat16's bits are ``v``'s high half,
-    float16's one exact conversion."""
+    bits): what :func:`._storage.st` stores -- for bfloat16 without rounding again, ``v``'s high half (the other
+    dtypes' stores are one exact conversion already)."""
     raise RuntimeError(JIT_ONLY)
 
 
@@ -140,12 +140,6 @@ def _put_ol(a, j, v):  # type: ignore[no-untyped-def]
             a[j] = np.uint16(_f32_bits(np.float32(v)) >> np.uint32(16))
 
         return bf16
-    if a.dtype == types.int16:
-
-        def f16(a, j, v):  # type: ignore[no-untyped-def]
-            a[j] = _f32_to_half(np.float32(v))
-
-        return f16
     return lambda a, j, v: st(a, j, v)
 
 
